@@ -1,0 +1,40 @@
+"""``python -m vertumnus SUBCOMMAND``: the command-line front door.
+
+Subcommands: ``prefill`` (one CP worker, one prefill, optional check against a
+reference). Errors in what the user gave print one line on stderr and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from vertumnus import cli_prefill
+from vertumnus.config import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m vertumnus",
+        description="Vertumnus: prefill pool for long-context LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("prefill", help="run one prefill on a CP worker of C ranks",
+                       description=cli_prefill.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli_prefill.add_arguments(p)
+    p.set_defaults(run=cli_prefill.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except ConfigError as exc:
+        print(f"vertumnus {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

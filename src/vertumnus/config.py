@@ -1,0 +1,177 @@
+"""Frozen configuration objects: the model's shape and the engine's settings.
+
+Owns validation and the one place where every default lives. Does not import torch:
+the coordinator, the simulator and the CLI read these without loading the engine.
+
+A model config is read from a Hugging Face style ``config.json`` (the fields of
+``Qwen3Config``) or taken from a built-in preset (``tiny`` for tests and the CPU demo,
+``qwen3-0.6b-4l`` for benchmarks), whose weights are seeded random.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+
+
+class ConfigError(ValueError):
+    """A configuration value or file that Vertumnus cannot use."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Qwen3-family decoder (names follow ``Qwen3Config``)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40_960
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "max_position_embeddings"):
+            value = getattr(self, f)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"model config: {f} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ConfigError(
+                "model config: num_attention_heads "
+                f"({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_key_value_heads})")
+        if self.head_dim % 2 != 0:
+            raise ConfigError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
+        if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
+            raise ConfigError("model config: rms_norm_eps and rope_theta must be positive")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token over all layers, at 2 bytes per element (bf16)."""
+        return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * 2
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], name: str = "custom") -> ModelConfig:
+        """Read the fields of a Hugging Face ``config.json``; reject what we cannot run."""
+        archs = raw.get("architectures") or []
+        model_type = raw.get("model_type")
+        if archs:
+            unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+            if unsupported:
+                raise ConfigError(
+                    f"unsupported architecture {unsupported[0]!r}; supported: "
+                    f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        elif model_type != "qwen3":
+            raise ConfigError(
+                f"unsupported model_type {model_type!r} (no 'architectures' given); "
+                f"supported: qwen3 ({', '.join(SUPPORTED_ARCHITECTURES)})")
+        if raw.get("use_sliding_window"):
+            raise ConfigError("sliding-window attention is not supported")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ConfigError(f"unsupported RoPE type {rope_type!r}; supported: default")
+        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10_000.0))
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads")
+        missing = [k for k in required if k not in raw]
+        if missing:
+            raise ConfigError(f"config.json lacks required fields: {', '.join(missing)}")
+        heads = raw["num_attention_heads"]
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=raw.get("max_position_embeddings", 40_960),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            name=name,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike[str]) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{model_dir}: no config.json (expected a Hugging Face model folder)")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}: not valid JSON: {exc}") from exc
+        return cls.from_hf_dict(raw, name=Path(model_dir).name)
+
+
+# Built-in presets, with seeded random weights. `tiny` is for tests and the CPU demo;
+# `qwen3-0.6b-4l` is Qwen3-0.6B's shape cut to 4 layers, for benchmarks.
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1_000_000.0,
+        max_position_embeddings=65_536, tie_word_embeddings=True, name="tiny"),
+    "qwen3-0.6b-4l": ModelConfig(
+        vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0,
+        max_position_embeddings=40_960, tie_word_embeddings=True, name="qwen3-0.6b-4l"),
+}
+
+
+def resolve_model(spec: str) -> tuple[ModelConfig, str | None]:
+    """``spec`` is a preset name or a model folder; returns (config, folder or None)."""
+    if spec in PRESETS:
+        return PRESETS[spec], None
+    if os.path.isdir(spec):
+        return ModelConfig.from_dir(spec), spec
+    raise ConfigError(
+        f"--model {spec!r}: neither a built-in preset ({', '.join(sorted(PRESETS))}) "
+        "nor a folder with config.json and *.safetensors")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one pool of rank processes and their KV caches."""
+
+    block_size: int = 16                # tokens per KV block; only full blocks are cached
+    kv_blocks_per_rank: int = 1024      # KV cache capacity of one rank, in blocks
+    device: str = "auto"                # "auto" (cuda if present), "cpu" or "cuda"
+    dtype: str = "auto"                 # "auto" (bf16 on cuda, fp32 on cpu), "float32", ...
+    threads_per_rank: int | None = None  # intra-op threads per CPU rank; None: cores / ranks
+    seed: int = 0                       # seed of the random weights of built-in presets
+    rank_timeout_s: float = 120.0       # start-up and per-step deadline for rank replies
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_blocks_per_rank < 0:
+            raise ConfigError(f"kv_blocks_per_rank must be >= 0, got {self.kv_blocks_per_rank}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.threads_per_rank is not None and self.threads_per_rank <= 0:
+            raise ConfigError(f"threads_per_rank must be positive, got {self.threads_per_rank}")
+        if not (self.rank_timeout_s > 0 and math.isfinite(self.rank_timeout_s)):
+            raise ConfigError(f"rank_timeout_s must be positive, got {self.rank_timeout_s}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+

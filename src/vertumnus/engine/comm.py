@@ -1,0 +1,88 @@
+"""Communication of one CP worker's ranks, kept apart from the attention algorithm.
+
+Owns the one collective the zigzag prefill needs (all-gather along a new leading
+dimension) over three transports: ``torch.distributed`` process groups (NCCL on
+CUDA, gloo on CPU), a single rank (no communication), and threads in one process
+(tests and debugging). Every call is counted by tag, so tests can assert how many
+collectives a prefill issued per layer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+# torch >= 2.13 names it all_gather_single; older releases all_gather_into_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Communicator(Protocol):
+    rank: int        # rank within the worker, 0 .. size-1
+    size: int        # the worker's CP degree
+    calls: Counter[str]
+
+    def all_gather(self, t: Tensor, tag: str) -> Tensor:
+        """Every rank's ``t`` (same shape on all ranks) stacked: [size, *t.shape]."""
+        ...
+
+
+class SoloComm:
+    """A worker of one rank: all-gather is the identity (still counted)."""
+
+    def __init__(self) -> None:
+        self.rank, self.size = 0, 1
+        self.calls: Counter[str] = Counter()
+
+    def all_gather(self, t: Tensor, tag: str) -> Tensor:
+        self.calls[tag] += 1
+        return t.unsqueeze(0)
+
+
+class DistComm:
+    """A worker's process group in ``torch.distributed``."""
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int) -> None:
+        self.group, self.rank, self.size = group, rank, size
+        self.calls: Counter[str] = Counter()
+
+    def all_gather(self, t: Tensor, tag: str) -> Tensor:
+        self.calls[tag] += 1
+        t = t.contiguous()
+        # Concatenated along dim 0 (the layout gloo and NCCL both accept), then split.
+        out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype,
+                          device=t.device)
+        _all_gather_single(out, t, group=self.group)
+        return out.view(self.size, *t.shape)
+
+
+class ThreadGroup:
+    """Shared state of C ranks running as threads of one process."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._barrier = threading.Barrier(size)
+        self._slots: list[Tensor | None] = [None] * size
+
+    def comm(self, rank: int) -> ThreadComm:
+        return ThreadComm(self, rank)
+
+
+class ThreadComm:
+    def __init__(self, group: ThreadGroup, rank: int) -> None:
+        self.group, self.rank, self.size = group, rank, group.size
+        self.calls: Counter[str] = Counter()
+
+    def all_gather(self, t: Tensor, tag: str) -> Tensor:
+        self.calls[tag] += 1
+        g = self.group
+        g._slots[self.rank] = t.clone()
+        g._barrier.wait()                       # everyone has published
+        out = torch.stack([s for s in g._slots if s is not None])
+        g._barrier.wait()                       # everyone has read before the next call
+        return out

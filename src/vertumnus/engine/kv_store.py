@@ -1,0 +1,56 @@
+"""Paged KV blocks on one rank.
+
+Owns the KV tensors of one rank: ``num_blocks`` slots, each holding K and V of
+``block_size`` tokens for every layer. It does not decide which slot holds which
+block: the worker's cache index (``policy/cache_index.py``) allocates slots and the
+prefill command names them; this store only reads and writes.
+
+Layout: ``k``, ``v``: [num_blocks, num_layers, block_size, Hkv, D].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from vertumnus.config import ModelConfig
+
+
+class PagedKVStore:
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_blocks, cfg.num_hidden_layers, block_size, cfg.num_key_value_heads,
+                 cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def _check(self, slots: Sequence[int]) -> None:
+        bad = [s for s in slots if not 0 <= s < self.num_blocks]
+        if bad:
+            raise IndexError(f"KV slots {bad} out of range [0, {self.num_blocks})")
+
+    def read(self, slots: Sequence[int], layer: int) -> tuple[Tensor, Tensor]:
+        """K, V of ``slots`` (in that order) at ``layer``: [len(slots) * block_size, Hkv, D]."""
+        self._check(slots)
+        idx = torch.as_tensor(list(slots), dtype=torch.long, device=self.k.device)
+        k = self.k[idx, layer]
+        v = self.v[idx, layer]
+        return k.flatten(0, 1), v.flatten(0, 1)
+
+    def write(self, slots: Sequence[int], layer: int, k: Tensor, v: Tensor) -> None:
+        """Store ``k``, ``v`` [len(slots) * block_size, Hkv, D] into ``slots`` at ``layer``."""
+        self._check(slots)
+        if not slots:
+            return
+        idx = torch.as_tensor(list(slots), dtype=torch.long, device=self.k.device)
+        n = len(slots)
+        self.k[idx, layer] = k.reshape(n, self.block_size, *k.shape[1:]).to(self.k.dtype)
+        self.v[idx, layer] = v.reshape(n, self.block_size, *v.shape[1:]).to(self.v.dtype)

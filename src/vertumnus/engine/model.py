@@ -1,0 +1,171 @@
+"""Qwen3 decoder in plain PyTorch, unaware of parallelism.
+
+Owns the layers and their arithmetic (RMSNorm, RoPE, grouped-query attention with
+per-head q/k RMSNorm, SwiGLU MLP, optional tied embeddings). It does not own
+attention itself: every layer hands its post-RoPE queries, keys and values to an
+``AttentionFn`` supplied by the caller, which is where context parallelism, prefix
+caches and KV capture live (``engine/zigzag.py``). Parameter names match the
+Hugging Face ``Qwen3ForCausalLM`` state dict, so checkpoints load by name.
+
+Shapes carry no batch dimension: one prefill is one sequence of T tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from vertumnus.config import ModelConfig
+
+
+class AttentionFn(Protocol):
+    """Attention of one layer for this rank's tokens.
+
+    ``q``: [T, Hq, D]; ``k``, ``v``: [T, Hkv, D], all after q/k-norm and RoPE, for the
+    T tokens this rank computes. Returns [T, Hq, D] in the same token order.
+    """
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32, scale in the input dtype (as Qwen3RMSNorm does).
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin of shape [T, 1, D] for absolute ``positions`` [T] (default RoPE)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
+                                             device=positions.device).float() / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]          # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]              # [T, 1, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim, self.num_heads, self.num_kv_heads = d, hq, hkv
+        self.q_proj = nn.Linear(cfg.hidden_size, hq * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor,
+                attention: AttentionFn) -> Tensor:
+        t = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))     # [T, Hq, D]
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        out = attention(layer, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor,
+                attention: AttentionFn) -> Tensor:
+        x = x + self.self_attn(layer, self.input_layernorm(x), cos, sin, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """``forward`` returns final-normed hidden states; ``logits`` projects chosen rows."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Qwen3Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionFn) -> Tensor:
+        """``input_ids``, ``positions``: [T] int64 -> hidden [T, hidden] after the final norm."""
+        cfg = self.config
+        x = self.model.embed_tokens(input_ids)                              # [T, H]
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(i, x, cos, sin, attention)
+        return self.model.norm(x)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """[N, hidden] -> [N, vocab] in fp32."""
+        return self.lm_head(hidden).float()
+
+
+def causal_attention(prefix_kv: list[tuple[Tensor, Tensor]] | None = None) -> AttentionFn:
+    """Plain single-process attention: the trusted reference for the CP engine.
+
+    The T tokens given to the model are contiguous and follow the cached prefix, whose
+    per-layer (k, v) of shape [P, Hkv, D] are ``prefix_kv[layer]``.
+    """
+
+    def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if prefix_kv is not None:
+            pk, pv = prefix_kv[layer]
+            k, v = torch.cat((pk, k)), torch.cat((pv, v))
+        t, n = q.shape[0], k.shape[0]
+        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D]
+        if n == t:
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+        else:  # query i sees keys 0 .. n - t + i (bottom-right aligned causal mask)
+            mask = torch.ones(t, n, dtype=torch.bool, device=q.device).tril(n - t)
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+        return out.transpose(0, 1)
+
+    return attend

@@ -1,0 +1,135 @@
+"""Main loop of one rank process.
+
+Owns everything a rank holds: its device, the model weights, its paged KV store and
+the ``torch.distributed`` process groups of every worker it can belong to (created
+once at start-up, so a lattice split or merge only switches which group is used).
+It executes commands in arrival order and answers each on the result queue. It does
+not decide anything: placement, cache slots and worker membership come in commands.
+
+Life: connect to the coordinator's TCP store -> init the default group (NCCL on
+CUDA, gloo on CPU) -> create worker groups -> build the model and KV store -> send
+``RankReady`` -> loop until ``Shutdown`` -> destroy the groups.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vertumnus.config import EngineConfig, ModelConfig
+from vertumnus.engine.comm import Communicator, DistComm, SoloComm
+from vertumnus.engine.kv_store import PagedKVStore
+from vertumnus.engine.weights import build_model, resolve_dtype
+from vertumnus.engine.zigzag import prefill_rank
+from vertumnus.runtime.messages import (
+    PrefillCommand,
+    PrefillDone,
+    RankFailed,
+    RankReady,
+    Shutdown,
+)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank needs to start; the same for every rank of a pool."""
+
+    model: ModelConfig
+    model_dir: str | None            # None: seeded random weights of a preset
+    engine: EngineConfig
+    world_size: int
+    worker_groups: tuple[tuple[int, ...], ...]  # every multi-rank worker the lattice can form
+    store_host: str
+    store_port: int
+
+
+def resolve_device(engine: EngineConfig, rank: int) -> torch.device:
+    if engine.device == "cpu" or (engine.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("device = 'cuda' was asked for, but CUDA is not available")
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def rank_main(rank: int, spec: RankSpec, commands: Any, results: Any) -> None:
+    """Entry point of a spawned rank process (``commands``/``results``: mp queues)."""
+    try:
+        device = resolve_device(spec.engine, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:
+            threads = spec.engine.threads_per_rank or max(
+                1, (os.cpu_count() or 1) // spec.world_size)
+            torch.set_num_threads(threads)
+        timeout = timedelta(seconds=spec.engine.rank_timeout_s)
+        store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
+                              timeout=timeout)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=store, rank=rank, world_size=spec.world_size,
+                                timeout=timeout)
+        # Every rank creates every group, in the same order (a collective requirement).
+        groups: dict[tuple[int, ...], Any] = {}
+        for ranks in spec.worker_groups:
+            group = dist.new_group(list(ranks), timeout=timeout)
+            if rank in ranks:
+                groups[ranks] = group
+        dtype = resolve_dtype(spec.engine.dtype, device)
+        model = build_model(spec.model, spec.model_dir, spec.engine.seed, dtype, device)
+        kv = PagedKVStore(spec.model, spec.engine.kv_blocks_per_rank, spec.engine.block_size,
+                          dtype, device)
+    except Exception as exc:
+        results.put(RankFailed(rank, None, f"{type(exc).__name__}: {exc}",
+                               traceback.format_exc()))
+        return
+    results.put(RankReady(rank=rank, device=str(device), kv_bytes=kv.nbytes))
+    try:
+        _serve(rank, model, kv, groups, commands, results)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _serve(rank: int, model: Any, kv: PagedKVStore, groups: dict[tuple[int, ...], Any],
+           commands: Any, results: Any) -> None:
+    while True:
+        msg = commands.get()
+        match msg:
+            case Shutdown():
+                return
+            case PrefillCommand():
+                results.put(_run(rank, model, kv, groups, msg))
+            case _:
+                results.put(RankFailed(rank, None, f"unknown command {type(msg).__name__}", ""))
+
+
+def _run(rank: int, model: Any, kv: PagedKVStore, groups: dict[tuple[int, ...], Any],
+         cmd: PrefillCommand) -> PrefillDone | RankFailed:
+    try:
+        cp_rank = cmd.worker_ranks.index(rank)
+        size = len(cmd.worker_ranks)
+        comm: Communicator
+        if size == 1:
+            comm = SoloComm()
+        elif cmd.worker_ranks in groups:
+            comm = DistComm(groups[cmd.worker_ranks], cp_rank, size)
+        else:
+            raise ValueError(f"no process group for worker ranks {cmd.worker_ranks}")
+        start = time.perf_counter()
+        step = cmd.for_rank(cp_rank)
+        step = replace(step, token_ids=step.token_ids.to(model.device))
+        logits = prefill_rank(model, comm, kv, step, logits=cmd.logits)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        return PrefillDone(cmd.request_id, rank, elapsed,
+                           None if logits is None else logits.cpu(), dict(comm.calls))
+    except Exception as exc:
+        return RankFailed(rank, cmd.request_id, f"{type(exc).__name__}: {exc}",
+                          traceback.format_exc())

@@ -1,0 +1,179 @@
+"""Zigzag context-parallel prefill: partition, attention, restore.
+
+Owns how one prefill's uncached suffix is split over a worker's C ranks and how each
+rank attends over the cached prefix and the causally visible suffix. It does not own
+communication (``comm.py``), the model (``model.py``) or slot allocation
+(``policy/cache_index.py``).
+
+Partition (DESIGN.md §3). The suffix of R tokens is padded to Rp = 2C * s tokens,
+s = ceil(R / 2C), and cut into 2C chunks of s tokens; rank k owns chunks k and
+2C-1-k, which balances causal attention work::
+
+    C = 2, chunks:   | 0 | 1 | 2 | 3 |      rank 0: chunks 0, 3
+                                            rank 1: chunks 1, 2
+
+Padding sits at the end of the suffix, after every real token, so causal masking
+alone keeps it out of every real query's view; outputs of padded queries are dropped.
+
+Per layer, each rank packs [its share of the cached prefix blocks, padded to the
+largest share | its suffix K/V] and issues exactly one all-gather; after it, every
+rank holds the whole prefix and suffix K/V in sequence order and keeps the K/V of
+the new full blocks assigned to it for the cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from vertumnus.engine.comm import Communicator
+from vertumnus.engine.kv_store import PagedKVStore
+from vertumnus.engine.model import Qwen3ForCausalLM
+
+
+@dataclass(frozen=True)
+class ZigzagPartition:
+    num_tokens: int   # R: real tokens in the uncached suffix
+    cp_degree: int    # C
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1:
+            raise ValueError(f"a prefill computes at least one token, got {self.num_tokens}")
+        if self.cp_degree < 1:
+            raise ValueError(f"cp_degree must be positive, got {self.cp_degree}")
+
+    @property
+    def chunk_len(self) -> int:
+        return math.ceil(self.num_tokens / (2 * self.cp_degree))
+
+    @property
+    def padded_len(self) -> int:
+        return self.chunk_len * 2 * self.cp_degree
+
+    def ranges(self, rank: int) -> list[tuple[int, int]]:
+        """Suffix index ranges [start, end) owned by ``rank``, in the rank's local order."""
+        if not 0 <= rank < self.cp_degree:
+            raise ValueError(f"rank {rank} outside a degree-{self.cp_degree} worker")
+        s = self.chunk_len
+        first, second = rank, 2 * self.cp_degree - 1 - rank
+        if second == first + 1:  # C = 1: one contiguous range
+            return [(first * s, (second + 1) * s)]
+        return [(first * s, (first + 1) * s), (second * s, (second + 1) * s)]
+
+    def indices(self, rank: int) -> list[int]:
+        """Suffix indices of the tokens ``rank`` computes (indices >= R are padding)."""
+        return [i for a, b in self.ranges(rank) for i in range(a, b)]
+
+    def restore_index(self) -> list[int]:
+        """``flat[restore_index()[i]]`` is suffix token i, where ``flat`` concatenates
+        every rank's tokens in rank order (what an all-gather produces); all Rp slots."""
+        out = [0] * self.padded_len
+        pos = 0
+        for rank in range(self.cp_degree):
+            for i in self.indices(rank):
+                out[i] = pos
+                pos += 1
+        return out
+
+
+@dataclass(frozen=True)
+class RankPrefill:
+    """What one rank needs for one prefill (derived from a ``PrefillCommand``)."""
+
+    token_ids: Tensor                # [R] the uncached suffix, int64
+    prefix_len: int                  # P, a multiple of block_size
+    prefix_slots: tuple[int, ...]    # this rank's prefix blocks (depth j with j % C == rank)
+    write: tuple[tuple[int, int], ...]  # (depth, slot) of new full blocks this rank stores
+    block_size: int
+
+
+class ZigzagAttention:
+    """``AttentionFn`` of one rank of a degree-C worker for one prefill."""
+
+    def __init__(self, part: ZigzagPartition, comm: Communicator, store: PagedKVStore | None,
+                 step: RankPrefill) -> None:
+        self.part, self.comm, self.store, self.step = part, comm, store, step
+        c, bs = part.cp_degree, step.block_size
+        self.num_prefix_blocks = step.prefix_len // bs
+        self.max_local_blocks = math.ceil(self.num_prefix_blocks / c)
+        if len(step.prefix_slots) != len(range(comm.rank, self.num_prefix_blocks, c)):
+            raise ValueError("prefix slots do not match this rank's share of the prefix")
+        if (step.prefix_slots or step.write) and store is None:
+            raise ValueError("a prefill with a cached prefix or blocks to store needs a store")
+        dev = step.token_ids.device
+        self.restore = torch.tensor(part.restore_index(), dtype=torch.long, device=dev)
+        p = step.prefix_len
+        self.masks: list[tuple[int, int, int, Tensor | None]] = []
+        local = 0
+        for a, b in part.ranges(comm.rank):
+            if p == 0 and a == 0:
+                mask = None  # keys [0, b) for queries [0, b): plain causal
+            else:  # query at suffix index a+i sees keys 0 .. P+a+i (prefix, then suffix)
+                q_pos = p + torch.arange(a, b, device=dev)
+                mask = torch.arange(p + b, device=dev)[None, :] <= q_pos[:, None]
+            self.masks.append((local, local + (b - a), p + b, mask))
+            local += b - a
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        step, bs, c = self.step, self.step.block_size, self.part.cp_degree
+        kv_local = torch.stack((k, v))                                  # [2, 2s, Hkv, D]
+        width = self.max_local_blocks * bs
+        if width:
+            pk, pv = self.store.read(step.prefix_slots, layer)          # type: ignore[union-attr]
+            prefix = torch.zeros((2, width, *k.shape[1:]), dtype=k.dtype, device=k.device)
+            prefix[0, :pk.shape[0]] = pk
+            prefix[1, :pv.shape[0]] = pv
+            kv_local = torch.cat((prefix, kv_local), dim=1)
+        g = self.comm.all_gather(kv_local, tag="kv")                    # [C, 2, W + 2s, Hkv, D]
+        heads = g.shape[3:]
+        # Prefix blocks: rank r's local block i is depth i*C + r.
+        pre = g[:, :, :width].reshape(c, 2, self.max_local_blocks, bs, *heads)
+        pre = pre.permute(1, 2, 0, 3, 4, 5).reshape(2, -1, *heads)[:, :step.prefix_len]
+        # Suffix: rank-major -> sequence order.
+        suf = g[:, :, width:].permute(1, 0, 2, 3, 4).reshape(2, -1, *heads)[:, self.restore]
+        if step.write and self.store is not None:
+            self._store_new_blocks(layer, suf)
+        keys = torch.cat((pre, suf), dim=1) if step.prefix_len else suf  # [2, P + Rp, Hkv, D]
+        kh, vh = keys[0].transpose(0, 1), keys[1].transpose(0, 1)       # [Hkv, P + Rp, D]
+        qh = q.transpose(0, 1)                                          # [Hq, 2s, D]
+        outs = []
+        for lo, hi, num_keys, mask in self.masks:
+            outs.append(F.scaled_dot_product_attention(
+                qh[:, lo:hi], kh[:, :num_keys], vh[:, :num_keys], attn_mask=mask,
+                is_causal=mask is None, enable_gqa=True))
+        return torch.cat(outs, dim=1).transpose(0, 1)                   # [2s, Hq, D]
+
+    def _store_new_blocks(self, layer: int, suf: Tensor) -> None:
+        bs, p = self.step.block_size, self.step.prefix_len
+        offsets = torch.tensor([d * bs - p for d, _ in self.step.write], device=suf.device)
+        rows = (offsets[:, None] + torch.arange(bs, device=suf.device)[None, :]).flatten()
+        slots = [slot for _, slot in self.step.write]
+        self.store.write(slots, layer, suf[0, rows], suf[1, rows])  # type: ignore[union-attr]
+
+
+@torch.inference_mode()
+def prefill_rank(model: Qwen3ForCausalLM, comm: Communicator, store: PagedKVStore | None,
+                 step: RankPrefill, logits: str = "last") -> Tensor | None:
+    """Run one rank's part of a zigzag prefill.
+
+    Returns, on rank 0 of the worker, fp32 logits in sequence order ([1, V] for
+    ``logits="last"``, [R, V] for ``"all"``); ``None`` on the other ranks. Issues
+    one all-gather per layer (tag ``kv``) and one of the final hidden states (``out``).
+    """
+    part = ZigzagPartition(int(step.token_ids.numel()), comm.size)
+    idx = torch.tensor(part.indices(comm.rank), dtype=torch.long, device=step.token_ids.device)
+    real = idx < part.num_tokens
+    ids = torch.where(real, step.token_ids[idx.clamp(max=part.num_tokens - 1)], 0)
+    positions = step.prefix_len + idx
+    attention = ZigzagAttention(part, comm, store, step)
+    hidden = model(ids, positions, attention)                          # [2s, H]
+    gathered = comm.all_gather(hidden, tag="out")                      # [C, 2s, H]
+    if comm.rank != 0:
+        return None
+    seq = gathered.reshape(-1, hidden.shape[-1])[attention.restore[:part.num_tokens]]
+    rows = seq[-1:] if logits == "last" else seq
+    return model.logits(rows)

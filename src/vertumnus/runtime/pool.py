@@ -1,0 +1,129 @@
+"""The coordinator's handle on its rank processes.
+
+Owns process lifetime: spawning the ranks (``spawn`` context), the TCP store they
+rendezvous on (bound by the coordinator to a free port chosen by the OS, so there is
+no port race), waiting for every readiness acknowledgement, the command and result
+queues, and an orderly shutdown that leaves no orphan. It does not plan prefills
+(``runtime/worker.py``) or run them (``engine/rank.py``).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from vertumnus.config import EngineConfig, ModelConfig
+from vertumnus.engine.rank import RankSpec, rank_main
+from vertumnus.runtime.messages import RankFailed, RankReady, Shutdown
+
+
+class RankPoolError(RuntimeError):
+    """A rank failed to start, died, or did not answer in time."""
+
+
+def worker_groups(world_size: int, degrees: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """Every aligned block of ranks a worker of a degree in ``degrees`` can occupy."""
+    groups = []
+    for c in sorted(set(degrees)):
+        if c < 1 or world_size % c:
+            raise ValueError(f"degree {c} does not divide the pool of {world_size} ranks")
+        if c > 1:
+            groups.extend(tuple(range(k * c, (k + 1) * c)) for k in range(world_size // c))
+    return tuple(groups)
+
+
+class RankPool:
+    def __init__(self, model: ModelConfig, model_dir: str | None, engine: EngineConfig,
+                 world_size: int, degrees: Sequence[int]) -> None:
+        self.model, self.model_dir, self.engine = model, model_dir, engine
+        self.world_size = world_size
+        self.groups = worker_groups(world_size, degrees)
+        self.ready: dict[int, RankReady] = {}
+        self._procs: list[Any] = []
+        self._commands: list[Any] = []
+        self._results: Any = None
+        self._store: dist.TCPStore | None = None
+
+    def __enter__(self) -> RankPool:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        timeout = timedelta(seconds=self.engine.rank_timeout_s)
+        self._store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=timeout,
+                                    wait_for_workers=False)
+        spec = RankSpec(model=self.model, model_dir=self.model_dir, engine=self.engine,
+                        world_size=self.world_size, worker_groups=self.groups,
+                        store_host="127.0.0.1", store_port=self._store.port)
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        for rank in range(self.world_size):
+            commands = ctx.Queue()
+            proc = ctx.Process(target=rank_main, args=(rank, spec, commands, self._results),
+                               name=f"vertumnus-rank{rank}", daemon=True)
+            proc.start()
+            self._commands.append(commands)
+            self._procs.append(proc)
+        try:
+            while len(self.ready) < self.world_size:
+                msg = self.recv(self.engine.rank_timeout_s)
+                if isinstance(msg, RankFailed):
+                    raise RankPoolError(f"rank {msg.rank} failed to start: {msg.error}\n"
+                                        f"{msg.traceback}")
+                if isinstance(msg, RankReady):
+                    self.ready[msg.rank] = msg
+        except BaseException:
+            self.close()
+            raise
+
+    def send(self, rank: int, msg: object) -> None:
+        self._commands[rank].put(msg)
+
+    def recv(self, timeout_s: float) -> object:
+        """Next message from any rank; raises RankPoolError if a rank died or time ran out."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self._results.get(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
+            except queue.Empty:
+                dead = [p.name for p in self._procs if not p.is_alive()]
+                if dead:
+                    raise RankPoolError(f"rank process(es) exited unexpectedly: "
+                                        f"{', '.join(dead)}") from None
+                if time.monotonic() >= deadline:
+                    raise RankPoolError(f"no answer from the ranks within {timeout_s:.0f} s"
+                                        ) from None
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Ask every rank to exit, wait, then terminate stragglers; idempotent."""
+        for proc, commands in zip(self._procs, self._commands, strict=True):
+            if proc.is_alive():
+                try:
+                    commands.put(Shutdown())
+                except (OSError, ValueError):
+                    pass
+        deadline = time.monotonic() + timeout_s
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2.0)
+        for q in (*self._commands, self._results):
+            if q is not None:
+                q.close()
+                q.cancel_join_thread()  # the ranks are gone: nothing left to flush to
+        self._procs, self._commands, self._results = [], [], None
+        self._store = None

@@ -1,0 +1,108 @@
+"""One CP worker seen from the coordinator: plan a prefill, run it, keep the cache index.
+
+Owns the translation from a request (token ids) to a ``PrefillCommand``: block ids,
+the reusable prefix (whole blocks, at least one token always computed), which rank
+holds which prefix block and which slots the new full blocks go to. Keeps the
+worker's ``WorkerCacheIndex`` true: commit on success, abort on failure. Blocking
+(one prefill at a time); the asyncio coordinator drives the same planning code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from vertumnus.blocks import block_ids
+from vertumnus.policy.cache_index import CacheReport, PrefillLease, WorkerCacheIndex
+from vertumnus.runtime.messages import PrefillCommand, PrefillDone, RankFailed
+from vertumnus.runtime.pool import RankPool, RankPoolError
+
+
+def plan_prefill(index: WorkerCacheIndex, tokens: Sequence[int], block_size: int,
+                 request_id: int, worker_ranks: tuple[int, ...],
+                 logits: str = "last") -> tuple[PrefillLease, PrefillCommand]:
+    """Pin the reusable prefix, allocate the new blocks, and build the command."""
+    if not tokens:
+        raise ValueError("a prefill needs at least one token")
+    if logits not in ("last", "all"):
+        raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
+    c = len(worker_ranks)
+    if c != index.cp_degree:
+        raise ValueError(f"worker of {c} ranks but cache index of degree {index.cp_degree}")
+    ids = block_ids(tokens, block_size)
+    # Reuse only whole blocks, and leave at least the last token to compute its logits.
+    lease = index.begin(ids, max_reuse_blocks=(len(tokens) - 1) // block_size)
+    prefix_len = lease.num_reused_blocks * block_size
+    cmd = PrefillCommand(
+        request_id=request_id,
+        worker_ranks=worker_ranks,
+        token_ids=torch.tensor(tokens[prefix_len:], dtype=torch.long),
+        prefix_len=prefix_len,
+        prefix_slots=tuple(tuple(loc.slot for loc in lease.reused if loc.rank == r)
+                           for r in range(c)),
+        write=tuple(tuple((loc.depth, loc.slot) for loc in lease.new if loc.rank == r)
+                    for r in range(c)),
+        block_size=block_size,
+        logits=logits,
+    )
+    return lease, cmd
+
+
+@dataclass(frozen=True)
+class PrefillOutcome:
+    request_id: int
+    cached_tokens: int       # tokens reused from the worker's cache
+    computed_tokens: int     # tokens computed by this prefill
+    logits: Tensor           # fp32 [1, V] (last position) or [computed_tokens, V]
+    prefill_s: float         # wall time from dispatch to the last rank's answer
+    rank_compute_s: tuple[float, ...]
+    collectives: dict[str, int]  # per rank (all equal): collectives issued, by tag
+    report: CacheReport
+
+    @property
+    def first_token(self) -> int:
+        return int(self.logits[-1].argmax())
+
+
+class PrefillWorker:
+    """A worker of ``len(ranks)`` ranks of ``pool`` with its own cache index."""
+
+    def __init__(self, pool: RankPool, ranks: tuple[int, ...], worker_id: int = 0) -> None:
+        self.pool, self.ranks = pool, ranks
+        self.block_size = pool.engine.block_size
+        self.index = WorkerCacheIndex(len(ranks), pool.engine.kv_blocks_per_rank, worker_id)
+        self._next_id = 0
+
+    def prefill(self, tokens: Sequence[int], logits: str = "last") -> PrefillOutcome:
+        request_id = self._next_id
+        self._next_id += 1
+        lease, cmd = plan_prefill(self.index, tokens, self.block_size, request_id,
+                                  self.ranks, logits)
+        start = time.perf_counter()
+        for r in self.ranks:
+            self.pool.send(r, cmd)
+        done: dict[int, PrefillDone] = {}
+        try:
+            while len(done) < len(self.ranks):
+                msg = self.pool.recv(self.pool.engine.rank_timeout_s)
+                if isinstance(msg, RankFailed):
+                    raise RankPoolError(f"prefill {request_id} failed on rank {msg.rank}: "
+                                        f"{msg.error}\n{msg.traceback}")
+                if isinstance(msg, PrefillDone) and msg.request_id == request_id:
+                    done[msg.rank] = msg
+        except BaseException:
+            self.index.abort(lease)
+            raise
+        elapsed = time.perf_counter() - start
+        report = self.index.commit(lease)
+        lead = done[self.ranks[0]]
+        assert lead.logits is not None, "CP rank 0 returns the logits"
+        return PrefillOutcome(
+            request_id=request_id, cached_tokens=cmd.prefix_len,
+            computed_tokens=int(cmd.token_ids.numel()), logits=lead.logits, prefill_s=elapsed,
+            rank_compute_s=tuple(done[r].compute_s for r in self.ranks),
+            collectives=lead.collectives, report=report)
