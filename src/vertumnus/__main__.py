@@ -1,7 +1,8 @@
 """``python -m vertumnus SUBCOMMAND``: the command-line front door.
 
 Subcommands: ``prefill`` (one CP worker, one prefill, optional check against a
-reference). Errors in what the user gave print one line on stderr and exit 2.
+reference). Errors in what the user gave print one line on stderr and exit 2; a
+failure of the rank processes (``RankPoolError``) prints one line and exits 1.
 """
 
 from __future__ import annotations
@@ -17,11 +18,15 @@ from vertumnus.config import ConfigError
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m vertumnus",
-        description="Vertumnus: prefill pool for long-context LLM serving.")
+        description="Vertumnus: prefill pool for long-context LLM serving.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser("prefill", help="run one prefill on a CP worker of C ranks",
-                       description=cli_prefill.__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "prefill",
+        help="run one prefill on a CP worker of C ranks",
+        description=cli_prefill.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     cli_prefill.add_arguments(p)
     p.set_defaults(run=cli_prefill.run)
     return parser
@@ -34,6 +39,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"vertumnus {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        # Imported here: the pool (and torch) loads only once a subcommand needs ranks.
+        from vertumnus.runtime.pool import RankPoolError
+
+        if not isinstance(exc, RankPoolError):
+            raise
+        # The first line names the rank and its error; the rest is the rank's traceback.
+        headline = str(exc).partition("\n")[0]
+        print(f"vertumnus {args.command}: error: {headline}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

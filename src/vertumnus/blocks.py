@@ -23,13 +23,12 @@ def block_id(parent_id: int, tokens: Sequence[int]) -> int:
     return value if value != ROOT_BLOCK_ID else 1
 
 
-def block_ids(tokens: Sequence[int], block_size: int,
-              parent_id: int = ROOT_BLOCK_ID) -> list[int]:
+def block_ids(tokens: Sequence[int], block_size: int, parent_id: int = ROOT_BLOCK_ID) -> list[int]:
     """Ids of every full block of ``tokens`` (a trailing partial block gets none)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     ids: list[int] = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent_id = block_id(parent_id, tokens[start:start + block_size])
+        parent_id = block_id(parent_id, tokens[start : start + block_size])
         ids.append(parent_id)
     return ids

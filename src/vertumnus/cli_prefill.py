@@ -21,32 +21,65 @@ _DEFAULTS = EngineConfig()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny",
-                   help="built-in preset (tiny, qwen3-0.6b-4l) or a Hugging Face folder "
-                        "with config.json and *.safetensors (default: tiny)")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="built-in preset (tiny, qwen3-0.6b-4l) or a Hugging Face folder "
+        "with config.json and *.safetensors (default: tiny)",
+    )
     p.add_argument("--cp", type=int, default=1, metavar="C", help="CP degree (default: 1)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--tokens-file", type=Path, metavar="F.json",
-                     help="a JSON list of token ids")
-    src.add_argument("--prompt-len", type=int, metavar="N",
-                     help="N random token ids drawn from --seed")
-    p.add_argument("--prefix-len", type=int, default=0, metavar="P",
-                   help="prefill the first P tokens first, then the whole sequence")
-    p.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, metavar="B",
-                   help=f"tokens per KV block (default: {_DEFAULTS.block_size})")
-    p.add_argument("--kv-blocks-per-rank", type=int, default=_DEFAULTS.kv_blocks_per_rank,
-                   help=f"KV cache capacity per rank (default: {_DEFAULTS.kv_blocks_per_rank})")
-    p.add_argument("--seed", type=int, default=_DEFAULTS.seed,
-                   help="seed of the random weights and random prompt (default: 0)")
+    src.add_argument("--tokens-file", type=Path, metavar="F.json", help="a JSON list of token ids")
+    src.add_argument(
+        "--prompt-len", type=int, metavar="N", help="N random token ids drawn from --seed"
+    )
+    p.add_argument(
+        "--prefix-len",
+        type=int,
+        default=0,
+        metavar="P",
+        help="prefill the first P tokens first, then the whole sequence",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=_DEFAULTS.block_size,
+        metavar="B",
+        help=f"tokens per KV block (default: {_DEFAULTS.block_size})",
+    )
+    p.add_argument(
+        "--kv-blocks-per-rank",
+        type=int,
+        default=_DEFAULTS.kv_blocks_per_rank,
+        help=f"KV cache capacity per rank (default: {_DEFAULTS.kv_blocks_per_rank})",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=_DEFAULTS.seed,
+        help="seed of the random weights and random prompt (default: 0)",
+    )
     p.add_argument("--device", default=_DEFAULTS.device, choices=("auto", "cpu", "cuda"))
-    p.add_argument("--dtype", default=_DEFAULTS.dtype,
-                   choices=("auto", "float32", "bfloat16", "float16"))
-    p.add_argument("--threads-per-rank", type=int, default=None,
-                   help="intra-op threads per CPU rank (default: cores / ranks)")
-    p.add_argument("--dump-logits", type=Path, metavar="OUT.npy",
-                   help="write float32 logits [computed_tokens, vocab] of the last prefill")
-    p.add_argument("--check", action="store_true",
-                   help="also run a single-process reference and print max_abs_diff")
+    p.add_argument(
+        "--dtype", default=_DEFAULTS.dtype, choices=("auto", "float32", "bfloat16", "float16")
+    )
+    p.add_argument(
+        "--threads-per-rank",
+        type=int,
+        default=None,
+        help="intra-op threads per CPU rank (default: cores / ranks)",
+    )
+    p.add_argument(
+        "--dump-logits",
+        type=Path,
+        metavar="OUT.npy",
+        help="write float32 logits [computed_tokens, vocab] of the last prefill",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="also run a single-process reference and print max_abs_diff",
+    )
 
 
 def _read_tokens(args: argparse.Namespace, vocab_size: int) -> list[int]:
@@ -56,13 +89,16 @@ def _read_tokens(args: argparse.Namespace, vocab_size: int) -> list[int]:
         except (OSError, json.JSONDecodeError) as exc:
             raise ConfigError(f"--tokens-file {args.tokens_file}: {exc}") from exc
         if not isinstance(tokens, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise ConfigError(f"--tokens-file {args.tokens_file}: expected a JSON list of "
-                              "integer token ids")
+            isinstance(t, int) and not isinstance(t, bool) for t in tokens
+        ):
+            raise ConfigError(
+                f"--tokens-file {args.tokens_file}: expected a JSON list of integer token ids"
+            )
     else:
         if args.prompt_len <= 0:
             raise ConfigError(f"--prompt-len must be positive, got {args.prompt_len}")
         import random
+
         rng = random.Random(args.seed)
         tokens = [rng.randrange(vocab_size) for _ in range(args.prompt_len)]
     if not tokens:
@@ -75,17 +111,28 @@ def _read_tokens(args: argparse.Namespace, vocab_size: int) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     cfg, model_dir = resolve_model(args.model)
-    engine = EngineConfig(block_size=args.block_size, kv_blocks_per_rank=args.kv_blocks_per_rank,
-                          device=args.device, dtype=args.dtype,
-                          threads_per_rank=args.threads_per_rank, seed=args.seed)
+    engine = EngineConfig(
+        block_size=args.block_size,
+        kv_blocks_per_rank=args.kv_blocks_per_rank,
+        device=args.device,
+        dtype=args.dtype,
+        threads_per_rank=args.threads_per_rank,
+        seed=args.seed,
+    )
     if args.cp < 1:
         raise ConfigError(f"--cp must be >= 1, got {args.cp}")
     tokens = _read_tokens(args, cfg.vocab_size)
     if not 0 <= args.prefix_len <= len(tokens):
         raise ConfigError(f"--prefix-len must be in [0, {len(tokens)}], got {args.prefix_len}")
     if len(tokens) > cfg.max_position_embeddings:
-        raise ConfigError(f"{len(tokens)} tokens exceed the model's max_position_embeddings "
-                          f"({cfg.max_position_embeddings})")
+        raise ConfigError(
+            f"{len(tokens)} tokens exceed the model's max_position_embeddings "
+            f"({cfg.max_position_embeddings})"
+        )
+    if args.dump_logits is not None and not args.dump_logits.parent.is_dir():
+        raise ConfigError(
+            f"--dump-logits {args.dump_logits}: no directory {args.dump_logits.parent}"
+        )
 
     # Heavy imports only once the arguments are known to be good.
     from vertumnus.runtime.pool import RankPool
@@ -96,20 +143,30 @@ def run(args: argparse.Namespace) -> int:
         worker = PrefillWorker(pool, tuple(range(args.cp)))
         prefix_s = None
         if args.prefix_len:
-            prefix_s = worker.prefill(tokens[:args.prefix_len]).prefill_s
+            prefix_s = worker.prefill(tokens[: args.prefix_len]).prefill_s
         out = worker.prefill(tokens, logits=want)
         device = pool.ready[0].device
     result: dict[str, Any] = {
-        "model": cfg.name, "cp_degree": args.cp, "device": device,
-        "prompt_tokens": len(tokens), "block_size": engine.block_size,
-        "cached_tokens": out.cached_tokens, "computed_tokens": out.computed_tokens,
-        "first_token": out.first_token, "prefill_s": round(out.prefill_s, 6),
+        "model": cfg.name,
+        "cp_degree": args.cp,
+        "device": device,
+        "prompt_tokens": len(tokens),
+        "block_size": engine.block_size,
+        "cached_tokens": out.cached_tokens,
+        "computed_tokens": out.computed_tokens,
+        "first_token": out.first_token,
+        "prefill_s": round(out.prefill_s, 6),
         "prefix_prefill_s": None if prefix_s is None else round(prefix_s, 6),
         "collectives_per_rank": out.collectives,
     }
     if args.dump_logits is not None:
         import numpy as np
-        np.save(args.dump_logits, out.logits.numpy().astype(np.float32))
+
+        try:  # through a file object: np.save would append .npy to another name
+            with open(args.dump_logits, "wb") as f:
+                np.save(f, out.logits.numpy().astype(np.float32))
+        except OSError as exc:
+            raise ConfigError(f"--dump-logits {args.dump_logits}: {exc}") from exc
         result["logits_file"] = str(args.dump_logits)
     if args.check:
         result["max_abs_diff"] = _check(cfg, model_dir, engine, tokens, out)
@@ -118,8 +175,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check(cfg: Any, model_dir: str | None, engine: EngineConfig, tokens: list[int],
-           out: Any) -> float:
+def _check(
+    cfg: Any, model_dir: str | None, engine: EngineConfig, tokens: list[int], out: Any
+) -> float:
     """Max |logit difference| of the computed positions against the reference."""
     import torch
 
@@ -132,5 +190,5 @@ def _check(cfg: Any, model_dir: str | None, engine: EngineConfig, tokens: list[i
     with torch.inference_mode():
         ids = torch.tensor(tokens, dtype=torch.long, device=device)
         hidden = model(ids, torch.arange(len(tokens), device=device), causal_attention())
-        ref = model.logits(hidden[out.cached_tokens:]).cpu()
+        ref = model.logits(hidden[out.cached_tokens :]).cpu()
     return float((ref - out.logits).abs().max())

@@ -43,9 +43,16 @@ class ModelConfig:
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads", "num_key_value_heads", "head_dim",
-                  "max_position_embeddings"):
+        for f in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, f)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"model config: {f} must be a positive integer, got {value!r}")
@@ -53,7 +60,8 @@ class ModelConfig:
             raise ConfigError(
                 "model config: num_attention_heads "
                 f"({self.num_attention_heads}) must be a multiple of num_key_value_heads "
-                f"({self.num_key_value_heads})")
+                f"({self.num_key_value_heads})"
+            )
         if self.head_dim % 2 != 0:
             raise ConfigError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
         if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
@@ -74,11 +82,13 @@ class ModelConfig:
             if unsupported:
                 raise ConfigError(
                     f"unsupported architecture {unsupported[0]!r}; supported: "
-                    f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+                    f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+                )
         elif model_type != "qwen3":
             raise ConfigError(
                 f"unsupported model_type {model_type!r} (no 'architectures' given); "
-                f"supported: qwen3 ({', '.join(SUPPORTED_ARCHITECTURES)})")
+                f"supported: qwen3 ({', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
         if raw.get("use_sliding_window"):
             raise ConfigError("sliding-window attention is not supported")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -86,8 +96,13 @@ class ModelConfig:
         if rope_type not in ("default", None):
             raise ConfigError(f"unsupported RoPE type {rope_type!r}; supported: default")
         rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10_000.0))
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads")
+        required = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
         missing = [k for k in required if k not in raw]
         if missing:
             raise ConfigError(f"config.json lacks required fields: {', '.join(missing)}")
@@ -124,13 +139,31 @@ class ModelConfig:
 # `qwen3-0.6b-4l` is Qwen3-0.6B's shape cut to 4 layers, for benchmarks.
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
-        vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1_000_000.0,
-        max_position_embeddings=65_536, tie_word_embeddings=True, name="tiny"),
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=65_536,
+        tie_word_embeddings=True,
+        name="tiny",
+    ),
     "qwen3-0.6b-4l": ModelConfig(
-        vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0,
-        max_position_embeddings=40_960, tie_word_embeddings=True, name="qwen3-0.6b-4l"),
+        vocab_size=151_936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=40_960,
+        tie_word_embeddings=True,
+        name="qwen3-0.6b-4l",
+    ),
 }
 
 
@@ -142,20 +175,21 @@ def resolve_model(spec: str) -> tuple[ModelConfig, str | None]:
         return ModelConfig.from_dir(spec), spec
     raise ConfigError(
         f"--model {spec!r}: neither a built-in preset ({', '.join(sorted(PRESETS))}) "
-        "nor a folder with config.json and *.safetensors")
+        "nor a folder with config.json and *.safetensors"
+    )
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Settings of one pool of rank processes and their KV caches."""
 
-    block_size: int = 16                # tokens per KV block; only full blocks are cached
-    kv_blocks_per_rank: int = 1024      # KV cache capacity of one rank, in blocks
-    device: str = "auto"                # "auto" (cuda if present), "cpu" or "cuda"
-    dtype: str = "auto"                 # "auto" (bf16 on cuda, fp32 on cpu), "float32", ...
+    block_size: int = 16  # tokens per KV block; only full blocks are cached
+    kv_blocks_per_rank: int = 1024  # KV cache capacity of one rank, in blocks
+    device: str = "auto"  # "auto" (cuda if present), "cpu" or "cuda"
+    dtype: str = "auto"  # "auto" (bf16 on cuda, fp32 on cpu), "float32", ...
     threads_per_rank: int | None = None  # intra-op threads per CPU rank; None: cores / ranks
-    seed: int = 0                       # seed of the random weights of built-in presets
-    rank_timeout_s: float = 120.0       # start-up and per-step deadline for rank replies
+    seed: int = 0  # seed of the random weights of built-in presets
+    rank_timeout_s: float = 120.0  # start-up and per-step deadline for rank replies
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -166,7 +200,8 @@ class EngineConfig:
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(
-                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
         if self.threads_per_rank is not None and self.threads_per_rank <= 0:
             raise ConfigError(f"threads_per_rank must be positive, got {self.threads_per_rank}")
         if not (self.rank_timeout_s > 0 and math.isfinite(self.rank_timeout_s)):
@@ -174,4 +209,3 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-

@@ -17,14 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-
 # torch >= 2.13 names it all_gather_single; older releases all_gather_into_tensor.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class Communicator(Protocol):
-    rank: int        # rank within the worker, 0 .. size-1
-    size: int        # the worker's CP degree
+    rank: int  # rank within the worker, 0 .. size-1
+    size: int  # the worker's CP degree
     calls: Counter[str]
 
     def all_gather(self, t: Tensor, tag: str) -> Tensor:
@@ -55,8 +54,7 @@ class DistComm:
         self.calls[tag] += 1
         t = t.contiguous()
         # Concatenated along dim 0 (the layout gloo and NCCL both accept), then split.
-        out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype,
-                          device=t.device)
+        out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
         _all_gather_single(out, t, group=self.group)
         return out.view(self.size, *t.shape)
 
@@ -82,7 +80,7 @@ class ThreadComm:
         self.calls[tag] += 1
         g = self.group
         g._slots[self.rank] = t.clone()
-        g._barrier.wait()                       # everyone has published
+        g._barrier.wait()  # everyone has published
         out = torch.stack([s for s in g._slots if s is not None])
-        g._barrier.wait()                       # everyone has read before the next call
+        g._barrier.wait()  # everyone has read before the next call
         return out

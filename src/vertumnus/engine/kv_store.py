@@ -19,10 +19,21 @@ from vertumnus.config import ModelConfig
 
 
 class PagedKVStore:
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        shape = (num_blocks, cfg.num_hidden_layers, block_size, cfg.num_key_value_heads,
-                 cfg.head_dim)
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (
+            num_blocks,
+            cfg.num_hidden_layers,
+            block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks

@@ -44,13 +44,19 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float,
-                 dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def rope_cos_sin(
+    positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
     """cos, sin of shape [T, 1, D] for absolute ``positions`` [T] (default RoPE)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
-                                             device=positions.device).float() / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]          # [T, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]              # [T, 1, D]
+    inv_freq = 1.0 / (
+        theta
+        ** (
+            torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
+            / head_dim
+        )
+    )
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -72,10 +78,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor,
-                attention: AttentionFn) -> Tensor:
+    def forward(
+        self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionFn
+    ) -> Tensor:
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))     # [T, Hq, D]
+        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))  # [T, Hq, D]
         k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         out = attention(layer, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
@@ -101,8 +108,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor,
-                attention: AttentionFn) -> Tensor:
+    def forward(
+        self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionFn
+    ) -> Tensor:
         x = x + self.self_attn(layer, self.input_layernorm(x), cos, sin, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -137,7 +145,7 @@ class Qwen3ForCausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionFn) -> Tensor:
         """``input_ids``, ``positions``: [T] int64 -> hidden [T, hidden] after the final norm."""
         cfg = self.config
-        x = self.model.embed_tokens(input_ids)                              # [T, H]
+        x = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(i, x, cos, sin, attention)
@@ -160,12 +168,13 @@ def causal_attention(prefix_kv: list[tuple[Tensor, Tensor]] | None = None) -> At
             pk, pv = prefix_kv[layer]
             k, v = torch.cat((pk, k)), torch.cat((pv, v))
         t, n = q.shape[0], k.shape[0]
-        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D]
+        # [1, H, T, D]: SDPA's fused CPU kernels need the batch dimension.
+        qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))
         if n == t:
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
         else:  # query i sees keys 0 .. n - t + i (bottom-right aligned causal mask)
             mask = torch.ones(t, n, dtype=torch.bool, device=q.device).tril(n - t)
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
     return attend

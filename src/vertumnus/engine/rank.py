@@ -42,7 +42,7 @@ class RankSpec:
     """Everything a rank needs to start; the same for every rank of a pool."""
 
     model: ModelConfig
-    model_dir: str | None            # None: seeded random weights of a preset
+    model_dir: str | None  # None: seeded random weights of a preset
     engine: EngineConfig
     world_size: int
     worker_groups: tuple[tuple[int, ...], ...]  # every multi-rank worker the lattice can form
@@ -66,14 +66,15 @@ def rank_main(rank: int, spec: RankSpec, commands: Any, results: Any) -> None:
             torch.cuda.set_device(device)
         else:
             threads = spec.engine.threads_per_rank or max(
-                1, (os.cpu_count() or 1) // spec.world_size)
+                1, (os.cpu_count() or 1) // spec.world_size
+            )
             torch.set_num_threads(threads)
         timeout = timedelta(seconds=spec.engine.rank_timeout_s)
-        store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
-                              timeout=timeout)
+        store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=store, rank=rank, world_size=spec.world_size,
-                                timeout=timeout)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=spec.world_size, timeout=timeout
+        )
         # Every rank creates every group, in the same order (a collective requirement).
         groups: dict[tuple[int, ...], Any] = {}
         for ranks in spec.worker_groups:
@@ -82,11 +83,11 @@ def rank_main(rank: int, spec: RankSpec, commands: Any, results: Any) -> None:
                 groups[ranks] = group
         dtype = resolve_dtype(spec.engine.dtype, device)
         model = build_model(spec.model, spec.model_dir, spec.engine.seed, dtype, device)
-        kv = PagedKVStore(spec.model, spec.engine.kv_blocks_per_rank, spec.engine.block_size,
-                          dtype, device)
+        kv = PagedKVStore(
+            spec.model, spec.engine.kv_blocks_per_rank, spec.engine.block_size, dtype, device
+        )
     except Exception as exc:
-        results.put(RankFailed(rank, None, f"{type(exc).__name__}: {exc}",
-                               traceback.format_exc()))
+        results.put(RankFailed(rank, None, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return
     results.put(RankReady(rank=rank, device=str(device), kv_bytes=kv.nbytes))
     try:
@@ -96,8 +97,14 @@ def rank_main(rank: int, spec: RankSpec, commands: Any, results: Any) -> None:
             dist.destroy_process_group()
 
 
-def _serve(rank: int, model: Any, kv: PagedKVStore, groups: dict[tuple[int, ...], Any],
-           commands: Any, results: Any) -> None:
+def _serve(
+    rank: int,
+    model: Any,
+    kv: PagedKVStore,
+    groups: dict[tuple[int, ...], Any],
+    commands: Any,
+    results: Any,
+) -> None:
     while True:
         msg = commands.get()
         match msg:
@@ -109,8 +116,9 @@ def _serve(rank: int, model: Any, kv: PagedKVStore, groups: dict[tuple[int, ...]
                 results.put(RankFailed(rank, None, f"unknown command {type(msg).__name__}", ""))
 
 
-def _run(rank: int, model: Any, kv: PagedKVStore, groups: dict[tuple[int, ...], Any],
-         cmd: PrefillCommand) -> PrefillDone | RankFailed:
+def _run(
+    rank: int, model: Any, kv: PagedKVStore, groups: dict[tuple[int, ...], Any], cmd: PrefillCommand
+) -> PrefillDone | RankFailed:
     try:
         cp_rank = cmd.worker_ranks.index(rank)
         size = len(cmd.worker_ranks)
@@ -121,6 +129,7 @@ def _run(rank: int, model: Any, kv: PagedKVStore, groups: dict[tuple[int, ...], 
             comm = DistComm(groups[cmd.worker_ranks], cp_rank, size)
         else:
             raise ValueError(f"no process group for worker ranks {cmd.worker_ranks}")
+        _check_command(cmd, model.config.vocab_size, kv)
         start = time.perf_counter()
         step = cmd.for_rank(cp_rank)
         step = replace(step, token_ids=step.token_ids.to(model.device))
@@ -128,8 +137,51 @@ def _run(rank: int, model: Any, kv: PagedKVStore, groups: dict[tuple[int, ...], 
         if model.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        return PrefillDone(cmd.request_id, rank, elapsed,
-                           None if logits is None else logits.cpu(), dict(comm.calls))
+        return PrefillDone(
+            cmd.request_id,
+            rank,
+            elapsed,
+            None if logits is None else logits.cpu(),
+            dict(comm.calls),
+        )
     except Exception as exc:
-        return RankFailed(rank, cmd.request_id, f"{type(exc).__name__}: {exc}",
-                          traceback.format_exc())
+        return RankFailed(
+            rank, cmd.request_id, f"{type(exc).__name__}: {exc}", traceback.format_exc()
+        )
+
+
+def _check_command(cmd: PrefillCommand, vocab_size: int, kv: PagedKVStore) -> None:
+    """Reject a malformed command before the first collective.
+
+    Every rank of the worker checks the whole command, not only its own share, so the
+    ranks accept or reject a command together: a rank that gave up alone would leave
+    its peers blocked in an all-gather, and the group out of step for the next prefill.
+    """
+    c, bs, p = len(cmd.worker_ranks), cmd.block_size, cmd.prefix_len
+    ids = cmd.token_ids
+    if ids.dim() != 1 or ids.numel() == 0 or ids.dtype != torch.long:
+        raise ValueError(
+            f"token_ids must be a non-empty 1-D int64 tensor, got "
+            f"{ids.dtype} of shape {tuple(ids.shape)}"
+        )
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"token ids outside the vocabulary [0, {vocab_size})")
+    if cmd.logits not in ("last", "all"):
+        raise ValueError(f"logits must be 'last' or 'all', got {cmd.logits!r}")
+    if bs != kv.block_size:
+        raise ValueError(f"block_size {bs} differs from the KV store's {kv.block_size}")
+    if p < 0 or p % bs:
+        raise ValueError(f"prefix_len {p} is not a non-negative multiple of {bs}")
+    if len(cmd.prefix_slots) != c or len(cmd.write) != c:
+        raise ValueError(f"prefix_slots and write must have one entry per rank ({c})")
+    end_depth = (p + ids.numel()) // bs  # full blocks of the whole sequence
+    for r in range(c):
+        if len(cmd.prefix_slots[r]) != len(range(r, p // bs, c)):
+            raise ValueError(f"CP rank {r}: prefix slots do not match its share of the prefix")
+        bad_depths = [d for d, _ in cmd.write[r] if d % c != r or not p // bs <= d < end_depth]
+        if bad_depths:
+            raise ValueError(f"CP rank {r}: cannot store blocks at depths {bad_depths}")
+        slots = [*cmd.prefix_slots[r], *(s for _, s in cmd.write[r])]
+        bad = [s for s in slots if not 0 <= s < kv.num_blocks]
+        if bad:
+            raise IndexError(f"CP rank {r}: KV slots {bad} out of range [0, {kv.num_blocks})")

@@ -24,8 +24,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16,
-            "float16": torch.float16}[name]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def random_model(cfg: ModelConfig, seed: int) -> Qwen3ForCausalLM:
@@ -65,8 +64,9 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_model(cfg: ModelConfig, model_dir: str | Path, dtype: torch.dtype,
-               device: torch.device) -> Qwen3ForCausalLM:
+def load_model(
+    cfg: ModelConfig, model_dir: str | Path, dtype: torch.dtype, device: torch.device
+) -> Qwen3ForCausalLM:
     """Build the model from the ``.safetensors`` files of a Hugging Face folder."""
     model_dir = Path(model_dir)
     with torch.device("meta"):
@@ -86,27 +86,36 @@ def load_model(cfg: ModelConfig, model_dir: str | Path, dtype: torch.dtype,
                     if name not in params:
                         if name == "lm_head.weight" and cfg.tie_word_embeddings:
                             continue
-                        raise ConfigError(f"{path.name}: unexpected tensor {name!r} "
-                                          "for a Qwen3 decoder of this config")
+                        raise ConfigError(
+                            f"{path.name}: unexpected tensor {name!r} "
+                            "for a Qwen3 decoder of this config"
+                        )
                     tensor = f.get_tensor(name)
                     if tuple(tensor.shape) != tuple(params[name].shape):
                         raise ConfigError(
                             f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                            f"config.json implies {tuple(params[name].shape)}")
+                            f"config.json implies {tuple(params[name].shape)}"
+                        )
                     params[name].copy_(tensor.to(dtype))
                     loaded.add(name)
     if cfg.tie_word_embeddings:
         loaded.add("lm_head.weight")  # shares embed_tokens.weight
     missing = sorted(expected - loaded)
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5
-                                          else "")
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
         raise ConfigError(f"{model_dir}: checkpoint lacks tensors: {shown}")
     return model.eval()
 
 
-def build_model(cfg: ModelConfig, model_dir: str | Path | None, seed: int,
-                dtype: torch.dtype, device: torch.device) -> Qwen3ForCausalLM:
+def build_model(
+    cfg: ModelConfig,
+    model_dir: str | Path | None,
+    seed: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Qwen3ForCausalLM:
     """Preset (``model_dir is None``: seeded random weights) or checkpoint folder."""
     if model_dir is None:
         return random_model(cfg, seed).to(device=device, dtype=dtype).eval()

@@ -27,9 +27,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from vertumnus.engine.attention import prefix_causal_attention
 from vertumnus.engine.comm import Communicator
 from vertumnus.engine.kv_store import PagedKVStore
 from vertumnus.engine.model import Qwen3ForCausalLM
@@ -37,8 +37,8 @@ from vertumnus.engine.model import Qwen3ForCausalLM
 
 @dataclass(frozen=True)
 class ZigzagPartition:
-    num_tokens: int   # R: real tokens in the uncached suffix
-    cp_degree: int    # C
+    num_tokens: int  # R: real tokens in the uncached suffix
+    cp_degree: int  # C
 
     def __post_init__(self) -> None:
         if self.num_tokens < 1:
@@ -60,7 +60,7 @@ class ZigzagPartition:
             raise ValueError(f"rank {rank} outside a degree-{self.cp_degree} worker")
         s = self.chunk_len
         first, second = rank, 2 * self.cp_degree - 1 - rank
-        if second == first + 1:  # C = 1: one contiguous range
+        if second == first + 1:  # rank C-1 (all of C = 1): adjacent chunks, one range
             return [(first * s, (second + 1) * s)]
         return [(first * s, (first + 1) * s), (second * s, (second + 1) * s)]
 
@@ -84,9 +84,9 @@ class ZigzagPartition:
 class RankPrefill:
     """What one rank needs for one prefill (derived from a ``PrefillCommand``)."""
 
-    token_ids: Tensor                # [R] the uncached suffix, int64
-    prefix_len: int                  # P, a multiple of block_size
-    prefix_slots: tuple[int, ...]    # this rank's prefix blocks (depth j with j % C == rank)
+    token_ids: Tensor  # [R] the uncached suffix, int64
+    prefix_len: int  # P, a multiple of block_size
+    prefix_slots: tuple[int, ...]  # this rank's prefix blocks (depth j with j % C == rank)
     write: tuple[tuple[int, int], ...]  # (depth, slot) of new full blocks this rank stores
     block_size: int
 
@@ -94,8 +94,13 @@ class RankPrefill:
 class ZigzagAttention:
     """``AttentionFn`` of one rank of a degree-C worker for one prefill."""
 
-    def __init__(self, part: ZigzagPartition, comm: Communicator, store: PagedKVStore | None,
-                 step: RankPrefill) -> None:
+    def __init__(
+        self,
+        part: ZigzagPartition,
+        comm: Communicator,
+        store: PagedKVStore | None,
+        step: RankPrefill,
+    ) -> None:
         self.part, self.comm, self.store, self.step = part, comm, store, step
         c, bs = part.cp_degree, step.block_size
         self.num_prefix_blocks = step.prefix_len // bs
@@ -106,46 +111,46 @@ class ZigzagAttention:
             raise ValueError("a prefill with a cached prefix or blocks to store needs a store")
         dev = step.token_ids.device
         self.restore = torch.tensor(part.restore_index(), dtype=torch.long, device=dev)
-        p = step.prefix_len
-        self.masks: list[tuple[int, int, int, Tensor | None]] = []
+        # Per owned range [a, b): local query rows, and the key position of its first
+        # query (keys before it are fully visible, the range itself is causal).
+        self.blocks: list[tuple[int, int, int]] = []
         local = 0
         for a, b in part.ranges(comm.rank):
-            if p == 0 and a == 0:
-                mask = None  # keys [0, b) for queries [0, b): plain causal
-            else:  # query at suffix index a+i sees keys 0 .. P+a+i (prefix, then suffix)
-                q_pos = p + torch.arange(a, b, device=dev)
-                mask = torch.arange(p + b, device=dev)[None, :] <= q_pos[:, None]
-            self.masks.append((local, local + (b - a), p + b, mask))
+            self.blocks.append((local, local + (b - a), step.prefix_len + a))
             local += b - a
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         step, bs, c = self.step, self.step.block_size, self.part.cp_degree
-        kv_local = torch.stack((k, v))                                  # [2, 2s, Hkv, D]
+        kv_local = torch.stack((k, v))  # [2, 2s, Hkv, D]
         width = self.max_local_blocks * bs
         if width:
-            pk, pv = self.store.read(step.prefix_slots, layer)          # type: ignore[union-attr]
+            pk, pv = self.store.read(step.prefix_slots, layer)  # type: ignore[union-attr]
             prefix = torch.zeros((2, width, *k.shape[1:]), dtype=k.dtype, device=k.device)
-            prefix[0, :pk.shape[0]] = pk
-            prefix[1, :pv.shape[0]] = pv
+            prefix[0, : pk.shape[0]] = pk
+            prefix[1, : pv.shape[0]] = pv
             kv_local = torch.cat((prefix, kv_local), dim=1)
-        g = self.comm.all_gather(kv_local, tag="kv")                    # [C, 2, W + 2s, Hkv, D]
+        g = self.comm.all_gather(kv_local, tag="kv")  # [C, 2, W + 2s, Hkv, D]
         heads = g.shape[3:]
         # Prefix blocks: rank r's local block i is depth i*C + r.
         pre = g[:, :, :width].reshape(c, 2, self.max_local_blocks, bs, *heads)
-        pre = pre.permute(1, 2, 0, 3, 4, 5).reshape(2, -1, *heads)[:, :step.prefix_len]
+        pre = pre.permute(1, 2, 0, 3, 4, 5).reshape(2, -1, *heads)[:, : step.prefix_len]
         # Suffix: rank-major -> sequence order.
-        suf = g[:, :, width:].permute(1, 0, 2, 3, 4).reshape(2, -1, *heads)[:, self.restore]
+        suf = g[:, :, width:].permute(1, 0, 2, 3, 4).reshape(2, -1, *heads)
+        if c > 1:  # C = 1: already in order
+            suf = suf[:, self.restore]
         if step.write and self.store is not None:
             self._store_new_blocks(layer, suf)
         keys = torch.cat((pre, suf), dim=1) if step.prefix_len else suf  # [2, P + Rp, Hkv, D]
-        kh, vh = keys[0].transpose(0, 1), keys[1].transpose(0, 1)       # [Hkv, P + Rp, D]
-        qh = q.transpose(0, 1)                                          # [Hq, 2s, D]
-        outs = []
-        for lo, hi, num_keys, mask in self.masks:
-            outs.append(F.scaled_dot_product_attention(
-                qh[:, lo:hi], kh[:, :num_keys], vh[:, :num_keys], attn_mask=mask,
-                is_causal=mask is None, enable_gqa=True))
-        return torch.cat(outs, dim=1).transpose(0, 1)                   # [2s, Hq, D]
+        # [1, H, T, D]: SDPA's fused CPU kernels need the batch dimension.
+        kh, vh = keys[0].transpose(0, 1)[None], keys[1].transpose(0, 1)[None]  # [1, Hkv, N, D]
+        qh = q.transpose(0, 1)[None]  # [1, Hq, 2s, D]
+        outs = [
+            prefix_causal_attention(
+                qh[:, :, lo:hi], kh[:, :, : start + hi - lo], vh[:, :, : start + hi - lo], start
+            )
+            for lo, hi, start in self.blocks
+        ]
+        return torch.cat(outs, dim=2)[0].transpose(0, 1)  # [2s, Hq, D]
 
     def _store_new_blocks(self, layer: int, suf: Tensor) -> None:
         bs, p = self.step.block_size, self.step.prefix_len
@@ -156,8 +161,13 @@ class ZigzagAttention:
 
 
 @torch.inference_mode()
-def prefill_rank(model: Qwen3ForCausalLM, comm: Communicator, store: PagedKVStore | None,
-                 step: RankPrefill, logits: str = "last") -> Tensor | None:
+def prefill_rank(
+    model: Qwen3ForCausalLM,
+    comm: Communicator,
+    store: PagedKVStore | None,
+    step: RankPrefill,
+    logits: str = "last",
+) -> Tensor | None:
     """Run one rank's part of a zigzag prefill.
 
     Returns, on rank 0 of the worker, fp32 logits in sequence order ([1, V] for
@@ -170,10 +180,11 @@ def prefill_rank(model: Qwen3ForCausalLM, comm: Communicator, store: PagedKVStor
     ids = torch.where(real, step.token_ids[idx.clamp(max=part.num_tokens - 1)], 0)
     positions = step.prefix_len + idx
     attention = ZigzagAttention(part, comm, store, step)
-    hidden = model(ids, positions, attention)                          # [2s, H]
-    gathered = comm.all_gather(hidden, tag="out")                      # [C, 2s, H]
+    hidden = model(ids, positions, attention)  # [2s, H]
+    gathered = comm.all_gather(hidden, tag="out")  # [C, 2s, H]
     if comm.rank != 0:
         return None
-    seq = gathered.reshape(-1, hidden.shape[-1])[attention.restore[:part.num_tokens]]
+    seq = gathered.reshape(-1, hidden.shape[-1])
+    seq = seq[attention.restore[: part.num_tokens]] if comm.size > 1 else seq[: part.num_tokens]
     rows = seq[-1:] if logits == "last" else seq
     return model.logits(rows)

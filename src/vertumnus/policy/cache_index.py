@@ -32,13 +32,15 @@ from vertumnus.blocks import ROOT_BLOCK_ID
 class BlockLocation:
     block_id: int
     depth: int  # index of the block in its sequence (block j covers tokens [j*B, (j+1)*B))
-    rank: int   # rank within the worker
-    slot: int   # slot in that rank's KV store
+    rank: int  # rank within the worker
+    slot: int  # slot in that rank's KV store
 
 
 @dataclass(frozen=True)
 class CacheReport:
-    """Cache-state change of one worker, for the global trie (parents before children)."""
+    """Cache-state change of one worker, for the global trie, to apply in the order
+    reports are returned. ``inserted``: parents before children; ``evicted``: in
+    eviction order (leaves first), only blocks not held when the report is made."""
 
     worker_id: int
     inserted: tuple[int, ...] = ()
@@ -65,7 +67,7 @@ class _Entry:
     refcount: int = 0
     num_children: int = 0
     last_used: int = 0
-    ready: bool = False          # KV written and committed: matchable
+    ready: bool = False  # KV written and committed: matchable
     evict_key: tuple[int, int] | None = None  # key in _evictable[rank] while evictable
 
 
@@ -79,8 +81,9 @@ class WorkerCacheIndex:
         self.blocks_per_rank = blocks_per_rank
         self.worker_id = worker_id
         self._entries: dict[int, _Entry] = {}
-        self._free: list[list[int]] = [list(range(blocks_per_rank - 1, -1, -1))
-                                       for _ in range(cp_degree)]
+        self._free: list[list[int]] = [
+            list(range(blocks_per_rank - 1, -1, -1)) for _ in range(cp_degree)
+        ]
         self._evictable: list[SortedList] = [SortedList() for _ in range(cp_degree)]
         self._tick = 0
 
@@ -116,7 +119,7 @@ class WorkerCacheIndex:
         first block that cannot be placed or that another running prefill is already
         writing (so a prefix is never held twice and always whole).
         """
-        reused = self.match(block_ids)[:max(0, max_reuse_blocks)]
+        reused = self.match(block_ids)[: max(0, max_reuse_blocks)]
         lease = PrefillLease(reused=reused, new=[])
         for loc in reused:
             self._acquire(self._entries[loc.block_id])
@@ -143,8 +146,11 @@ class WorkerCacheIndex:
             self._entries[loc.block_id].ready = True
         for loc in (*lease.reused, *lease.new):
             self._release(self._entries[loc.block_id])
-        return CacheReport(self.worker_id, inserted=tuple(loc.block_id for loc in lease.new),
-                           evicted=tuple(lease.evicted))
+        return CacheReport(
+            self.worker_id,
+            inserted=tuple(loc.block_id for loc in lease.new),
+            evicted=self._still_evicted(lease),
+        )
 
     def abort(self, lease: PrefillLease) -> CacheReport:
         """The prefill failed: free its new blocks (children first) and unpin the rest."""
@@ -152,9 +158,16 @@ class WorkerCacheIndex:
             self._remove(self._entries[loc.block_id])
         for loc in lease.reused:
             self._release(self._entries[loc.block_id])
-        return CacheReport(self.worker_id, evicted=tuple(lease.evicted))
+        return CacheReport(self.worker_id, evicted=self._still_evicted(lease))
 
     # -- internals -------------------------------------------------------------------
+
+    def _still_evicted(self, lease: PrefillLease) -> tuple[int, ...]:
+        """The blocks ``lease`` evicted that are not held now. Its report comes when it
+        ends; a block it evicted may have been cached again, and reported inserted, by
+        a prefill that ended first: reporting that block evicted after the insertion
+        would make the trie forget a block this worker holds."""
+        return tuple(bid for bid in lease.evicted if bid not in self)
 
     def _acquire(self, entry: _Entry) -> None:
         entry.refcount += 1

@@ -9,6 +9,7 @@ queues, and an orderly shutdown that leaves no orphan. It does not plan prefills
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
 from collections.abc import Sequence
@@ -39,8 +40,14 @@ def worker_groups(world_size: int, degrees: Sequence[int]) -> tuple[tuple[int, .
 
 
 class RankPool:
-    def __init__(self, model: ModelConfig, model_dir: str | None, engine: EngineConfig,
-                 world_size: int, degrees: Sequence[int]) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        model_dir: str | None,
+        engine: EngineConfig,
+        world_size: int,
+        degrees: Sequence[int],
+    ) -> None:
         self.model, self.model_dir, self.engine = model, model_dir, engine
         self.world_size = world_size
         self.groups = worker_groups(world_size, degrees)
@@ -59,17 +66,28 @@ class RankPool:
 
     def start(self) -> None:
         timeout = timedelta(seconds=self.engine.rank_timeout_s)
-        self._store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=timeout,
-                                    wait_for_workers=False)
-        spec = RankSpec(model=self.model, model_dir=self.model_dir, engine=self.engine,
-                        world_size=self.world_size, worker_groups=self.groups,
-                        store_host="127.0.0.1", store_port=self._store.port)
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, None, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        spec = RankSpec(
+            model=self.model,
+            model_dir=self.model_dir,
+            engine=self.engine,
+            world_size=self.world_size,
+            worker_groups=self.groups,
+            store_host="127.0.0.1",
+            store_port=self._store.port,
+        )
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         for rank in range(self.world_size):
             commands = ctx.Queue()
-            proc = ctx.Process(target=rank_main, args=(rank, spec, commands, self._results),
-                               name=f"vertumnus-rank{rank}", daemon=True)
+            proc = ctx.Process(
+                target=rank_main,
+                args=(rank, spec, commands, self._results),
+                name=f"vertumnus-rank{rank}",
+                daemon=True,
+            )
             proc.start()
             self._commands.append(commands)
             self._procs.append(proc)
@@ -77,8 +95,9 @@ class RankPool:
             while len(self.ready) < self.world_size:
                 msg = self.recv(self.engine.rank_timeout_s)
                 if isinstance(msg, RankFailed):
-                    raise RankPoolError(f"rank {msg.rank} failed to start: {msg.error}\n"
-                                        f"{msg.traceback}")
+                    raise RankPoolError(
+                        f"rank {msg.rank} failed to start: {msg.error}\n{msg.traceback}"
+                    )
                 if isinstance(msg, RankReady):
                     self.ready[msg.rank] = msg
         except BaseException:
@@ -97,20 +116,20 @@ class RankPool:
             except queue.Empty:
                 dead = [p.name for p in self._procs if not p.is_alive()]
                 if dead:
-                    raise RankPoolError(f"rank process(es) exited unexpectedly: "
-                                        f"{', '.join(dead)}") from None
+                    raise RankPoolError(
+                        f"rank process(es) exited unexpectedly: {', '.join(dead)}"
+                    ) from None
                 if time.monotonic() >= deadline:
-                    raise RankPoolError(f"no answer from the ranks within {timeout_s:.0f} s"
-                                        ) from None
+                    raise RankPoolError(
+                        f"no answer from the ranks within {timeout_s:.0f} s"
+                    ) from None
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask every rank to exit, wait, then terminate stragglers; idempotent."""
         for proc, commands in zip(self._procs, self._commands, strict=True):
             if proc.is_alive():
-                try:
+                with contextlib.suppress(OSError, ValueError):
                     commands.put(Shutdown())
-                except (OSError, ValueError):
-                    pass
         deadline = time.monotonic() + timeout_s
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))

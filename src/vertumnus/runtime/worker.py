@@ -22,9 +22,14 @@ from vertumnus.runtime.messages import PrefillCommand, PrefillDone, RankFailed
 from vertumnus.runtime.pool import RankPool, RankPoolError
 
 
-def plan_prefill(index: WorkerCacheIndex, tokens: Sequence[int], block_size: int,
-                 request_id: int, worker_ranks: tuple[int, ...],
-                 logits: str = "last") -> tuple[PrefillLease, PrefillCommand]:
+def plan_prefill(
+    index: WorkerCacheIndex,
+    tokens: Sequence[int],
+    block_size: int,
+    request_id: int,
+    worker_ranks: tuple[int, ...],
+    logits: str = "last",
+) -> tuple[PrefillLease, PrefillCommand]:
     """Pin the reusable prefix, allocate the new blocks, and build the command."""
     if not tokens:
         raise ValueError("a prefill needs at least one token")
@@ -42,10 +47,12 @@ def plan_prefill(index: WorkerCacheIndex, tokens: Sequence[int], block_size: int
         worker_ranks=worker_ranks,
         token_ids=torch.tensor(tokens[prefix_len:], dtype=torch.long),
         prefix_len=prefix_len,
-        prefix_slots=tuple(tuple(loc.slot for loc in lease.reused if loc.rank == r)
-                           for r in range(c)),
-        write=tuple(tuple((loc.depth, loc.slot) for loc in lease.new if loc.rank == r)
-                    for r in range(c)),
+        prefix_slots=tuple(
+            tuple(loc.slot for loc in lease.reused if loc.rank == r) for r in range(c)
+        ),
+        write=tuple(
+            tuple((loc.depth, loc.slot) for loc in lease.new if loc.rank == r) for r in range(c)
+        ),
         block_size=block_size,
         logits=logits,
     )
@@ -55,10 +62,10 @@ def plan_prefill(index: WorkerCacheIndex, tokens: Sequence[int], block_size: int
 @dataclass(frozen=True)
 class PrefillOutcome:
     request_id: int
-    cached_tokens: int       # tokens reused from the worker's cache
-    computed_tokens: int     # tokens computed by this prefill
-    logits: Tensor           # fp32 [1, V] (last position) or [computed_tokens, V]
-    prefill_s: float         # wall time from dispatch to the last rank's answer
+    cached_tokens: int  # tokens reused from the worker's cache
+    computed_tokens: int  # tokens computed by this prefill
+    logits: Tensor  # fp32 [1, V] (last position) or [computed_tokens, V]
+    prefill_s: float  # wall time from dispatch to the last rank's answer
     rank_compute_s: tuple[float, ...]
     collectives: dict[str, int]  # per rank (all equal): collectives issued, by tag
     report: CacheReport
@@ -80,20 +87,32 @@ class PrefillWorker:
     def prefill(self, tokens: Sequence[int], logits: str = "last") -> PrefillOutcome:
         request_id = self._next_id
         self._next_id += 1
-        lease, cmd = plan_prefill(self.index, tokens, self.block_size, request_id,
-                                  self.ranks, logits)
+        lease, cmd = plan_prefill(
+            self.index, tokens, self.block_size, request_id, self.ranks, logits
+        )
         start = time.perf_counter()
         for r in self.ranks:
             self.pool.send(r, cmd)
+        # Wait for every rank's answer, failures included, so that none is left in the
+        # queue to be mistaken for an answer to a later prefill.
         done: dict[int, PrefillDone] = {}
+        failed: dict[int, RankFailed] = {}
         try:
-            while len(done) < len(self.ranks):
+            while len(done) + len(failed) < len(self.ranks):
                 msg = self.pool.recv(self.pool.engine.rank_timeout_s)
-                if isinstance(msg, RankFailed):
-                    raise RankPoolError(f"prefill {request_id} failed on rank {msg.rank}: "
-                                        f"{msg.error}\n{msg.traceback}")
-                if isinstance(msg, PrefillDone) and msg.request_id == request_id:
-                    done[msg.rank] = msg
+                match msg:
+                    case RankFailed(request_id=None):
+                        raise RankPoolError(f"rank {msg.rank} failed: {msg.error}\n{msg.traceback}")
+                    case RankFailed() if msg.request_id == request_id and msg.rank in self.ranks:
+                        failed[msg.rank] = msg
+                    case PrefillDone() if msg.request_id == request_id and msg.rank in self.ranks:
+                        done[msg.rank] = msg
+            if failed:
+                first = failed[min(failed)]
+                raise RankPoolError(
+                    f"prefill {request_id} failed on rank {first.rank}: "
+                    f"{first.error}\n{first.traceback}"
+                )
         except BaseException:
             self.index.abort(lease)
             raise
@@ -102,7 +121,12 @@ class PrefillWorker:
         lead = done[self.ranks[0]]
         assert lead.logits is not None, "CP rank 0 returns the logits"
         return PrefillOutcome(
-            request_id=request_id, cached_tokens=cmd.prefix_len,
-            computed_tokens=int(cmd.token_ids.numel()), logits=lead.logits, prefill_s=elapsed,
+            request_id=request_id,
+            cached_tokens=cmd.prefix_len,
+            computed_tokens=int(cmd.token_ids.numel()),
+            logits=lead.logits,
+            prefill_s=elapsed,
             rank_compute_s=tuple(done[r].compute_s for r in self.ranks),
-            collectives=lead.collectives, report=report)
+            collectives=lead.collectives,
+            report=report,
+        )
