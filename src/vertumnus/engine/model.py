@@ -97,7 +97,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        h = F.silu(self.gate_proj(x), inplace=True)  # in place: one [T, I] buffer less
+        return self.down_proj(h.mul_(self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -111,8 +112,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionFn
     ) -> Tensor:
-        x = x + self.self_attn(layer, self.input_layernorm(x), cos, sin, attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # Residual adds in place: ``x`` is this forward's own buffer (the embedding output).
+        x = x.add_(self.self_attn(layer, self.input_layernorm(x), cos, sin, attention))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class Qwen3Backbone(nn.Module):
