@@ -150,7 +150,8 @@ class ZigzagAttention:
             )
             for lo, hi, start in self.blocks
         ]
-        return torch.cat(outs, dim=2)[0].transpose(0, 1)  # [2s, Hq, D]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        return out[0].transpose(0, 1)  # [2s, Hq, D]
 
     def _store_new_blocks(self, layer: int, suf: Tensor) -> None:
         bs, p = self.step.block_size, self.step.prefix_len
