@@ -1,8 +1,9 @@
 """``python -m vertumnus SUBCOMMAND``: the command-line front door.
 
 Subcommands: ``prefill`` (one CP worker, one prefill, optional check against a
-reference). Errors in what the user gave print one line on stderr and exit 2; a
-failure of the rank processes (``RankPoolError``) prints one line and exits 1.
+reference) and ``fit`` (the execution-time model from measured samples). Errors in
+what the user gave print one line on stderr and exit 2; a failure of the rank
+processes (``RankPoolError``) prints one line and exits 1.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from vertumnus import cli_prefill
+from vertumnus import cli_fit, cli_prefill
 from vertumnus.config import ConfigError
 
 
@@ -29,6 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cli_prefill.add_arguments(p)
     p.set_defaults(run=cli_prefill.run)
+    p = sub.add_parser(
+        "fit",
+        help="fit the execution-time model E_C(R, P) from samples",
+        description=cli_fit.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cli_fit.add_arguments(p)
+    p.set_defaults(run=cli_fit.run)
     return parser
 
 

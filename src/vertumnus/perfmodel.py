@@ -1,0 +1,261 @@
+"""Execution-time model E_C(R, P): prediction, fitting, profiles on disk.
+
+Owns the formula every predicted second in Vertumnus comes from (DESIGN.md §4):
+
+    W(R, P)   = R*P + R*(R+1)/2                      # remaining attention work
+    E_C(R, P) = d_C + a_C*R + b_C*P + (c_C*R + alpha_C*W(R, P)) / C
+
+with non-negative coefficients per (model, hardware, degree): ``d`` start-up (s),
+``a`` per-token cost that does not shrink with C (s/token), ``b`` prefix access
+(s/token), ``c`` token-local compute split over the ranks (s/token), ``alpha``
+attention (s/token pair). Fitting is non-negative least squares on *relative* error
+(each sample's row divided by its measured time), so short and long requests count
+alike. Prediction is pure Python (the scheduler and simulator call it per request);
+only fitting imports numpy and scipy.
+
+Not owned here: measuring samples on the engine (``profile``) and capacity
+(``capacity``), which produce the inputs and the ``capacity`` section of a profile.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+COEFF_NAMES = ("d", "a", "b", "c", "alpha")
+CSV_HEADER = ("degree", "uncached_tokens", "cached_tokens", "seconds")
+
+
+class ProfileError(ValueError):
+    """A sample file or profile that cannot be used; the message says where and why."""
+
+
+def attention_work(uncached_tokens: int, cached_tokens: int) -> float:
+    """W(R, P) = R*P + R*(R+1)/2: query-key pairs left to compute."""
+    r, p = uncached_tokens, cached_tokens
+    return r * p + r * (r + 1) / 2
+
+
+@dataclass(frozen=True)
+class DegreeCoeffs:
+    d: float = 0.0  # s
+    a: float = 0.0  # s / token, not divided by C
+    b: float = 0.0  # s / cached token
+    c: float = 0.0  # s / token, divided by C
+    alpha: float = 0.0  # s / token pair, divided by C
+
+    def __post_init__(self) -> None:
+        for name in COEFF_NAMES:
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ProfileError(f"coefficient {name} must be finite and >= 0, got {value!r}")
+
+    def predict(self, cp_degree: int, uncached_tokens: int, cached_tokens: int) -> float:
+        """E_C(R, P) in seconds."""
+        r, p = uncached_tokens, cached_tokens
+        return (
+            self.d
+            + self.a * r
+            + self.b * p
+            + (self.c * r + self.alpha * attention_work(r, p)) / cp_degree
+        )
+
+
+@dataclass(frozen=True)
+class Sample:
+    cp_degree: int
+    uncached_tokens: int
+    cached_tokens: int
+    seconds: float
+
+
+def _features(s: Sample) -> list[float]:
+    """Columns for d, c, b, alpha. Within one degree, a*R and c*R/C are the same column,
+    so a per-degree fit cannot tell them apart: it reports the whole per-token term as
+    ``c`` (``a`` = 0), which predicts the same E_C. ``a`` stays in the model for
+    profiles derived from a model of the hardware (where the split is known)."""
+    c = s.cp_degree
+    return [
+        1.0,
+        s.uncached_tokens / c,
+        float(s.cached_tokens),
+        attention_work(s.uncached_tokens, s.cached_tokens) / c,
+    ]
+
+
+def fit_degree(samples: list[Sample]) -> DegreeCoeffs:
+    """Non-negative least squares on relative error: min sum_i (E(x_i)/y_i - 1)^2."""
+    import numpy as np
+    from scipy.optimize import nnls  # type: ignore[import-untyped]
+
+    degrees = {s.cp_degree for s in samples}
+    if len(degrees) != 1:
+        raise ProfileError(f"fit_degree takes samples of one degree, got {sorted(degrees)}")
+    if len(samples) < 4:
+        raise ProfileError(f"degree {degrees.pop()}: {len(samples)} samples, need at least 4")
+    x = np.array([_features(s) for s in samples], dtype=np.float64)
+    y = np.array([s.seconds for s in samples], dtype=np.float64)
+    rows = x / y[:, None]
+    # Columns span ~10 orders of magnitude (1 vs R*P): scale them for a stable solve.
+    scale = np.abs(rows).max(axis=0)
+    scale[scale == 0] = 1.0
+    solution, _ = nnls(rows / scale, np.ones_like(y), maxiter=50 * x.shape[1])
+    d, c, b, alpha = (float(v) for v in solution / scale)
+    return DegreeCoeffs(d=d, a=0.0, b=b, c=c, alpha=alpha)
+
+
+def mape(coeffs: DegreeCoeffs, samples: Iterable[Sample]) -> float:
+    """Mean absolute percentage error of ``coeffs`` on ``samples`` (a fraction)."""
+    errors = [
+        abs(coeffs.predict(s.cp_degree, s.uncached_tokens, s.cached_tokens) - s.seconds) / s.seconds
+        for s in samples
+    ]
+    return sum(errors) / len(errors) if errors else float("nan")
+
+
+@dataclass
+class Profile:
+    """Per-degree coefficients of one (model, hardware), as stored in a JSON file."""
+
+    model: str
+    hardware: str
+    block_size: int
+    coeffs: dict[int, DegreeCoeffs]
+    mape: dict[int, float] = field(default_factory=dict)
+    capacity: dict[int, dict[str, Any]] = field(default_factory=dict)
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def degrees(self) -> list[int]:
+        return sorted(self.coeffs)
+
+    def predict(self, cp_degree: int, uncached_tokens: int, cached_tokens: int) -> float:
+        try:
+            coeffs = self.coeffs[cp_degree]
+        except KeyError:
+            raise ProfileError(
+                f"profile {self.model}/{self.hardware} has no degree "
+                f"{cp_degree} (has {self.degrees})"
+            ) from None
+        return coeffs.predict(cp_degree, uncached_tokens, cached_tokens)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "hardware": self.hardware,
+            "block_size": self.block_size,
+            "degrees": {str(c): asdict(self.coeffs[c]) for c in self.degrees},
+            "mape": {str(c): v for c, v in sorted(self.mape.items())},
+            "capacity": {str(c): v for c, v in sorted(self.capacity.items())},
+            "provenance": self.provenance,
+        }
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any], source: str = "profile") -> Profile:
+        try:
+            degrees = raw["degrees"]
+            coeffs = {
+                _degree(k, source): DegreeCoeffs(**{n: float(v[n]) for n in COEFF_NAMES})
+                for k, v in degrees.items()
+            }
+            return cls(
+                model=str(raw["model"]),
+                hardware=str(raw["hardware"]),
+                block_size=int(raw["block_size"]),
+                coeffs=coeffs,
+                mape={_degree(k, source): float(v) for k, v in raw.get("mape", {}).items()},
+                capacity={_degree(k, source): dict(v) for k, v in raw.get("capacity", {}).items()},
+                provenance=dict(raw.get("provenance", {})),
+            )
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ProfileError(
+                f"{source}: malformed profile ({type(exc).__name__}: {exc})"
+            ) from exc
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ProfileError(f"{path}: {exc}") from exc
+        return cls.from_json(raw, source=str(path))
+
+
+def _degree(key: object, source: str) -> int:
+    try:
+        degree = int(str(key))
+    except ValueError:
+        raise ProfileError(f"{source}: degree {key!r} is not an integer") from None
+    if degree < 1:
+        raise ProfileError(f"{source}: degree {degree} must be >= 1")
+    return degree
+
+
+def read_samples_csv(path: str | Path) -> list[Sample]:
+    """Rows ``degree,uncached_tokens,cached_tokens,seconds``; errors name the line."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ProfileError(f"{path}: {exc}") from exc
+    reader = csv.reader(text.splitlines())
+    header = next(reader, None)
+    if header is None or tuple(h.strip() for h in header) != CSV_HEADER:
+        raise ProfileError(
+            f"{path}:1: expected the header {','.join(CSV_HEADER)}, got {','.join(header or [])!r}"
+        )
+    samples = []
+    for line, row in enumerate(reader, start=2):
+        if not row or all(not cell.strip() for cell in row):
+            continue
+        if len(row) != len(CSV_HEADER):
+            raise ProfileError(f"{path}:{line}: expected {len(CSV_HEADER)} fields, got {len(row)}")
+        try:
+            degree, r, p = (int(cell) for cell in row[:3])
+            seconds = float(row[3])
+        except ValueError:
+            raise ProfileError(
+                f"{path}:{line}: degree and token counts must be integers "
+                f"and seconds a number, got {','.join(row)!r}"
+            ) from None
+        if degree < 1 or r < 1 or p < 0:
+            raise ProfileError(
+                f"{path}:{line}: need degree >= 1, uncached_tokens >= 1 and "
+                f"cached_tokens >= 0, got {','.join(row)!r}"
+            )
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ProfileError(f"{path}:{line}: seconds must be a positive number, got {row[3]!r}")
+        samples.append(Sample(degree, r, p, seconds))
+    if not samples:
+        raise ProfileError(f"{path}: no samples")
+    return samples
+
+
+def fit_profile(
+    samples: list[Sample],
+    model: str,
+    hardware: str,
+    block_size: int,
+    provenance: dict[str, Any] | None = None,
+) -> Profile:
+    """One fit per degree present in ``samples``, with its in-sample MAPE."""
+    by_degree: dict[int, list[Sample]] = {}
+    for s in samples:
+        by_degree.setdefault(s.cp_degree, []).append(s)
+    coeffs = {c: fit_degree(ss) for c, ss in sorted(by_degree.items())}
+    errors = {c: mape(coeffs[c], by_degree[c]) for c in coeffs}
+    return Profile(
+        model=model,
+        hardware=hardware,
+        block_size=block_size,
+        coeffs=coeffs,
+        mape=errors,
+        provenance=dict(provenance or {}),
+    )
