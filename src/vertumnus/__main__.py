@@ -15,6 +15,12 @@ from collections.abc import Sequence
 from vertumnus import cli_fit, cli_prefill
 from vertumnus.config import ConfigError
 
+# (name, one-line help, module with add_arguments(parser) and run(args) -> exit code)
+COMMANDS = (
+    ("prefill", "run one prefill on a CP worker of C ranks", cli_prefill),
+    ("fit", "fit the execution-time model E_C(R, P) from samples", cli_fit),
+)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -22,22 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Vertumnus: prefill pool for long-context LLM serving.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser(
-        "prefill",
-        help="run one prefill on a CP worker of C ranks",
-        description=cli_prefill.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    cli_prefill.add_arguments(p)
-    p.set_defaults(run=cli_prefill.run)
-    p = sub.add_parser(
-        "fit",
-        help="fit the execution-time model E_C(R, P) from samples",
-        description=cli_fit.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    cli_fit.add_arguments(p)
-    p.set_defaults(run=cli_fit.run)
+    for name, summary, module in COMMANDS:
+        p = sub.add_parser(
+            name,
+            help=summary,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(p)
+        p.set_defaults(run=module.run)
     return parser
 
 
