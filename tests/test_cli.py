@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,8 +65,15 @@ def run_cli(*args: str, timeout_s: float = CLI_TIMEOUT_S) -> subprocess.Complete
 def _no_leftover_processes() -> Iterator[None]:
     before = live_child_pids()
     yield
-    leftover = {sid: pids_in_session(sid) for sid in _sessions}
-    leftover = {sid: pids for sid, pids in leftover.items() if pids}
+    # A CLI's helpers (multiprocessing's resource tracker) exit just after it does:
+    # give them a few seconds before calling anything a leftover.
+    deadline = time.monotonic() + 5.0
+    while True:
+        leftover = {sid: pids_in_session(sid) for sid in _sessions}
+        leftover = {sid: pids for sid, pids in leftover.items() if pids}
+        if not leftover or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     for sid in leftover:
         os.killpg(sid, signal.SIGKILL)
     assert leftover == {}, "CLI processes outlived their run"
@@ -379,3 +387,43 @@ def test_usage_errors(args: list[str], message: str) -> None:
     assert "Traceback" not in result.stderr
     assert result.stderr.splitlines()[0].startswith("usage: python -m vertumnus")
     assert result.stderr.splitlines()[-1].endswith(f"error: {message}")
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_profile_then_fit_round_trip(tmp_path: Path) -> None:
+    """`profile` measures a small grid on real ranks, fits, and writes samples that
+    `fit` reads back to the same per-degree coefficients."""
+    out, samples = tmp_path / "profile.json", tmp_path / "samples.csv"
+    args = [
+        "profile",
+        "--model",
+        "tiny",
+        "--degrees",
+        "1,2",
+        "--lengths",
+        "16,48,96,160",
+        "--hit-ratios",
+        "0,0.5",
+        "--repeats",
+        "1",
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+        "--samples-out",
+        str(samples),
+    ]
+    result = run_cli(*args, timeout_s=170)
+    assert result.returncode == 0, result.stderr
+    assert "degree 1: MAPE fit" in result.stdout and "degree 2: MAPE fit" in result.stdout
+    profile = json.loads(out.read_text())
+    assert sorted(profile["degrees"]) == ["1", "2"]
+    assert set(profile["degrees"]["2"]) == {"d", "a", "b", "c", "alpha"}
+    assert profile["model"] == "tiny" and profile["block_size"] == 16
+    assert set(profile["provenance"]["mape_held_out"]) == {"1", "2"}
+    rows = samples.read_text().splitlines()
+    assert rows[0] == "degree,uncached_tokens,cached_tokens,seconds"
+    assert len(rows) == 1 + 2 * 8
+    # A 50 % hit on 96 tokens reuses 48 (three whole blocks).
+    assert any(row.startswith("2,48,48,") for row in rows[1:])

@@ -12,13 +12,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from vertumnus import cli_fit, cli_prefill
+from vertumnus import cli_fit, cli_prefill, cli_profile
 from vertumnus.config import ConfigError
+from vertumnus.perfmodel import ProfileError
 
 # (name, one-line help, module with add_arguments(parser) and run(args) -> exit code)
 COMMANDS = (
     ("prefill", "run one prefill on a CP worker of C ranks", cli_prefill),
     ("fit", "fit the execution-time model E_C(R, P) from samples", cli_fit),
+    ("profile", "measure the engine on a grid and fit E_C(R, P) per degree", cli_profile),
 )
 
 
@@ -44,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
-    except ConfigError as exc:
+    except (ConfigError, ProfileError) as exc:
         print(f"vertumnus {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:

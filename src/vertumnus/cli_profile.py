@@ -1,0 +1,201 @@
+"""``python -m vertumnus profile``: measure the real engine, fit E_C(R, P) per degree.
+
+A queue-free grid over input length and prefix-hit ratio, for every degree asked
+for: one CP worker of C ranks at a time (its own rank pool), one request at a time.
+For each grid point and repeat, fresh random tokens: their prefix (hit ratio x
+length, whole blocks) is prefilled first, untimed, so that the timed prefill of the
+whole sequence reuses it. Warm-up runs come first; the median of the repeats is the
+sample. Then the fit, on alternate grid points, with the MAPE on the held-out rest
+and on all points. CPU ranks get one intra-op thread each by default (one rank = one
+core, as one rank = one GPU on a GPU pool).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import platform
+import random
+import statistics
+import sys
+from pathlib import Path
+
+from vertumnus.config import ConfigError, EngineConfig, resolve_model
+from vertumnus.perfmodel import Sample, fit_profile, mape
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected integers separated by commas: {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers: {text!r}")
+    return values
+
+
+def _ratio_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected numbers separated by commas: {text!r}"
+        ) from None
+    if not values or not all(0 <= v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"hit ratios must lie in [0, 1): {text!r}")
+    return values
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="preset or Hugging Face folder")
+    p.add_argument("--degrees", type=_int_list, default=[1, 2], help="e.g. 1,2,4 (default 1,2)")
+    p.add_argument("--out", type=Path, required=True, metavar="PROFILE.json")
+    p.add_argument(
+        "--lengths",
+        type=_int_list,
+        default=[64, 128, 256, 512, 1024, 2048, 4096],
+        help="input lengths of the grid",
+    )
+    p.add_argument(
+        "--hit-ratios",
+        type=_ratio_list,
+        default=[0.0, 0.25, 0.5, 0.75],
+        help="prefix-hit ratios of the grid",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (median)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs per degree first")
+    p.add_argument("--block-size", type=int, default=EngineConfig().block_size)
+    p.add_argument("--threads-per-rank", type=int, default=1)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument(
+        "--hardware",
+        default=None,
+        help="recorded in the profile (default: cpu-<machine> or the CUDA device name)",
+    )
+    p.add_argument(
+        "--samples-out",
+        type=Path,
+        default=None,
+        metavar="F.csv",
+        help="also write the measured samples (the format `fit` reads)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    if not sys.stderr.isatty():
+        return
+    width = 30
+    filled = width * done // max(1, total)
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<28}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg, model_dir = resolve_model(args.model)
+    if args.repeats < 1 or args.warmup < 0:
+        raise ConfigError("--repeats must be >= 1 and --warmup >= 0")
+    too_long = [n for n in args.lengths if n > cfg.max_position_embeddings]
+    if too_long:
+        raise ConfigError(f"lengths {too_long} exceed the model's max_position_embeddings")
+    if not args.out.parent.is_dir():
+        raise ConfigError(f"--out {args.out}: no directory {args.out.parent}")
+    from vertumnus.runtime.pool import RankPool
+    from vertumnus.runtime.worker import PrefillWorker
+
+    grid = [(n, h) for n in args.lengths for h in args.hit_ratios]
+    if len(grid) < 8:
+        raise ConfigError(
+            f"the grid has {len(grid)} points; the fit (on half of them) needs "
+            "at least 8: give more --lengths or --hit-ratios"
+        )
+    blocks_needed = 2 * max(args.lengths) // args.block_size + 2
+    rng = random.Random(args.seed)
+    samples: list[Sample] = []
+    total, done = len(args.degrees) * len(grid), 0
+    hardware = args.hardware
+    for degree in args.degrees:
+        engine = EngineConfig(
+            block_size=args.block_size,
+            device=args.device,
+            threads_per_rank=args.threads_per_rank,
+            seed=args.seed,
+            kv_blocks_per_rank=blocks_needed,
+        )
+        with RankPool(cfg, model_dir, engine, world_size=degree, degrees=[degree]) as pool:
+            if hardware is None:
+                hardware = _hardware(pool.ready[0].device)
+
+            def measure(length: int, hit: float) -> tuple[int, int, float]:
+                # A fresh worker index per run: nothing but the prefix is ever reused.
+                worker = PrefillWorker(pool, tuple(range(degree)))  # noqa: B023
+                tokens = [rng.randrange(cfg.vocab_size) for _ in range(length)]
+                prefix = int(length * hit) // args.block_size * args.block_size
+                if prefix:
+                    worker.prefill(tokens[:prefix])
+                out = worker.prefill(tokens)
+                return out.computed_tokens, out.cached_tokens, out.prefill_s
+
+            for i in range(args.warmup):
+                measure(max(args.lengths), args.hit_ratios[i % len(args.hit_ratios)])
+            for length, hit in grid:
+                runs = [measure(length, hit) for _ in range(args.repeats)]
+                r, p = runs[0][0], runs[0][1]
+                samples.append(Sample(degree, r, p, statistics.median(t for _, _, t in runs)))
+                done += 1
+                _progress(done, total, f"C={degree} L={length} hit={hit:g}")
+    fit_set = [s for i, s in enumerate(samples) if i % 2 == 0]
+    held_out = [s for i, s in enumerate(samples) if i % 2 == 1]
+    profile = fit_profile(
+        fit_set,
+        model=cfg.name,
+        hardware=hardware or "unknown",
+        block_size=args.block_size,
+        provenance={
+            "command": " ".join(["python -m vertumnus", *sys.argv[1:]]),
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "machine": platform.node(),
+            "threads_per_rank": args.threads_per_rank,
+            "grid": {
+                "lengths": args.lengths,
+                "hit_ratios": args.hit_ratios,
+                "repeats": args.repeats,
+            },
+            "fit_on": "alternate grid points; mape_held_out on the others",
+        },
+    )
+    profile.provenance["mape_held_out"] = {
+        str(c): mape(profile.coeffs[c], [s for s in held_out if s.cp_degree == c])
+        for c in profile.degrees
+    }
+    profile.provenance["mape_all"] = {
+        str(c): mape(profile.coeffs[c], [s for s in samples if s.cp_degree == c])
+        for c in profile.degrees
+    }
+    profile.save(args.out)
+    if args.samples_out is not None:
+        rows = [
+            f"{s.cp_degree},{s.uncached_tokens},{s.cached_tokens},{s.seconds!r}" for s in samples
+        ]
+        args.samples_out.write_text(
+            "degree,uncached_tokens,cached_tokens,seconds\n" + "\n".join(rows) + "\n"
+        )
+    for c in profile.degrees:
+        print(
+            f"degree {c}: MAPE fit {100 * profile.mape[c]:.2f}%, held-out "
+            f"{100 * profile.provenance['mape_held_out'][str(c)]:.2f}%"
+        )
+    print(f"profile written to {args.out}")
+    return 0
+
+
+def _hardware(device: str) -> str:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"cpu-{platform.machine()}-{platform.processor() or 'unknown'}"
