@@ -392,8 +392,8 @@ def test_usage_errors(args: list[str], message: str) -> None:
 @pytest.mark.multiproc
 @pytest.mark.timeout(180)
 def test_profile_then_fit_round_trip(tmp_path: Path) -> None:
-    """`profile` measures a small grid on real ranks, fits, and writes samples that
-    `fit` reads back to the same per-degree coefficients."""
+    """`profile` measures a small grid on real ranks, fits, plots, and writes samples in
+    the format `fit` reads."""
     out, samples = tmp_path / "profile.json", tmp_path / "samples.csv"
     args = [
         "profile",
@@ -413,6 +413,8 @@ def test_profile_then_fit_round_trip(tmp_path: Path) -> None:
         str(out),
         "--samples-out",
         str(samples),
+        "--plot",
+        str(tmp_path / "fit.png"),
     ]
     result = run_cli(*args, timeout_s=170)
     assert result.returncode == 0, result.stderr
@@ -422,8 +424,12 @@ def test_profile_then_fit_round_trip(tmp_path: Path) -> None:
     assert set(profile["degrees"]["2"]) == {"d", "a", "b", "c", "alpha"}
     assert profile["model"] == "tiny" and profile["block_size"] == 16
     assert set(profile["provenance"]["mape_held_out"]) == {"1", "2"}
+    assert (tmp_path / "fit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = samples.read_text().splitlines()
     assert rows[0] == "degree,uncached_tokens,cached_tokens,seconds"
     assert len(rows) == 1 + 2 * 8
     # A 50 % hit on 96 tokens reuses 48 (three whole blocks).
     assert any(row.startswith("2,48,48,") for row in rows[1:])
+    refit = run_cli("fit", "--samples", str(samples), "--out", str(tmp_path / "refit.json"))
+    assert refit.returncode == 0, refit.stderr
+    assert "degree 1: 8 samples, MAPE" in refit.stdout

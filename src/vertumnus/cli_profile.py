@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from vertumnus.config import ConfigError, EngineConfig, resolve_model
-from vertumnus.perfmodel import Sample, fit_profile, mape
+from vertumnus.perfmodel import Profile, Sample, fit_profile, mape
 
 
 def _int_list(text: str) -> list[int]:
@@ -82,6 +82,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also write the measured samples (the format `fit` reads)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FIT.png",
+        help="predicted against measured time per degree (held-out points marked)",
+    )
 
 
 def _progress(done: int, total: int, label: str) -> None:
@@ -102,8 +109,13 @@ def run(args: argparse.Namespace) -> int:
     too_long = [n for n in args.lengths if n > cfg.max_position_embeddings]
     if too_long:
         raise ConfigError(f"lengths {too_long} exceed the model's max_position_embeddings")
-    if not args.out.parent.is_dir():
-        raise ConfigError(f"--out {args.out}: no directory {args.out.parent}")
+    for flag, path in (
+        ("--out", args.out),
+        ("--plot", args.plot),
+        ("--samples-out", args.samples_out),
+    ):
+        if path is not None and not path.parent.is_dir():
+            raise ConfigError(f"{flag} {path}: no directory {path.parent}")
     from vertumnus.runtime.pool import RankPool
     from vertumnus.runtime.worker import PrefillWorker
 
@@ -184,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
         args.samples_out.write_text(
             "degree,uncached_tokens,cached_tokens,seconds\n" + "\n".join(rows) + "\n"
         )
+    if args.plot is not None:
+        plot_fit(profile, fit_set, held_out, args.plot)
     for c in profile.degrees:
         print(
             f"degree {c}: MAPE fit {100 * profile.mape[c]:.2f}%, held-out "
@@ -199,3 +213,42 @@ def _hardware(device: str) -> str:
 
         return torch.cuda.get_device_name(torch.device(device))
     return f"cpu-{platform.machine()}-{platform.processor() or 'unknown'}"
+
+
+def plot_fit(profile: Profile, fitted: list[Sample], held_out: list[Sample], path: Path) -> None:
+    """One panel per degree: predicted against measured seconds, log-log, y = x drawn
+    (as the paper's Figure 4), fitted points filled and held-out points hollow."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    degrees = profile.degrees
+    fig, axes = plt.subplots(1, len(degrees), figsize=(4 * len(degrees), 4), squeeze=False)
+    for ax, c in zip(axes[0], degrees, strict=True):
+        for points, style in (
+            (fitted, {"label": "fitted"}),
+            (held_out, {"label": "held out", "facecolors": "none", "edgecolors": "C1"}),
+        ):
+            mine = [s for s in points if s.cp_degree == c]
+            measured = [s.seconds for s in mine]
+            predicted = [profile.predict(c, s.uncached_tokens, s.cached_tokens) for s in mine]
+            ax.scatter(measured, predicted, s=18, **style)
+        everything = [s.seconds for s in (*fitted, *held_out) if s.cp_degree == c]
+        lo, hi = min(everything) * 0.8, max(everything) * 1.25
+        ax.plot([lo, hi], [lo, hi], color="grey", linewidth=1)
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlim=(lo, hi),
+            ylim=(lo, hi),
+            xlabel="measured prefill time (s)",
+            ylabel="predicted E_C(R, P) (s)",
+            title=f"C = {c}: MAPE held out "
+            f"{100 * profile.provenance['mape_held_out'][str(c)]:.1f} %",
+        )
+        ax.legend(loc="upper left")
+    fig.suptitle(f"{profile.model} on {profile.hardware}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
