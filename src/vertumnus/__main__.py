@@ -1,7 +1,8 @@
 """``python -m vertumnus SUBCOMMAND``: the command-line front door.
 
 Subcommands: ``prefill`` (one CP worker, one prefill, optional check against a
-reference) and ``fit`` (the execution-time model from measured samples). Errors in
+reference), ``fit`` (the execution-time model from measured samples), ``profile``
+(measure the engine and fit) and ``capacity`` (kappa_C per degree into a profile). Errors in
 what the user gave print one line on stderr and exit 2; a failure of the rank
 processes (``RankPoolError``) prints one line and exits 1.
 """
@@ -12,15 +13,19 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from vertumnus import cli_fit, cli_prefill, cli_profile
+from vertumnus import cli_capacity, cli_fit, cli_prefill, cli_profile
+from vertumnus.capacity import CapacityError
 from vertumnus.config import ConfigError
 from vertumnus.perfmodel import ProfileError
+from vertumnus.sim.traces import TraceError
+from vertumnus.slo import SloError
 
 # (name, one-line help, module with add_arguments(parser) and run(args) -> exit code)
 COMMANDS = (
     ("prefill", "run one prefill on a CP worker of C ranks", cli_prefill),
     ("fit", "fit the execution-time model E_C(R, P) from samples", cli_fit),
     ("profile", "measure the engine on a grid and fit E_C(R, P) per degree", cli_profile),
+    ("capacity", "find each degree's capacity kappa_C and write it into a profile", cli_capacity),
 )
 
 
@@ -46,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
-    except (ConfigError, ProfileError) as exc:
+    except (ConfigError, ProfileError, CapacityError, TraceError, SloError) as exc:
         print(f"vertumnus {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:

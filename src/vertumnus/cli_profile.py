@@ -4,10 +4,12 @@ A queue-free grid over input length and prefix-hit ratio, for every degree asked
 for: one CP worker of C ranks at a time (its own rank pool), one request at a time.
 For each grid point and repeat, fresh random tokens: their prefix (hit ratio x
 length, whole blocks) is prefilled first, untimed, so that the timed prefill of the
-whole sequence reuses it. Warm-up runs come first; the median of the repeats is the
-sample. Then the fit, on alternate grid points, with the MAPE on the held-out rest
-and on all points. CPU ranks get one intra-op thread each by default (one rank = one
-core, as one rank = one GPU on a GPU pool).
+whole sequence reuses it. Warm-up runs come first; then the repeats of all points
+run interleaved in a seeded random order, and the median of a point's repeats is its
+sample. The fit uses a checkerboard half of the grid (every length and every hit
+ratio in both halves); the profile records the MAPE on the held-out half and on all
+points. CPU ranks get one intra-op thread each by default (one rank = one core, as
+one rank = one GPU on a GPU pool).
 """
 
 from __future__ import annotations
@@ -20,51 +22,28 @@ import statistics
 import sys
 from pathlib import Path
 
+from vertumnus.cli_args import int_list, ratio_list
 from vertumnus.config import ConfigError, EngineConfig, resolve_model
 from vertumnus.perfmodel import Profile, Sample, fit_profile, mape
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected integers separated by commas: {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers: {text!r}")
-    return values
-
-
-def _ratio_list(text: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected numbers separated by commas: {text!r}"
-        ) from None
-    if not values or not all(0 <= v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"hit ratios must lie in [0, 1): {text!r}")
-    return values
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="preset or Hugging Face folder")
-    p.add_argument("--degrees", type=_int_list, default=[1, 2], help="e.g. 1,2,4 (default 1,2)")
+    p.add_argument("--degrees", type=int_list, default=[1, 2], help="e.g. 1,2,4 (default 1,2)")
     p.add_argument("--out", type=Path, required=True, metavar="PROFILE.json")
     p.add_argument(
         "--lengths",
-        type=_int_list,
-        default=[64, 128, 256, 512, 1024, 2048, 4096],
+        type=int_list,
+        default=[128, 256, 512, 1024, 2048, 4096, 8192],
         help="input lengths of the grid",
     )
     p.add_argument(
         "--hit-ratios",
-        type=_ratio_list,
+        type=ratio_list,
         default=[0.0, 0.25, 0.5, 0.75],
         help="prefix-hit ratios of the grid",
     )
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (median)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per point (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per degree first")
     p.add_argument("--block-size", type=int, default=EngineConfig().block_size)
     p.add_argument("--threads-per-rank", type=int, default=1)
@@ -128,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     blocks_needed = 2 * max(args.lengths) // args.block_size + 2
     rng = random.Random(args.seed)
     samples: list[Sample] = []
-    total, done = len(args.degrees) * len(grid), 0
+    total, done = len(args.degrees) * len(grid) * args.repeats, 0
     hardware = args.hardware
     for degree in args.degrees:
         engine = EngineConfig(
@@ -154,14 +133,28 @@ def run(args: argparse.Namespace) -> int:
 
             for i in range(args.warmup):
                 measure(max(args.lengths), args.hit_ratios[i % len(args.hit_ratios)])
-            for length, hit in grid:
-                runs = [measure(length, hit) for _ in range(args.repeats)]
-                r, p = runs[0][0], runs[0][1]
-                samples.append(Sample(degree, r, p, statistics.median(t for _, _, t in runs)))
+            # Repeats interleaved in a shuffled order, so that a slow spell of the
+            # machine spreads over many points (where the median drops it) instead of
+            # shifting every repeat of a few neighbouring points.
+            order = [point for point in range(len(grid)) for _ in range(args.repeats)]
+            rng.shuffle(order)
+            runs: dict[int, list[tuple[int, int, float]]] = {i: [] for i in range(len(grid))}
+            for point in order:
+                length, hit = grid[point]
+                runs[point].append(measure(length, hit))
                 done += 1
                 _progress(done, total, f"C={degree} L={length} hit={hit:g}")
-    fit_set = [s for i, s in enumerate(samples) if i % 2 == 0]
-    held_out = [s for i, s in enumerate(samples) if i % 2 == 1]
+            for point in range(len(grid)):
+                r, p, _ = runs[point][0]
+                seconds = statistics.median(t for _, _, t in runs[point])
+                samples.append(Sample(degree, r, p, seconds))
+    # A checkerboard over (length, hit ratio): every length and every hit ratio has
+    # points in both halves, so the held-out half tests interpolation, not a hit
+    # ratio the fit never saw.
+    n_hits = len(args.hit_ratios)
+    held = [((i % len(grid)) // n_hits + i % n_hits) % 2 == 1 for i in range(len(samples))]
+    fit_set = [s for s, h in zip(samples, held, strict=True) if not h]
+    held_out = [s for s, h in zip(samples, held, strict=True) if h]
     profile = fit_profile(
         fit_set,
         model=cfg.name,
@@ -177,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
                 "hit_ratios": args.hit_ratios,
                 "repeats": args.repeats,
             },
-            "fit_on": "alternate grid points; mape_held_out on the others",
+            "fit_on": "checkerboard half of the grid; mape_held_out on the other half",
         },
     )
     profile.provenance["mape_held_out"] = {
