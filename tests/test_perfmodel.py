@@ -172,3 +172,25 @@ def test_fit_command_reports_a_bad_row_as_a_usage_error(tmp_path: Path, capsys):
     assert main(["fit", "--samples", str(path), "--out", str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err
     assert "samples.csv:2:" in err and "Traceback" not in err
+
+
+def test_profile_holds_out_a_checkerboard_of_the_grid():
+    from vertumnus.cli_profile import checkerboard_split
+
+    lengths, hits = (128, 256, 512), (0.0, 0.25, 0.5, 0.75)
+    samples = [
+        Sample(c, n - int(n * h), int(n * h), 1.0) for c in (1, 2) for n in lengths for h in hits
+    ]
+    fitted, held_out = checkerboard_split(samples, len(lengths), len(hits))
+    assert len(fitted) == len(held_out) == 12
+    assert set(fitted).isdisjoint(held_out)
+    for half in (fitted, held_out):
+        for c in (1, 2):
+            mine = [s for s in half if s.cp_degree == c]
+            # Every length and every hit ratio is in both halves, for every degree.
+            assert {s.uncached_tokens + s.cached_tokens for s in mine} == set(lengths)
+            assert {s.cached_tokens / (s.uncached_tokens + s.cached_tokens) for s in mine} == set(
+                hits
+            )
+    # Neighbours in the grid fall in different halves.
+    assert samples[0] in fitted and samples[1] in held_out and samples[4] in held_out

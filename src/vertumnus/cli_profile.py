@@ -148,13 +148,7 @@ def run(args: argparse.Namespace) -> int:
                 r, p, _ = runs[point][0]
                 seconds = statistics.median(t for _, _, t in runs[point])
                 samples.append(Sample(degree, r, p, seconds))
-    # A checkerboard over (length, hit ratio): every length and every hit ratio has
-    # points in both halves, so the held-out half tests interpolation, not a hit
-    # ratio the fit never saw.
-    n_hits = len(args.hit_ratios)
-    held = [((i % len(grid)) // n_hits + i % n_hits) % 2 == 1 for i in range(len(samples))]
-    fit_set = [s for s, h in zip(samples, held, strict=True) if not h]
-    held_out = [s for s, h in zip(samples, held, strict=True) if h]
+    fit_set, held_out = checkerboard_split(samples, len(args.lengths), len(args.hit_ratios))
     profile = fit_profile(
         fit_set,
         model=cfg.name,
@@ -198,6 +192,21 @@ def run(args: argparse.Namespace) -> int:
         )
     print(f"profile written to {args.out}")
     return 0
+
+
+def checkerboard_split(
+    samples: list[Sample], n_lengths: int, n_hits: int
+) -> tuple[list[Sample], list[Sample]]:
+    """(fitted, held out): samples are in grid order, degree by degree, length-major.
+    A checkerboard over (length, hit ratio) puts every length and every hit ratio in
+    both halves, so the held-out half tests interpolation, not a hit ratio (or a
+    length) that the fit never saw."""
+    per_degree = n_lengths * n_hits
+    fitted, held_out = [], []
+    for i, sample in enumerate(samples):
+        length_i, hit_i = divmod(i % per_degree, n_hits)
+        (held_out if (length_i + hit_i) % 2 else fitted).append(sample)
+    return fitted, held_out
 
 
 def _hardware(device: str) -> str:
