@@ -22,7 +22,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from vertumnus.blocks import block_ids
+from vertumnus.blocks import ROOT_BLOCK_ID, block_ids
 from vertumnus.policy.cache_index import (
     BlockLocation,
     CacheReport,
@@ -49,8 +49,12 @@ def cache(index: WorkerCacheIndex, chain: Sequence[int]) -> CacheReport:
     return report
 
 
-def report(inserted: Sequence[int] = (), evicted: Sequence[int] = ()) -> CacheReport:
-    return CacheReport(WORKER, inserted=tuple(inserted), evicted=tuple(evicted))
+def report(
+    inserted: Sequence[int] = (), evicted: Sequence[int] = (), parent: int = ROOT_BLOCK_ID
+) -> CacheReport:
+    return CacheReport(
+        WORKER, inserted=tuple(inserted), evicted=tuple(evicted), inserted_parent=parent
+    )
 
 
 def ids(locs: Sequence[BlockLocation]) -> list[int]:
@@ -96,7 +100,7 @@ def test_begin_reuses_the_matched_prefix_and_allocates_the_rest() -> None:
     assert lease.reused == [loc(11, 0, 0, 0), loc(12, 1, 1, 0)]
     assert lease.num_reused_blocks == 2
     assert lease.new == [loc(23, 2, 0, 2), loc(24, 3, 1, 1)]
-    assert index.commit(lease) == report(inserted=[23, 24])
+    assert index.commit(lease) == report(inserted=[23, 24], parent=12)
     assert ids(index.match([11, 12, 23, 24])) == [11, 12, 23, 24]
     assert ids(index.match([11, 12, 13])) == [11, 12, 13]
     index.check_invariants()
@@ -230,7 +234,7 @@ def test_a_branch_may_grow_beside_a_block_being_written() -> None:
     assert (ids(second.reused), ids(second.new)) == ([11], [22])
     assert first.new[0].slot != second.new[0].slot
     assert index.abort(first) == report()
-    assert index.commit(second) == report(inserted=[22])
+    assert index.commit(second) == report(inserted=[22], parent=11)
     assert ids(index.match([11, 12])) == [11]
     assert ids(index.match([11, 22])) == [11, 22]
     index.check_invariants()
@@ -243,7 +247,7 @@ def test_pinned_blocks_are_never_evicted() -> None:
     blocked = index.begin([21], ALL)
     assert blocked == PrefillLease(reused=[], new=[])  # nothing evictable
     assert index.commit(blocked) == report()
-    assert index.commit(running) == report(inserted=[12])
+    assert index.commit(running) == report(inserted=[12], parent=11)
     # Unpinned now: 12 is the only leaf, then 11 is.
     lease = index.begin([21, 22], ALL)
     assert ids(lease.new) == [21, 22]
@@ -315,7 +319,7 @@ def test_eviction_keeps_the_reused_parent_of_the_new_block() -> None:
     lease = index.begin([11, 12, 24], ALL)
     assert ids(lease.reused) == [11, 12]
     assert lease.new == [loc(24, 2, 0, 2)]
-    assert index.commit(lease) == report(inserted=[24], evicted=[13])
+    assert index.commit(lease) == report(inserted=[24], evicted=[13], parent=12)
     index.check_invariants()
 
 

@@ -39,12 +39,14 @@ class BlockLocation:
 @dataclass(frozen=True)
 class CacheReport:
     """Cache-state change of one worker, for the global trie, to apply in the order
-    reports are returned. ``inserted``: parents before children; ``evicted``: in
-    eviction order (leaves first), only blocks not held when the report is made."""
+    reports are returned. ``inserted``: one chain, parents before children, under
+    ``inserted_parent`` (a block the worker already holds, or the root); ``evicted``:
+    in eviction order (leaves first), only blocks not held when the report is made."""
 
     worker_id: int
     inserted: tuple[int, ...] = ()
     evicted: tuple[int, ...] = ()
+    inserted_parent: int = ROOT_BLOCK_ID
 
 
 @dataclass
@@ -150,6 +152,9 @@ class WorkerCacheIndex:
             self.worker_id,
             inserted=tuple(loc.block_id for loc in lease.new),
             evicted=self._still_evicted(lease),
+            inserted_parent=(
+                lease.reused[-1].block_id if lease.reused and lease.new else ROOT_BLOCK_ID
+            ),
         )
 
     def abort(self, lease: PrefillLease) -> CacheReport:
@@ -159,6 +164,28 @@ class WorkerCacheIndex:
         for loc in lease.reused:
             self._release(self._entries[loc.block_id])
         return CacheReport(self.worker_id, evicted=self._still_evicted(lease))
+
+    # -- reclamation (the cache manager's plans) --------------------------------------
+
+    def can_reclaim(self, block_id: int) -> bool:
+        """True if ``block_id`` is held, not in use, and has no cached child here."""
+        entry = self._entries.get(block_id)
+        return entry is not None and entry.evict_key is not None
+
+    def reclaim(self, block_id: int) -> CacheReport | None:
+        """Delete ``block_id`` if ``can_reclaim``; the report confirms the deletion."""
+        if not self.can_reclaim(block_id):
+            return None
+        self._remove(self._entries[block_id])
+        return CacheReport(self.worker_id, evicted=(block_id,))
+
+    def num_free_blocks(self) -> int:
+        """Free slots over all ranks (evictable blocks not counted)."""
+        return sum(len(free) for free in self._free)
+
+    def held_blocks(self) -> set[int]:
+        """Every committed block: what the trie's holder bits must say of this worker."""
+        return {bid for bid, e in self._entries.items() if e.ready}
 
     # -- internals -------------------------------------------------------------------
 

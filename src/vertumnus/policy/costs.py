@@ -1,0 +1,98 @@
+"""Placement cost terms shared by the scheduler and the prefix-cache manager.
+
+DESIGN.md §5, for request i on worker w of degree C_w with reusable prefix P_iw:
+
+    E_iw       = E_{C_w}(L_i - P_iw, P_iw)
+    cost(i, w) = q_w + beta * E_iw + lambda * (C_w / C_min - 1) * E_iw
+
+``PreferDegree(i)`` is the degree minimising the same cost without the load term
+``q_w``, with the request's globally matched prefix P*_i as if it were reusable at
+every degree. The cache manager charges ``missed`` to that degree.
+
+With R = L - P, the attention work is W(R, P) = (L(L+1) - P(P+1)) / 2, so along one
+request (fixed L) the predicted time is a quadratic in the reused prefix P:
+
+    f(P) = E_C(L - P, P) = f(0) - P * (a + c/C - b) - alpha * P(P+1) / (2C)
+
+and the benefit of extending reuse from P1 to P2 tokens, f(P1) - f(P2), does not
+depend on L. ``ReuseCurve`` holds one degree's coefficients in that form, so the
+per-request update costs a few multiplications per trie node. Pure Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from vertumnus.perfmodel import DegreeCoeffs
+
+
+@dataclass(frozen=True)
+class CostWeights:
+    """``beta`` >= 1 weighs a request's own execution time against the queue it joins;
+    ``gpu_penalty`` (lambda) >= 0 charges the extra devices of a larger degree."""
+
+    beta: float = 1.0
+    gpu_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.beta >= 1.0:
+            raise ValueError(f"beta must be >= 1, got {self.beta}")
+        if not self.gpu_penalty >= 0.0:
+            raise ValueError(f"gpu_penalty (lambda) must be >= 0, got {self.gpu_penalty}")
+
+    def factor(self, cp_degree: int, min_degree: int) -> float:
+        """beta + lambda * (C / C_min - 1): the multiplier of E_iw in the cost."""
+        return self.beta + self.gpu_penalty * (cp_degree / min_degree - 1)
+
+
+class ReuseCurve:
+    """E_C(L - P, P) of one degree as a function of the reused prefix P."""
+
+    __slots__ = ("_d", "_lin_l", "_per_token", "_quad", "cp_degree")
+
+    def __init__(self, cp_degree: int, coeffs: DegreeCoeffs) -> None:
+        c = cp_degree
+        self.cp_degree = cp_degree
+        self._d = coeffs.d
+        self._lin_l = coeffs.a + coeffs.c / c  # per input token, nothing reused
+        self._quad = coeffs.alpha / (2 * c)  # times L(L+1) or P(P+1)
+        self._per_token = coeffs.a + coeffs.c / c - coeffs.b  # saved per reused token
+
+    def time_s(self, input_tokens: int, reused_tokens: int) -> float:
+        """E_C(L - P, P)."""
+        n, p = input_tokens, reused_tokens
+        return (
+            self._d
+            + self._lin_l * n
+            + self._quad * (n * (n + 1) - p * (p + 1))
+            - (self._per_token * p)
+        )
+
+    def benefit_s(self, from_tokens: int, to_tokens: int) -> float:
+        """f(from) - f(to): time saved by reusing ``to_tokens`` instead of ``from_tokens``
+        (independent of the input length)."""
+        p1, p2 = from_tokens, to_tokens
+        return (p2 - p1) * (self._per_token + self._quad * (p1 + p2 + 1))
+
+
+def reuse_curves(coeffs: Mapping[int, DegreeCoeffs]) -> dict[int, ReuseCurve]:
+    return {c: ReuseCurve(c, k) for c, k in sorted(coeffs.items())}
+
+
+def prefer_degree(
+    curves: Mapping[int, ReuseCurve],
+    degrees: Sequence[int],
+    input_tokens: int,
+    matched_tokens: int,
+    weights: CostWeights,
+) -> int:
+    """argmin over ``degrees`` of (beta + lambda (C/C_min - 1)) * E_C(L - P*, P*).
+    Ties go to the smaller degree (fewer devices for the same cost)."""
+    min_degree = min(degrees)
+    best, best_cost = degrees[0], float("inf")
+    for c in sorted(degrees):
+        cost = weights.factor(c, min_degree) * curves[c].time_s(input_tokens, matched_tokens)
+        if cost < best_cost:
+            best, best_cost = c, cost
+    return best
