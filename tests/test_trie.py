@@ -29,6 +29,9 @@ def test_reports_build_holders_and_match_follows_them() -> None:
     path = trie.match([1, 2, 4], 3)
     assert trie.reuse_by_worker(path) == {10: 2, 20: 3}
     assert trie.held_depth(path, trie.worker(10).slot) == 2
+    assert [n.block_id for n in trie.reused_path(path, 10)] == [1, 2]
+    assert trie.reused_path(path, 11) == []
+    assert trie.prefix_tokens(path[-1]) == 48
     node1 = trie.nodes[1]
     assert (trie.replica_count(node1, 1), trie.replica_count(node1, 2)) == (1, 1)
     assert node1.num_children == 1 and trie.nodes[2].num_children == 2

@@ -192,6 +192,14 @@ class PrefixTrie:
             parent = node
         return out
 
+    def prefix_tokens(self, node: Node) -> int:
+        """Tokens of the prefix ending at ``node``."""
+        return (node.depth + 1) * self.block_tokens
+
+    def reused_path(self, path: Sequence[Node], worker_id: int) -> Sequence[Node]:
+        """ReusedPath: the leading part of ``path`` (a MatchedPath) that a worker holds."""
+        return path[: self.held_depth(path, self.worker(worker_id).slot)]
+
     def held_depth(self, path: Sequence[Node], slot: int) -> int:
         """How many leading nodes of ``path`` the worker in ``slot`` holds."""
         bit = 1 << slot
