@@ -27,15 +27,13 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from vertumnus.blocks import ROOT_BLOCK_ID
+import trie_workload
 from vertumnus.perfmodel import Profile
-from vertumnus.policy.cache_index import CacheReport
 from vertumnus.policy.cache_manager import PrefixCacheManager
 from vertumnus.policy.cache_plans import CacheManagerConfig
 
 PROFILE = Path(__file__).resolve().parents[1] / "configs/profiles/qwen3-30b-a3b-h100.json"
 BLOCK_TOKENS = 512
-SHARED_BLOCKS, OWN_BLOCKS, CONVERSATIONS_PER_PREFIX = 32, 96, 10
 
 
 class FreeView:
@@ -60,22 +58,9 @@ def build(nodes: int, seed: int) -> tuple[PrefixCacheManager, list[list[int]]]:
     for w in range(40):
         degree = 4 if w < 20 else 8
         manager.add_worker(w, degree, 80 + 8 * (w - 20) if degree == 8 else 4 * w)
-    per_prefix = SHARED_BLOCKS + CONVERSATIONS_PER_PREFIX * OWN_BLOCKS
-    conversations: list[list[int]] = []
-    for _ in range(max(1, nodes // per_prefix)):
-        shared = [rng.getrandbits(63) | 1 for _ in range(SHARED_BLOCKS)]
-        for _ in range(CONVERSATIONS_PER_PREFIX):
-            chain = shared + [rng.getrandbits(63) | 1 for _ in range(OWN_BLOCKS)]
-            conversations.append(chain)
-            for w in rng.sample(range(40), rng.randint(1, 3)):
-                # The worker's report: the part of the chain it did not hold yet.
-                path = manager.trie.match(chain, len(chain))
-                held = manager.trie.held_depth(path, manager.trie.worker(w).slot)
-                parent = chain[held - 1] if held else ROOT_BLOCK_ID
-                manager.apply_report(
-                    CacheReport(w, inserted=tuple(chain[held:]), inserted_parent=parent)
-                )
-    return manager, conversations
+    chains = trie_workload.conversations(nodes, rng)
+    trie_workload.populate(manager, chains, range(40), rng)
+    return manager, chains
 
 
 def main() -> None:
@@ -101,7 +86,7 @@ def main() -> None:
     print(f"trie: {n_nodes:,} nodes, 40 workers, built in {build_s:.1f} s (tracemalloc on)")
 
     rng = random.Random(args.seed + 1)
-    tokens = (SHARED_BLOCKS + OWN_BLOCKS) * BLOCK_TOKENS + 1
+    tokens = (trie_workload.SHARED_BLOCKS + trie_workload.OWN_BLOCKS) * BLOCK_TOKENS + 1
 
     def request() -> tuple[list[int], int]:
         return rng.choice(conversations), rng.randrange(40)

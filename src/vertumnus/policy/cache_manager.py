@@ -44,6 +44,7 @@ from vertumnus.policy.cache_plans import (
     BlockMove,
     CacheManagerConfig,
     CopyPlan,
+    PrefixLookup,
     ReclaimPlan,
     RequestUpdate,
     ScanResult,
@@ -102,36 +103,91 @@ class PrefixCacheManager:
         """Whole blocks a request may reuse: at least one token is always computed."""
         return min(num_blocks, (input_tokens - 1) // self.trie.block_tokens)
 
-    def reusable_tokens(self, block_ids: Sequence[int], input_tokens: int) -> dict[int, int]:
-        """P_iw for every worker holding part of the request (confirmed replicas only);
-        workers not in the result reuse nothing."""
-        path = self.trie.match(block_ids, self.usable_blocks(len(block_ids), input_tokens))
-        b = self.trie.block_tokens
-        return {w: n * b for w, n in self.trie.reuse_by_worker(path).items()}
+    def lookup(self, block_ids: Sequence[int], input_tokens: int) -> PrefixLookup:
+        """MatchedPath and P_iw of every worker holding part of it (confirmed replicas
+        only; a worker not in ``reusable_tokens`` reuses nothing). Pass it on to
+        ``on_request`` to save a second walk."""
+        trie = self.trie
+        usable = self.usable_blocks(len(block_ids), input_tokens)
+        b, by_slot = trie.block_tokens, trie.by_slot
+        # One walk: MatchedPath, and each worker's depth where its bit drops out
+        # (holders only shrink along a path, and mostly stay the same).
+        nodes, parent = trie.nodes, None
+        path: list[Node] = []
+        reuse: dict[int, int] = {}
+        held = 0
+        get = nodes.get
+        for bid in block_ids[:usable]:
+            node = get(bid)
+            if node is None or node.parent is not parent:
+                break
+            holders = node.holders
+            if not holders:
+                break
+            if holders != held and path:
+                for slot in bits(held & ~holders):
+                    reuse[by_slot[slot].worker_id] = len(path) * b
+            held = holders
+            path.append(node)
+            parent = node
+        for slot in bits(held):
+            reuse[by_slot[slot].worker_id] = len(path) * b
+        return PrefixLookup(tuple(block_ids), input_tokens, usable, path, reuse)
+
+    def reusable_tokens(self, block_ids: Sequence[int], input_tokens: int) -> Mapping[int, int]:
+        """P_iw for every worker holding part of the request (see ``lookup``)."""
+        return self.lookup(block_ids, input_tokens).reusable_tokens
 
     def on_request(
-        self, block_ids: Sequence[int], input_tokens: int, worker_id: int
+        self,
+        block_ids: Sequence[int],
+        input_tokens: int,
+        worker_id: int,
+        lookup: PrefixLookup | None = None,
     ) -> RequestUpdate:
-        """Algorithm 1, for a request just placed on ``worker_id``."""
+        """Algorithm 1, for a request just placed on ``worker_id`` (``lookup``: this
+        request's, made before placement with nothing applied in between)."""
         trie, b = self.trie, self.trie.block_tokens
         info = trie.worker(worker_id)
-        usable = self.usable_blocks(len(block_ids), input_tokens)
-        path = trie.match(block_ids, usable)
-        reused = trie.held_depth(path, info.slot)
+        if lookup is None or lookup.input_tokens != input_tokens:
+            usable = self.usable_blocks(len(block_ids), input_tokens)
+            path: Sequence[Node] = trie.match(block_ids, usable)
+            reused = trie.held_depth(path, info.slot)
+        else:
+            usable, path = lookup.usable, lookup.path
+            reused = lookup.reusable_tokens.get(worker_id, 0) // b
         k = trie.degree_index[info.cp_degree]
+        add_access = trie.add_access
         for node in path[:reused]:
-            trie.add_access(node, k, 1.0)
+            access = node.access
+            if access is None:
+                add_access(node, k, 1.0)
+            else:
+                access[k] += 1.0
         present = [c for c, m in zip(trie.degrees, trie.degree_mask, strict=True) if m]
         preferred = prefer_degree(
             self.curves, present, input_tokens, len(path) * b, self.config.weights
         )
         kp = trie.degree_index[preferred]
-        mask, curve = trie.degree_mask[kp], self.curves[preferred]
-        for node in path:
-            if not node.holders & mask:
-                benefit = curve.benefit_s(node.depth * b, (node.depth + 1) * b)
-                if benefit > 0:
+        mask = trie.degree_mask[kp]
+        # Holders shrink along a path: the nodes without a replica at the preferred
+        # degree are a suffix of it.
+        first = len(path)
+        while first > 0 and not path[first - 1].holders & mask:
+            first -= 1
+        # Marginal benefit of block z at depth j (B tokens, from jB to (j+1)B reused):
+        # B * (per_token + quad * (2jB + B + 1)), from ``ReuseCurve.benefit_s``.
+        curve = self.curves[preferred]
+        base = curve.benefit_s(0, b)
+        step = curve.benefit_s(b, 2 * b) - base
+        for node in path[first:]:
+            benefit = base + step * node.depth
+            if benefit > 0:
+                missed = node.missed
+                if missed is None:
                     trie.add_missed(node, kp, benefit)
+                else:
+                    missed[kp] += benefit
         fetch = None
         if trie.worker_pending[worker_id]:
             fetch = self._fetch_plan(block_ids, usable, reused, info)

@@ -22,11 +22,12 @@ a block the destination already holds when the plan runs is skipped. Kinds:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from vertumnus.policy.costs import CostWeights
+from vertumnus.policy.trie import Node
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,17 @@ class ScanResult:
     copies: tuple[CopyPlan, ...]
     reclaims: tuple[ReclaimPlan, ...]
     candidates: Mapping[str, int]  # list sizes before the per-scan cut
+
+
+@dataclass(frozen=True)
+class PrefixLookup:
+    """One request's walk of the trie, before placement."""
+
+    block_ids: tuple[int, ...]
+    input_tokens: int
+    usable: int  # blocks it may reuse: whole blocks, one token left to compute
+    path: Sequence[Node]  # MatchedPath
+    reusable_tokens: Mapping[int, int]  # P_iw, confirmed replicas only
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,257 @@
+"""Placement: every request to one worker, by predicted cost (DESIGN.md §5).
+
+Candidates W_i: ACTIVE workers that can hold the request (its KV per rank within
+``max_tokens_per_rank``). A prefix miss does not exclude. For w in W_i, with P_iw
+the request's prefix reusable at w (whole blocks, confirmed replicas only, from the
+prefix-cache manager) and E_iw = E_{C_w}(L_i - P_iw, P_iw):
+
+    cost(i, w) = q_w + beta * E_iw + lambda * (C_w / C_min - 1) * E_iw
+
+q_w is the worker's outstanding predicted work at ``now``: its queue plus what is
+left of the prefill it runs. The minimum wins; ties go to the lower q_w, then the
+lower degree, then the lower worker id. E_iw is reserved on w at once, so the next
+arrival sees it, and released when the prefill completes or is cancelled.
+
+Workers run their queue FIFO, one prefill at a time (as the engine does). When a
+worker starts draining, ``drain`` hands back its queued (not started) requests for
+re-placement; what it runs finishes where it is.
+
+Pure Python, clock-free: ``now`` is an argument. Not owned here: the composition
+(``lattice``), when to reshape it (``controller``), the trie (``cache_manager``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from vertumnus.perfmodel import DegreeCoeffs
+from vertumnus.policy.cache_manager import PrefixCacheManager
+from vertumnus.policy.cache_plans import RequestUpdate
+from vertumnus.policy.costs import CostWeights, reuse_curves
+from vertumnus.policy.lattice import Lattice, WorkerState
+
+
+class SchedulerError(ValueError):
+    """A call that contradicts the scheduler's state (a driver bug)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    weights: CostWeights = field(default_factory=CostWeights)
+    # KV room of one rank in tokens: a degree-C worker holds a request of L tokens if
+    # ceil(L / C) <= this. None: no limit.
+    max_tokens_per_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
+            raise SchedulerError("max_tokens_per_rank must be >= 1")
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    request_id: int
+    input_tokens: int
+    block_ids: tuple[int, ...] = ()  # chained block ids of its whole blocks
+
+
+@dataclass(frozen=True)
+class Placement:
+    request_id: int
+    worker_id: int
+    cp_degree: int
+    reused_tokens: int  # P_iw
+    exec_s: float  # E_iw, reserved on the worker
+    queue_s: float  # q_w when placed
+    cost: float
+    num_candidates: int
+    update: RequestUpdate | None  # the cache manager's per-request result
+
+
+@dataclass
+class _Running:
+    request_id: int
+    start_s: float
+    exec_s: float
+
+
+class Scheduler:
+    def __init__(
+        self,
+        lattice: Lattice,
+        coeffs: Mapping[int, DegreeCoeffs],
+        config: SchedulerConfig | None = None,
+        cache: PrefixCacheManager | None = None,
+    ) -> None:
+        missing = set(lattice.config.degrees) - set(coeffs)
+        if missing:
+            raise SchedulerError(f"the profile has no coefficients for degrees {sorted(missing)}")
+        self.lattice = lattice
+        self.config = config or SchedulerConfig()
+        self.cache = cache
+        self.curves = reuse_curves(coeffs)
+        self._queue: dict[int, OrderedDict[int, float]] = {}  # worker -> request -> E
+        self._queued_s: dict[int, float] = {}
+        self._running: dict[int, _Running] = {}
+        self._where: dict[int, int] = {}  # request -> worker
+        self._requests: dict[int, PlacementRequest] = {}
+
+    # -- load ------------------------------------------------------------------------
+
+    def outstanding_s(self, worker_id: int, now: float) -> float:
+        """q_w: predicted seconds of work queued or left running at ``now``."""
+        run = self._running.get(worker_id)
+        left = max(0.0, run.exec_s - (now - run.start_s)) if run is not None else 0.0
+        return self._queued_s.get(worker_id, 0.0) + left
+
+    def loads(self, now: float) -> dict[int, float]:
+        return {w: self.outstanding_s(w, now) for w in self.lattice.workers}
+
+    def queued(self, worker_id: int) -> list[int]:
+        return list(self._queue.get(worker_id, ()))
+
+    def running(self, worker_id: int) -> int | None:
+        run = self._running.get(worker_id)
+        return None if run is None else run.request_id
+
+    # -- placement -------------------------------------------------------------------
+
+    def place(self, request: PlacementRequest, now: float) -> Placement | None:
+        """Choose and reserve a worker; None when no worker can take the request."""
+        if request.request_id in self._where:
+            raise SchedulerError(f"request {request.request_id} is already placed")
+        n = request.input_tokens
+        if n < 1:
+            raise SchedulerError(f"request {request.request_id}: input_tokens must be >= 1")
+        limit = self.config.max_tokens_per_rank
+        candidates = [
+            w
+            for w in self.lattice.workers.values()
+            if w.state is WorkerState.ACTIVE and (limit is None or -(-n // w.cp_degree) <= limit)
+        ]
+        if not candidates:
+            return None
+        lookup = None
+        reuse: Mapping[int, int] = {}
+        if self.cache is not None and request.block_ids:
+            lookup = self.cache.lookup(request.block_ids, n)
+            reuse = lookup.reusable_tokens
+        min_degree = min(w.cp_degree for w in candidates)
+        weights = self.config.weights
+        factor = {c: weights.factor(c, min_degree) for c in self.curves}
+        times: dict[tuple[int, int], float] = {}
+        queued, running = self._queued_s, self._running
+        best_key: tuple[float, float, int, int] | None = None
+        reused = 0
+        exec_s = 0.0
+        for w in candidates:
+            worker_id, c = w.worker_id, w.cp_degree
+            p = reuse.get(worker_id, 0)
+            e = times.get((c, p))
+            if e is None:
+                e = times[(c, p)] = self.curves[c].time_s(n, p)
+            # q_w, as ``outstanding_s`` computes it
+            q = queued.get(worker_id, 0.0)
+            run = running.get(worker_id)
+            if run is not None:
+                q += max(0.0, run.exec_s - (now - run.start_s))
+            cost = q + factor[c] * e
+            if best_key is None or cost <= best_key[0]:
+                key = (cost, q, c, worker_id)
+                if best_key is None or key < best_key:
+                    best_key, reused, exec_s = key, p, e
+        assert best_key is not None
+        cost, q, c, worker_id = best_key
+        self._reserve(request, worker_id, exec_s)
+        update = None
+        if self.cache is not None and request.block_ids:
+            update = self.cache.on_request(request.block_ids, n, worker_id, lookup)
+        return Placement(
+            request.request_id, worker_id, c, reused, exec_s, q, cost, len(candidates), update
+        )
+
+    def _reserve(self, request: PlacementRequest, worker_id: int, exec_s: float) -> None:
+        self._queue.setdefault(worker_id, OrderedDict())[request.request_id] = exec_s
+        self._queued_s[worker_id] = self._queued_s.get(worker_id, 0.0) + exec_s
+        self._where[request.request_id] = worker_id
+        self._requests[request.request_id] = request
+
+    # -- a placed request's life -----------------------------------------------------
+
+    def start(self, request_id: int, now: float) -> None:
+        """The worker begins the head of its queue."""
+        worker_id = self._worker_of(request_id)
+        queue = self._queue[worker_id]
+        head = next(iter(queue))
+        if head != request_id:
+            raise SchedulerError(f"worker {worker_id} runs FIFO: {head} is first, not {request_id}")
+        if worker_id in self._running:
+            raise SchedulerError(f"worker {worker_id} already runs a prefill")
+        exec_s = queue.pop(request_id)
+        self._queued_s[worker_id] -= exec_s
+        self._running[worker_id] = _Running(request_id, now, exec_s)
+
+    def complete(self, request_id: int) -> None:
+        """The prefill finished (or failed): release its reservation."""
+        worker_id = self._worker_of(request_id)
+        run = self._running.get(worker_id)
+        if run is None or run.request_id != request_id:
+            raise SchedulerError(f"request {request_id} is not running on worker {worker_id}")
+        del self._running[worker_id]
+        self._forget(request_id)
+
+    def cancel(self, request_id: int) -> PlacementRequest:
+        """Take a request back, queued or running (its worker failed, say)."""
+        worker_id = self._worker_of(request_id)
+        run = self._running.get(worker_id)
+        if run is not None and run.request_id == request_id:
+            del self._running[worker_id]
+        else:
+            self._queued_s[worker_id] -= self._queue[worker_id].pop(request_id)
+        return self._forget(request_id)
+
+    def drain(self, worker_id: int) -> list[PlacementRequest]:
+        """Hand back the worker's queued requests (in queue order) for re-placement;
+        the one it runs stays."""
+        queue = self._queue.pop(worker_id, OrderedDict())
+        self._queued_s[worker_id] = 0.0
+        return [self._forget(rid) for rid in queue]
+
+    def forget_worker(self, worker_id: int) -> list[PlacementRequest]:
+        """The worker is gone (failed or reshaped): everything it had, running first."""
+        out = []
+        run = self._running.pop(worker_id, None)
+        if run is not None:
+            out.append(self._forget(run.request_id))
+        out += self.drain(worker_id)
+        self._queued_s.pop(worker_id, None)
+        return out
+
+    def _forget(self, request_id: int) -> PlacementRequest:
+        del self._where[request_id]
+        return self._requests.pop(request_id)
+
+    def _worker_of(self, request_id: int) -> int:
+        try:
+            return self._where[request_id]
+        except KeyError:
+            raise SchedulerError(f"request {request_id} is not placed") from None
+
+    def check(self, now: float) -> None:
+        """Raise AssertionError if the reservations disagree with the queues."""
+        placed: dict[int, int] = {}
+        for worker_id, queue in self._queue.items():
+            assert abs(self._queued_s.get(worker_id, 0.0) - sum(queue.values())) < 1e-9
+            for rid in queue:
+                placed[rid] = worker_id
+        for worker_id, run in self._running.items():
+            placed[run.request_id] = worker_id
+        assert placed == self._where and set(self._requests) == set(placed)
+        for worker_id in placed.values():
+            assert self.outstanding_s(worker_id, now) >= 0
+
+
+def total_outstanding_s(scheduler: Scheduler, workers: Sequence[int], now: float) -> float:
+    """Predicted drain time of a set of workers: the most outstanding work among them."""
+    return max((scheduler.outstanding_s(w, now) for w in workers), default=0.0)

@@ -1,0 +1,124 @@
+"""Benchmark of one placement over 64 workers, trie lookups included.
+
+    .venv/bin/python tools/bench_scheduler.py [--nodes 200000] [--requests 3000]
+
+A pool of 384 devices as 32 degree-4 and 32 degree-8 workers, the derived H100
+profile, and a prefix trie of about ``--nodes`` blocks built from cache reports
+(shared 32-block prefixes under 96-block conversations, each held by one to three
+workers), after the statistics of ``--warm-requests`` untimed placements. Every
+worker has a few requests queued. Each timed ``Scheduler.place``
+walks the trie for a 128-block request (``lookup``: P_iw of every worker), prices
+all 64 candidates, reserves E_iw and runs the cache manager's per-request update
+(Algorithm 1). The request is then cancelled, so the load stays the same. Printed:
+the median and p99, with the ratio to the 100 us target, and the same placement
+without a cache manager (costs and reservation only) for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import trie_workload
+from vertumnus.perfmodel import Profile
+from vertumnus.policy.cache_manager import PrefixCacheManager
+from vertumnus.policy.lattice import Lattice, LatticeConfig
+from vertumnus.policy.scheduler import PlacementRequest, Scheduler
+
+PROFILE = Path(__file__).resolve().parents[1] / "configs/profiles/qwen3-30b-a3b-h100.json"
+BLOCK_TOKENS = 512
+
+
+def setup(nodes: int, seed: int, with_cache: bool) -> tuple[Scheduler, list[list[int]]]:
+    rng = random.Random(seed)
+    profile = Profile.load(PROFILE)
+    coeffs = {c: profile.coeffs[c] for c in (4, 8)}
+    lattice = Lattice(LatticeConfig(384, (4, 8)), [4] * 32 + [8] * 32)
+    cache = PrefixCacheManager(coeffs, BLOCK_TOKENS) if with_cache else None
+    if cache is not None:
+        for w in lattice.workers.values():
+            cache.add_worker(w.worker_id, w.cp_degree, w.first_device)
+    chains = trie_workload.conversations(nodes, rng)
+    if cache is not None:
+        trie_workload.populate(cache, chains, range(64), rng)
+    sched = Scheduler(lattice, coeffs, cache=cache)
+    for rid in range(-1, -200, -1):  # a few requests queued everywhere
+        sched.place(PlacementRequest(rid, rng.randint(1_000, 60_000)), now=0.0)
+    return sched, chains
+
+
+def measure(
+    sched: Scheduler, conversations: list[list[int]], n: int, seed: int
+) -> tuple[list[float], list[float]]:
+    """Per placement: the whole ``place`` (us), and the part spent in the cache
+    manager's per-request update (us; zeros without a cache manager)."""
+    rng = random.Random(seed)
+    tokens = (trie_workload.SHARED_BLOCKS + trie_workload.OWN_BLOCKS) * BLOCK_TOKENS + 1
+    times, updates = [], []
+    cache = sched.cache
+    update_s = [0.0]
+    if cache is not None:
+        inner = cache.on_request
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            out = inner(*args, **kwargs)
+            update_s[0] = time.perf_counter() - t
+            return out
+
+        cache.on_request = timed  # type: ignore[method-assign]
+    for rid in range(n):
+        chain = tuple(rng.choice(conversations))
+        t = time.perf_counter()
+        placed = sched.place(PlacementRequest(rid, tokens, chain), now=0.0)
+        times.append((time.perf_counter() - t) * 1e6)
+        updates.append(update_s[0] * 1e6)
+        assert placed is not None and placed.num_candidates == 64
+        sched.cancel(rid)
+    if cache is not None:
+        cache.on_request = inner  # type: ignore[method-assign]
+    return times, updates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
+    parser.add_argument("--nodes", type=int, default=200_000)
+    parser.add_argument("--requests", type=int, default=3_000)
+    parser.add_argument("--warm-requests", type=int, default=10_000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    full, conversations = setup(args.nodes, args.seed, with_cache=True)
+    bare, _ = setup(args.nodes, args.seed, with_cache=False)
+    n_nodes = len(full.cache.trie.nodes) if full.cache is not None else 0
+    # Untimed first: the statistics of recent requests exist, as in steady state.
+    measure(full, conversations, args.warm_requests, args.seed + 2)
+    with_trie, updates = measure(full, conversations, args.requests, args.seed + 1)
+    costs_only, _ = measure(bare, conversations, args.requests, args.seed + 1)
+    placing = [t - u for t, u in zip(with_trie, updates, strict=True)]
+
+    def p99(values: list[float]) -> float:
+        return sorted(values)[int(0.99 * (len(values) - 1))]
+
+    med = statistics.median(with_trie)
+    print(f"64 workers (32 x CP4, 32 x CP8), trie of {n_nodes:,} nodes, 128-block requests")
+    print(
+        f"place(), all of it (trie lookup, 64 costs, reservation, Algorithm 1 update): "
+        f"median {med:.1f} us, p99 {p99(with_trie):.1f} us -> {med / 100:.2f}x of the 100 us target"
+    )
+    print(
+        f"  of which the placement (lookup, costs, reservation): median "
+        f"{statistics.median(placing):.1f} us; the statistics update: median "
+        f"{statistics.median(updates):.1f} us"
+    )
+    print(
+        f"place() without a cache manager (costs + reservation): median "
+        f"{statistics.median(costs_only):.1f} us, p99 {p99(costs_only):.1f} us"
+    )
+
+
+if __name__ == "__main__":
+    main()
