@@ -166,3 +166,39 @@ def test_layout_for_a_composition() -> None:
     Lattice(config, layout).check()
     with pytest.raises(LatticeError, match="leaves devices unused"):
         layout_for(config, {8: 1})
+
+
+def test_merge_choice_prefers_less_kv_reconciliation() -> None:
+    from vertumnus.perfmodel import DegreeCoeffs
+    from vertumnus.policy.cache_index import CacheReport
+    from vertumnus.policy.cache_manager import PrefixCacheManager
+
+    lattice = Lattice(LatticeConfig(16, (4, 8)), [4, 4, 4, 4])
+    cache = PrefixCacheManager({4: DegreeCoeffs(d=0.01), 8: DegreeCoeffs(d=0.02)}, 16)
+    for w in lattice.workers.values():
+        cache.add_worker(w.worker_id, w.cp_degree, w.first_device)
+    # Worker 0 alone holds [1..8]: merged with 1, blocks at depths 4-7 sit on devices
+    # 0 + j % 4 but belong on 0 + j % 8. Workers 2 and 3 both hold [11..18]: merged,
+    # every block is in place.
+    for w, chain in ((0, range(1, 9)), (2, range(11, 19)), (3, range(11, 19))):
+        cache.apply_report(CacheReport(w, inserted=tuple(chain)))
+    traffic = {
+        op.sources: cache.reconciliation_traffic(op.sources, op.target_degree, op.target_firsts)
+        for op in lattice.merge_options()
+    }
+    assert traffic == {(0, 1): 4.0, (2, 3): 0.0}
+    ctl = Controller(
+        ControllerConfig(),
+        lattice,
+        KAPPA,
+        traffic=lambda op: cache.reconciliation_traffic(
+            op.sources, op.target_degree, op.target_firsts
+        ),
+    )
+    for _ in range(3):
+        d = window(ctl, 5.0)
+    # Equal drain times (all idle): the merge that moves no KV wins.
+    assert d.rule == "merge:capacity" and d.ops[0].sources == (2, 3)
+    assert [o["traffic"] for o in d.inputs["merge_options"]] == [0.0, 4.0]
+    # A split leaves every block in place for exactly one of the two children.
+    assert cache.reconciliation_traffic((2,), 2, (8, 10)) == 8 * 0.5

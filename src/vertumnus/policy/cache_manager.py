@@ -591,6 +591,29 @@ class PrefixCacheManager:
             plans += self._adopt_plans(info)
         return plans
 
+    def reconciliation_traffic(
+        self, sources: Sequence[int], target_degree: int, target_firsts: Sequence[int]
+    ) -> float:
+        """Expected KV reconciliation after reshaping ``sources`` into workers of
+        ``target_degree`` at ``target_firsts``: the blocks they retain that are not
+        where the new geometry wants them, each weighted by 1 + its recent accesses.
+        A merge has one target; a split gives each prefix to one child, so a block
+        counts by the share of children for which it is out of place."""
+        devices: dict[Node, set[int]] = {}
+        for s in sources:
+            for node, device in self._retained(self.trie.worker(s)):
+                if device is not None:
+                    devices.setdefault(node, set()).add(device)
+        total = 0.0
+        for node, held_on in devices.items():
+            wrong = sum(
+                first + node.depth % target_degree not in held_on for first in target_firsts
+            )
+            if wrong:
+                weight = 1.0 + (sum(node.access) if node.access is not None else 0.0)
+                total += weight * wrong / len(target_firsts)
+        return total
+
     def _retained(self, info: WorkerInfo) -> list[tuple[Node, int | None]]:
         """The worker's prefixes with the device that has each block: its held blocks,
         and the pending ones with their retained device."""
