@@ -2,7 +2,8 @@
 
 Subcommands: ``prefill`` (one CP worker, one prefill, optional check against a
 reference), ``fit`` (the execution-time model from measured samples), ``profile``
-(measure the engine and fit) and ``capacity`` (kappa_C per degree into a profile). Errors in
+(measure the engine and fit), ``capacity`` (kappa_C per degree into a profile) and
+``simulate`` (the policies at cluster scale, in simulation). Errors in
 what the user gave print one line on stderr and exit 2; a failure of the rank
 processes (``RankPoolError``) prints one line and exits 1.
 """
@@ -13,7 +14,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from vertumnus import cli_capacity, cli_fit, cli_prefill, cli_profile
+from vertumnus import cli_capacity, cli_fit, cli_prefill, cli_profile, cli_simulate
 from vertumnus.capacity import CapacityError
 from vertumnus.config import ConfigError
 from vertumnus.perfmodel import ProfileError
@@ -26,6 +27,7 @@ COMMANDS = (
     ("fit", "fit the execution-time model E_C(R, P) from samples", cli_fit),
     ("profile", "measure the engine on a grid and fit E_C(R, P) per degree", cli_profile),
     ("capacity", "find each degree's capacity kappa_C and write it into a profile", cli_capacity),
+    ("simulate", "run the prefill pool's policies in a discrete-event simulation", cli_simulate),
 )
 
 

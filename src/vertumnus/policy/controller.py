@@ -225,7 +225,9 @@ class Controller:
         )
         op = self._pick_merge(demand, ceiling, loads, inputs)
         if op is None:
-            return "hold:merge-refused-capacity", []
+            if inputs["merges_refused"]:
+                return "hold:merge-refused-capacity", []
+            return "hold:no-merge-allowed", []
         return ("merge:capacity" if wants_merge else "merge:long-fraction"), [op]
 
     def _score(self, op: Reshape, loads: Mapping[int, float]) -> tuple[float, float, int]:

@@ -30,7 +30,10 @@ from vertumnus.perfmodel import DegreeCoeffs
 from vertumnus.policy.cache_manager import PrefixCacheManager
 from vertumnus.policy.cache_plans import RequestUpdate
 from vertumnus.policy.costs import CostWeights, reuse_curves
-from vertumnus.policy.lattice import Lattice, WorkerState
+from vertumnus.policy.lattice import Lattice, LatticeWorker, WorkerState
+
+# (worker id, its degree, P_iw, E_iw, q_w, cost)
+Choice = tuple[int, int, int, float, float, float]
 
 
 class SchedulerError(ValueError):
@@ -137,6 +140,25 @@ class Scheduler:
         if self.cache is not None and request.block_ids:
             lookup = self.cache.lookup(request.block_ids, n)
             reuse = lookup.reusable_tokens
+        choice = self._choose(request, candidates, reuse, now)
+        worker_id, c, reused, exec_s, q, cost = choice
+        self._reserve(request, worker_id, exec_s)
+        update = None
+        if self.cache is not None and request.block_ids:
+            update = self.cache.on_request(request.block_ids, n, worker_id, lookup)
+        return Placement(
+            request.request_id, worker_id, c, reused, exec_s, q, cost, len(candidates), update
+        )
+
+    def _choose(
+        self,
+        request: PlacementRequest,
+        candidates: list[LatticeWorker],
+        reuse: Mapping[int, int],
+        now: float,
+    ) -> Choice:
+        """The cost rule of the module docstring. Baseline routers override this."""
+        n = request.input_tokens
         min_degree = min(w.cp_degree for w in candidates)
         weights = self.config.weights
         factor = {c: weights.factor(c, min_degree) for c in self.curves}
@@ -163,13 +185,7 @@ class Scheduler:
                     best_key, reused, exec_s = key, p, e
         assert best_key is not None
         cost, q, c, worker_id = best_key
-        self._reserve(request, worker_id, exec_s)
-        update = None
-        if self.cache is not None and request.block_ids:
-            update = self.cache.on_request(request.block_ids, n, worker_id, lookup)
-        return Placement(
-            request.request_id, worker_id, c, reused, exec_s, q, cost, len(candidates), update
-        )
+        return worker_id, c, reused, exec_s, q, cost
 
     def _reserve(self, request: PlacementRequest, worker_id: int, exec_s: float) -> None:
         self._queue.setdefault(worker_id, OrderedDict())[request.request_id] = exec_s

@@ -85,10 +85,11 @@ class Reconfigurer:
             self.idle(transition, s, now)
         return transition, requeue
 
-    def idle(self, transition: Transition, worker_id: int, now: float) -> None:
-        """``worker_id`` may have finished its last prefill: park it if so."""
+    def idle(self, transition: Transition, worker_id: int, now: float) -> bool:
+        """``worker_id`` may have finished its last prefill: park it if so. True when
+        this parked the last participant (the transition is ready to switch)."""
         if worker_id not in transition.op.sources:
-            return
+            return False
         worker = self.lattice.workers[worker_id]
         if worker.state is WorkerState.DRAINING and self.scheduler.running(worker_id) is None:
             self.lattice.park(worker_id)
@@ -98,6 +99,8 @@ class Reconfigurer:
         if parked and transition.phase is Phase.DRAINING:
             transition.phase = Phase.SWITCHING
             transition.parked_s = now
+            return True
+        return False
 
     def switch(self, transition: Transition, now: float) -> list[CopyPlan]:
         """Commit the new epoch; returns the cache manager's adopt plans."""

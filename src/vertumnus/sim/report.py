@@ -1,0 +1,212 @@
+"""What a simulation run writes: summary, per-request records, timeline, plots.
+
+``DIR/summary.json``   counts, TTFT mean and percentiles (linear interpolation),
+                       token-weighted SLO attainment, token hit rate, splits and
+                       merges with drain and switch times, copies and reclamations,
+                       speed, and per-phase figures when the workload has phases
+``DIR/requests.jsonl`` one line per request: id, arrival_s, input_tokens,
+                       cached_tokens, worker, cp_degree, ttft_s, tau_s
+``DIR/timeline.csv``   one row per controller window: arrivals and rate, demand,
+                       capacity, composition, long fraction, mean and p90 TTFT of
+                       the window's arrivals, the decision's rule
+``DIR/ttft_composition.png``  TTFT and composition over time (the paper's Fig. 13)
+``DIR/config.json``    the configuration the run used
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from vertumnus.sim.config import SimConfig
+from vertumnus.sim.simulator import RequestRecord, SimResult, composition_name
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100), linear interpolation; NaN when empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def ttft_stats(records: Sequence[RequestRecord]) -> dict[str, float]:
+    done = [r for r in records if r.end_s is not None]
+    ttfts = [r.end_s - r.arrival_s for r in done if r.end_s is not None]
+    tokens = sum(r.input_tokens for r in done)
+    met = sum(r.input_tokens for r, t in zip(done, ttfts, strict=True) if t <= r.tau_s)
+    return {
+        "mean_ttft_s": sum(ttfts) / len(ttfts) if ttfts else math.nan,
+        "p50_ttft_s": percentile(ttfts, 50),
+        "p90_ttft_s": percentile(ttfts, 90),
+        "p99_ttft_s": percentile(ttfts, 99),
+        "token_slo_attainment": met / tokens if tokens else math.nan,
+        "token_hit_rate": sum(r.cached_tokens for r in done) / tokens if tokens else math.nan,
+    }
+
+
+def summarize(result: SimResult, cfg: SimConfig) -> dict[str, Any]:
+    records = result.records
+    completed = sum(r.end_s is not None for r in records)
+    drains = [r.drain_s for r in result.reshapes if r.drain_s is not None]
+    switches = [r.switch_s for r in result.reshapes if r.switch_s is not None]
+    summary: dict[str, Any] = {
+        "policy": cfg.settings.policy,
+        "requests": len(records),
+        "completed": completed,
+        **ttft_stats(records),
+        "splits": sum(r.kind == "split" for r in result.reshapes),
+        "merges": sum(r.kind == "merge" for r in result.reshapes),
+        "mean_drain_s": sum(drains) / len(drains) if drains else None,
+        "mean_switch_s": sum(switches) / len(switches) if switches else None,
+        "copies": result.copies,
+        "blocks_copied": result.blocks_copied,
+        "reclaims": result.reclaims,
+        "devices": result.devices,
+        "composition_start": composition_name(cfg.composition),
+        "composition_end": result.windows[-1].composition if result.windows else None,
+        "slo": cfg.settings.slo.describe(),
+        "simulated_s": result.sim_end_s,
+        "wall_s": result.wall_s,
+        "requests_per_wall_s": len(records) / result.wall_s if result.wall_s > 0 else None,
+        "seed": cfg.settings.seed,
+    }
+    if cfg.phase_bounds:
+        phases = []
+        for k, (start, end) in enumerate(cfg.phase_bounds):
+            mine = [r for r in records if r.phase == k]
+            comps = Counter(w.composition for w in result.windows if start <= w.start_s < end)
+            phases.append(
+                {
+                    "phase": k,
+                    "start_s": start,
+                    "end_s": end,
+                    "requests": len(mine),
+                    **ttft_stats(mine),
+                    "composition": comps.most_common(1)[0][0] if comps else None,
+                }
+            )
+        summary["phases"] = phases
+    return summary
+
+
+def write(result: SimResult, cfg: SimConfig, out: Path) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summarize(result, cfg)
+    (out / "summary.json").write_bytes(
+        orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
+    )
+    with (out / "requests.jsonl").open("wb") as f:
+        for r in result.records:
+            f.write(
+                orjson.dumps(
+                    {
+                        "id": r.request_id,
+                        "arrival_s": r.arrival_s,
+                        "input_tokens": r.input_tokens,
+                        "cached_tokens": r.cached_tokens,
+                        "worker": r.worker,
+                        "cp_degree": r.cp_degree,
+                        "ttft_s": r.ttft_s,
+                        "tau_s": r.tau_s,
+                    }
+                )
+                + b"\n"
+            )
+    by_window: dict[int, list[float]] = {}
+    h = cfg.settings.controller.window_s
+    for r in result.records:
+        if r.end_s is not None:
+            by_window.setdefault(int(r.arrival_s // h), []).append(r.end_s - r.arrival_s)
+    with (out / "timeline.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(
+            [
+                "window",
+                "start_s",
+                "end_s",
+                "arrivals",
+                "rate",
+                "demand_s",
+                "capacity_s",
+                "composition",
+                "long_fraction",
+                "mean_ttft_s",
+                "p90_ttft_s",
+                "decision",
+            ]
+        )
+        for w in result.windows:
+            ttfts = by_window.get(w.window, [])
+            writer.writerow(
+                [
+                    w.window,
+                    f"{w.start_s:.3f}",
+                    f"{w.end_s:.3f}",
+                    w.arrivals,
+                    f"{w.arrivals / h:.4f}",
+                    f"{w.demand_s:.4f}",
+                    f"{w.capacity_s:.4f}",
+                    w.composition,
+                    f"{w.long_fraction:.4f}",
+                    f"{sum(ttfts) / len(ttfts):.4f}" if ttfts else "",
+                    f"{percentile(ttfts, 90):.4f}" if ttfts else "",
+                    w.rule,
+                ]
+            )
+    (out / "config.json").write_bytes(
+        orjson.dumps(
+            {**cfg.raw, "resolved": {"profile": str(cfg.profile_path), "layout": cfg.layout}},
+            option=orjson.OPT_INDENT_2,
+            default=str,
+        )
+    )
+    plot(result, cfg, by_window, out / "ttft_composition.png")
+    return summary
+
+
+def plot(result: SimResult, cfg: SimConfig, by_window: dict[int, list[float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    h = cfg.settings.controller.window_s
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
+    xs = [(k + 0.5) * h / 60 for k in sorted(by_window)]
+    top.plot(xs, [sum(v) / len(v) for _, v in sorted(by_window.items())], label="mean TTFT")
+    top.plot(
+        xs, [percentile(v, 90) for _, v in sorted(by_window.items())], label="P90 TTFT", alpha=0.6
+    )
+    top.set(ylabel="TTFT (s)", yscale="log", title=f"{cfg.settings.policy}: TTFT by arrival window")
+    top.legend(loc="upper left")
+    for start, _ in cfg.phase_bounds[1:]:
+        top.axvline(start / 60, color="grey", linewidth=0.8, linestyle=":")
+        bottom.axvline(start / 60, color="grey", linewidth=0.8, linestyle=":")
+    degrees = cfg.lattice.degrees
+    times = [w.end_s / 60 for w in result.windows]
+    counts = {c: [] for c in degrees}  # type: dict[int, list[int]]
+    for w in result.windows:
+        parsed = {
+            int(p.split("CP")[1]): int(p.split("CP")[0])
+            for p in w.composition.split("/")
+            if "CP" in p
+        }
+        for c in degrees:
+            counts[c].append(parsed.get(c, 0))
+    for c in degrees:
+        bottom.step(times, counts[c], where="post", label=f"CP{c} workers")
+    bottom.set(xlabel="time (min)", ylabel="workers")
+    bottom.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
