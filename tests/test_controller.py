@@ -94,22 +94,45 @@ def test_merge_refused_when_the_merged_composition_lacks_capacity() -> None:
 
 def test_capacity_wins_over_a_rising_long_fraction() -> None:
     ctl = make([4, 4, 8])  # capacity 32
-    window(ctl, 20.0, long=0)
-    for long in (5, 5):
-        assert window(ctl, 20.0, long=long).rule == "hold"
-    over = window(ctl, 28.0, long=5)  # rho 0.875: capacity says split
+    for _ in range(3):
+        window(ctl, 26.0, long=0)
+    for _ in range(2):
+        assert window(ctl, 26.0, long=5).rule == "hold"
+    # The long signal says merge; rho = 28 / 32 = 0.875 says split, and wins.
+    over = window(ctl, 28.0, long=5)
     assert over.rule == "split:capacity"
 
 
-def test_long_fraction_merges_when_demand_is_stable() -> None:
-    ctl = make([4, 4, 8])  # capacity 32, rho 0.625: neither threshold
-    window(ctl, 20.0, long=0)
+def test_long_fraction_moves_the_composition_while_the_mix_stays_shifted() -> None:
+    ctl = make([4, 4, 4, 4], max_concurrent_reshapes=1)  # capacity 40, rho 0.5
+    rules = [window(ctl, 20.0, long=0).rule for _ in range(3)]
+    # Three windows of a long-rich mix against the three before: merge; the mix
+    # stays long, so three windows later another merge (the reference stays).
+    rules += [window(ctl, 20.0, long=4).rule for _ in range(3)]
+    assert rules == ["hold"] * 5 + ["merge:long-fraction"]
+    finish(ctl, ctl.history[-1])  # capacity 32: rho 0.625
     rules = [window(ctl, 20.0, long=4).rule for _ in range(3)]
     assert rules == ["hold", "hold", "merge:long-fraction"]
-    ctl = make([8, 8])  # capacity 24; the long share falls: split
-    window(ctl, 14.0, long=6, short=4)
+    finish(ctl, ctl.history[-1])  # capacity 24: 20 / 24 = 0.83, still under 0.85
+    # Nothing left to merge: the present mix becomes the reference, and it holds.
+    rules = [window(ctl, 20.0, long=4).rule for _ in range(6)]
+    assert rules[2] == "hold:no-merge-allowed" and set(rules[3:]) == {"hold"}
+    assert ctl.history[-1].inputs["long_reference"] == pytest.approx(4 / 14)
+
+
+def test_long_fraction_falling_splits_and_noisy_demand_holds() -> None:
+    ctl = make([8, 8])  # capacity 24
+    for _ in range(3):
+        window(ctl, 14.0, long=6, short=4)
     rules = [window(ctl, 14.0, long=0).rule for _ in range(3)]
     assert rules == ["hold", "hold", "split:long-fraction"]
+    ctl = make([4, 4, 4, 4])
+    for _ in range(3):
+        window(ctl, 20.0, long=0)
+    # The mix turns long but demand moves by more than 15 % between the two halves.
+    rules = [window(ctl, 26.0, long=4).rule for _ in range(3)]
+    assert rules == ["hold", "hold", "hold"]
+    assert ctl.history[-1].inputs["demand_stable"] is False
 
 
 def test_no_flapping_around_a_threshold() -> None:

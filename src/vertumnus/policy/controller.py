@@ -13,10 +13,15 @@ unavailable worker. At each window end, with rho = D_k / capacity:
      conservative)                  -> merge, admitted only if the merged
                                        composition keeps rho under the mid-point of
                                        lower and upper (so no split follows at once)
-  3. demand stable (|D_k - D_k-1| <= ``stable_demand`` * D_k-1) and f_k above its
-     reference by ``long_shift`` for ``long_after_windows`` windows -> merge, only if
+  3. the long-fraction signal, smoothed over L = ``long_after_windows`` windows: the
+     mean demand of the last L windows within ``stable_demand`` of the L before, and
+     their mean long fraction ``long_shift`` above the reference -> merge, only if
      the merged composition keeps rho under ``upper``; below it -> split, unless rho
-     is under ``lower`` (capacity wins: it says merge)
+     is under ``lower`` (capacity wins: it says merge). The reference is the mix the
+     composition was last chosen for: it stays while the mix stays shifted, so the
+     composition keeps moving, one reshape per L windows, until capacity or the
+     bounds stop it; then (or after a capacity reshape) the present mix becomes the
+     reference
   4. otherwise hold.
 
 The rules come in that order, so capacity wins over the long-fraction signal. At
@@ -117,9 +122,10 @@ class Controller:
         self._demand_s = 0.0
         self._requests = 0
         self._long = 0
-        self._prev_demand_s: float | None = None
-        self._over = self._under = self._rising = self._falling = 0
+        self._over = self._under = 0
+        self._history: list[tuple[float, float]] = []  # (demand, long fraction) per window
         self._long_reference: float | None = None
+        self._since_long_action = 0
         self.history: list[Decision] = []
 
     # -- inputs ----------------------------------------------------------------------
@@ -162,52 +168,77 @@ class Controller:
         rho = demand / capacity if capacity > 0 else float("inf")
         self._over = self._over + 1 if rho > cfg.upper_fraction else 0
         self._under = self._under + 1 if rho < cfg.lower_fraction else 0
-        prev = self._prev_demand_s
-        stable = prev is not None and abs(demand - prev) <= cfg.stable_demand * max(prev, 1e-12)
-        if not stable or n == 0 or self._long_reference is None:
-            self._long_reference = long_fraction
-            self._rising = self._falling = 0
-        else:
-            shift = long_fraction - self._long_reference
-            self._rising = self._rising + 1 if shift >= cfg.long_shift else 0
-            self._falling = self._falling + 1 if shift <= -cfg.long_shift else 0
+        # The long-fraction signal, smoothed: the last L windows against the L before.
+        length = cfg.long_after_windows
+        self._since_long_action += 1
+        self._history.append((demand, long_fraction))
+        del self._history[: -2 * length]
+        stable = rising = falling = False
+        recent_long = None
+        if len(self._history) == 2 * length:
+            before, recent = self._history[:length], self._history[length:]
+            demand_before = sum(d for d, _ in before) / length
+            demand_recent = sum(d for d, _ in recent) / length
+            recent_long = sum(f for _, f in recent) / length
+            if self._long_reference is None:
+                self._long_reference = sum(f for _, f in before) / length
+            stable = abs(demand_recent - demand_before) <= cfg.stable_demand * max(
+                demand_before, 1e-12
+            )
+            shift = recent_long - self._long_reference
+            ready = self._since_long_action >= length
+            rising = stable and ready and shift >= cfg.long_shift
+            falling = stable and ready and shift <= -cfg.long_shift
         inputs: dict[str, Any] = {
             "requests": n,
             "rho": rho,
             "over_windows": self._over,
             "under_windows": self._under,
             "demand_stable": stable,
+            "long_recent": recent_long,
             "long_reference": self._long_reference,
-            "rising_windows": self._rising,
-            "falling_windows": self._falling,
             "reshapes_in_flight": len(self.in_flight),
         }
-        rule, ops = self._rule(demand, rho, loads, inputs)
+        rule, ops = self._rule(demand, rho, loads, inputs, rising, falling)
         for op in ops:
             self.in_flight.append(op)
-        if ops:
-            self._long_reference = long_fraction
-            self._rising = self._falling = 0
-            if ops[0].kind == "split":
-                self._over = 0
-            else:
-                self._under = 0
+        if rule.endswith(":long-fraction"):
+            # The reference stays: while the mix stays shifted, the composition keeps
+            # moving (one reshape per L windows) until capacity or the bounds stop it.
+            self._since_long_action = 0
+        elif ops or rule in (
+            "hold:merge-refused-capacity",
+            "hold:no-merge-allowed",
+            "hold:no-split-allowed",
+        ):
+            # A capacity reshape re-chose the composition, or the long signal could not
+            # act: the present mix becomes the reference.
+            self._long_reference = recent_long if recent_long is not None else long_fraction
+        if ops and ops[0].kind == "split" and rule == "split:capacity":
+            self._over = 0
+        elif ops and rule == "merge:capacity":
+            self._under = 0
         decision = Decision(self.window, rule, tuple(ops), demand, capacity, long_fraction, inputs)
         self.history.append(decision)
         self.window += 1
-        self._prev_demand_s = demand
         self._demand_s, self._requests, self._long = 0.0, 0, 0
         return decision
 
     def _rule(
-        self, demand: float, rho: float, loads: Mapping[int, float], inputs: dict[str, Any]
+        self,
+        demand: float,
+        rho: float,
+        loads: Mapping[int, float],
+        inputs: dict[str, Any],
+        rising: bool,
+        falling: bool,
     ) -> tuple[str, list[Reshape]]:
         cfg = self.config
         room = cfg.max_concurrent_reshapes - len(self.in_flight)
         wants_split = self._over >= cfg.split_after_windows
         wants_merge = self._under >= cfg.merge_after_windows
-        long_merge = self._rising >= cfg.long_after_windows and rho <= cfg.upper_fraction
-        long_split = self._falling >= cfg.long_after_windows and rho >= cfg.lower_fraction
+        long_merge = rising and rho <= cfg.upper_fraction
+        long_split = falling and rho >= cfg.lower_fraction
         if not (wants_split or wants_merge or long_merge or long_split):
             return "hold", []
         if room <= 0:

@@ -103,17 +103,26 @@ def _build(cls: type[Any], values: Mapping[str, Any], where: str) -> Any:
         raise SimulationError(f"[{where}] {exc}") from exc
 
 
-def load(path: Path | None, overrides: Mapping[str, Mapping[str, Any]]) -> SimConfig:
-    """Read ``path`` (or nothing), apply ``overrides`` ({table: {key: value}}), build."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            raw = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise SimulationError(f"{path}: {exc}") from exc
+def read(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SimulationError(f"{path}: {exc}") from exc
+
+
+def load(
+    path: Path | None,
+    overrides: Mapping[str, Mapping[str, Any]],
+    raw: Mapping[str, Any] | None = None,
+) -> SimConfig:
+    """Read ``path`` (or take ``raw``, or nothing), apply ``overrides`` ({table: {key:
+    value}}, None values ignored), build."""
+    raw = dict(raw) if raw is not None else (read(path) if path is not None else {})
     unknown = sorted(set(raw) - set(TABLES))
     if unknown:
-        raise SimulationError(f"{path}: unknown tables {unknown}; known: {list(TABLES)}")
+        raise SimulationError(
+            f"{path or 'config'}: unknown tables {unknown}; known: {list(TABLES)}"
+        )
     for table, values in overrides.items():
         merged = _table(raw, table)
         merged.update({k: v for k, v in values.items() if v is not None})
@@ -186,16 +195,21 @@ def _workload(
     if trace_path is not None:
         pool = from_trace(load_trace(Path(trace_path)))
     if phases:
+        # Generated phases keep their durations (times time_scale); rate_scale
+        # multiplies each phase's rate.
+        phases = [
+            dataclasses.replace(p, rate=p.rate * rate_scale, duration_s=p.duration_s * time_scale)
+            for p in phases
+        ]
         dist = _build(LengthDistribution, lengths, "workload.lengths") if lengths else None
-        requests = phased(phases, seed, long_tokens, pool, dist)
+        requests = transform(phased(phases, seed, long_tokens, pool, dist), 1.0, 1.0, max_requests)
         starts = [sum(p.duration_s for p in phases[:i]) for i in range(len(phases) + 1)]
         bounds = list(itertools.pairwise(starts))
     elif pool is not None:
-        requests, bounds = pool, []
+        # A trace keeps its requests: rate_scale compresses its timeline.
+        requests, bounds = transform(pool, rate_scale, time_scale, max_requests), []
     else:
         raise SimulationError("no workload: give --trace, or [workload] trace or phases")
-    requests = transform(requests, rate_scale, time_scale, max_requests)
-    factor = time_scale / rate_scale
     if not requests:
         raise SimulationError("the workload has no requests")
-    return requests, [(a * factor, b * factor) for a, b in bounds]
+    return requests, bounds

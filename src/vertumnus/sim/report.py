@@ -210,3 +210,72 @@ def plot(result: SimResult, cfg: SimConfig, by_window: dict[int, list[float]], p
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+Series = tuple[list[float], list[float], list[str]]  # minutes, mean TTFT, composition
+
+
+def window_series(result: SimResult, cfg: SimConfig) -> Series:
+    """Per window: its middle (minutes), the mean TTFT of its arrivals, the composition."""
+    h = cfg.settings.controller.window_s
+    sums: dict[int, list[float]] = {}
+    for r in result.records:
+        if r.end_s is not None:
+            sums.setdefault(int(r.arrival_s // h), []).append(r.end_s - r.arrival_s)
+    comps = {w.window: w.composition for w in result.windows}
+    keys = sorted(sums)
+    return (
+        [(k + 0.5) * h / 60 for k in keys],
+        [sum(sums[k]) / len(sums[k]) for k in keys],
+        [comps.get(k, "") for k in keys],
+    )
+
+
+def plot_comparison(
+    rows: Sequence[dict[str, Any]], series: dict[str, Series], path: Path, sweep: bool
+) -> None:
+    """Variants side by side: TTFT over time (one run each), or against the rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if sweep:
+        fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+        labels = sorted({r["label"] for r in rows}, key=[r["label"] for r in rows].index)
+        for label in labels:
+            mine = [r for r in rows if r["label"] == label]
+            xs = [r["rate_scale"] for r in mine]
+            axes[0].plot(xs, [r["mean_ttft_s"] for r in mine], marker="o", label=label)
+            axes[1].plot(xs, [r["p90_ttft_s"] for r in mine], marker="o", label=label)
+            axes[2].plot(xs, [r["token_hit_rate"] for r in mine], marker="o", label=label)
+        for ax, name in zip(axes, ("mean TTFT (s)", "P90 TTFT (s)", "token hit rate"), strict=True):
+            ax.set(xlabel="rate scale", ylabel=name)
+        axes[0].set_yscale("log")
+        axes[1].set_yscale("log")
+        axes[0].legend(fontsize=8)
+    else:
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
+        for r in rows:
+            xs, ys, _ = series[r["run"]]
+            top.plot(xs, ys, label=r["label"], linewidth=1.2)
+        top.set(ylabel="mean TTFT (s)", yscale="log")
+        top.legend(fontsize=8)
+        first = rows[0]
+        xs, _, comps = series[first["run"]]
+        degrees = sorted({int(p.split("CP")[1]) for c in comps for p in c.split("/") if "CP" in p})
+        for c in degrees:
+            counts = []
+            for comp in comps:
+                parsed = {
+                    int(p.split("CP")[1]): int(p.split("CP")[0])
+                    for p in comp.split("/")
+                    if "CP" in p
+                }
+                counts.append(parsed.get(c, 0))
+            bottom.step(xs, counts, where="mid", label=f"CP{c} workers ({first['label']})")
+        bottom.set(xlabel="time (min)", ylabel="workers")
+        bottom.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

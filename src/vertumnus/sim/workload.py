@@ -5,9 +5,11 @@ prefix (what the trie and the worker caches see). From a Mooncake trace the bloc
 ids are its ``hash_ids`` shifted by one, since 0 is the trie's root, in 512-token
 blocks. From an Azure trace there are none, so nothing is reused.
 
-Transforms: ``rate_scale`` X multiplies the arrival rate (divides every arrival
-time by X); ``time_scale`` S stretches the timeline (multiplies every arrival time
-by S); ``max_requests`` keeps the first N.
+Transforms of a trace: ``rate_scale`` X multiplies the arrival rate (divides every
+arrival time by X); ``time_scale`` S stretches the timeline (multiplies every
+arrival time by S); ``max_requests`` keeps the first N. (For generated phases the
+configuration scales each phase's rate and duration instead, so the phases keep
+their length.)
 
 Generators, all seeded:
   * ``phased``: a sequence of phases, each with a duration, an arrival rate (Poisson,
@@ -16,13 +18,16 @@ Generators, all seeded:
     pool (conversations keep their turns in order), or from a log-normal length
     distribution when there is no trace.
   * shared-prefix groups (``prefix_groups`` > 0, generated lengths only): every
-    request starts with the prefix of one of the groups.
+    request starts with the prefix of one of the groups, chosen with Zipf popularity
+    (``prefix_zipf``; 0 is uniform), like the tool and system prompts of an agent
+    workload.
 
 Pure Python.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Sequence
@@ -92,6 +97,7 @@ class LengthDistribution:
     block_tokens: int = 512
     prefix_groups: int = 0  # shared-prefix groups (0: none)
     prefix_tokens: int = 4_096  # length of each group's prefix
+    prefix_zipf: float = 0.0  # popularity of group k ~ 1 / (k + 1) ** prefix_zipf
 
 
 def phased(
@@ -114,6 +120,9 @@ def phased(
         tuple(rng.getrandbits(62) | 1 << 62 for _ in range(dist.prefix_tokens // dist.block_tokens))
         for _ in range(dist.prefix_groups)
     ]
+    popularity = list(
+        itertools.accumulate(1.0 / (k + 1) ** dist.prefix_zipf for k in range(len(groups)))
+    )
     next_short = next_long = 0
     out: list[SimRequest] = []
     start = 0.0
@@ -126,16 +135,21 @@ def phased(
             is_long = rng.random() < phase.long_fraction
             if pool is not None:
                 if is_long:
-                    src, next_long = long[next_long % len(long)], next_long + 1
+                    src, passes = long[next_long % len(long)], next_long // len(long)
+                    next_long += 1
                 else:
-                    src, next_short = short[next_short % len(short)], next_short + 1
-                out.append(SimRequest(len(out), t, src.input_tokens, src.block_ids, index))
+                    src, passes = short[next_short % len(short)], next_short // len(short)
+                    next_short += 1
+                # A pool drawn again gets fresh block ids: a replay is not a reuse.
+                ids = tuple(b + (passes << 40) for b in src.block_ids) if passes else src.block_ids
+                out.append(SimRequest(len(out), t, src.input_tokens, ids, index))
                 continue
             median = dist.long_median_tokens if is_long else dist.short_median_tokens
             n = int(min(dist.max_tokens, max(1, rng.lognormvariate(math.log(median), dist.sigma))))
             blocks: tuple[int, ...] = ()
             if groups:
-                blocks = groups[rng.randrange(len(groups))][: n // dist.block_tokens]
+                group = groups[rng.choices(range(len(groups)), cum_weights=popularity)[0]]
+                blocks = group[: n // dist.block_tokens]
             own = n // dist.block_tokens - len(blocks)
             blocks += tuple(rng.getrandbits(62) | 1 << 62 for _ in range(max(0, own)))
             out.append(SimRequest(len(out), t, n, blocks, index))
