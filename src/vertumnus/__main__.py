@@ -14,7 +14,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from vertumnus import cli_capacity, cli_fit, cli_prefill, cli_profile, cli_simulate
+from vertumnus import (
+    cli_capacity,
+    cli_fit,
+    cli_prefill,
+    cli_profile,
+    cli_serve,
+    cli_simulate,
+)
 from vertumnus.capacity import CapacityError
 from vertumnus.config import ConfigError
 from vertumnus.perfmodel import ProfileError
@@ -28,6 +35,7 @@ COMMANDS = (
     ("profile", "measure the engine on a grid and fit E_C(R, P) per degree", cli_profile),
     ("capacity", "find each degree's capacity kappa_C and write it into a profile", cli_capacity),
     ("simulate", "run the prefill pool's policies in a discrete-event simulation", cli_simulate),
+    ("serve", "serve prefills over a REST API (coordinator + rank processes)", cli_serve),
 )
 
 

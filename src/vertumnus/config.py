@@ -10,9 +10,11 @@ A model config is read from a Hugging Face style ``config.json`` (the fields of
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -209,3 +211,16 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def build_table(cls: type[Any], values: Mapping[str, Any], where: str) -> Any:
+    """``cls(**values)`` for a TOML table ``[where]``; unknown keys and bad values
+    raise ConfigError naming the table."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(f"[{where}] unknown keys {unknown}; known: {sorted(names)}")
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"[{where}] {exc}") from exc

@@ -14,6 +14,7 @@ CUDA, gloo on CPU) -> create worker groups -> build the model and KV store -> se
 from __future__ import annotations
 
 import os
+import signal
 import time
 import traceback
 from dataclasses import dataclass, replace
@@ -29,11 +30,13 @@ from vertumnus.engine.kv_store import PagedKVStore
 from vertumnus.engine.weights import build_model, resolve_dtype
 from vertumnus.engine.zigzag import prefill_rank
 from vertumnus.runtime.messages import (
+    EpochAck,
     PrefillCommand,
     PrefillDone,
     RankFailed,
     RankReady,
     Shutdown,
+    SwitchEpoch,
 )
 
 
@@ -59,7 +62,14 @@ def resolve_device(engine: EngineConfig, rank: int) -> torch.device:
 
 
 def rank_main(rank: int, spec: RankSpec, commands: Any, results: Any) -> None:
-    """Entry point of a spawned rank process (``commands``/``results``: mp queues)."""
+    """Entry point of a spawned rank process (``commands``/``results``: the rank's ends
+    of two one-way pipes).
+
+    SIGINT and SIGTERM are ignored: a Ctrl-C or a SIGTERM to the whole process group
+    reaches the coordinator, which finishes what runs and then sends ``Shutdown``. A
+    rank whose coordinator is gone (its parent changed) exits by itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         device = resolve_device(spec.engine, rank)
         if device.type == "cuda":
@@ -87,9 +97,9 @@ def rank_main(rank: int, spec: RankSpec, commands: Any, results: Any) -> None:
             spec.model, spec.engine.kv_blocks_per_rank, spec.engine.block_size, dtype, device
         )
     except Exception as exc:
-        results.put(RankFailed(rank, None, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        results.send(RankFailed(rank, None, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return
-    results.put(RankReady(rank=rank, device=str(device), kv_bytes=kv.nbytes))
+    results.send(RankReady(rank=rank, device=str(device), kv_bytes=kv.nbytes))
     try:
         _serve(rank, model, kv, groups, commands, results)
     finally:
@@ -105,15 +115,33 @@ def _serve(
     commands: Any,
     results: Any,
 ) -> None:
+    parent = os.getppid()
     while True:
-        msg = commands.get()
+        try:
+            if not commands.poll(1.0):
+                if os.getppid() != parent:  # the coordinator died without a Shutdown
+                    return
+                continue
+            msg = commands.recv()
+        except (EOFError, OSError):  # the coordinator closed its end
+            return
         match msg:
             case Shutdown():
                 return
             case PrefillCommand():
-                results.put(_run(rank, model, kv, groups, msg))
+                results.send(_run(rank, model, kv, groups, msg))
+            case SwitchEpoch():
+                # The groups exist since start-up: adopting an epoch only checks that
+                # this rank belongs to the worker and can reach its group.
+                if rank not in msg.worker_ranks or (
+                    len(msg.worker_ranks) > 1 and msg.worker_ranks not in groups
+                ):
+                    error = f"no process group for worker ranks {msg.worker_ranks}"
+                    results.send(RankFailed(rank, None, error, ""))
+                else:
+                    results.send(EpochAck(rank, msg.epoch))
             case _:
-                results.put(RankFailed(rank, None, f"unknown command {type(msg).__name__}", ""))
+                results.send(RankFailed(rank, None, f"unknown command {type(msg).__name__}", ""))
 
 
 def _run(

@@ -3,17 +3,22 @@
 Owns process lifetime: spawning the ranks (``spawn`` context), the TCP store they
 rendezvous on (bound by the coordinator to a free port chosen by the OS, so there is
 no port race), waiting for every readiness acknowledgement, the command and result
-queues, and an orderly shutdown that leaves no orphan. It does not plan prefills
+channels, and an orderly shutdown that leaves no orphan. It does not plan prefills
 (``runtime/worker.py``) or run them (``engine/rank.py``).
+
+Channels are one-way pipes, one pair per rank: a send writes the pickled message
+at once (no feeder thread between the caller and the pipe, about 0.1 ms less per
+message than an ``mp.Queue``). ``recv`` waits on every result pipe and every rank
+process's sentinel together, so a rank that dies is noticed at once.
 """
 
 from __future__ import annotations
 
 import contextlib
-import queue
 import time
 from collections.abc import Sequence
 from datetime import timedelta
+from multiprocessing import connection
 from typing import Any
 
 import torch.distributed as dist
@@ -53,8 +58,9 @@ class RankPool:
         self.groups = worker_groups(world_size, degrees)
         self.ready: dict[int, RankReady] = {}
         self._procs: list[Any] = []
-        self._commands: list[Any] = []
-        self._results: Any = None
+        self._commands: list[Any] = []  # Connection per rank, coordinator -> rank
+        self._results: list[Any] = []  # Connection per rank, rank -> coordinator
+        self._pending: list[object] = []  # read, not yet handed out
         self._store: dist.TCPStore | None = None
 
     def __enter__(self) -> RankPool:
@@ -79,17 +85,20 @@ class RankPool:
             store_port=self._store.port,
         )
         ctx = mp.get_context("spawn")
-        self._results = ctx.Queue()
         for rank in range(self.world_size):
-            commands = ctx.Queue()
+            cmd_recv, cmd_send = ctx.Pipe(duplex=False)
+            res_recv, res_send = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=rank_main,
-                args=(rank, spec, commands, self._results),
+                args=(rank, spec, cmd_recv, res_send),
                 name=f"vertumnus-rank{rank}",
                 daemon=True,
             )
             proc.start()
-            self._commands.append(commands)
+            cmd_recv.close()  # the child's ends: this process keeps its own
+            res_send.close()
+            self._commands.append(cmd_send)
+            self._results.append(res_recv)
             self._procs.append(proc)
         try:
             while len(self.ready) < self.world_size:
@@ -105,31 +114,53 @@ class RankPool:
             raise
 
     def send(self, rank: int, msg: object) -> None:
-        self._commands[rank].put(msg)
+        self._commands[rank].send(msg)
+
+    def channels(self) -> list[tuple[int, Any, int]]:
+        """(rank, result connection, process sentinel) of every rank: an event loop can
+        watch them directly (``loop.add_reader``) instead of calling ``poll``."""
+        return [
+            (rank, conn, proc.sentinel)
+            for rank, (conn, proc) in enumerate(zip(self._results, self._procs, strict=True))
+        ]
 
     def recv(self, timeout_s: float) -> object:
         """Next message from any rank; raises RankPoolError if a rank died or time ran out."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                return self._results.get(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
-            except queue.Empty:
-                dead = [p.name for p in self._procs if not p.is_alive()]
-                if dead:
-                    raise RankPoolError(
-                        f"rank process(es) exited unexpectedly: {', '.join(dead)}"
-                    ) from None
-                if time.monotonic() >= deadline:
-                    raise RankPoolError(
-                        f"no answer from the ranks within {timeout_s:.0f} s"
-                    ) from None
+        msg = self.poll(timeout_s)
+        if msg is None:
+            raise RankPoolError(f"no answer from the ranks within {timeout_s:.0f} s")
+        return msg
+
+    def poll(self, timeout_s: float) -> object | None:
+        """Next message from any rank, or None after ``timeout_s``; raises RankPoolError
+        if a rank process died (after handing out what it sent before)."""
+        if self._pending:
+            return self._pending.pop(0)
+        sentinels = {p.sentinel: p for p in self._procs}
+        try:
+            ready = connection.wait([*self._results, *sentinels], timeout_s)
+        except (OSError, ValueError):  # closed under us: shutting down
+            return None
+        for conn in self._results:
+            if conn in ready:
+                try:
+                    while conn.poll():
+                        self._pending.append(conn.recv())
+                except (EOFError, OSError):
+                    pass  # the rank is gone; its sentinel says so below
+        if self._pending:
+            return self._pending.pop(0)
+        dead = [sentinels[s].name for s in ready if s in sentinels]
+        if dead:
+            raise RankPoolError(f"rank process(es) exited unexpectedly: {', '.join(dead)}")
+        return None
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask every rank to exit, wait, then terminate stragglers; idempotent."""
         for proc, commands in zip(self._procs, self._commands, strict=True):
             if proc.is_alive():
                 with contextlib.suppress(OSError, ValueError):
-                    commands.put(Shutdown())
+                    commands.send(Shutdown())
         deadline = time.monotonic() + timeout_s
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -140,9 +171,7 @@ class RankPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join(2.0)
-        for q in (*self._commands, self._results):
-            if q is not None:
-                q.close()
-                q.cancel_join_thread()  # the ranks are gone: nothing left to flush to
-        self._procs, self._commands, self._results = [], [], None
+        for conn in (*self._commands, *self._results):
+            conn.close()
+        self._procs, self._commands, self._results, self._pending = [], [], [], []
         self._store = None

@@ -29,8 +29,10 @@ def plan_prefill(
     request_id: int,
     worker_ranks: tuple[int, ...],
     logits: str = "last",
+    ids: Sequence[int] | None = None,
 ) -> tuple[PrefillLease, PrefillCommand]:
-    """Pin the reusable prefix, allocate the new blocks, and build the command."""
+    """Pin the reusable prefix, allocate the new blocks, and build the command
+    (``ids``: the tokens' block ids, when the caller has them already)."""
     if not tokens:
         raise ValueError("a prefill needs at least one token")
     if logits not in ("last", "all"):
@@ -38,7 +40,8 @@ def plan_prefill(
     c = len(worker_ranks)
     if c != index.cp_degree:
         raise ValueError(f"worker of {c} ranks but cache index of degree {index.cp_degree}")
-    ids = block_ids(tokens, block_size)
+    if ids is None:
+        ids = block_ids(tokens, block_size)
     # Reuse only whole blocks, and leave at least the last token to compute its logits.
     lease = index.begin(ids, max_reuse_blocks=(len(tokens) - 1) // block_size)
     prefix_len = lease.num_reused_blocks * block_size

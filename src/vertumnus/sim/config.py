@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from vertumnus.config import ConfigError, build_table
 from vertumnus.perfmodel import Profile
 from vertumnus.policy.cache_plans import CacheManagerConfig
 from vertumnus.policy.composition import layout_for
@@ -93,14 +94,10 @@ def _table(raw: Mapping[str, Any], name: str) -> dict[str, Any]:
 
 
 def _build(cls: type[Any], values: Mapping[str, Any], where: str) -> Any:
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - names)
-    if unknown:
-        raise SimulationError(f"[{where}] unknown keys {unknown}; known: {sorted(names)}")
     try:
-        return cls(**values)
-    except (TypeError, ValueError) as exc:
-        raise SimulationError(f"[{where}] {exc}") from exc
+        return build_table(cls, values, where)
+    except ConfigError as exc:
+        raise SimulationError(str(exc)) from exc
 
 
 def read(path: Path) -> dict[str, Any]:

@@ -1,0 +1,86 @@
+"""``python -m vertumnus serve``: the prefill pool behind a REST API.
+
+Starts the rank processes (the embedded default: the ``tiny`` model on two CPU ranks,
+see ``runtime/serve_config.py``), the asyncio coordinator on uvloop and the aiohttp
+API (docs/api.md). Binds 127.0.0.1 unless told otherwise; ``--port 0`` picks a free
+port. Logs are JSON lines on stderr, one per request and per reconfiguration. The
+first line on stdout says where it listens. SIGTERM or SIGINT stops admission,
+finishes or fails what is in flight, stops the ranks, and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import structlog
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, default=None, metavar="configs/serve/NAME.toml")
+    p.add_argument(
+        "--model", default=None, help="preset or Hugging Face folder (overrides the config)"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: a free port")
+
+
+def configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    import orjson
+
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.JSONRenderer(serializer=orjson.dumps),
+        ],
+        logger_factory=structlog.BytesLoggerFactory(sys.stderr.buffer),
+        cache_logger_on_first_use=True,
+    )
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from vertumnus.runtime.coordinator import Coordinator
+    from vertumnus.runtime.serve_config import load
+    from vertumnus.server.app import build_app
+    from vertumnus.server.tokenizer import Tokenizer
+
+    cfg = load(args.config, args.model)
+    coordinator = Coordinator(cfg)
+    tokenizer = Tokenizer.for_model(coordinator.model_dir, coordinator.model_cfg.vocab_size)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await coordinator.start()
+    runner = web.AppRunner(build_app(coordinator, tokenizer), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    try:
+        await site.start()
+        port = runner.addresses[0][1]
+        print(f"vertumnus listening on http://{args.host}:{port}", flush=True)
+        structlog.get_logger("vertumnus").info("listening", host=args.host, port=port)
+        await stop.wait()
+    finally:
+        structlog.get_logger("vertumnus").info("shutting_down")
+        await runner.cleanup()
+        await coordinator.close()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging()
+    try:
+        import uvloop
+
+        return uvloop.run(serve(args))
+    except ImportError:
+        return asyncio.run(serve(args))

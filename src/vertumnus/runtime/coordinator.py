@@ -1,0 +1,521 @@
+"""The asyncio coordinator: the serving system's one brain.
+
+Owns, in one process and one event loop: the lattice, the scheduler, the
+prefix-cache manager (trie), the window controller and the reshape transitions
+(all from ``policy/``, the same objects the simulator drives), one
+``WorkerCacheIndex`` per worker, and the ``RankPool`` of rank processes.
+
+    HTTP handler --prefill()--> place (reserve E_iw) --wake--> worker task
+    worker task: head of its queue -> plan (lease slots) -> PrefillCommand to each
+                 rank -> await every PrefillDone (the loop watches the ranks' answer
+                 pipes and process sentinels) -> commit -> cache report into the
+                 trie -> release -> answer -> next
+    window task: every H seconds the controller decides; a reshape drains its
+                 workers (queued requests re-placed; the running prefill finishes),
+                 then switches: a new epoch, SwitchEpoch to every rank of the new
+                 workers, which become schedulable when every rank acknowledges
+
+Not done yet (documented in docs/architecture.md): moving KV between workers. The
+cache manager's scans are not run, and after a reshape the new workers start with
+empty cache indexes (the retained blocks are not reused, never wrongly reused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from vertumnus.blocks import block_ids
+from vertumnus.config import ConfigError, resolve_model
+from vertumnus.perfmodel import Profile
+from vertumnus.policy.cache_index import PrefillLease, WorkerCacheIndex
+from vertumnus.policy.cache_manager import PrefixCacheManager
+from vertumnus.policy.controller import Controller
+from vertumnus.policy.lattice import Lattice, LatticeConfig, LatticeError, Reshape, WorkerState
+from vertumnus.policy.scheduler import PlacementRequest, Scheduler, SchedulerConfig
+from vertumnus.policy.transition import Phase, Reconfigurer, Transition
+from vertumnus.runtime.messages import EpochAck, PrefillDone, RankFailed, SwitchEpoch
+from vertumnus.runtime.metrics import Metrics
+from vertumnus.runtime.pool import RankPool, RankPoolError
+from vertumnus.runtime.serve_config import ServeConfig
+from vertumnus.runtime.worker import plan_prefill
+
+log = structlog.get_logger("vertumnus")
+
+
+class Overloaded(RuntimeError):
+    """Admission refused: too much work queued (retry later)."""
+
+
+class Unavailable(RuntimeError):
+    """No worker can serve the request now (retry later)."""
+
+
+@dataclass
+class PrefillResult:
+    request_id: int
+    first_token: int
+    cached_tokens: int
+    computed_tokens: int
+    worker: int
+    cp_degree: int
+    queue_s: float
+    prefill_s: float
+    ttft_s: float
+    rank_compute_s: float  # the slowest rank's compute; the rest of ttft_s is overhead
+
+
+@dataclass
+class _Request:
+    request_id: int
+    tokens: list[int]
+    block_ids: tuple[int, ...]
+    arrival_s: float
+    future: asyncio.Future[PrefillResult]
+    worker: int | None = None
+    start_s: float | None = None
+
+
+@dataclass
+class _InFlight:
+    ranks: tuple[int, ...]
+    done: dict[int, PrefillDone] = field(default_factory=dict)
+    future: asyncio.Future[dict[int, PrefillDone]] | None = None
+
+
+class Coordinator:
+    def __init__(self, cfg: ServeConfig) -> None:
+        self.cfg = cfg
+        self.model_cfg, self.model_dir = resolve_model(cfg.model)
+        self.profile = Profile.load(cfg.profile)
+        missing = sorted(set(cfg.degrees) - set(self.profile.degrees))
+        if missing:
+            raise ConfigError(
+                f"profile {cfg.profile} has no degrees {missing}: profile them "
+                "(`python -m vertumnus profile`) or change [pool] degrees"
+            )
+        coeffs = {c: self.profile.coeffs[c] for c in cfg.degrees}
+        assert cfg.layout is not None
+        self.lattice = Lattice(LatticeConfig(cfg.ranks, cfg.degrees), cfg.layout)
+        block = cfg.engine.block_size
+        self.cache = PrefixCacheManager(coeffs, block)
+        self.scheduler = Scheduler(self.lattice, coeffs, SchedulerConfig(cfg.weights), self.cache)
+        kappa = {c: float(self.profile.capacity.get(c, {}).get("kappa_s", 1.0)) for c in coeffs}
+        self.controller = Controller(cfg.controller, self.lattice, kappa)
+        self.reconf = Reconfigurer(
+            self.lattice, self.scheduler, self.cache, self.controller, cfg.engine.kv_blocks_per_rank
+        )
+        self.metrics = Metrics()
+        self.pool: RankPool | None = None
+        self.indexes: dict[int, WorkerCacheIndex] = {}
+        self._requests: dict[int, _Request] = {}
+        self._waiting: list[_Request] = []  # no candidate while every worker reshapes
+        self._inflight: dict[int, _InFlight] = {}
+        self._acks: dict[tuple[int, int], asyncio.Future[None]] = {}
+        self._wake: dict[int, asyncio.Event] = {}
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._transitions: dict[int, tuple[Transition, asyncio.Future[Transition]]] = {}
+        self._ids = itertools.count(1)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = threading.Event()
+        self._window_task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self.ready = False
+        self.started_s = time.monotonic()
+        self.rank_error: str | None = None
+
+    # -- life ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        pool = RankPool(
+            self.model_cfg, self.model_dir, self.cfg.engine, self.cfg.ranks, self.cfg.degrees
+        )
+        await self._loop.run_in_executor(None, pool.start)
+        self.pool = pool
+        for w in self.lattice.workers.values():
+            self._add_worker(w.worker_id)
+        # The event loop itself watches the ranks' answer pipes and their process
+        # sentinels: no thread between a rank's answer and the request it finishes.
+        for rank, conn, sentinel in pool.channels():
+            self._loop.add_reader(conn.fileno(), self._readable, rank, conn)
+            self._loop.add_reader(sentinel, self._rank_exited, rank, sentinel)
+        if self.cfg.controller_enabled:
+            self._window_task = asyncio.create_task(self._windows())
+        self.ready = True
+        log.info("ready", ranks=self.cfg.ranks, composition=self.composition_name())
+
+    async def close(self) -> None:
+        """Stop admission, cancel what waits, stop the ranks."""
+        self.ready = False
+        self._stopping.set()
+        if self._window_task is not None:
+            self._window_task.cancel()
+        for task in self._tasks.values():
+            task.cancel()
+        for req in self._requests.values():
+            if not req.future.done():
+                req.future.set_exception(Unavailable("the server is shutting down"))
+        self._unwatch()
+        if self.pool is not None:
+            assert self._loop is not None
+            await self._loop.run_in_executor(None, self.pool.close)
+            self.pool = None
+
+    def _spawn(self, coro: Any) -> None:
+        """A background task, kept referenced until it ends."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _add_worker(self, worker_id: int) -> None:
+        w = self.lattice.workers[worker_id]
+        self.indexes[worker_id] = WorkerCacheIndex(
+            w.cp_degree, self.cfg.engine.kv_blocks_per_rank, worker_id
+        )
+        if worker_id not in self.cache.trie.workers:
+            self.cache.add_worker(worker_id, w.cp_degree, w.first_device)
+        self._wake[worker_id] = asyncio.Event()
+        self._tasks[worker_id] = asyncio.create_task(self._worker_loop(worker_id))
+
+    def _readable(self, rank: int, conn: Any) -> None:
+        try:
+            while conn.poll():
+                self._on_message(conn.recv())
+        except (EOFError, OSError):
+            assert self._loop is not None
+            self._loop.remove_reader(conn.fileno())
+
+    def _rank_exited(self, rank: int, sentinel: int) -> None:
+        assert self._loop is not None
+        self._loop.remove_reader(sentinel)
+        if not self._stopping.is_set():
+            self._rank_pool_failed(f"rank process {rank} exited unexpectedly")
+
+    def _unwatch(self) -> None:
+        if self.pool is None or self._loop is None:
+            return
+        for _, conn, sentinel in self.pool.channels():
+            self._loop.remove_reader(sentinel)
+            if not conn.closed:
+                self._loop.remove_reader(conn.fileno())
+
+    def _on_message(self, msg: object) -> None:
+        match msg:
+            case PrefillDone():
+                inflight = self._inflight.get(msg.request_id)
+                if inflight is None or inflight.future is None:
+                    return
+                inflight.done[msg.rank] = msg
+                if len(inflight.done) == len(inflight.ranks) and not inflight.future.done():
+                    inflight.future.set_result(inflight.done)
+            case RankFailed():
+                inflight = self._inflight.get(msg.request_id) if msg.request_id else None
+                if inflight is not None and inflight.future is not None:
+                    if not inflight.future.done():
+                        inflight.future.set_exception(RankPoolError(msg.error))
+                else:
+                    self._rank_pool_failed(f"rank {msg.rank}: {msg.error}")
+            case EpochAck():
+                ack = self._acks.pop((msg.rank, msg.epoch), None)
+                if ack is not None and not ack.done():
+                    ack.set_result(None)
+
+    def _rank_pool_failed(self, error: str) -> None:
+        self.rank_error = error
+        self.ready = False
+        log.error("rank_failure", error=error)
+        for pending in (*self._inflight.values(),):
+            if pending.future is not None and not pending.future.done():
+                pending.future.set_exception(RankPoolError(error))
+        for ack in self._acks.values():
+            if not ack.done():
+                ack.set_exception(RankPoolError(error))
+
+    # -- requests --------------------------------------------------------------------
+
+    async def prefill(self, tokens: Sequence[int]) -> PrefillResult:
+        if not self.ready:
+            raise Unavailable(self.rank_error or "the server is not ready")
+        if len(self._requests) >= self.cfg.max_queued:
+            raise Overloaded(f"{len(self._requests)} requests in the pool")
+        assert self._loop is not None
+        rid = next(self._ids)
+        req = _Request(
+            rid,
+            list(tokens),
+            tuple(block_ids(tokens, self.cfg.engine.block_size)),
+            time.monotonic(),
+            self._loop.create_future(),
+        )
+        self._requests[rid] = req
+        try:
+            self._place(req)
+            return await asyncio.wait_for(asyncio.shield(req.future), self.cfg.request_timeout_s)
+        finally:
+            self._requests.pop(rid, None)
+
+    def _place(self, req: _Request) -> None:
+        now = time.monotonic()
+        placed = self.scheduler.place(
+            PlacementRequest(req.request_id, len(req.tokens), req.block_ids), now
+        )
+        if placed is None:
+            reshaping = any(
+                w.state in (WorkerState.DRAINING, WorkerState.SWITCHING)
+                for w in self.lattice.workers.values()
+            )
+            if not reshaping:
+                raise Unavailable("no worker can take the request now")
+            # Every worker is in a reshape: wait for the new workers (bounded by the
+            # request's time-out) instead of refusing.
+            self._waiting.append(req)
+            return
+        req.worker = placed.worker_id
+        if placed.update is not None and placed.update.fetch is not None:
+            # KV movement is not built yet: a pending prefix is an ordinary miss.
+            self.cache.finish_copy(placed.update.fetch.plan_id, ok=False)
+        if self.cfg.controller_enabled:
+            self.controller.record(placed.exec_s, len(req.tokens))
+        self._wake[placed.worker_id].set()
+
+    async def _worker_loop(self, worker_id: int) -> None:
+        wake = self._wake[worker_id]
+        while True:
+            await wake.wait()
+            wake.clear()
+            while worker_id in self.lattice.workers and self.scheduler.queued(worker_id):
+                rid = self.scheduler.queued(worker_id)[0]
+                await self._run_one(worker_id, rid)
+            if worker_id not in self.lattice.workers:
+                return
+
+    async def _run_one(self, worker_id: int, rid: int) -> None:
+        assert self.pool is not None and self._loop is not None
+        req = self._requests.get(rid)
+        now = time.monotonic()
+        self.scheduler.start(rid, now)
+        if req is None:  # timed out and gone
+            self.scheduler.complete(rid)
+            return
+        w = self.lattice.workers[worker_id]
+        ranks = tuple(w.devices)
+        index = self.indexes[worker_id]
+        lease: PrefillLease | None = None
+        try:
+            lease, cmd = plan_prefill(
+                index, req.tokens, self.cfg.engine.block_size, rid, ranks, ids=req.block_ids
+            )
+            inflight = _InFlight(ranks, future=self._loop.create_future())
+            self._inflight[rid] = inflight
+            req.start_s = now
+            for r in ranks:
+                self.pool.send(r, cmd)
+            assert inflight.future is not None
+            done = await inflight.future
+        except Exception as exc:
+            if lease is not None:
+                self.cache.apply_report(index.abort(lease))
+            self.scheduler.complete(rid)
+            self._inflight.pop(rid, None)
+            if not req.future.done():
+                req.future.set_exception(exc)
+            self._after_prefill(worker_id)
+            return
+        self._inflight.pop(rid, None)
+        end = time.monotonic()
+        self.cache.apply_report(index.commit(lease))
+        self.scheduler.complete(rid)
+        logits = done[ranks[0]].logits
+        assert logits is not None
+        result = PrefillResult(
+            request_id=rid,
+            first_token=int(logits[-1].argmax()),
+            cached_tokens=cmd.prefix_len,
+            computed_tokens=int(cmd.token_ids.numel()),
+            worker=worker_id,
+            cp_degree=len(ranks),
+            queue_s=now - req.arrival_s,
+            prefill_s=end - now,
+            ttft_s=end - req.arrival_s,
+            rank_compute_s=max(d.compute_s for d in done.values()),
+        )
+        self.metrics.request(result)
+        log.info(
+            "prefill",
+            request_id=rid,
+            worker=worker_id,
+            cp_degree=len(ranks),
+            input_tokens=len(req.tokens),
+            cached_tokens=result.cached_tokens,
+            queue_s=round(result.queue_s, 6),
+            prefill_s=round(result.prefill_s, 6),
+            ttft_s=round(result.ttft_s, 6),
+        )
+        if not req.future.done():
+            req.future.set_result(result)
+        self._after_prefill(worker_id)
+
+    def _after_prefill(self, worker_id: int) -> None:
+        for transition, _ in list(self._transitions.values()):
+            if worker_id in transition.op.sources and self.reconf.idle(
+                transition, worker_id, time.monotonic()
+            ):
+                self._spawn(self._switch(transition))
+
+    # -- reconfiguration -------------------------------------------------------------
+
+    async def _windows(self) -> None:
+        h = self.cfg.controller.window_s
+        while True:
+            await asyncio.sleep(h)
+            decision = self.controller.end_window(self.scheduler.loads(time.monotonic()))
+            if decision.ops:
+                log.info("decision", **decision.to_json())
+            for op in decision.ops:
+                self.begin_reshape(op)
+
+    def begin_reshape(self, op: Reshape) -> asyncio.Future[Transition]:
+        """Drain ``op``'s workers now; the future resolves when the new workers serve."""
+        assert self._loop is not None
+        transition, requeue = self.reconf.begin(op, time.monotonic())
+        done: asyncio.Future[Transition] = self._loop.create_future()
+        self._transitions[id(transition)] = (transition, done)
+        log.info("reshape_begin", kind=op.kind, sources=list(op.sources), requeued=len(requeue))
+        for placed in requeue:
+            req = self._requests.get(placed.request_id)
+            if req is None:
+                continue
+            try:
+                self._place(req)
+            except Unavailable as exc:
+                if not req.future.done():
+                    req.future.set_exception(exc)
+        if transition.phase is Phase.SWITCHING:
+            self._spawn(self._switch(transition))
+        return done
+
+    async def _switch(self, transition: Transition) -> None:
+        assert self.pool is not None and self._loop is not None
+        _, done = self._transitions[id(transition)]
+        try:
+            start = time.monotonic()
+            adopt = self.reconf.switch(transition, start)
+            for plan in adopt:  # KV movement is not built yet: the prefixes start over
+                self.cache.finish_copy(plan.plan_id, ok=False)
+            for s in transition.op.sources:
+                self.indexes.pop(s, None)
+                self._wake.pop(s, None)
+                task = self._tasks.pop(s, None)
+                if task is not None:
+                    task.cancel()
+            epoch = self.lattice.epoch
+            acks = []
+            for w in transition.new_workers:
+                ranks = tuple(self.lattice.workers[w].devices)
+                for r in ranks:
+                    fut: asyncio.Future[None] = self._loop.create_future()
+                    self._acks[(r, epoch)] = fut
+                    acks.append((w, r - ranks[0], fut))
+                    self.pool.send(r, SwitchEpoch(epoch, ranks))
+            for w, cp_rank, fut in acks:
+                await asyncio.wait_for(fut, self.cfg.engine.rank_timeout_s)
+                self.reconf.acknowledge(transition, w, cp_rank, time.monotonic())
+            for w in transition.new_workers:
+                self._add_worker(w)
+            waiting, self._waiting = self._waiting, []
+            for req in waiting:
+                if not req.future.done():
+                    try:
+                        self._place(req)
+                    except Unavailable as exc:
+                        req.future.set_exception(exc)
+            self.metrics.reshape(transition)
+            log.info(
+                "reshape_done",
+                kind=transition.op.kind,
+                sources=list(transition.op.sources),
+                new_workers=transition.new_workers,
+                epoch=epoch,
+                drain_s=transition.drain_s,
+                switch_s=transition.switch_s,
+                composition=self.composition_name(),
+            )
+            done.set_result(transition)
+        except Exception as exc:  # a rank failed mid-switch
+            log.error("reshape_failed", error=str(exc))
+            if not done.done():
+                done.set_exception(exc)
+        finally:
+            self._transitions.pop(id(transition), None)
+
+    def reshape_for(self, op_name: str, workers: Sequence[int] | None) -> Reshape:
+        """The admin endpoint's request as a lattice operation (or the controller's
+        choice when ``workers`` is empty); LatticeError when it cannot be done."""
+        if op_name not in ("split", "merge"):
+            raise LatticeError(f"op must be 'split' or 'merge', got {op_name!r}")
+        options = (
+            self.lattice.split_options() if op_name == "split" else self.lattice.merge_options()
+        )
+        busy = {s for t, _ in self._transitions.values() for s in t.op.sources}
+        options = [op for op in options if not busy & set(op.sources)]
+        if workers:
+            wanted = tuple(sorted(workers))
+            chosen = [op for op in options if tuple(sorted(op.sources)) == wanted]
+            if not chosen:
+                raise LatticeError(
+                    f"cannot {op_name} {list(wanted)}: the possible {op_name}s now are "
+                    f"{[list(op.sources) for op in options]}"
+                )
+            return chosen[0]
+        if not options:
+            raise LatticeError(f"no {op_name} is possible now")
+        loads = self.scheduler.loads(time.monotonic())
+        return min(options, key=lambda op: max(loads.get(s, 0.0) for s in op.sources))
+
+    # -- views -----------------------------------------------------------------------
+
+    def composition_name(self) -> str:
+        counts = self.lattice.composition((WorkerState.ACTIVE,))
+        return "/".join(f"{n}CP{c}" for c, n in sorted(counts.items()) if n) or "-"
+
+    def workers_view(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        out = []
+        for w in sorted(self.lattice.workers.values(), key=lambda w: w.first_device):
+            index = self.indexes.get(w.worker_id)
+            out.append(
+                {
+                    "worker": w.worker_id,
+                    "cp_degree": w.cp_degree,
+                    "ranks": list(w.devices),
+                    "state": str(w.state),
+                    "epoch": w.epoch,
+                    "queued": len(self.scheduler.queued(w.worker_id)),
+                    "running": self.scheduler.running(w.worker_id),
+                    "outstanding_s": self.scheduler.outstanding_s(w.worker_id, now),
+                    "cached_blocks": len(index) if index is not None else 0,
+                }
+            )
+        return out
+
+    def cache_view(self) -> dict[str, Any]:
+        trie = self.cache.trie
+        return {
+            "nodes": len(trie.nodes),
+            "block_size": trie.block_tokens,
+            "holders": {str(w): len(nodes) for w, nodes in trie.worker_nodes.items()},
+            "token_hit_rate": self.metrics.hit_rate(),
+            "replications": 0,
+            "reclamations": 0,
+        }
+
+    def uptime_s(self) -> float:
+        return time.monotonic() - self.started_s

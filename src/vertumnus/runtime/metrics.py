@@ -1,0 +1,89 @@
+"""Prometheus metrics of the serving coordinator (prometheus-client, own registry).
+
+vertumnus_ttft_seconds               histogram of time to first token
+vertumnus_queue_seconds              histogram of time waiting before the prefill
+vertumnus_prefill_seconds            histogram of prefill execution time
+vertumnus_requests_total             counter, by worker degree
+vertumnus_cached_tokens_total        prompt tokens reused from a worker's cache
+vertumnus_computed_tokens_total      prompt tokens computed
+vertumnus_worker_queue_depth         gauge per worker: requests queued
+vertumnus_worker_outstanding_seconds gauge per worker: predicted work outstanding
+vertumnus_reconfigurations_total     counter, by kind (split, merge)
+vertumnus_drain_seconds              histogram of a reshape's drain
+vertumnus_switch_seconds             histogram of a reshape's switch
+vertumnus_replications_total         KV copies between workers (0: not built yet)
+vertumnus_reclamations_total         replicas reclaimed (0: not built yet)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "vertumnus_ttft_seconds", "Time to first token", buckets=TTFT_BUCKETS, registry=r
+        )
+        self.queue = Histogram(
+            "vertumnus_queue_seconds", "Wait before the prefill", buckets=TTFT_BUCKETS, registry=r
+        )
+        self.prefill = Histogram(
+            "vertumnus_prefill_seconds", "Prefill execution", buckets=TTFT_BUCKETS, registry=r
+        )
+        self.requests = Counter(
+            "vertumnus_requests", "Prefills answered", ["cp_degree"], registry=r
+        )
+        self.cached = Counter("vertumnus_cached_tokens", "Prompt tokens reused", registry=r)
+        self.computed = Counter("vertumnus_computed_tokens", "Prompt tokens computed", registry=r)
+        self.depth = Gauge(
+            "vertumnus_worker_queue_depth", "Requests queued", ["worker"], registry=r
+        )
+        self.outstanding = Gauge(
+            "vertumnus_worker_outstanding_seconds",
+            "Predicted work outstanding",
+            ["worker"],
+            registry=r,
+        )
+        self.reconfigurations = Counter(
+            "vertumnus_reconfigurations", "Splits and merges done", ["kind"], registry=r
+        )
+        self.drain = Histogram("vertumnus_drain_seconds", "Reshape drain", registry=r)
+        self.switch = Histogram("vertumnus_switch_seconds", "Reshape switch", registry=r)
+        self.replications = Counter(
+            "vertumnus_replications", "KV copies between workers", registry=r
+        )
+        self.reclamations = Counter("vertumnus_reclamations", "Replicas reclaimed", registry=r)
+        self._cached = self._total = 0
+
+    def request(self, result: Any) -> None:
+        self.ttft.observe(result.ttft_s)
+        self.queue.observe(result.queue_s)
+        self.prefill.observe(result.prefill_s)
+        self.requests.labels(cp_degree=str(result.cp_degree)).inc()
+        self.cached.inc(result.cached_tokens)
+        self.computed.inc(result.computed_tokens)
+        self._cached += result.cached_tokens
+        self._total += result.cached_tokens + result.computed_tokens
+
+    def reshape(self, transition: Any) -> None:
+        self.reconfigurations.labels(kind=transition.op.kind).inc()
+        if transition.drain_s is not None:
+            self.drain.observe(transition.drain_s)
+        if transition.switch_s is not None:
+            self.switch.observe(transition.switch_s)
+
+    def hit_rate(self) -> float | None:
+        return self._cached / self._total if self._total else None
+
+    def render(self, workers: list[dict[str, Any]]) -> bytes:
+        for w in workers:
+            self.depth.labels(worker=str(w["worker"])).set(w["queued"])
+            self.outstanding.labels(worker=str(w["worker"])).set(w["outstanding_s"])
+        return generate_latest(self.registry)

@@ -1,0 +1,100 @@
+"""Serving configuration: ``configs/serve/*.toml`` plus CLI flags.
+
+    [model]       name = "tiny"                 # preset or Hugging Face folder
+    [pool]        ranks = 2, degrees = [1, 2], layout = [1, 1]   # degrees by device
+    [engine]      block_size, kv_blocks_per_rank, threads_per_rank, device, dtype,
+                  seed, rank_timeout_s
+    [profile]     path = "configs/profiles/tiny-cpu.json"   # E_C(R, P) and kappa_C
+    [scheduler]   beta, gpu_penalty
+    [controller]  enabled = true, and the fields of ``ControllerConfig``
+    [server]      max_queued = 1024, request_timeout_s = 120
+
+The embedded default (no file) is the ``tiny`` model on two CPU ranks, starting as
+two degree-1 workers that may merge into one degree-2 worker: the shipped CPU
+profile covers degrees 1 and 2, and this development machine has two cores. On
+CUDA, give ``ranks`` = the number of GPUs (one rank per GPU) and a profile of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from vertumnus.config import ConfigError, EngineConfig, build_table
+from vertumnus.policy.controller import ControllerConfig
+from vertumnus.policy.costs import CostWeights
+
+REPO = Path(__file__).resolve().parents[3]
+DEFAULT_PROFILE = REPO / "configs" / "profiles" / "tiny-cpu.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    model: str = "tiny"
+    ranks: int = 2
+    degrees: tuple[int, ...] = (1, 2)
+    layout: tuple[int, ...] | None = None  # default: every rank a degree-1 worker
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    profile: Path = DEFAULT_PROFILE
+    weights: CostWeights = dataclasses.field(default_factory=CostWeights)
+    controller_enabled: bool = True
+    controller: ControllerConfig = dataclasses.field(
+        default_factory=lambda: ControllerConfig(window_s=10.0)
+    )
+    max_queued: int = 1024  # requests placed but not finished, over all workers
+    request_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1:
+            raise ConfigError("[pool] ranks must be >= 1")
+        layout = self.layout or tuple(
+            min(self.degrees) for _ in range(self.ranks // min(self.degrees))
+        )
+        object.__setattr__(self, "layout", tuple(layout))
+        if sum(layout) != self.ranks:
+            raise ConfigError(f"[pool] layout {list(layout)} does not cover {self.ranks} ranks")
+        if self.max_queued < 1 or self.request_timeout_s <= 0:
+            raise ConfigError("[server] max_queued must be >= 1 and request_timeout_s > 0")
+
+
+def load(path: Path | None, model: str | None = None) -> ServeConfig:
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+    known = {"model", "pool", "engine", "profile", "scheduler", "controller", "server"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"{path}: unknown tables {unknown}; known: {sorted(known)}")
+    pool = dict(raw.get("pool", {}))
+    controller = dict(raw.get("controller", {}))
+    enabled = bool(controller.pop("enabled", True))
+    controller.setdefault("window_s", 10.0)
+    server = dict(raw.get("server", {}))
+    kwargs: dict[str, Any] = {
+        "model": model or raw.get("model", {}).get("name", "tiny"),
+        "engine": build_table(EngineConfig, raw.get("engine", {}), "engine"),
+        "weights": build_table(CostWeights, raw.get("scheduler", {}), "scheduler"),
+        "controller_enabled": enabled,
+        "controller": build_table(ControllerConfig, controller, "controller"),
+    }
+    if "ranks" in pool:
+        kwargs["ranks"] = int(pool.pop("ranks"))
+    if "degrees" in pool:
+        kwargs["degrees"] = tuple(int(c) for c in pool.pop("degrees"))
+    if "layout" in pool:
+        kwargs["layout"] = tuple(int(c) for c in pool.pop("layout"))
+    if pool:
+        raise ConfigError(f"[pool] unknown keys {sorted(pool)}")
+    if "path" in raw.get("profile", {}):
+        kwargs["profile"] = Path(raw["profile"]["path"])
+    for key in ("max_queued", "request_timeout_s"):
+        if key in server:
+            kwargs[key] = server.pop(key)
+    if server:
+        raise ConfigError(f"[server] unknown keys {sorted(server)}")
+    return ServeConfig(**kwargs)

@@ -1,0 +1,286 @@
+"""The REST API (aiohttp, orjson) in front of the coordinator; see docs/api.md.
+
+    POST /v1/prefill            {"token_ids": [...]} or {"prompt": "..."}
+    POST /v1/completions        the OpenAI subset a prefill node needs (max_tokens 1)
+    GET  /v1/workers            the workers, their state, queue and cache
+    GET  /v1/composition        the composition and configuration epoch
+    GET  /v1/cache              the trie: nodes, holders per worker, hit rate
+    POST /v1/admin/reconfigure  {"op": "split", "worker": W} | {"op": "merge",
+                                "workers": [W1, W2]} | {"op": ...} (controller chooses)
+    GET  /health  /ready  /metrics  /openapi.json
+
+Errors are JSON, ``{"error": {"message": ..., "type": ...}}``, with a 4xx for what the
+client sent and a 503 (with ``Retry-After``) when the pool cannot take work now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from vertumnus.policy.lattice import LatticeError
+from vertumnus.runtime.coordinator import Coordinator, Overloaded, Unavailable
+from vertumnus.runtime.pool import RankPoolError
+from vertumnus.server.openapi import OPENAPI
+from vertumnus.server.tokenizer import Tokenizer, TokenizerError
+
+COORDINATOR = web.AppKey("coordinator", Coordinator)
+TOKENIZER = web.AppKey("tokenizer", Tokenizer)
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(data), status=status, content_type="application/json", headers=headers
+    )
+
+
+def _error(status: int, message: str, kind: str, retry_after_s: int | None = None) -> web.Response:
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    return _json({"error": {"message": message, "type": kind}}, status, headers)
+
+
+class BadRequest(ValueError):
+    pass
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    if request.content_type != "application/json":
+        raise BadRequest(f"expected Content-Type application/json, got {request.content_type!r}")
+    raw = await request.read()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"malformed JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+def _tokens(body: dict[str, Any], tokenizer: Tokenizer, vocab_size: int, max_len: int) -> list[int]:
+    ids = body.get("token_ids")
+    prompt = body.get("prompt")
+    if (ids is None) == (prompt is None):
+        raise BadRequest("give exactly one of 'token_ids' (a list of integers) or 'prompt' (text)")
+    if prompt is not None:
+        if isinstance(prompt, list):  # the OpenAI form: a list of token ids
+            ids = prompt
+        elif isinstance(prompt, str):
+            try:
+                ids = tokenizer.encode(prompt)
+            except TokenizerError as exc:
+                raise BadRequest(str(exc)) from None
+        else:
+            raise BadRequest("'prompt' must be a string or a list of token ids")
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in ids
+    ):
+        raise BadRequest("'token_ids' must be a list of integers")
+    if not ids:
+        raise BadRequest("the prompt is empty: at least one token is needed")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise BadRequest(f"token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if len(ids) > max_len:
+        raise BadRequest(f"{len(ids)} tokens exceed the model's maximum of {max_len}")
+    return ids
+
+
+async def _serve_prefill(coord: Coordinator, tokens: list[int]) -> Any:
+    """The coordinator's answer, or the error response for what stopped it."""
+    try:
+        return await coord.prefill(tokens)
+    except Overloaded as exc:
+        return _error(503, f"overloaded: {exc}", "overloaded", retry_after_s=1)
+    except (TimeoutError, Unavailable, RankPoolError) as exc:
+        return _error(503, f"unavailable: {exc or 'timed out'}", "unavailable", retry_after_s=2)
+
+
+async def prefill(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    try:
+        body = await _body(request)
+        unknown = sorted(set(body) - {"token_ids", "prompt", "ttft_slo_s"})
+        if unknown:
+            raise BadRequest(f"unknown fields {unknown}")
+        slo = body.get("ttft_slo_s")
+        if slo is not None and not (isinstance(slo, int | float) and slo > 0):
+            raise BadRequest("'ttft_slo_s' must be a positive number of seconds")
+        tokens = _tokens(
+            body,
+            request.app[TOKENIZER],
+            coord.model_cfg.vocab_size,
+            coord.model_cfg.max_position_embeddings,
+        )
+    except BadRequest as exc:
+        return _error(400, str(exc), "invalid_request")
+    result = await _serve_prefill(coord, tokens)
+    if isinstance(result, web.Response):
+        return result
+    out = dict(result.__dict__)
+    if slo is not None:
+        out["slo_met"] = result.ttft_s <= slo
+    return _json(out)
+
+
+async def completions(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    try:
+        body = await _body(request)
+        max_tokens = body.get("max_tokens", 1)
+        if max_tokens != 1:
+            raise BadRequest("a prefill node answers max_tokens = 1 only")
+        if (
+            isinstance(body.get("prompt"), list)
+            and body["prompt"]
+            and isinstance(body["prompt"][0], list)
+        ):
+            raise BadRequest("one prompt per request")
+        tokens = _tokens(
+            {"prompt": body.get("prompt")},
+            request.app[TOKENIZER],
+            coord.model_cfg.vocab_size,
+            coord.model_cfg.max_position_embeddings,
+        )
+    except BadRequest as exc:
+        return _error(400, str(exc), "invalid_request_error")
+    result = await _serve_prefill(coord, tokens)
+    if isinstance(result, web.Response):
+        return result
+    tokenizer = request.app[TOKENIZER]
+    return _json(
+        {
+            "id": f"cmpl-{result.request_id}",
+            "object": "text_completion",
+            "model": body.get("model") or coord.cfg.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": tokenizer.decode([result.first_token]),
+                    "token_ids": [result.first_token],
+                    "finish_reason": "length",
+                    "logprobs": None,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": len(tokens),
+                "completion_tokens": 1,
+                "total_tokens": len(tokens) + 1,
+                "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+            },
+        }
+    )
+
+
+async def workers(request: web.Request) -> web.Response:
+    return _json({"workers": request.app[COORDINATOR].workers_view()})
+
+
+async def composition(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    return _json(
+        {
+            "composition": coord.composition_name(),
+            "epoch": coord.lattice.epoch,
+            "devices": coord.lattice.config.num_devices,
+            "degrees": list(coord.lattice.config.degrees),
+            "layout": coord.lattice.layout(),
+        }
+    )
+
+
+async def cache(request: web.Request) -> web.Response:
+    return _json(request.app[COORDINATOR].cache_view())
+
+
+async def reconfigure(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    try:
+        body = await _body(request)
+        unknown = sorted(set(body) - {"op", "worker", "workers"})
+        if unknown:
+            raise BadRequest(f"unknown fields {unknown}")
+        op_name = body.get("op")
+        chosen = body.get("workers") or ([body["worker"]] if "worker" in body else [])
+        if not isinstance(chosen, list) or not all(isinstance(w, int) for w in chosen):
+            raise BadRequest("'worker' must be an integer and 'workers' a list of integers")
+        op = coord.reshape_for(str(op_name), chosen)
+        done = coord.begin_reshape(op)
+        transition = await asyncio.wait_for(done, coord.cfg.request_timeout_s)
+    except BadRequest as exc:
+        return _error(400, str(exc), "invalid_request")
+    except LatticeError as exc:
+        return _error(409, str(exc), "conflict")
+    except (TimeoutError, RankPoolError) as exc:
+        return _error(503, f"unavailable: {exc or 'timed out'}", "unavailable", retry_after_s=2)
+    return _json(
+        {
+            "op": op.kind,
+            "sources": list(op.sources),
+            "new_workers": transition.new_workers,
+            "cp_degree": op.target_degree,
+            "epoch": coord.lattice.epoch,
+            "drain_s": transition.drain_s,
+            "switch_s": transition.switch_s,
+            "composition": coord.composition_name(),
+        }
+    )
+
+
+async def health(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    return _json({"status": "ok", "uptime_s": coord.uptime_s(), "rank_error": coord.rank_error})
+
+
+async def ready(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    if coord.ready:
+        return _json({"ready": True})
+    return _error(503, coord.rank_error or "starting", "unavailable", retry_after_s=1)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    return web.Response(
+        body=coord.metrics.render(coord.workers_view()),
+        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+    )
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return _json(OPENAPI)
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Unknown routes, wrong methods, oversized bodies: JSON errors like the rest."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(exc.status, exc.reason or "error", "http_error")
+
+
+def build_app(coordinator: Coordinator, tokenizer: Tokenizer) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors])
+    app[COORDINATOR] = coordinator
+    app[TOKENIZER] = tokenizer
+    app.add_routes(
+        [
+            web.post("/v1/prefill", prefill),
+            web.post("/v1/completions", completions),
+            web.get("/v1/workers", workers),
+            web.get("/v1/composition", composition),
+            web.get("/v1/cache", cache),
+            web.post("/v1/admin/reconfigure", reconfigure),
+            web.get("/health", health),
+            web.get("/ready", ready),
+            web.get("/metrics", metrics),
+            web.get("/openapi.json", openapi),
+        ]
+    )
+    return app

@@ -1,0 +1,156 @@
+"""The OpenAPI 3.1 document served at ``/openapi.json`` (kept beside docs/api.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ERROR = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {"message": {"type": "string"}, "type": {"type": "string"}},
+            "required": ["message", "type"],
+        }
+    },
+}
+_TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    text = {
+        400: "Invalid request",
+        409: "Not possible now",
+        503: "Unavailable; retry (Retry-After)",
+    }
+    return {str(c): {"description": text[c], **_json(_ERROR)} for c in codes}
+
+
+PREFILL_RESULT = {
+    "type": "object",
+    "properties": {
+        name: {"type": kind}
+        for name, kind in (
+            ("request_id", "integer"),
+            ("first_token", "integer"),
+            ("cached_tokens", "integer"),
+            ("computed_tokens", "integer"),
+            ("worker", "integer"),
+            ("cp_degree", "integer"),
+            ("queue_s", "number"),
+            ("prefill_s", "number"),
+            ("ttft_s", "number"),
+            ("slo_met", "boolean"),
+        )
+    },
+}
+
+OPENAPI: dict[str, Any] = {
+    "openapi": "3.1.0",
+    "info": {
+        "title": "Vertumnus prefill pool",
+        "version": "0.1.0",
+        "description": "Prefill over context-parallel workers of mixed degrees; see docs/api.md.",
+    },
+    "paths": {
+        "/v1/prefill": {
+            "post": {
+                "summary": "Prefill one prompt and return its first token",
+                "requestBody": {
+                    "required": True,
+                    **_json(
+                        {
+                            "type": "object",
+                            "properties": {
+                                "token_ids": _TOKENS,
+                                "prompt": {"type": "string", "minLength": 1},
+                                "ttft_slo_s": {"type": "number", "exclusiveMinimum": 0},
+                            },
+                            "additionalProperties": False,
+                        }
+                    ),
+                },
+                "responses": {
+                    "200": {"description": "Done", **_json(PREFILL_RESULT)},
+                    **_errors(400, 503),
+                },
+            }
+        },
+        "/v1/completions": {
+            "post": {
+                "summary": "OpenAI-compatible completion with max_tokens = 1 (the prefill)",
+                "requestBody": {
+                    "required": True,
+                    **_json(
+                        {
+                            "type": "object",
+                            "properties": {
+                                "model": {"type": "string"},
+                                "prompt": {"oneOf": [{"type": "string", "minLength": 1}, _TOKENS]},
+                                "max_tokens": {"type": "integer", "const": 1},
+                            },
+                            "required": ["prompt"],
+                        }
+                    ),
+                },
+                "responses": {
+                    "200": {"description": "An OpenAI text_completion"},
+                    **_errors(400, 503),
+                },
+            }
+        },
+        "/v1/workers": {
+            "get": {
+                "summary": "Workers, state, queues, cache",
+                "responses": {"200": {"description": "OK"}},
+            }
+        },
+        "/v1/composition": {
+            "get": {"summary": "Composition and epoch", "responses": {"200": {"description": "OK"}}}
+        },
+        "/v1/cache": {
+            "get": {
+                "summary": "Prefix trie statistics",
+                "responses": {"200": {"description": "OK"}},
+            }
+        },
+        "/v1/admin/reconfigure": {
+            "post": {
+                "summary": "Split or merge now (the controller chooses the workers if none given)",
+                "requestBody": {
+                    "required": True,
+                    **_json(
+                        {
+                            "type": "object",
+                            "properties": {
+                                "op": {"enum": ["split", "merge"]},
+                                "worker": {"type": "integer"},
+                                "workers": {"type": "array", "items": {"type": "integer"}},
+                            },
+                            "required": ["op"],
+                            "additionalProperties": False,
+                        }
+                    ),
+                },
+                "responses": {
+                    "200": {"description": "The reshape is done"},
+                    **_errors(400, 409, 503),
+                },
+            }
+        },
+        "/health": {"get": {"summary": "Liveness", "responses": {"200": {"description": "OK"}}}},
+        "/ready": {
+            "get": {
+                "summary": "Readiness",
+                "responses": {"200": {"description": "Ready"}, **_errors(503)},
+            }
+        },
+        "/metrics": {
+            "get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text"}}}
+        },
+    },
+}

@@ -1,0 +1,260 @@
+"""The serving runtime end to end: ``python -m vertumnus serve`` with real rank
+processes over gloo, driven over HTTP. Prefix reuse matches the ``prefill`` command,
+splits and merges under concurrent load answer every request exactly once, the API
+answers bad input with JSON errors, and SIGTERM leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.multiproc
+
+START_TIMEOUT_S = 90.0
+
+
+def children_of(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen[str], url: str) -> None:
+        self.proc, self.url = proc, url
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        raw: bytes | None = None,
+        content_type: str = "application/json",
+    ) -> tuple[int, Any]:
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", content_type)
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                payload = resp.read()
+                status = resp.status
+                ctype = resp.headers.get("Content-Type", "")
+        except urllib.error.HTTPError as err:
+            payload, status, ctype = err.read(), err.code, err.headers.get("Content-Type", "")
+        return status, json.loads(payload) if "json" in ctype else payload.decode()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    config = tmp_path_factory.mktemp("serve") / "serve.toml"
+    # The controller off: the tests reshape by hand, at known moments.
+    config.write_text("[controller]\nenabled = false\n[engine]\nthreads_per_rank = 1\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vertumnus", "serve", "--config", str(config), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("vertumnus listening on "), (
+            line,
+            proc.stderr and proc.stderr.read(),
+        )
+        url = line.split()[-1]
+        srv = Server(proc, url)
+        while time.monotonic() < deadline and srv.call("GET", "/ready")[0] != 200:
+            time.sleep(0.2)
+        yield srv
+    finally:
+        ranks = children_of(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        time.sleep(0.5)
+        alive = [
+            p
+            for p in ranks
+            if os.path.exists(f"/proc/{p}")
+            and Path(f"/proc/{p}/stat").read_text().split()[2] != "Z"
+        ]
+        assert proc.returncode == 0 and not alive, (proc.returncode, alive)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+@pytest.mark.timeout(300)
+def test_prefix_reuse_gives_the_prefill_commands_answer(server: Server, tmp_path: Path) -> None:
+    base = tokens(200, seed=1)
+    status, first = server.call("POST", "/v1/prefill", {"token_ids": base})
+    assert status == 200 and first["cached_tokens"] == 0 and first["computed_tokens"] == 200
+    longer = base + tokens(40, seed=2)
+    status, second = server.call("POST", "/v1/prefill", {"token_ids": longer})
+    assert status == 200
+    # The idle worker that holds the prefix is the cheapest: 12 whole blocks reused.
+    assert second["worker"] == first["worker"] and second["cached_tokens"] == 192
+    assert second["cached_tokens"] + second["computed_tokens"] == 240
+    assert second["ttft_s"] >= second["prefill_s"] >= 0
+    # The same tokens through the one-shot command (fresh, no cache, one rank).
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(longer))
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vertumnus",
+            "prefill",
+            "--model",
+            "tiny",
+            "--cp",
+            "1",
+            "--tokens-file",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout)["first_token"] == second["first_token"]
+
+
+@pytest.mark.timeout(300)
+def test_reshapes_under_load_answer_every_request_once(server: Server) -> None:
+    prompts = [tokens(64 + 8 * (i % 5), seed=100 + i % 7) for i in range(48)]
+
+    def send(p: list[int]) -> tuple[int, Any]:
+        return server.call("POST", "/v1/prefill", {"token_ids": p})
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(send, p) for p in prompts]
+        time.sleep(0.3)
+        status, merged = server.call("POST", "/v1/admin/reconfigure", {"op": "merge"})
+        assert status == 200, merged
+        assert merged["op"] == "merge" and merged["cp_degree"] == 2
+        assert merged["drain_s"] >= 0 and 0 <= merged["switch_s"] < 1.0
+        status, split = server.call(
+            "POST", "/v1/admin/reconfigure", {"op": "split", "worker": merged["new_workers"][0]}
+        )
+        assert status == 200, split
+        assert split["composition"] == "2CP1" and split["epoch"] == merged["epoch"] + 1
+        answers = [f.result(timeout=240) for f in futures]
+    assert [s for s, _ in answers] == [200] * len(prompts)
+    ids = [a["request_id"] for _, a in answers]
+    assert len(set(ids)) == len(ids)
+    assert {a["cp_degree"] for _, a in answers} <= {1, 2}
+    status, metrics = server.call("GET", "/metrics")
+    assert 'vertumnus_reconfigurations_total{kind="merge"}' in metrics
+    assert (
+        "vertumnus_switch_seconds_count 2.0" in metrics
+        or "vertumnus_switch_seconds_count" in metrics
+    )
+    status, comp = server.call("GET", "/v1/composition")
+    assert comp["composition"] == "2CP1" and comp["layout"] == [1, 1]
+
+
+@pytest.mark.timeout(120)
+def test_openai_completions_and_views(server: Server) -> None:
+    prompt = "The prefill pool answers the first token."
+    status, a = server.call("POST", "/v1/completions", {"model": "tiny", "prompt": prompt})
+    assert status == 200 and a["object"] == "text_completion"
+    assert a["usage"]["prompt_tokens"] == len(prompt.encode())
+    status, b = server.call("POST", "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+    assert status == 200
+    assert b["choices"][0]["token_ids"] == a["choices"][0]["token_ids"]
+    status, workers = server.call("GET", "/v1/workers")
+    assert status == 200 and {w["state"] for w in workers["workers"]} == {"active"}
+    status, cache = server.call("GET", "/v1/cache")
+    assert status == 200 and cache["nodes"] >= 0 and cache["block_size"] == 16
+    status, spec = server.call("GET", "/openapi.json")
+    assert status == 200 and "/v1/prefill" in spec["paths"]
+    assert server.call("GET", "/health")[0] == 200 and server.call("GET", "/ready")[0] == 200
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("path", "body", "raw", "ctype", "status", "message"),
+    [
+        ("/v1/prefill", None, b"{not json", "application/json", 400, "malformed JSON"),
+        ("/v1/prefill", {"token_ids": []}, None, "application/json", 400, "empty"),
+        (
+            "/v1/prefill",
+            {"token_ids": [1, 99999]},
+            None,
+            "application/json",
+            400,
+            "outside the vocabulary",
+        ),
+        (
+            "/v1/prefill",
+            {"token_ids": [1], "prompt": "x"},
+            None,
+            "application/json",
+            400,
+            "exactly one",
+        ),
+        (
+            "/v1/prefill",
+            {"token_ids": [1], "extra": 1},
+            None,
+            "application/json",
+            400,
+            "unknown fields",
+        ),
+        ("/v1/prefill", None, b"[1,2]", "text/plain", 400, "Content-Type"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "max_tokens": 5},
+            None,
+            "application/json",
+            400,
+            "max_tokens",
+        ),
+        (
+            "/v1/admin/reconfigure",
+            {"op": "explode"},
+            None,
+            "application/json",
+            409,
+            "split' or 'merge",
+        ),
+        (
+            "/v1/admin/reconfigure",
+            {"op": "split", "worker": 999},
+            None,
+            "application/json",
+            409,
+            "cannot split",
+        ),
+        ("/v1/nothing", {}, None, "application/json", 404, "Not Found"),
+    ],
+)
+def test_bad_requests_get_json_errors(
+    server: Server, path: str, body: Any, raw: bytes | None, ctype: str, status: int, message: str
+) -> None:
+    got, answer = server.call("POST", path, body, raw, ctype)
+    assert got == status and message in answer["error"]["message"], answer
+    assert server.call("GET", "/health")[0] == 200  # still serving
