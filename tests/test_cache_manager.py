@@ -156,9 +156,10 @@ def test_intra_replication_ranks_by_access_per_replica_and_is_cut() -> None:
     result = pool.manager.scan(pool.caches, {})
     assert result.candidates["intra"] == 3  # 1, 2 and 5 (one replica each)
     (plan,) = result.copies  # cut to one
-    # Blocks 1 and 2 tie at 5 accesses per replica: the smaller copy (block 1) first.
-    assert (plan.kind, plan.block_id, plan.dest_worker, plan.reshard) == ("intra", 1, 11, False)
-    assert plan.moves == (BlockMove(1, 0, 10, 0, 1),)
+    # Blocks 1 and 2 tie at 5 accesses per replica: block 1 is covered by block 2's
+    # copy (a hot chain is copied once), which outranks block 5 (3 accesses).
+    assert (plan.kind, plan.block_id, plan.dest_worker, plan.reshard) == ("intra", 2, 11, False)
+    assert plan.moves == (BlockMove(1, 0, 10, 0, 1), BlockMove(2, 1, 10, 0, 1))
     pool.execute(plan)
     pool.check()
 
@@ -296,3 +297,18 @@ def test_reclaim_candidates_go_deepest_first_and_the_search_is_bounded() -> None
 
     assert plans(probe=1) == []  # only block 3 examined: in use everywhere
     assert plans(probe=4) == [5]
+
+
+def test_intra_smaller_copy_first_when_access_is_close() -> None:
+    config = CacheManagerConfig(
+        theta_inter_s=1e9, theta_intra=2.0, theta_reclaim=0.5, max_intra_per_scan=1
+    )
+    pool = Pool(config)
+    pool.prefill(10, [1, 2, 3, 4])
+    pool.prefill(10, [7])
+    for _ in range(4):
+        pool.prefill(10, [1, 2, 3, 4], input_tokens=65)  # access 4 on the 4-block chain
+        pool.prefill(10, [7, 8], input_tokens=33)  # access 4 on block 7, 3 on block 8
+    (plan,) = pool.manager.scan(pool.caches, {}).copies
+    # Chain [1..4] and block 7 are close (4 against 4): the one-block copy goes first.
+    assert plan.block_id == 7 and [m.block_id for m in plan.moves] == [7]

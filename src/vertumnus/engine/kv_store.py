@@ -65,3 +65,21 @@ class PagedKVStore:
         n = len(slots)
         self.k[idx, layer] = k.reshape(n, self.block_size, *k.shape[1:]).to(self.k.dtype)
         self.v[idx, layer] = v.reshape(n, self.block_size, *v.shape[1:]).to(self.v.dtype)
+
+    def export(self, slots: Sequence[int]) -> tuple[Tensor, Tensor]:
+        """K, V of ``slots`` over all layers: [len(slots), layers, block_size, Hkv, D]."""
+        self._check(slots)
+        idx = torch.as_tensor(list(slots), dtype=torch.long, device=self.k.device)
+        return self.k[idx].cpu(), self.v[idx].cpu()
+
+    def install(self, slots: Sequence[int], k: Tensor, v: Tensor) -> None:
+        """Store blocks exported by ``export`` (of another rank) into ``slots``."""
+        self._check(slots)
+        if k.shape != (len(slots), *self.k.shape[1:]) or v.shape != k.shape:
+            raise ValueError(
+                f"KV of shape {tuple(k.shape)} does not fit {len(slots)} slots of "
+                f"{tuple(self.k.shape[1:])}"
+            )
+        idx = torch.as_tensor(list(slots), dtype=torch.long, device=self.k.device)
+        self.k[idx] = k.to(self.k.device, self.k.dtype)
+        self.v[idx] = v.to(self.v.device, self.v.dtype)

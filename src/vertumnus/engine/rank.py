@@ -31,6 +31,10 @@ from vertumnus.engine.weights import build_model, resolve_dtype
 from vertumnus.engine.zigzag import prefill_rank
 from vertumnus.runtime.messages import (
     EpochAck,
+    KVData,
+    KVRead,
+    KVWrite,
+    KVWritten,
     PrefillCommand,
     PrefillDone,
     RankFailed,
@@ -130,6 +134,26 @@ def _serve(
                 return
             case PrefillCommand():
                 results.send(_run(rank, model, kv, groups, msg))
+            case KVRead():
+                try:
+                    k, v = kv.export(msg.slots)
+                    results.send(KVData(msg.copy_id, rank, k, v))
+                except Exception as exc:
+                    results.send(
+                        RankFailed(
+                            rank, None, f"KVRead: {exc}", traceback.format_exc(), msg.copy_id
+                        )
+                    )
+            case KVWrite():
+                try:
+                    kv.install(msg.slots, msg.k, msg.v)
+                    results.send(KVWritten(msg.copy_id, rank))
+                except Exception as exc:
+                    results.send(
+                        RankFailed(
+                            rank, None, f"KVWrite: {exc}", traceback.format_exc(), msg.copy_id
+                        )
+                    )
             case SwitchEpoch():
                 # The groups exist since start-up: adopting an epoch only checks that
                 # this rank belongs to the worker and can reach its group.

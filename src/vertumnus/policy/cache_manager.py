@@ -51,7 +51,7 @@ from vertumnus.policy.cache_plans import (
     WorkerCacheView,
 )
 from vertumnus.policy.costs import prefer_degree, reuse_curves
-from vertumnus.policy.trie import Node, PrefixTrie, WorkerInfo, bits
+from vertumnus.policy.trie import Node, PrefixTrie, TrieError, WorkerInfo, bits
 
 
 class PrefixCacheManager:
@@ -325,6 +325,22 @@ class PrefixCacheManager:
         limit: int,
     ) -> list[CopyPlan]:
         trie, cfg = self.trie, self.config
+        if kind == "intra":
+            # A candidate whose child is a candidate at the same degree with about the
+            # same access per replica is covered by the child's copy (which brings its
+            # ancestors): copy a hot chain once, not block by block.
+            def per_replica(node: Node, k: int) -> float:
+                assert node.access is not None
+                return node.access[k] / max(1, trie.replica_count(node, trie.degrees[k]))
+
+            chosen = set(candidates)
+            covered = {
+                (node.parent, k)
+                for node, k in candidates
+                if (node.parent, k) in chosen
+                and per_replica(node, k) >= per_replica(node.parent, k) / (1 + cfg.close_fraction)  # type: ignore[arg-type]
+            }
+            candidates = [c for c in candidates if c not in covered]
         ranked = []
         for node, k in candidates:
             found = self._destination(node, masks[k], views, loads)
@@ -416,6 +432,25 @@ class PrefixCacheManager:
             self._reclaiming.add((node.block_id, victim.worker_id))
             plans.append(plan)
         return plans
+
+    def plan_copy(self, block_id: int, source: int, dest: int) -> CopyPlan:
+        """A copy asked for by hand (an operator warming a cache, a test): the prefix
+        ending at ``block_id``, from a worker that holds it to one that does not."""
+        trie = self.trie
+        node = trie.nodes.get(block_id)
+        src, dst = trie.worker(source), trie.worker(dest)
+        if node is None or not node.holders >> src.slot & 1:
+            raise TrieError(f"worker {source} does not hold block {block_id:#x}")
+        if node.holders >> dst.slot & 1:
+            raise TrieError(f"worker {dest} already holds block {block_id:#x}")
+        path = node.path()
+        held = trie.held_depth(path, dst.slot)
+        moves = [
+            BlockMove(z.block_id, z.depth, source, src.device_of(z.depth), dst.device_of(z.depth))
+            for z in path[held:]
+        ]
+        kind = "intra" if src.cp_degree == dst.cp_degree else "inter"
+        return self._start_copy(kind, dst, moves, score=0.0)
 
     # -- plan bookkeeping ------------------------------------------------------------
 

@@ -15,9 +15,13 @@ prefix-cache manager (trie), the window controller and the reshape transitions
                  then switches: a new epoch, SwitchEpoch to every rank of the new
                  workers, which become schedulable when every rank acknowledges
 
-Not done yet (documented in docs/architecture.md): moving KV between workers. The
-cache manager's scans are not run, and after a reshape the new workers start with
-empty cache indexes (the retained blocks are not reused, never wrongly reused).
+    scan task:   every ``scan_interval_s`` the cache manager's scan; its copies run one
+                 at a time (KVRead from the source's ranks, KVWrite to the
+                 destination's, re-sharded block by block), reclamations at once
+
+Not done yet (documented in docs/architecture.md): after a reshape the new workers
+start with empty cache indexes, so KV retained on the devices is not adopted (never
+wrongly reused); a pending prefix still held by another worker is fetched from it.
 """
 
 from __future__ import annotations
@@ -37,11 +41,21 @@ from vertumnus.config import ConfigError, resolve_model
 from vertumnus.perfmodel import Profile
 from vertumnus.policy.cache_index import PrefillLease, WorkerCacheIndex
 from vertumnus.policy.cache_manager import PrefixCacheManager
+from vertumnus.policy.cache_plans import CopyPlan
 from vertumnus.policy.controller import Controller
 from vertumnus.policy.lattice import Lattice, LatticeConfig, LatticeError, Reshape, WorkerState
 from vertumnus.policy.scheduler import PlacementRequest, Scheduler, SchedulerConfig
 from vertumnus.policy.transition import Phase, Reconfigurer, Transition
-from vertumnus.runtime.messages import EpochAck, PrefillDone, RankFailed, SwitchEpoch
+from vertumnus.runtime.messages import (
+    EpochAck,
+    KVData,
+    KVRead,
+    KVWrite,
+    KVWritten,
+    PrefillDone,
+    RankFailed,
+    SwitchEpoch,
+)
 from vertumnus.runtime.metrics import Metrics
 from vertumnus.runtime.pool import RankPool, RankPoolError
 from vertumnus.runtime.serve_config import ServeConfig
@@ -70,6 +84,7 @@ class PrefillResult:
     prefill_s: float
     ttft_s: float
     rank_compute_s: float  # the slowest rank's compute; the rest of ttft_s is overhead
+    logits: Any = None  # fp32 [V] at the last position (not sent over the API)
 
 
 @dataclass
@@ -105,7 +120,7 @@ class Coordinator:
         assert cfg.layout is not None
         self.lattice = Lattice(LatticeConfig(cfg.ranks, cfg.degrees), cfg.layout)
         block = cfg.engine.block_size
-        self.cache = PrefixCacheManager(coeffs, block)
+        self.cache = PrefixCacheManager(coeffs, block, cfg.cache)
         self.scheduler = Scheduler(self.lattice, coeffs, SchedulerConfig(cfg.weights), self.cache)
         kappa = {c: float(self.profile.capacity.get(c, {}).get("kappa_s", 1.0)) for c in coeffs}
         self.controller = Controller(cfg.controller, self.lattice, kappa)
@@ -126,6 +141,10 @@ class Coordinator:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = threading.Event()
         self._window_task: asyncio.Task[None] | None = None
+        self._scan_task: asyncio.Task[None] | None = None
+        self._kv_waits: dict[tuple[int, int], asyncio.Future[Any]] = {}  # (copy, rank)
+        self._copy_ids = itertools.count(1)
+        self._copy_lock = asyncio.Lock()  # one KV copy at a time
         self._background: set[asyncio.Task[None]] = set()
         self.ready = False
         self.started_s = time.monotonic()
@@ -149,6 +168,8 @@ class Coordinator:
             self._loop.add_reader(sentinel, self._rank_exited, rank, sentinel)
         if self.cfg.controller_enabled:
             self._window_task = asyncio.create_task(self._windows())
+        if self.cfg.scan_interval_s > 0:
+            self._scan_task = asyncio.create_task(self._scans())
         self.ready = True
         log.info("ready", ranks=self.cfg.ranks, composition=self.composition_name())
 
@@ -156,8 +177,9 @@ class Coordinator:
         """Stop admission, cancel what waits, stop the ranks."""
         self.ready = False
         self._stopping.set()
-        if self._window_task is not None:
-            self._window_task.cancel()
+        for periodic in (self._window_task, self._scan_task):
+            if periodic is not None:
+                periodic.cancel()
         for task in self._tasks.values():
             task.cancel()
         for req in self._requests.values():
@@ -216,6 +238,14 @@ class Coordinator:
                 inflight.done[msg.rank] = msg
                 if len(inflight.done) == len(inflight.ranks) and not inflight.future.done():
                     inflight.future.set_result(inflight.done)
+            case KVData() | KVWritten():
+                wait = self._kv_waits.pop((msg.copy_id, msg.rank), None)
+                if wait is not None and not wait.done():
+                    wait.set_result(msg)
+            case RankFailed() if msg.copy_id is not None:
+                for (copy_id, _), wait in list(self._kv_waits.items()):
+                    if copy_id == msg.copy_id and not wait.done():
+                        wait.set_exception(RankPoolError(msg.error))
             case RankFailed():
                 inflight = self._inflight.get(msg.request_id) if msg.request_id else None
                 if inflight is not None and inflight.future is not None:
@@ -235,9 +265,9 @@ class Coordinator:
         for pending in (*self._inflight.values(),):
             if pending.future is not None and not pending.future.done():
                 pending.future.set_exception(RankPoolError(error))
-        for ack in self._acks.values():
-            if not ack.done():
-                ack.set_exception(RankPoolError(error))
+        for wait in (*self._acks.values(), *self._kv_waits.values()):
+            if not wait.done():
+                wait.set_exception(RankPoolError(error))
 
     # -- requests --------------------------------------------------------------------
 
@@ -280,8 +310,7 @@ class Coordinator:
             return
         req.worker = placed.worker_id
         if placed.update is not None and placed.update.fetch is not None:
-            # KV movement is not built yet: a pending prefix is an ordinary miss.
-            self.cache.finish_copy(placed.update.fetch.plan_id, ok=False)
+            self._spawn(self.run_copy(placed.update.fetch))
         if self.cfg.controller_enabled:
             self.controller.record(placed.exec_s, len(req.tokens))
         self._wake[placed.worker_id].set()
@@ -346,6 +375,7 @@ class Coordinator:
             prefill_s=end - now,
             ttft_s=end - req.arrival_s,
             rank_compute_s=max(d.compute_s for d in done.values()),
+            logits=logits[-1],
         )
         self.metrics.request(result)
         log.info(
@@ -369,6 +399,129 @@ class Coordinator:
                 transition, worker_id, time.monotonic()
             ):
                 self._spawn(self._switch(transition))
+
+    # -- the prefix-cache manager: scans, copies, reclamations --------------------------
+
+    async def _scans(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.scan_interval_s)
+            await self.scan_now()
+
+    async def scan_now(self) -> dict[str, Any]:
+        """One scan of the cache manager; its copies run one after the other, its
+        reclamations at once (a slot freed in the index is free on the rank)."""
+        active = {
+            w.worker_id: self.indexes[w.worker_id]
+            for w in self.lattice.workers.values()
+            if w.state is WorkerState.ACTIVE and w.worker_id in self.indexes
+        }
+        now = time.monotonic()
+        loads = {w: self.scheduler.outstanding_s(w, now) for w in active}
+        result = self.cache.scan(active, loads)
+        reclaimed = 0
+        for rplan in result.reclaims:
+            report = self.indexes[rplan.worker_id].reclaim(rplan.block_id)
+            if report is not None:
+                self.cache.apply_report(report)
+                self.metrics.reclaimed()
+                reclaimed += 1
+            self.cache.finish_reclaim(rplan.plan_id, report is not None)
+        copied = blocks = 0
+        for plan in result.copies:
+            installed = await self.run_copy(plan)
+            copied += installed > 0
+            blocks += installed
+        summary = {
+            "candidates": dict(result.candidates),
+            "copies": copied,
+            "blocks_copied": blocks,
+            "reclaims": reclaimed,
+        }
+        if result.copies or result.reclaims:
+            log.info("scan", **summary)
+        return summary
+
+    async def run_copy(self, plan: CopyPlan) -> int:
+        """Execute a copy plan: the destination's index allocates the missing blocks,
+        their K and V are read from the source's ranks and written into the
+        destination's (re-sharded: block j goes to rank j % C of each worker), then
+        the destination commits and its report makes the replica visible. Returns the
+        blocks installed (0 if the plan could not run: it ends as a miss)."""
+        async with self._copy_lock:
+            try:
+                installed = await self._copy(plan)
+            except (RankPoolError, TimeoutError) as exc:
+                log.error("copy_failed", plan=plan.plan_id, error=str(exc))
+                installed = 0
+            self.cache.finish_copy(plan.plan_id, ok=installed > 0)
+            if installed:
+                self.metrics.replicated()
+            return installed
+
+    async def _copy(self, plan: CopyPlan) -> int:
+        assert self.pool is not None and self._loop is not None
+        sources = {m.src_worker for m in plan.moves}
+        if None in sources or len(sources) != 1:
+            return 0  # retained blocks of an old geometry: not adopted (not built yet)
+        src_id = sources.pop()
+        assert src_id is not None
+        src_index, dst_index = self.indexes.get(src_id), self.indexes.get(plan.dest_worker)
+        src_w, dst_w = self.lattice.workers.get(src_id), self.lattice.workers.get(plan.dest_worker)
+        if src_index is None or dst_index is None or src_w is None or dst_w is None:
+            return 0
+        prefix = list(plan.prefix_ids)
+        src_lease = src_index.begin(prefix, len(prefix))  # pins the source's blocks
+        if src_lease.new or src_lease.num_reused_blocks < len(prefix):
+            self.cache.apply_report(src_index.abort(src_lease))
+            return 0  # the source no longer holds the whole prefix
+        dst_lease = dst_index.begin(prefix, len(prefix))
+        try:
+            copy_id = next(self._copy_ids)
+            by_src: dict[
+                int, list[tuple[int, int, int]]
+            ] = {}  # src rank -> (slot, dst rank, dst slot)
+            for loc in dst_lease.new:
+                src = src_lease.reused[loc.depth]
+                by_src.setdefault(src_w.first_device + src.rank, []).append(
+                    (src.slot, dst_w.first_device + loc.rank, loc.slot)
+                )
+            for src_rank, items in by_src.items():
+                data = await self._kv_call(
+                    src_rank, copy_id, KVRead(copy_id, tuple(i[0] for i in items))
+                )
+                by_dst: dict[int, list[int]] = {}
+                for n, (_, dst_rank, _) in enumerate(items):
+                    by_dst.setdefault(dst_rank, []).append(n)
+                for dst_rank, rows in by_dst.items():
+                    write = KVWrite(
+                        copy_id,
+                        tuple(items[n][2] for n in rows),
+                        data.k[rows],
+                        data.v[rows],
+                    )
+                    await self._kv_call(dst_rank, copy_id, write)
+        except BaseException:
+            self.cache.apply_report(dst_index.abort(dst_lease))
+            self.cache.apply_report(src_index.commit(src_lease))
+            raise
+        self.cache.apply_report(dst_index.commit(dst_lease))
+        self.cache.apply_report(src_index.commit(src_lease))
+        log.info(
+            "copy",
+            kind=plan.kind,
+            source=src_id,
+            dest=plan.dest_worker,
+            blocks=len(dst_lease.new),
+            reshard=plan.reshard,
+        )
+        return len(dst_lease.new)
+
+    async def _kv_call(self, rank: int, copy_id: int, msg: object) -> Any:
+        assert self.pool is not None and self._loop is not None
+        wait: asyncio.Future[Any] = self._loop.create_future()
+        self._kv_waits[(copy_id, rank)] = wait
+        self.pool.send(rank, msg)
+        return await asyncio.wait_for(wait, self.cfg.engine.rank_timeout_s)
 
     # -- reconfiguration -------------------------------------------------------------
 
@@ -408,7 +561,10 @@ class Coordinator:
         try:
             start = time.monotonic()
             adopt = self.reconf.switch(transition, start)
-            for plan in adopt:  # KV movement is not built yet: the prefixes start over
+            # The new workers start with empty indexes: blocks retained on the devices
+            # are not adopted (not built yet), so their prefixes start over. A pending
+            # prefix that another worker still holds is fetched from it on first reuse.
+            for plan in adopt:
                 self.cache.finish_copy(plan.plan_id, ok=False)
             for s in transition.op.sources:
                 self.indexes.pop(s, None)
@@ -513,8 +669,8 @@ class Coordinator:
             "block_size": trie.block_tokens,
             "holders": {str(w): len(nodes) for w, nodes in trie.worker_nodes.items()},
             "token_hit_rate": self.metrics.hit_rate(),
-            "replications": 0,
-            "reclamations": 0,
+            "replications": self.metrics.replication_count,
+            "reclamations": self.metrics.reclamation_count,
         }
 
     def uptime_s(self) -> float:

@@ -6,8 +6,9 @@ a command (token ids) and of an answer (logits) cross as plain bytes: moving a
 tensor through shared memory costs about 0.5 ms per message on CPU (a segment is
 created and mapped each time), more than a whole small prefill's bookkeeping.
 
-    coordinator --PrefillCommand / SwitchEpoch / Shutdown--> rank r of worker w
-    rank r      --RankReady / PrefillDone / EpochAck / RankFailed--> coordinator
+    coordinator --PrefillCommand / SwitchEpoch / KVRead / KVWrite / Shutdown--> rank r
+    rank r      --RankReady / PrefillDone / EpochAck / KVData / KVWritten /
+                  RankFailed--> coordinator
 """
 
 from __future__ import annotations
@@ -100,6 +101,40 @@ class EpochAck:
 
 
 @dataclass(frozen=True)
+class KVRead(_TensorsAsBytes):
+    """Send back the K and V of ``slots`` (all layers), for a copy to another rank."""
+
+    copy_id: int
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVData(_TensorsAsBytes):
+    copy_id: int
+    rank: int
+    k: Tensor  # [len(slots), layers, block_size, Hkv, D]
+    v: Tensor
+    _tensor_fields = ("k", "v")
+
+
+@dataclass(frozen=True)
+class KVWrite(_TensorsAsBytes):
+    """Store ``k``, ``v`` (as ``KVData`` carries them) into ``slots``."""
+
+    copy_id: int
+    slots: tuple[int, ...]
+    k: Tensor
+    v: Tensor
+    _tensor_fields = ("k", "v")
+
+
+@dataclass(frozen=True)
+class KVWritten:
+    copy_id: int
+    rank: int
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Leave the command loop, tear down the process groups and exit."""
 
@@ -124,6 +159,7 @@ class PrefillDone(_TensorsAsBytes):
 @dataclass(frozen=True)
 class RankFailed:
     rank: int
-    request_id: int | None  # None: failed outside a prefill (start-up)
+    request_id: int | None  # None: failed outside a prefill (start-up, a KV copy)
     error: str  # one-line message
     traceback: str
+    copy_id: int | None = None  # the KV copy that failed, if one did

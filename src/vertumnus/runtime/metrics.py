@@ -61,6 +61,7 @@ class Metrics:
         )
         self.reclamations = Counter("vertumnus_reclamations", "Replicas reclaimed", registry=r)
         self._cached = self._total = 0
+        self.replication_count = self.reclamation_count = 0
 
     def request(self, result: Any) -> None:
         self.ttft.observe(result.ttft_s)
@@ -87,3 +88,11 @@ class Metrics:
             self.depth.labels(worker=str(w["worker"])).set(w["queued"])
             self.outstanding.labels(worker=str(w["worker"])).set(w["outstanding_s"])
         return generate_latest(self.registry)
+
+    def replicated(self) -> None:
+        self.replications.inc()
+        self.replication_count += 1
+
+    def reclaimed(self) -> None:
+        self.reclamations.inc()
+        self.reclamation_count += 1

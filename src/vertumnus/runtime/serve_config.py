@@ -7,6 +7,8 @@
     [profile]     path = "configs/profiles/tiny-cpu.json"   # E_C(R, P) and kappa_C
     [scheduler]   beta, gpu_penalty
     [controller]  enabled = true, and the fields of ``ControllerConfig``
+    [cache]       scan_interval_s = 5 (0: no scans), and the fields of
+                  ``CacheManagerConfig`` (theta_inter_s, theta_intra, ...)
     [server]      max_queued = 1024, request_timeout_s = 120
 
 The embedded default (no file) is the ``tiny`` model on two CPU ranks, starting as
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from vertumnus.config import ConfigError, EngineConfig, build_table
+from vertumnus.policy.cache_plans import CacheManagerConfig
 from vertumnus.policy.controller import ControllerConfig
 from vertumnus.policy.costs import CostWeights
 
@@ -43,6 +46,8 @@ class ServeConfig:
     controller: ControllerConfig = dataclasses.field(
         default_factory=lambda: ControllerConfig(window_s=10.0)
     )
+    cache: CacheManagerConfig = dataclasses.field(default_factory=CacheManagerConfig)
+    scan_interval_s: float = 5.0  # the cache manager's scans; 0 turns them off
     max_queued: int = 1024  # requests placed but not finished, over all workers
     request_timeout_s: float = 120.0
 
@@ -66,7 +71,7 @@ def load(path: Path | None, model: str | None = None) -> ServeConfig:
             raw = tomllib.loads(path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"{path}: {exc}") from exc
-    known = {"model", "pool", "engine", "profile", "scheduler", "controller", "server"}
+    known = {"model", "pool", "engine", "profile", "scheduler", "controller", "cache", "server"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"{path}: unknown tables {unknown}; known: {sorted(known)}")
@@ -75,12 +80,18 @@ def load(path: Path | None, model: str | None = None) -> ServeConfig:
     enabled = bool(controller.pop("enabled", True))
     controller.setdefault("window_s", 10.0)
     server = dict(raw.get("server", {}))
+    cache = dict(raw.get("cache", {}))
+    scan_interval_s = float(cache.pop("scan_interval_s", 5.0))
+    if scan_interval_s < 0:
+        raise ConfigError("[cache] scan_interval_s must be >= 0")
     kwargs: dict[str, Any] = {
         "model": model or raw.get("model", {}).get("name", "tiny"),
         "engine": build_table(EngineConfig, raw.get("engine", {}), "engine"),
         "weights": build_table(CostWeights, raw.get("scheduler", {}), "scheduler"),
         "controller_enabled": enabled,
         "controller": build_table(ControllerConfig, controller, "controller"),
+        "cache": build_table(CacheManagerConfig, cache, "cache"),
+        "scan_interval_s": scan_interval_s,
     }
     if "ranks" in pool:
         kwargs["ranks"] = int(pool.pop("ranks"))

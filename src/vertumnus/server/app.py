@@ -121,6 +121,7 @@ async def prefill(request: web.Request) -> web.Response:
     if isinstance(result, web.Response):
         return result
     out = dict(result.__dict__)
+    out.pop("logits")
     if slo is not None:
         out["slo_met"] = result.ttft_s <= slo
     return _json(out)
