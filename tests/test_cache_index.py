@@ -515,3 +515,36 @@ CacheIndexMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, derandomize=True
 )
 test_cache_index_stateful = CacheIndexMachine.TestCase
+
+
+def test_adopt_takes_blocks_at_their_slots_and_stops_at_a_misplaced_one() -> None:
+    index = WorkerCacheIndex(cp_degree=2, blocks_per_rank=4, worker_id=WORKER)
+    # (block, rank, slot): depth 0 on rank 0, depth 1 on rank 1, depth 2 on rank 1 (wrong).
+    report = index.adopt([(11, 0, 3), (12, 1, 2), (13, 1, 0)])
+    assert report == CacheReport(WORKER, inserted=(11, 12))
+    assert ids(index.match([11, 12, 13])) == [11, 12]
+    assert [(loc.rank, loc.slot) for loc in index.match([11, 12])] == [(0, 3), (1, 2)]
+    assert index.num_free_slots(0) == 3 and index.num_free_slots(1) == 3
+    index.check_invariants()
+    # Extending an adopted prefix: the held block is skipped, the next adopted under it.
+    report = index.adopt([(11, 0, 3), (12, 1, 2), (14, 0, 1)])
+    assert report == CacheReport(WORKER, inserted=(14,), inserted_parent=12)
+    # New prefills never take an adopted slot; the LRU may evict adopted leaves.
+    lease = index.begin([11, 12, 14, 15], 4)
+    assert lease.num_reused_blocks == 3 and lease.new[0].slot != 2
+    index.commit(lease)
+    index.check_invariants()
+    assert index.locations()[14].slot == 1
+
+
+def test_reserved_slots_are_never_allocated_until_released() -> None:
+    index = WorkerCacheIndex(cp_degree=1, blocks_per_rank=2, worker_id=WORKER)
+    assert index.reserve(0, 1) and not index.reserve(0, 1)
+    index.check_invariants()
+    lease = index.begin([11, 12], 2)
+    assert [loc.slot for loc in lease.new] == [0]  # the reserved slot is skipped
+    index.commit(lease)
+    index.release(0, 1)
+    index.release(0, 1)  # twice: no effect
+    index.check_invariants()
+    assert index.num_free_slots(0) == 1

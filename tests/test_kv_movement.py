@@ -116,3 +116,70 @@ def test_inter_degree_copy_is_resharded(tmp_path: Path) -> None:
             await coord.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(300)
+def test_merge_and_split_adopt_the_blocks_left_in_place(tmp_path: Path) -> None:
+    async def main() -> None:
+        coord = Coordinator(make_config(tmp_path, 2, (1, 1)))
+        await coord.start()
+        try:
+            prompt = tokens(130)  # 8 whole blocks reusable
+            fresh = await only(coord, 0, prompt)
+            await only(coord, 1, prompt)  # both degree-1 workers hold the prefix
+            merge = coord.reshape_for("merge", [0, 1])
+            transition = await coord.begin_reshape(merge)
+            (merged,) = transition.new_workers
+            # Merged on ranks 0-1, block j belongs on rank j % 2: even blocks sit on
+            # rank 0 (worker 0's), odd ones on rank 1 (worker 1's): all in place.
+            index = coord.indexes[merged]
+            assert len(index) == 8
+            after = await coord.prefill(prompt)
+            assert after.worker == merged and after.cp_degree == 2 and after.cached_tokens == 128
+            assert after.first_token == fresh.first_token
+            assert torch.allclose(after.logits, fresh.logits, atol=ATOL)
+            split = coord.reshape_for("split", [merged])
+            transition = await coord.begin_reshape(split)
+            left, right = transition.new_workers
+            # Each child keeps what sits on its own rank at the right depth: the prefix
+            # goes to one child, which adopts its first block (on rank 0) only.
+            held = {w: len(coord.indexes[w]) for w in (left, right)}
+            assert held == {left: 1, right: 0}
+            again = await only(coord, left, prompt)
+            assert again.cached_tokens == 16
+            assert torch.allclose(again.logits, fresh.logits, atol=ATOL)
+        finally:
+            await coord.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(300)
+def test_split_fetches_the_misplaced_half_from_the_retained_slots(tmp_path: Path) -> None:
+    async def main() -> None:
+        coord = Coordinator(make_config(tmp_path, 2, (2,)))
+        await coord.start()
+        try:
+            prompt = tokens(100)  # 6 whole blocks reusable, alternating ranks 0 and 1
+            fresh = await coord.prefill(prompt)
+            assert fresh.cp_degree == 2
+            transition = await coord.begin_reshape(coord.reshape_for("split", None))
+            left, right = transition.new_workers
+            assert len(coord.indexes[left]) == 1  # block 0 adopted in place
+            # Blocks 1..5 wait in reserved slots: 2 and 4 on this child's rank, 1, 3
+            # and 5 on the other child's.
+            assert coord.indexes[left].num_free_slots(0) == 1024 - 1 - 2
+            assert coord.indexes[right].num_free_slots(0) == 1024 - 3
+            update = coord.cache.on_request(block_ids(prompt, 16), len(prompt), left)
+            assert update.fetch is not None and update.fetch.kind == "fetch"
+            assert await coord.run_copy(update.fetch) == 5
+            again = await only(coord, left, prompt)
+            assert again.cached_tokens == 96 and again.cp_degree == 1
+            assert again.first_token == fresh.first_token
+            assert torch.allclose(again.logits, fresh.logits, atol=ATOL)
+            # The retained slots went back once fetched.
+            assert coord.indexes[right].num_free_slots(0) == 1024
+        finally:
+            await coord.close()
+
+    asyncio.run(main())

@@ -87,6 +87,7 @@ class WorkerCacheIndex:
             list(range(blocks_per_rank - 1, -1, -1)) for _ in range(cp_degree)
         ]
         self._evictable: list[SortedList] = [SortedList() for _ in range(cp_degree)]
+        self._reserved: set[tuple[int, int]] = set()  # (rank, slot) kept for a fetch
         self._tick = 0
 
     # -- queries ---------------------------------------------------------------------
@@ -164,6 +165,67 @@ class WorkerCacheIndex:
         for loc in lease.reused:
             self._release(self._entries[loc.block_id])
         return CacheReport(self.worker_id, evicted=self._still_evicted(lease))
+
+    # -- adoption (after a split or merge) --------------------------------------------
+
+    def adopt(self, chain: Sequence[tuple[int, int, int]]) -> CacheReport:
+        """Take over blocks already written on this worker's ranks by the worker that
+        had them before a split or merge: ``chain`` = (block id, rank, slot) of a
+        prefix from its first block, each at rank depth % C. Blocks held already are
+        skipped; adoption stops at the first block whose place is wrong or whose slot
+        is taken. The report lists the blocks adopted (now matchable)."""
+        adopted: list[int] = []
+        parent_id = ROOT_BLOCK_ID
+        first_parent = ROOT_BLOCK_ID
+        for depth, (bid, rank, slot) in enumerate(chain):
+            entry = self._entries.get(bid)
+            if entry is not None:
+                if not entry.ready or adopted:
+                    break
+                parent_id = first_parent = bid
+                continue
+            if rank != depth % self.cp_degree or slot not in self._free[rank]:
+                break
+            self._free[rank].remove(slot)
+            self._tick += 1
+            new = _Entry(
+                loc=BlockLocation(bid, depth, rank, slot),
+                parent_id=parent_id,
+                last_used=self._tick,
+                ready=True,
+            )
+            self._entries[bid] = new
+            if parent_id != ROOT_BLOCK_ID:
+                parent = self._entries[parent_id]
+                parent.num_children += 1
+                self._refresh(parent)
+            self._refresh(new)
+            adopted.append(bid)
+            parent_id = bid
+        return CacheReport(
+            self.worker_id,
+            inserted=tuple(adopted),
+            inserted_parent=first_parent if adopted else ROOT_BLOCK_ID,
+        )
+
+    def reserve(self, rank: int, slot: int) -> bool:
+        """Keep a free slot out of allocation (it holds KV another worker may fetch,
+        retained from before a split or merge). False if the slot is not free."""
+        if slot not in self._free[rank]:
+            return False
+        self._free[rank].remove(slot)
+        self._reserved.add((rank, slot))
+        return True
+
+    def release(self, rank: int, slot: int) -> None:
+        """Give a reserved slot back to allocation."""
+        if (rank, slot) in self._reserved:
+            self._reserved.remove((rank, slot))
+            self._free[rank].append(slot)
+
+    def locations(self) -> dict[int, BlockLocation]:
+        """Where every committed block lives (rank within the worker, slot)."""
+        return {bid: e.loc for bid, e in self._entries.items() if e.ready}
 
     # -- reclamation (the cache manager's plans) --------------------------------------
 
@@ -267,5 +329,7 @@ class WorkerCacheIndex:
             evictable = e.ready and e.refcount == 0 and e.num_children == 0
             assert (e.evict_key is not None) == evictable, "evictable list out of date"
         for rank in range(self.cp_degree):
-            assert len(used[rank]) + len(self._free[rank]) == self.blocks_per_rank
+            reserved = {slot for r, slot in self._reserved if r == rank}
+            assert len(used[rank]) + len(self._free[rank]) + len(reserved) == self.blocks_per_rank
             assert not used[rank] & set(self._free[rank]), "slot both used and free"
+            assert not reserved & (used[rank] | set(self._free[rank])), "reserved slot in use"

@@ -19,9 +19,10 @@ prefix-cache manager (trie), the window controller and the reshape transitions
                  at a time (KVRead from the source's ranks, KVWrite to the
                  destination's, re-sharded block by block), reclamations at once
 
-Not done yet (documented in docs/architecture.md): after a reshape the new workers
-start with empty cache indexes, so KV retained on the devices is not adopted (never
-wrongly reused); a pending prefix still held by another worker is fetched from it.
+After a reshape, the blocks the old workers left where the new geometry wants them
+are adopted into the new workers' indexes at their slots (no data moves); the other
+retained blocks keep their slots, reserved for ``retain_s``, and a pending prefix is
+fetched from them (or from a live holder) on first reuse.
 """
 
 from __future__ import annotations
@@ -145,6 +146,11 @@ class Coordinator:
         self._kv_waits: dict[tuple[int, int], asyncio.Future[Any]] = {}  # (copy, rank)
         self._copy_ids = itertools.count(1)
         self._copy_lock = asyncio.Lock()  # one KV copy at a time
+        # KV retained from an old geometry and not adopted: block -> {global rank:
+        # slot}, each slot reserved in the index of the worker that now owns the rank
+        # until it is fetched or ``retain_s`` passes.
+        self._retained_at: dict[int, dict[int, int]] = {}
+        self.retain_s = 60.0
         self._background: set[asyncio.Task[None]] = set()
         self.ready = False
         self.started_s = time.monotonic()
@@ -461,8 +467,10 @@ class Coordinator:
     async def _copy(self, plan: CopyPlan) -> int:
         assert self.pool is not None and self._loop is not None
         sources = {m.src_worker for m in plan.moves}
+        if sources == {None}:
+            return await self._fetch_retained(plan)
         if None in sources or len(sources) != 1:
-            return 0  # retained blocks of an old geometry: not adopted (not built yet)
+            return 0  # mixed sources: an ordinary miss
         src_id = sources.pop()
         assert src_id is not None
         src_index, dst_index = self.indexes.get(src_id), self.indexes.get(plan.dest_worker)
@@ -470,36 +478,26 @@ class Coordinator:
         if src_index is None or dst_index is None or src_w is None or dst_w is None:
             return 0
         prefix = list(plan.prefix_ids)
+        if len(src_index.match(prefix)) < len(prefix):
+            return 0  # the source no longer holds the whole prefix
         src_lease = src_index.begin(prefix, len(prefix))  # pins the source's blocks
         if src_lease.new or src_lease.num_reused_blocks < len(prefix):
             self.cache.apply_report(src_index.abort(src_lease))
             return 0  # the source no longer holds the whole prefix
         dst_lease = dst_index.begin(prefix, len(prefix))
         try:
-            copy_id = next(self._copy_ids)
-            by_src: dict[
-                int, list[tuple[int, int, int]]
-            ] = {}  # src rank -> (slot, dst rank, dst slot)
+            moves = []
             for loc in dst_lease.new:
                 src = src_lease.reused[loc.depth]
-                by_src.setdefault(src_w.first_device + src.rank, []).append(
-                    (src.slot, dst_w.first_device + loc.rank, loc.slot)
-                )
-            for src_rank, items in by_src.items():
-                data = await self._kv_call(
-                    src_rank, copy_id, KVRead(copy_id, tuple(i[0] for i in items))
-                )
-                by_dst: dict[int, list[int]] = {}
-                for n, (_, dst_rank, _) in enumerate(items):
-                    by_dst.setdefault(dst_rank, []).append(n)
-                for dst_rank, rows in by_dst.items():
-                    write = KVWrite(
-                        copy_id,
-                        tuple(items[n][2] for n in rows),
-                        data.k[rows],
-                        data.v[rows],
+                moves.append(
+                    (
+                        src_w.first_device + src.rank,
+                        src.slot,
+                        dst_w.first_device + loc.rank,
+                        loc.slot,
                     )
-                    await self._kv_call(dst_rank, copy_id, write)
+                )
+            await self._transfer(moves)
         except BaseException:
             self.cache.apply_report(dst_index.abort(dst_lease))
             self.cache.apply_report(src_index.commit(src_lease))
@@ -515,6 +513,73 @@ class Coordinator:
             reshard=plan.reshard,
         )
         return len(dst_lease.new)
+
+    async def _fetch_retained(self, plan: CopyPlan) -> int:
+        """A pending prefix's missing blocks, from the slots that kept them after a
+        split or merge (reserved until now) into slots the destination allocates."""
+        dst_index = self.indexes.get(plan.dest_worker)
+        dst_w = self.lattice.workers.get(plan.dest_worker)
+        if dst_index is None or dst_w is None:
+            return 0
+        source = {
+            m.block_id: (m.src_device, self._retained_at.get(m.block_id, {}).get(m.src_device))
+            for m in plan.moves
+        }
+        # The prefix up to the first block with no copy left (the rest is a miss).
+        prefix = list(plan.prefix_ids)
+        for n, bid in enumerate(prefix):
+            if bid in source and source[bid][1] is None:
+                prefix = prefix[:n]
+                break
+        if not prefix:
+            return 0
+        dst_lease = dst_index.begin(prefix, len(prefix))
+        moves = []
+        for loc in dst_lease.new:
+            grank, slot = source.get(loc.block_id, (None, None))
+            if grank is None or slot is None:  # not a fetched block: cannot fill it
+                self.cache.apply_report(dst_index.abort(dst_lease))
+                return 0
+            moves.append((grank, slot, dst_w.first_device + loc.rank, loc.slot))
+        try:
+            await self._transfer(moves)
+        except BaseException:
+            self.cache.apply_report(dst_index.abort(dst_lease))
+            raise
+        self.cache.apply_report(dst_index.commit(dst_lease))
+        # The copies live at the destination now: the retained slots go back.
+        for loc in dst_lease.new:
+            grank, slot = source[loc.block_id]
+            assert grank is not None and slot is not None
+            for w in self.lattice.workers.values():
+                if grank in w.devices and w.worker_id in self.indexes:
+                    self.indexes[w.worker_id].release(grank - w.first_device, slot)
+            self._retained_at.get(loc.block_id, {}).pop(grank, None)
+        log.info("fetch", dest=plan.dest_worker, blocks=len(dst_lease.new), source="retained")
+        return len(dst_lease.new)
+
+    async def _transfer(self, moves: Sequence[tuple[int, int, int, int]]) -> None:
+        """Copy KV blocks (src rank, src slot, dst rank, dst slot) through the
+        coordinator: one KVRead per source rank, one KVWrite per destination rank."""
+        copy_id = next(self._copy_ids)
+        by_src: dict[int, list[tuple[int, int, int]]] = {}
+        for src_rank, src_slot, dst_rank, dst_slot in moves:
+            by_src.setdefault(src_rank, []).append((src_slot, dst_rank, dst_slot))
+        for src_rank, items in by_src.items():
+            read = KVRead(copy_id, tuple(i[0] for i in items))
+            data = await self._kv_call(src_rank, copy_id, read)
+            by_dst: dict[int, list[int]] = {}
+            for n, (_, dst_rank, _) in enumerate(items):
+                by_dst.setdefault(dst_rank, []).append(n)
+            for dst_rank, rows in by_dst.items():
+                slots = tuple(items[n][2] for n in rows)
+                write = KVWrite(copy_id, slots, data.k[rows], data.v[rows])
+                await self._kv_call(dst_rank, copy_id, write)
+
+    async def settle(self) -> None:
+        """Wait for the background work in flight (fetches, switches) to end."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
 
     async def _kv_call(self, rank: int, copy_id: int, msg: object) -> Any:
         assert self.pool is not None and self._loop is not None
@@ -558,20 +623,33 @@ class Coordinator:
     async def _switch(self, transition: Transition) -> None:
         assert self.pool is not None and self._loop is not None
         _, done = self._transitions[id(transition)]
+        await self._copy_lock.acquire()  # no KV copy runs across a switch
         try:
             start = time.monotonic()
+            # Where the old workers' blocks are: block id -> {global rank: slot} (two
+            # sources of a merge may both hold a block, each on its own rank).
+            retained: dict[int, dict[int, int]] = {}
+            for s in transition.op.sources:
+                first = self.lattice.workers[s].first_device
+                for bid, loc in self.indexes[s].locations().items():
+                    retained.setdefault(bid, {})[first + loc.rank] = loc.slot
             adopt = self.reconf.switch(transition, start)
-            # The new workers start with empty indexes: blocks retained on the devices
-            # are not adopted (not built yet), so their prefixes start over. A pending
-            # prefix that another worker still holds is fetched from it on first reuse.
-            for plan in adopt:
-                self.cache.finish_copy(plan.plan_id, ok=False)
             for s in transition.op.sources:
                 self.indexes.pop(s, None)
                 self._wake.pop(s, None)
                 task = self._tasks.pop(s, None)
                 if task is not None:
                     task.cancel()
+            for w in transition.new_workers:
+                self._add_worker(w)
+            # Reservations made on these ranks by an earlier reshape die with the old
+            # indexes: forget them (the new workers re-reserve what is still retained).
+            new_ranks = {r for w in transition.new_workers for r in self.lattice.workers[w].devices}
+            for by_rank in self._retained_at.values():
+                for r in new_ranks & set(by_rank):
+                    by_rank.pop(r)
+            adopted = self._adopt(adopt, retained)
+            reserved = self._reserve_retained(transition.new_workers, retained)
             epoch = self.lattice.epoch
             acks = []
             for w in transition.new_workers:
@@ -584,8 +662,6 @@ class Coordinator:
             for w, cp_rank, fut in acks:
                 await asyncio.wait_for(fut, self.cfg.engine.rank_timeout_s)
                 self.reconf.acknowledge(transition, w, cp_rank, time.monotonic())
-            for w in transition.new_workers:
-                self._add_worker(w)
             waiting, self._waiting = self._waiting, []
             for req in waiting:
                 if not req.future.done():
@@ -602,6 +678,8 @@ class Coordinator:
                 epoch=epoch,
                 drain_s=transition.drain_s,
                 switch_s=transition.switch_s,
+                adopted_blocks=adopted,
+                reserved_blocks=reserved,
                 composition=self.composition_name(),
             )
             done.set_result(transition)
@@ -610,7 +688,63 @@ class Coordinator:
             if not done.done():
                 done.set_exception(exc)
         finally:
+            self._copy_lock.release()
             self._transitions.pop(id(transition), None)
+
+    def _reserve_retained(
+        self, new_workers: Sequence[int], retained: dict[int, dict[int, int]]
+    ) -> int:
+        """Keep the slots of retained blocks that were not adopted out of allocation, so
+        a pending prefix can be fetched from them; released after ``retain_s``."""
+        assert self._loop is not None
+        owner = {r: w for w in new_workers for r in self.lattice.workers[w].devices}
+        reserved: list[tuple[int, int, int]] = []  # (worker, rank within it, slot)
+        for bid, by_rank in retained.items():
+            for grank, slot in by_rank.items():
+                w = owner.get(grank)
+                if w is None:
+                    continue
+                first = self.lattice.workers[w].first_device
+                index = self.indexes[w]
+                if index.reserve(grank - first, slot):
+                    self._retained_at.setdefault(bid, {})[grank] = slot
+                    reserved.append((w, grank - first, slot))
+        if reserved:
+            self._loop.call_later(self.retain_s, self._release_reserved, reserved)
+        return len(reserved)
+
+    def _release_reserved(self, reserved: Sequence[tuple[int, int, int]]) -> None:
+        for w, rank, slot in reserved:
+            index = self.indexes.get(w)
+            if index is not None:
+                index.release(rank, slot)
+            first = self.lattice.workers[w].first_device if w in self.lattice.workers else None
+            if first is not None:
+                for by_rank in self._retained_at.values():
+                    if by_rank.get(first + rank) == slot:
+                        by_rank.pop(first + rank)
+        self._retained_at = {b: r for b, r in self._retained_at.items() if r}
+
+    def _adopt(self, plans: Sequence[CopyPlan], retained: dict[int, dict[int, int]]) -> int:
+        """Run the cache manager's adopt plans: blocks the old workers left where the new
+        geometry wants them join the new workers' indexes at their slots (no data
+        moves). Returns the blocks adopted."""
+        adopted = 0
+        for plan in plans:
+            w = self.lattice.workers[plan.dest_worker]
+            index = self.indexes[plan.dest_worker]
+            chain = []
+            for depth, bid in enumerate(plan.prefix_ids):
+                rank = depth % w.cp_degree  # where the new geometry wants block `depth`
+                slot = retained.get(bid, {}).get(w.first_device + rank)
+                if slot is None:
+                    break
+                chain.append((bid, rank, slot))
+            report = index.adopt(chain)
+            self.cache.apply_report(report)
+            adopted += len(report.inserted)
+            self.cache.finish_copy(plan.plan_id, ok=plan.block_id in index)
+        return adopted
 
     def reshape_for(self, op_name: str, workers: Sequence[int] | None) -> Reshape:
         """The admin endpoint's request as a lattice operation (or the controller's
