@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from vertumnus import (
     cli_capacity,
     cli_fit,
+    cli_loadgen,
     cli_prefill,
     cli_profile,
     cli_serve,
@@ -36,6 +37,7 @@ COMMANDS = (
     ("capacity", "find each degree's capacity kappa_C and write it into a profile", cli_capacity),
     ("simulate", "run the prefill pool's policies in a discrete-event simulation", cli_simulate),
     ("serve", "serve prefills over a REST API (coordinator + rank processes)", cli_serve),
+    ("loadgen", "drive a running server with a trace or synthetic load", cli_loadgen),
 )
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from vertumnus.cli_args import int_list, ratio_list
 from vertumnus.config import ConfigError, EngineConfig, resolve_model
 from vertumnus.perfmodel import Profile, Sample, fit_profile, mape
+from vertumnus.stats import progress
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,17 +69,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FIT.png",
         help="predicted against measured time per degree (held-out points marked)",
     )
-
-
-def _progress(done: int, total: int, label: str) -> None:
-    if not sys.stderr.isatty():
-        return
-    width = 30
-    filled = width * done // max(1, total)
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<28}")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
                 length, hit = grid[point]
                 runs[point].append(measure(length, hit))
                 done += 1
-                _progress(done, total, f"C={degree} L={length} hit={hit:g}")
+                progress(done, total, f"C={degree} L={length} hit={hit:g}")
             for point in range(len(grid)):
                 r, p, _ = runs[point][0]
                 seconds = statistics.median(t for _, _, t in runs[point])

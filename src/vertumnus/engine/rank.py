@@ -14,6 +14,7 @@ CUDA, gloo on CPU) -> create worker groups -> build the model and KV store -> se
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import time
 import traceback
@@ -66,8 +67,8 @@ def resolve_device(engine: EngineConfig, rank: int) -> torch.device:
 
 
 def rank_main(rank: int, spec: RankSpec, commands: Any, results: Any) -> None:
-    """Entry point of a spawned rank process (``commands``/``results``: the rank's ends
-    of two one-way pipes).
+    """Entry point of a spawned rank process (``commands``: an mp.Queue of commands;
+    ``results``: the rank's end of its one-way answer pipe).
 
     SIGINT and SIGTERM are ignored: a Ctrl-C or a SIGTERM to the whole process group
     reaches the coordinator, which finishes what runs and then sends ``Shutdown``. A
@@ -122,11 +123,11 @@ def _serve(
     parent = os.getppid()
     while True:
         try:
-            if not commands.poll(1.0):
-                if os.getppid() != parent:  # the coordinator died without a Shutdown
-                    return
-                continue
-            msg = commands.recv()
+            msg = commands.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the coordinator died without a Shutdown
+                return
+            continue
         except (EOFError, OSError):  # the coordinator closed its end
             return
         match msg:

@@ -29,6 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import pickle
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -40,6 +43,7 @@ import structlog
 from vertumnus.blocks import block_ids
 from vertumnus.config import ConfigError, resolve_model
 from vertumnus.perfmodel import Profile
+from vertumnus.policy.baselines import ROUTERS
 from vertumnus.policy.cache_index import PrefillLease, WorkerCacheIndex
 from vertumnus.policy.cache_manager import PrefixCacheManager
 from vertumnus.policy.cache_plans import CopyPlan
@@ -122,7 +126,8 @@ class Coordinator:
         self.lattice = Lattice(LatticeConfig(cfg.ranks, cfg.degrees), cfg.layout)
         block = cfg.engine.block_size
         self.cache = PrefixCacheManager(coeffs, block, cfg.cache)
-        self.scheduler = Scheduler(self.lattice, coeffs, SchedulerConfig(cfg.weights), self.cache)
+        router = ROUTERS.get(cfg.policy, Scheduler)
+        self.scheduler = router(self.lattice, coeffs, SchedulerConfig(cfg.weights), self.cache)
         kappa = {c: float(self.profile.capacity.get(c, {}).get("kappa_s", 1.0)) for c in coeffs}
         self.controller = Controller(cfg.controller, self.lattice, kappa)
         self.reconf = Reconfigurer(
@@ -144,6 +149,7 @@ class Coordinator:
         self._window_task: asyncio.Task[None] | None = None
         self._scan_task: asyncio.Task[None] | None = None
         self._kv_waits: dict[tuple[int, int], asyncio.Future[Any]] = {}  # (copy, rank)
+        self._buffers: dict[int, bytearray] = {}  # rank -> bytes read, not yet a message
         self._copy_ids = itertools.count(1)
         self._copy_lock = asyncio.Lock()  # one KV copy at a time
         # KV retained from an old geometry and not adopted: block -> {global rank:
@@ -214,12 +220,40 @@ class Coordinator:
         self._tasks[worker_id] = asyncio.create_task(self._worker_loop(worker_id))
 
     def _readable(self, rank: int, conn: Any) -> None:
+        """Read what rank ``rank`` wrote, without blocking: the loop's poller makes the
+        pipe non-blocking, so a large answer can arrive in pieces. Bytes are buffered
+        and framed as ``multiprocessing.connection`` frames them (a 4-byte big-endian
+        length, or -1 then an 8-byte one), and whole messages are unpickled. (These
+        pipes come only from this pool's own rank processes.)"""
+        assert self._loop is not None
+        fd = conn.fileno()
+        buf = self._buffers.setdefault(rank, bytearray())
         try:
-            while conn.poll():
-                self._on_message(conn.recv())
-        except (EOFError, OSError):
-            assert self._loop is not None
-            self._loop.remove_reader(conn.fileno())
+            while True:
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:  # the rank closed its end
+                    self._loop.remove_reader(fd)
+                    break
+                buf += chunk
+                if len(chunk) < 1 << 20:
+                    break
+        except BlockingIOError:
+            pass
+        except OSError:
+            self._loop.remove_reader(fd)
+        while len(buf) >= 4:
+            (size,) = struct.unpack("!i", buf[:4])
+            header = 4
+            if size == -1:
+                if len(buf) < 12:
+                    break
+                (size,) = struct.unpack("!Q", buf[4:12])
+                header = 12
+            if len(buf) < header + size:
+                break
+            payload = bytes(buf[header : header + size])
+            del buf[: header + size]
+            self._on_message(pickle.loads(payload))
 
     def _rank_exited(self, rank: int, sentinel: int) -> None:
         assert self._loop is not None
@@ -323,14 +357,20 @@ class Coordinator:
 
     async def _worker_loop(self, worker_id: int) -> None:
         wake = self._wake[worker_id]
-        while True:
-            await wake.wait()
-            wake.clear()
-            while worker_id in self.lattice.workers and self.scheduler.queued(worker_id):
-                rid = self.scheduler.queued(worker_id)[0]
-                await self._run_one(worker_id, rid)
-            if worker_id not in self.lattice.workers:
-                return
+        try:
+            while True:
+                await wake.wait()
+                wake.clear()
+                while worker_id in self.lattice.workers and self.scheduler.queued(worker_id):
+                    rid = self.scheduler.queued(worker_id)[0]
+                    await self._run_one(worker_id, rid)
+                if worker_id not in self.lattice.workers:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug: say so loudly, the worker is lost
+            log.exception("worker_loop_crashed", worker=worker_id, error=repr(exc))
+            raise
 
     async def _run_one(self, worker_id: int, rid: int) -> None:
         assert self.pool is not None and self._loop is not None
@@ -339,6 +379,7 @@ class Coordinator:
         self.scheduler.start(rid, now)
         if req is None:  # timed out and gone
             self.scheduler.complete(rid)
+            self._after_prefill(worker_id)
             return
         w = self.lattice.workers[worker_id]
         ranks = tuple(w.devices)

@@ -6,10 +6,14 @@ no port race), waiting for every readiness acknowledgement, the command and resu
 channels, and an orderly shutdown that leaves no orphan. It does not plan prefills
 (``runtime/worker.py``) or run them (``engine/rank.py``).
 
-Channels are one-way pipes, one pair per rank: a send writes the pickled message
-at once (no feeder thread between the caller and the pipe, about 0.1 ms less per
-message than an ``mp.Queue``). ``recv`` waits on every result pipe and every rank
-process's sentinel together, so a rank that dies is noticed at once.
+Commands go through one ``mp.Queue`` per rank: its feeder thread writes to the
+rank, so a send never blocks the coordinator even when the rank is busy and the
+message is larger than a pipe's buffer. (A plain pipe there deadlocked: the
+coordinator blocked writing a large KV message to a busy rank, while that rank
+blocked writing its answer to the coordinator.) Answers come back on one one-way
+pipe per rank. ``recv`` waits on every answer pipe and every rank process's
+sentinel together, so a rank that dies is noticed at once; the serving
+coordinator watches the same pipes from its event loop.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ class RankPool:
         self.groups = worker_groups(world_size, degrees)
         self.ready: dict[int, RankReady] = {}
         self._procs: list[Any] = []
-        self._commands: list[Any] = []  # Connection per rank, coordinator -> rank
+        self._commands: list[Any] = []  # mp.Queue per rank, coordinator -> rank
         self._results: list[Any] = []  # Connection per rank, rank -> coordinator
         self._pending: list[object] = []  # read, not yet handed out
         self._store: dist.TCPStore | None = None
@@ -86,18 +90,17 @@ class RankPool:
         )
         ctx = mp.get_context("spawn")
         for rank in range(self.world_size):
-            cmd_recv, cmd_send = ctx.Pipe(duplex=False)
+            commands = ctx.Queue()
             res_recv, res_send = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=rank_main,
-                args=(rank, spec, cmd_recv, res_send),
+                args=(rank, spec, commands, res_send),
                 name=f"vertumnus-rank{rank}",
                 daemon=True,
             )
             proc.start()
-            cmd_recv.close()  # the child's ends: this process keeps its own
-            res_send.close()
-            self._commands.append(cmd_send)
+            res_send.close()  # the child's end: this process keeps its own
+            self._commands.append(commands)
             self._results.append(res_recv)
             self._procs.append(proc)
         try:
@@ -114,7 +117,8 @@ class RankPool:
             raise
 
     def send(self, rank: int, msg: object) -> None:
-        self._commands[rank].send(msg)
+        """Never blocks: the queue's feeder thread writes to the rank."""
+        self._commands[rank].put(msg)
 
     def channels(self) -> list[tuple[int, Any, int]]:
         """(rank, result connection, process sentinel) of every rank: an event loop can
@@ -160,7 +164,7 @@ class RankPool:
         for proc, commands in zip(self._procs, self._commands, strict=True):
             if proc.is_alive():
                 with contextlib.suppress(OSError, ValueError):
-                    commands.send(Shutdown())
+                    commands.put(Shutdown())
         deadline = time.monotonic() + timeout_s
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -171,7 +175,10 @@ class RankPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join(2.0)
-        for conn in (*self._commands, *self._results):
+        for conn in self._results:
             conn.close()
+        for q in self._commands:
+            q.close()
+            q.cancel_join_thread()  # the ranks are gone: nothing left to flush to
         self._procs, self._commands, self._results, self._pending = [], [], [], []
         self._store = None

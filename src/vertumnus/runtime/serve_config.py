@@ -5,7 +5,9 @@
     [engine]      block_size, kv_blocks_per_rank, threads_per_rank, device, dtype,
                   seed, rank_timeout_s
     [profile]     path = "configs/profiles/tiny-cpu.json"   # E_C(R, P) and kappa_C
-    [scheduler]   beta, gpu_penalty
+    [scheduler]   policy = "vertumnus" (the cost rule) or a baseline router
+                  (round-robin, least-load, cache-first, length-threshold), beta,
+                  gpu_penalty
     [controller]  enabled = true, and the fields of ``ControllerConfig``
     [cache]       scan_interval_s = 5 (0: no scans), and the fields of
                   ``CacheManagerConfig`` (theta_inter_s, theta_intra, ...)
@@ -42,6 +44,7 @@ class ServeConfig:
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     profile: Path = DEFAULT_PROFILE
     weights: CostWeights = dataclasses.field(default_factory=CostWeights)
+    policy: str = "vertumnus"  # placement: the cost rule, or a baseline router
     controller_enabled: bool = True
     controller: ControllerConfig = dataclasses.field(
         default_factory=lambda: ControllerConfig(window_s=10.0)
@@ -60,6 +63,12 @@ class ServeConfig:
         object.__setattr__(self, "layout", tuple(layout))
         if sum(layout) != self.ranks:
             raise ConfigError(f"[pool] layout {list(layout)} does not cover {self.ranks} ranks")
+        from vertumnus.policy.baselines import ROUTERS
+
+        if self.policy != "vertumnus" and self.policy not in ROUTERS:
+            raise ConfigError(
+                f"[scheduler] policy {self.policy!r}: choose vertumnus or one of {sorted(ROUTERS)}"
+            )
         if self.max_queued < 1 or self.request_timeout_s <= 0:
             raise ConfigError("[server] max_queued must be >= 1 and request_timeout_s > 0")
 
@@ -80,6 +89,8 @@ def load(path: Path | None, model: str | None = None) -> ServeConfig:
     enabled = bool(controller.pop("enabled", True))
     controller.setdefault("window_s", 10.0)
     server = dict(raw.get("server", {}))
+    scheduler = dict(raw.get("scheduler", {}))
+    policy = str(scheduler.pop("policy", "vertumnus"))
     cache = dict(raw.get("cache", {}))
     scan_interval_s = float(cache.pop("scan_interval_s", 5.0))
     if scan_interval_s < 0:
@@ -87,7 +98,8 @@ def load(path: Path | None, model: str | None = None) -> ServeConfig:
     kwargs: dict[str, Any] = {
         "model": model or raw.get("model", {}).get("name", "tiny"),
         "engine": build_table(EngineConfig, raw.get("engine", {}), "engine"),
-        "weights": build_table(CostWeights, raw.get("scheduler", {}), "scheduler"),
+        "weights": build_table(CostWeights, scheduler, "scheduler"),
+        "policy": policy,
         "controller_enabled": enabled,
         "controller": build_table(ControllerConfig, controller, "controller"),
         "cache": build_table(CacheManagerConfig, cache, "cache"),

@@ -26,17 +26,7 @@ import orjson
 
 from vertumnus.sim.config import SimConfig
 from vertumnus.sim.simulator import RequestRecord, SimResult, composition_name
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100), linear interpolation; NaN when empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+from vertumnus.stats import percentile
 
 
 def ttft_stats(records: Sequence[RequestRecord]) -> dict[str, float]:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import heapq
 import math
 import random
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from vertumnus.policy.scheduler import PlacementRequest, Scheduler, SchedulerCon
 from vertumnus.policy.transition import Phase, Reconfigurer, Transition
 from vertumnus.sim.workload import SimRequest
 from vertumnus.slo import DEFAULT_TTFT_SLO, TtftSlo
+from vertumnus.stats import progress
 
 END, COPY, SWITCH, WINDOW, SCAN, ARRIVAL = range(6)
 
@@ -478,13 +478,4 @@ class Simulation:
 
 
 def terminal_progress(done: int, total: int, sim_s: float) -> None:
-    if not sys.stderr.isatty():
-        return
-    width = 30
-    filled = width * done // max(1, total)
-    sys.stderr.write(
-        f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests, t = {sim_s:,.0f} s"
-    )
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
+    progress(done, total, f"requests, t = {sim_s:,.0f} s")

@@ -1,0 +1,176 @@
+"""End-to-end benchmark on the real server, and the simulator's fidelity against it.
+
+    .venv/bin/python tools/bench_e2e.py [--requests 600] [--rate-scale 10]
+        [--length-scale 0.03125] [--out results/e2e]
+
+It replays the first ``--requests`` requests of
+``../shared/traces/conversation_trace.jsonl``, scaled to this machine. Lengths are
+×1/32, so one 512-token trace block is one 16-token engine block and the prefix
+structure is kept; the arrival rate is ×10. The server runs on the embedded
+default: the ``tiny`` model on 2 CPU ranks, starting as 2CP1, with degrees {1, 2}.
+Three server variants run side by side, one after the other:
+
+  * ``vertumnus``: the cost rule, the window controller (5 s windows) and the
+    cache manager's scans;
+  * ``fixed``: the same with the controller off;
+  * ``cache-first``: the usual cache-aware router, no controller, no scans.
+
+Then the same requests go through the simulator, with the same arrivals, lengths,
+prefix blocks, pool, cache capacity and policy. The profile is the shipped
+`configs/profiles/tiny-cpu.json`, measured on this machine by `vertumnus profile`.
+It prints and saves the relative error of mean, P50 and P90 TTFT (the server's own
+TTFT, which the simulator models; the client's is printed beside it) and of the
+token hit rate, for ``fixed`` and for ``vertumnus``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from vertumnus import loadgen
+from vertumnus.perfmodel import Profile
+from vertumnus.policy.cache_plans import CacheManagerConfig
+from vertumnus.policy.controller import ControllerConfig
+from vertumnus.policy.lattice import LatticeConfig
+from vertumnus.sim.report import percentile
+from vertumnus.sim.simulator import SimSettings, Simulation
+from vertumnus.sim.traces import load_trace
+from vertumnus.sim.workload import SimRequest
+
+TRACE = Path("../shared/traces/conversation_trace.jsonl")
+PROFILE = Path(__file__).resolve().parents[1] / "configs/profiles/tiny-cpu.json"
+WINDOW_S = 5.0
+VARIANTS = {
+    "vertumnus": f"[controller]\nenabled = true\nwindow_s = {WINDOW_S}\n",
+    "fixed": "[controller]\nenabled = false\n",
+    "cache-first": '[controller]\nenabled = false\n[scheduler]\npolicy = "cache-first"\n'
+    "[cache]\nscan_interval_s = 0\n",
+}
+
+
+def serve(config: Path) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vertumnus", "serve", "--config", str(config), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout is not None
+    url = proc.stdout.readline().split()[-1]
+    for _ in range(600):
+        try:
+            with urllib.request.urlopen(url + "/ready", timeout=5) as resp:
+                if resp.status == 200:
+                    break
+        except OSError:
+            time.sleep(0.1)
+    return proc, url
+
+
+def simulate(requests: list[loadgen.LoadRequest], policy: str) -> dict[str, float]:
+    profile = Profile.load(PROFILE)
+    sim_requests = [
+        SimRequest(
+            r.index,
+            r.arrival_s,
+            r.input_tokens,
+            tuple(h + 1 for h in r.block_hashes[: r.input_tokens // r.block_tokens]),
+        )
+        for r in requests
+    ]
+    settings = SimSettings(
+        policy=policy,
+        block_tokens=requests[0].block_tokens,
+        blocks_per_rank=1024,
+        controller=ControllerConfig(window_s=WINDOW_S),
+        cache=CacheManagerConfig(),
+        scan_interval_s=5.0,
+    )
+    sim = Simulation(settings, profile, LatticeConfig(2, (1, 2)), [1, 1], sim_requests)
+    result = sim.run()
+    ttft = [r.ttft_s * 1e3 for r in result.records if r.ttft_s is not None]
+    tokens = sum(r.input_tokens for r in result.records)
+    return {
+        "mean_ttft_ms": sum(ttft) / len(ttft),
+        "median_ttft_ms": percentile(ttft, 50),
+        "p90_ttft_ms": percentile(ttft, 90),
+        "token_hit_rate": sum(r.cached_tokens for r in result.records) / tokens,
+        "splits": sum(r.kind == "split" for r in result.reshapes),
+        "merges": sum(r.kind == "merge" for r in result.reshapes),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
+    parser.add_argument("--requests", type=int, default=600)
+    parser.add_argument("--rate-scale", type=float, default=10.0)
+    parser.add_argument("--length-scale", type=float, default=1 / 32)
+    parser.add_argument("--out", type=Path, default=Path("results/e2e"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    trace = load_trace(TRACE)
+    requests = loadgen.from_trace(trace, args.length_scale, 256, 0, args.rate_scale)
+    requests = requests[: args.requests]
+    summaries: dict[str, Any] = {}
+    for name, text in VARIANTS.items():
+        config = args.out / f"{name}.toml"
+        config.write_text(text)
+        proc, url = serve(config)
+        try:
+            result = asyncio.run(loadgen.run(url, requests, max_concurrency=256))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+        summaries[name] = loadgen.summarize(result, detailed=False)
+        s = summaries[name]
+        print(
+            f"{name:<12} server TTFT mean {s['mean_server_ttft_ms']:7.2f} ms, median "
+            f"{s['median_server_ttft_ms']:6.2f}, P90 {s['p90_server_ttft_ms']:7.2f}; client mean "
+            f"{s['mean_ttft_ms']:7.2f} ms, P90 {s['p90_ttft_ms']:7.2f}; hit "
+            f"{s['token_hit_rate']:.3f}; failed {s['failed']}",
+            flush=True,
+        )
+    fidelity = {}
+    for name in ("fixed", "vertumnus"):
+        sim = simulate(requests, name)
+        real = summaries[name]
+        errors = {
+            "mean_ttft": sim["mean_ttft_ms"] / real["mean_server_ttft_ms"] - 1,
+            "median_ttft": sim["median_ttft_ms"] / real["median_server_ttft_ms"] - 1,
+            "p90_ttft": sim["p90_ttft_ms"] / real["p90_server_ttft_ms"] - 1,
+            "token_hit_rate": sim["token_hit_rate"] / real["token_hit_rate"] - 1,
+        }
+        fidelity[name] = {"simulated": sim, "relative_error": errors}
+        print(
+            f"simulated {name:<10} mean {sim['mean_ttft_ms']:7.2f} ms "
+            f"({100 * errors['mean_ttft']:+.1f} %), "
+            f"median {sim['median_ttft_ms']:6.2f} ({100 * errors['median_ttft']:+.1f} %), P90 "
+            f"{sim['p90_ttft_ms']:7.2f} ({100 * errors['p90_ttft']:+.1f} %), hit "
+            f"{sim['token_hit_rate']:.3f} ({100 * errors['token_hit_rate']:+.1f} %)",
+            flush=True,
+        )
+    (args.out / "e2e.json").write_bytes(
+        orjson.dumps(
+            {
+                "args": vars(args) | {"out": str(args.out)},
+                "server": summaries,
+                "fidelity": fidelity,
+            },
+            option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY,
+        )
+    )
+    print(f"results in {args.out / 'e2e.json'}")
+
+
+if __name__ == "__main__":
+    main()
