@@ -77,7 +77,9 @@ def serve(config: Path) -> tuple[subprocess.Popen[str], str]:
     return proc, url
 
 
-def simulate(requests: list[loadgen.LoadRequest], policy: str) -> dict[str, float]:
+def simulate(
+    requests: list[loadgen.LoadRequest], policy: str, window_phase_s: float = 0.0
+) -> dict[str, float]:
     profile = Profile.load(PROFILE)
     sim_requests = [
         SimRequest(
@@ -95,6 +97,7 @@ def simulate(requests: list[loadgen.LoadRequest], policy: str) -> dict[str, floa
         controller=ControllerConfig(window_s=WINDOW_S),
         cache=CacheManagerConfig(),
         scan_interval_s=5.0,
+        window_phase_s=window_phase_s,
     )
     sim = Simulation(settings, profile, LatticeConfig(2, (1, 2)), [1, 1], sim_requests)
     result = sim.run()
@@ -122,11 +125,16 @@ def main() -> None:
     requests = loadgen.from_trace(trace, args.length_scale, 256, 0, args.rate_scale)
     requests = requests[: args.requests]
     summaries: dict[str, Any] = {}
+    phases: dict[str, float] = {}
     for name, text in VARIANTS.items():
         config = args.out / f"{name}.toml"
         config.write_text(text)
         proc, url = serve(config)
         try:
+            # How far into its current controller window the server is as the load
+            # starts: the simulator lines its windows up with that.
+            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                phases[name] = orjson.loads(resp.read())["window_phase_s"] or 0.0
             result = asyncio.run(loadgen.run(url, requests, max_concurrency=256))
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -142,7 +150,7 @@ def main() -> None:
         )
     fidelity = {}
     for name in ("fixed", "vertumnus"):
-        sim = simulate(requests, name)
+        sim = simulate(requests, name, phases.get(name, 0.0))
         real = summaries[name]
         errors = {
             "mean_ttft": sim["mean_ttft_ms"] / real["mean_server_ttft_ms"] - 1,

@@ -160,6 +160,7 @@ class Coordinator:
         self._background: set[asyncio.Task[None]] = set()
         self.ready = False
         self.started_s = time.monotonic()
+        self._windows_started_s: float | None = None
         self.rank_error: str | None = None
 
     # -- life ------------------------------------------------------------------------
@@ -179,6 +180,7 @@ class Coordinator:
             self._loop.add_reader(conn.fileno(), self._readable, rank, conn)
             self._loop.add_reader(sentinel, self._rank_exited, rank, sentinel)
         if self.cfg.controller_enabled:
+            self._windows_started_s = time.monotonic()
             self._window_task = asyncio.create_task(self._windows())
         if self.cfg.scan_interval_s > 0:
             self._scan_task = asyncio.create_task(self._scans())
@@ -850,3 +852,9 @@ class Coordinator:
 
     def uptime_s(self) -> float:
         return time.monotonic() - self.started_s
+
+    def window_phase_s(self) -> float | None:
+        """How far into its current window the controller is (None: no controller)."""
+        if self._windows_started_s is None:
+            return None
+        return (time.monotonic() - self._windows_started_s) % self.cfg.controller.window_s

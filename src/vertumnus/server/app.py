@@ -233,7 +233,14 @@ async def reconfigure(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
-    return _json({"status": "ok", "uptime_s": coord.uptime_s(), "rank_error": coord.rank_error})
+    return _json(
+        {
+            "status": "ok",
+            "uptime_s": coord.uptime_s(),
+            "window_phase_s": coord.window_phase_s(),
+            "rank_error": coord.rank_error,
+        }
+    )
 
 
 async def ready(request: web.Request) -> web.Response:

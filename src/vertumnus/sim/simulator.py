@@ -70,6 +70,9 @@ class SimSettings:
     scan_interval_s: float = 5.0
     switch_s: float = 0.5
     noise_cv: float = 0.0
+    # Where t = 0 falls in the controller's first window (seconds into it): to line
+    # the windows up with a real server's, whose windows run from when it started.
+    window_phase_s: float = 0.0
     slo: TtftSlo = field(default_factory=lambda: DEFAULT_TTFT_SLO)
     weights: CostWeights = field(default_factory=CostWeights)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
@@ -244,7 +247,10 @@ class Simulation:
         wall = time.perf_counter()
         for r in self.requests:
             self._push(r.arrival_s, ARRIVAL, r.request_id)
-        self._push(self.s.controller.window_s, WINDOW)
+        first_window = (
+            self.s.controller.window_s - self.s.window_phase_s % self.s.controller.window_s
+        )
+        self._push(first_window, WINDOW)
         if self.s.replication:
             self._push(self.s.scan_interval_s, SCAN)
         now = 0.0
