@@ -157,6 +157,7 @@ class Coordinator:
         # until it is fetched or ``retain_s`` passes.
         self._retained_at: dict[int, dict[int, int]] = {}
         self.retain_s = 60.0
+        self.reserve_fraction = 0.25  # of a new worker's KV slots, at most
         self._background: set[asyncio.Task[None]] = set()
         self.ready = False
         self.started_s = time.monotonic()
@@ -742,14 +743,29 @@ class Coordinator:
         assert self._loop is not None
         owner = {r: w for w in new_workers for r in self.lattice.workers[w].devices}
         reserved: list[tuple[int, int, int]] = []  # (worker, rank within it, slot)
-        for bid, by_rank in retained.items():
+        # At most ``reserve_fraction`` of a worker's slots, the most accessed blocks
+        # first: holding every retained block would starve the new worker's cache.
+        budget = {
+            w: int(self.reserve_fraction * self.cfg.engine.kv_blocks_per_rank)
+            * self.lattice.workers[w].cp_degree
+            for w in new_workers
+        }
+        nodes = self.cache.trie.nodes
+
+        def demand(bid: int) -> float:
+            node = nodes.get(bid)
+            return sum(node.access) if node is not None and node.access is not None else 0.0
+
+        for bid in sorted(retained, key=demand, reverse=True):
+            by_rank = retained[bid]
             for grank, slot in by_rank.items():
                 w = owner.get(grank)
-                if w is None:
+                if w is None or budget[w] <= 0:
                     continue
                 first = self.lattice.workers[w].first_device
                 index = self.indexes[w]
                 if index.reserve(grank - first, slot):
+                    budget[w] -= 1
                     self._retained_at.setdefault(bid, {})[grank] = slot
                     reserved.append((w, grank - first, slot))
         if reserved:
