@@ -26,8 +26,9 @@ def test_reports_build_holders_and_match_follows_them() -> None:
     assert [n.block_id for n in trie.match([1, 2, 3, 9], max_blocks=4)] == [1, 2, 3]
     assert [n.block_id for n in trie.match([1, 2, 3], max_blocks=2)] == [1, 2]
     assert trie.match([7, 1], max_blocks=2) == []
-    path = trie.match([1, 2, 4], 3)
-    assert trie.reuse_by_worker(path) == {10: 2, 20: 3}
+    path, depth_of = trie.match_with_reuse([1, 2, 4], 3)
+    assert depth_of == {10: 2, 20: 3}
+    assert path == trie.match([1, 2, 4], 3)
     assert trie.held_depth(path, trie.worker(10).slot) == 2
     assert [n.block_id for n in trie.reused_path(path, 10)] == [1, 2]
     assert trie.reused_path(path, 11) == []

@@ -23,82 +23,91 @@ from vertumnus.policy.lattice import LatticeWorker
 from vertumnus.policy.scheduler import Choice, PlacementRequest, Scheduler
 
 
-class _LoadAware(Scheduler):
-    def _q(self, worker_id: int, now: float) -> float:
-        return self.outstanding_s(worker_id, now)
+class _Baseline(Scheduler):
+    """The shared part: reserve E_iw at the worker ``_pick`` names."""
+
+    def _choose(
+        self,
+        request: PlacementRequest,
+        candidates: list[LatticeWorker],
+        reuse: Mapping[int, int],
+        now: float,
+    ) -> Choice:
+        worker = self._pick(request, candidates, reuse, now)
+        p = reuse.get(worker.worker_id, 0)
+        e = self.curves[worker.cp_degree].time_s(request.input_tokens, p)
+        q = self.outstanding_s(worker.worker_id, now)
+        return worker.worker_id, worker.cp_degree, p, e, q, q + e
 
     def _pick(
         self,
         request: PlacementRequest,
-        worker: LatticeWorker,
+        candidates: list[LatticeWorker],
         reuse: Mapping[int, int],
         now: float,
-    ) -> Choice:
-        p = reuse.get(worker.worker_id, 0)
-        e = self.curves[worker.cp_degree].time_s(request.input_tokens, p)
-        q = self._q(worker.worker_id, now)
-        return worker.worker_id, worker.cp_degree, p, e, q, q + e
+    ) -> LatticeWorker:
+        raise NotImplementedError
+
+    def _least_loaded(self, workers: list[LatticeWorker], now: float) -> LatticeWorker:
+        return min(workers, key=lambda w: (self.outstanding_s(w.worker_id, now), w.worker_id))
 
 
-class RoundRobinScheduler(_LoadAware):
+class RoundRobinScheduler(_Baseline):
     _last: int | None = None
 
-    def _choose(
+    def _pick(
         self,
         request: PlacementRequest,
         candidates: list[LatticeWorker],
         reuse: Mapping[int, int],
         now: float,
-    ) -> Choice:
+    ) -> LatticeWorker:
         ordered = sorted(candidates, key=lambda w: w.worker_id)
         after = [w for w in ordered if self._last is None or w.worker_id > self._last]
         chosen = (after or ordered)[0]
         self._last = chosen.worker_id
-        return self._pick(request, chosen, reuse, now)
+        return chosen
 
 
-class LeastLoadScheduler(_LoadAware):
-    def _choose(
+class LeastLoadScheduler(_Baseline):
+    def _pick(
         self,
         request: PlacementRequest,
         candidates: list[LatticeWorker],
         reuse: Mapping[int, int],
         now: float,
-    ) -> Choice:
-        chosen = min(candidates, key=lambda w: (self._q(w.worker_id, now), w.worker_id))
-        return self._pick(request, chosen, reuse, now)
+    ) -> LatticeWorker:
+        return self._least_loaded(candidates, now)
 
 
-class CacheFirstScheduler(_LoadAware):
-    def _choose(
+class CacheFirstScheduler(_Baseline):
+    def _pick(
         self,
         request: PlacementRequest,
         candidates: list[LatticeWorker],
         reuse: Mapping[int, int],
         now: float,
-    ) -> Choice:
-        chosen = min(
-            candidates,
-            key=lambda w: (-reuse.get(w.worker_id, 0), self._q(w.worker_id, now), w.worker_id),
+    ) -> LatticeWorker:
+        longest = max(reuse.get(w.worker_id, 0) for w in candidates)
+        return self._least_loaded(
+            [w for w in candidates if reuse.get(w.worker_id, 0) == longest], now
         )
-        return self._pick(request, chosen, reuse, now)
 
 
-class LengthThresholdScheduler(_LoadAware):
+class LengthThresholdScheduler(_Baseline):
     long_tokens = 32_768
 
-    def _choose(
+    def _pick(
         self,
         request: PlacementRequest,
         candidates: list[LatticeWorker],
         reuse: Mapping[int, int],
         now: float,
-    ) -> Choice:
+    ) -> LatticeWorker:
         largest = max(w.cp_degree for w in candidates)
         is_long = request.input_tokens > self.long_tokens
         group = [w for w in candidates if (w.cp_degree == largest) == is_long] or candidates
-        chosen = min(group, key=lambda w: (self._q(w.worker_id, now), w.worker_id))
-        return self._pick(request, chosen, reuse, now)
+        return self._least_loaded(group, now)
 
 
 ROUTERS: dict[str, type[Scheduler]] = {

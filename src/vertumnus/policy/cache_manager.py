@@ -107,31 +107,10 @@ class PrefixCacheManager:
         """MatchedPath and P_iw of every worker holding part of it (confirmed replicas
         only; a worker not in ``reusable_tokens`` reuses nothing). Pass it on to
         ``on_request`` to save a second walk."""
-        trie = self.trie
         usable = self.usable_blocks(len(block_ids), input_tokens)
-        b, by_slot = trie.block_tokens, trie.by_slot
-        # One walk: MatchedPath, and each worker's depth where its bit drops out
-        # (holders only shrink along a path, and mostly stay the same).
-        nodes, parent = trie.nodes, None
-        path: list[Node] = []
-        reuse: dict[int, int] = {}
-        held = 0
-        get = nodes.get
-        for bid in block_ids[:usable]:
-            node = get(bid)
-            if node is None or node.parent is not parent:
-                break
-            holders = node.holders
-            if not holders:
-                break
-            if holders != held and path:
-                for slot in bits(held & ~holders):
-                    reuse[by_slot[slot].worker_id] = len(path) * b
-            held = holders
-            path.append(node)
-            parent = node
-        for slot in bits(held):
-            reuse[by_slot[slot].worker_id] = len(path) * b
+        path, depth_of = self.trie.match_with_reuse(block_ids, usable)
+        b = self.trie.block_tokens
+        reuse = {w: n * b for w, n in depth_of.items()}
         return PrefixLookup(tuple(block_ids), input_tokens, usable, path, reuse)
 
     def reusable_tokens(self, block_ids: Sequence[int], input_tokens: int) -> Mapping[int, int]:

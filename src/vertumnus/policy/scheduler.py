@@ -23,7 +23,7 @@ Pure Python, clock-free: ``now`` is an argument. Not owned here: the composition
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from vertumnus.perfmodel import DegreeCoeffs
@@ -266,8 +266,3 @@ class Scheduler:
         assert placed == self._where and set(self._requests) == set(placed)
         for worker_id in placed.values():
             assert self.outstanding_s(worker_id, now) >= 0
-
-
-def total_outstanding_s(scheduler: Scheduler, workers: Sequence[int], now: float) -> float:
-    """Predicted drain time of a set of workers: the most outstanding work among them."""
-    return max((scheduler.outstanding_s(w, now) for w in workers), default=0.0)

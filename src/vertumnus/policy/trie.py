@@ -210,19 +210,33 @@ class PrefixTrie:
             n += 1
         return n
 
-    def reuse_by_worker(self, path: Sequence[Node]) -> dict[int, int]:
-        """Worker id -> number of leading nodes of ``path`` it holds (holders shrink
-        along a path, so one pass over the bit sets finds every worker's depth)."""
-        out: dict[int, int] = {}
-        prev = path[0].holders if path else 0
-        for depth, node in enumerate(path[1:], start=1):
-            lost = prev & ~node.holders
-            prev = node.holders
-            for slot in bits(lost):
-                out[self.by_slot[slot].worker_id] = depth
-        for slot in bits(prev):
-            out[self.by_slot[slot].worker_id] = len(path)
-        return out
+    def match_with_reuse(
+        self, block_ids: Sequence[int], max_blocks: int
+    ) -> tuple[list[Node], dict[int, int]]:
+        """MatchedPath (as ``match``) and, for every worker holding part of it, how many
+        leading nodes it holds. Holders only shrink along a path (and mostly stay the
+        same), so one walk over the bit sets finds every worker's depth."""
+        nodes, by_slot = self.nodes, self.by_slot
+        path: list[Node] = []
+        depth_of: dict[int, int] = {}
+        parent, held = None, 0
+        get = nodes.get
+        for bid in block_ids[:max_blocks]:
+            node = get(bid)
+            if node is None or node.parent is not parent:
+                break
+            holders = node.holders
+            if not holders:
+                break
+            if holders != held and path:
+                for slot in bits(held & ~holders):
+                    depth_of[by_slot[slot].worker_id] = len(path)
+            held = holders
+            path.append(node)
+            parent = node
+        for slot in bits(held):
+            depth_of[by_slot[slot].worker_id] = len(path)
+        return path, depth_of
 
     def replica_count(self, node: Node, cp_degree: int) -> int:
         return (node.holders & self.degree_mask[self.degree_index[cp_degree]]).bit_count()

@@ -620,11 +620,6 @@ class Coordinator:
                 write = KVWrite(copy_id, slots, data.k[rows], data.v[rows])
                 await self._kv_call(dst_rank, copy_id, write)
 
-    async def settle(self) -> None:
-        """Wait for the background work in flight (fetches, switches) to end."""
-        while self._background:
-            await asyncio.gather(*list(self._background), return_exceptions=True)
-
     async def _kv_call(self, rank: int, copy_id: int, msg: object) -> Any:
         assert self.pool is not None and self._loop is not None
         wait: asyncio.Future[Any] = self._loop.create_future()
