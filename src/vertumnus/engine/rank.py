@@ -3,7 +3,7 @@
 Owns everything a rank holds: its device, the model weights, its paged KV store and
 the ``torch.distributed`` process groups of every worker it can belong to (created
 once at start-up, so a lattice split or merge only switches which group is used).
-It executes commands in arrival order and answers each on the result queue. It does
+It executes commands in arrival order and answers each on its answer pipe. It does
 not decide anything: placement, cache slots and worker membership come in commands.
 
 Life: connect to the coordinator's TCP store -> init the default group (NCCL on
@@ -14,7 +14,6 @@ CUDA, gloo on CPU) -> create worker groups -> build the model and KV store -> se
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import time
 import traceback
@@ -67,8 +66,8 @@ def resolve_device(engine: EngineConfig, rank: int) -> torch.device:
 
 
 def rank_main(rank: int, spec: RankSpec, commands: Any, results: Any) -> None:
-    """Entry point of a spawned rank process (``commands``: an mp.Queue of commands;
-    ``results``: the rank's end of its one-way answer pipe).
+    """Entry point of a spawned rank process (``commands``: the read end of its
+    one-way command pipe; ``results``: the write end of its one-way answer pipe).
 
     SIGINT and SIGTERM are ignored: a Ctrl-C or a SIGTERM to the whole process group
     reaches the coordinator, which finishes what runs and then sends ``Shutdown``. A
@@ -123,11 +122,11 @@ def _serve(
     parent = os.getppid()
     while True:
         try:
-            msg = commands.get(timeout=1.0)
-        except queue.Empty:
-            if os.getppid() != parent:  # the coordinator died without a Shutdown
-                return
-            continue
+            if not commands.poll(1.0):
+                if os.getppid() != parent:  # the coordinator died without a Shutdown
+                    return
+                continue
+            msg = commands.recv()
         except (EOFError, OSError):  # the coordinator closed its end
             return
         match msg:

@@ -6,19 +6,24 @@ no port race), waiting for every readiness acknowledgement, the command and resu
 channels, and an orderly shutdown that leaves no orphan. It does not plan prefills
 (``runtime/worker.py``) or run them (``engine/rank.py``).
 
-Commands go through one ``mp.Queue`` per rank: its feeder thread writes to the
-rank, so a send never blocks the coordinator even when the rank is busy and the
-message is larger than a pipe's buffer. (A plain pipe there deadlocked: the
-coordinator blocked writing a large KV message to a busy rank, while that rank
-blocked writing its answer to the coordinator.) Answers come back on one one-way
-pipe per rank. ``recv`` waits on every answer pipe and every rank process's
-sentinel together, so a rank that dies is noticed at once; the serving
-coordinator watches the same pipes from its event loop.
+Commands go through one one-way pipe per rank, written by a sender thread of this
+process (``_CommandSender``), so a send never blocks the coordinator even when the
+rank is busy and the message is larger than a pipe's buffer. (Writing the pipe
+directly deadlocked: the coordinator blocked writing a large KV message to a busy
+rank, while that rank blocked writing its answer to the coordinator.) The pool
+keeps no copy of a command pipe's read end, so once a rank is gone a pending write
+fails with EPIPE and the sender ends; nothing blocks shutdown, and there is no
+named semaphore for the resource tracker to report (``mp.Queue`` had one, whose
+unlink raced interpreter exit). Answers come back on one one-way pipe per rank.
+``recv`` waits on every answer pipe and every rank process's sentinel together, so
+a rank that dies is noticed at once; the serving coordinator watches the same
+pipes from its event loop.
 """
 
 from __future__ import annotations
 
-import contextlib
+import queue
+import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -48,6 +53,36 @@ def worker_groups(world_size: int, degrees: Sequence[int]) -> tuple[tuple[int, .
     return tuple(groups)
 
 
+class _CommandSender:
+    """The write end of one rank's command pipe, fed by a daemon thread: ``put``
+    never blocks; the thread ends on ``stop`` or when the rank is gone (EPIPE)."""
+
+    _STOP = object()
+
+    def __init__(self, conn: Any, name: str) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._feed, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, msg: object) -> None:
+        self._queue.put(msg)
+
+    def _feed(self) -> None:
+        while (msg := self._queue.get()) is not self._STOP:
+            try:
+                self._conn.send(msg)
+            except (OSError, ValueError):  # the rank exited, or the pipe was closed
+                return
+
+    def stop(self, timeout_s: float) -> None:
+        """Call once the rank has exited: the sender drains or fails, then the pipe
+        closes. Idempotent."""
+        self._queue.put(self._STOP)
+        self._thread.join(timeout_s)
+        self._conn.close()
+
+
 class RankPool:
     def __init__(
         self,
@@ -62,7 +97,7 @@ class RankPool:
         self.groups = worker_groups(world_size, degrees)
         self.ready: dict[int, RankReady] = {}
         self._procs: list[Any] = []
-        self._commands: list[Any] = []  # mp.Queue per rank, coordinator -> rank
+        self._commands: list[_CommandSender] = []  # per rank, coordinator -> rank
         self._results: list[Any] = []  # Connection per rank, rank -> coordinator
         self._pending: list[object] = []  # read, not yet handed out
         self._store: dist.TCPStore | None = None
@@ -90,17 +125,18 @@ class RankPool:
         )
         ctx = mp.get_context("spawn")
         for rank in range(self.world_size):
-            commands = ctx.Queue()
+            cmd_recv, cmd_send = ctx.Pipe(duplex=False)
             res_recv, res_send = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=rank_main,
-                args=(rank, spec, commands, res_send),
+                args=(rank, spec, cmd_recv, res_send),
                 name=f"vertumnus-rank{rank}",
                 daemon=True,
             )
             proc.start()
-            res_send.close()  # the child's end: this process keeps its own
-            self._commands.append(commands)
+            cmd_recv.close()  # the child's ends: only the rank holds them now
+            res_send.close()
+            self._commands.append(_CommandSender(cmd_send, f"vertumnus-send{rank}"))
             self._results.append(res_recv)
             self._procs.append(proc)
         try:
@@ -163,8 +199,7 @@ class RankPool:
         """Ask every rank to exit, wait, then terminate stragglers; idempotent."""
         for proc, commands in zip(self._procs, self._commands, strict=True):
             if proc.is_alive():
-                with contextlib.suppress(OSError, ValueError):
-                    commands.put(Shutdown())
+                commands.put(Shutdown())
         deadline = time.monotonic() + timeout_s
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -177,8 +212,7 @@ class RankPool:
                 proc.join(2.0)
         for conn in self._results:
             conn.close()
-        for q in self._commands:
-            q.close()
-            q.cancel_join_thread()  # the ranks are gone: nothing left to flush to
+        for sender in self._commands:
+            sender.stop(2.0)  # the ranks are gone: a blocked write fails with EPIPE
         self._procs, self._commands, self._results, self._pending = [], [], [], []
         self._store = None
