@@ -156,10 +156,10 @@ def test_intra_replication_ranks_by_access_per_replica_and_is_cut() -> None:
     result = pool.manager.scan(pool.caches, {})
     assert result.candidates["intra"] == 3  # 1, 2 and 5 (one replica each)
     (plan,) = result.copies  # cut to one
-    # Blocks 1 and 2 tie at 5 accesses per replica: block 1 is covered by block 2's
-    # copy (a hot chain is copied once), which outranks block 5 (3 accesses).
-    assert (plan.kind, plan.block_id, plan.dest_worker, plan.reshard) == ("intra", 2, 11, False)
-    assert plan.moves == (BlockMove(1, 0, 10, 0, 1), BlockMove(2, 1, 10, 0, 1))
+    # Blocks 1 and 2 tie at 5 accesses per replica, ahead of block 5 (3 accesses);
+    # of the two, the smaller copy goes first: block 1 alone.
+    assert (plan.kind, plan.block_id, plan.dest_worker, plan.reshard) == ("intra", 1, 11, False)
+    assert plan.moves == (BlockMove(1, 0, 10, 0, 1),)
     pool.execute(plan)
     pool.check()
 
@@ -310,5 +310,6 @@ def test_intra_smaller_copy_first_when_access_is_close() -> None:
         pool.prefill(10, [1, 2, 3, 4], input_tokens=65)  # access 4 on the 4-block chain
         pool.prefill(10, [7, 8], input_tokens=33)  # access 4 on block 7, 3 on block 8
     (plan,) = pool.manager.scan(pool.caches, {}).copies
-    # Chain [1..4] and block 7 are close (4 against 4): the one-block copy goes first.
-    assert plan.block_id == 7 and [m.block_id for m in plan.moves] == [7]
+    # Chain [1..4] and block 7 are close (4 against 4): a one-block copy goes first,
+    # the chain's root (block 1) before 7 on the id; never the 4-block chain.
+    assert plan.block_id == 1 and [m.block_id for m in plan.moves] == [1]

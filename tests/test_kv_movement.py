@@ -77,15 +77,23 @@ def test_intra_degree_copy_by_scan_then_reuse(tmp_path: Path) -> None:
             fresh = await only(coord, 0, prompt)
             again = await only(coord, 0, prompt)  # a reuse: access 1 > 0.5 per replica
             assert again.cached_tokens == 192 and again.worker == 0
-            scan = await coord.scan_now()
-            assert scan["copies"] == 1  # the hot chain, in one copy
+            # The hot chain grows at the new holder from its root, at most
+            # max_intra_per_scan (4) one-block copies per scan: 12 blocks, 3 scans,
+            # while it stays hot at worker 0 (a reuse before each scan).
+            copies = []
+            for n in range(3):
+                if n:
+                    assert (await only(coord, 0, prompt)).cached_tokens == 192
+                scan = await coord.scan_now()
+                copies.append((scan["copies"], scan["blocks_copied"]))
+            assert copies == [(4, 4), (4, 4), (4, 4)]
             # Visible to placement now that the destination confirmed it.
             assert coord.cache.reusable_tokens(block_ids(prompt, 16), 200) == {0: 192, 1: 192}
             moved = await only(coord, 1, prompt)
             assert moved.worker == 1 and moved.cached_tokens == 192
             assert moved.first_token == fresh.first_token
             assert torch.allclose(moved.logits, fresh.logits, atol=ATOL)
-            assert coord.cache_view()["replications"] == 1
+            assert coord.cache_view()["replications"] == 12
         finally:
             await coord.close()
 

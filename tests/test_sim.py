@@ -15,7 +15,7 @@ from vertumnus.perfmodel import DegreeCoeffs, Profile
 from vertumnus.policy.lattice import LatticeConfig
 from vertumnus.sim.report import percentile, summarize
 from vertumnus.sim.simulator import SimSettings, Simulation
-from vertumnus.sim.workload import Phase, SimRequest, phased
+from vertumnus.sim.workload import LengthDistribution, Phase, SimRequest, phased
 from vertumnus.slo import TtftSlo
 
 
@@ -99,6 +99,45 @@ def test_reshapes_keep_every_device_and_answer_everyone() -> None:
     assert all(r.end_s is not None for r in result.records)
     assert all(r.drain_s is not None and r.switch_s == 0.5 for r in result.reshapes)
     assert sum(w.arrivals for w in result.windows) == len(reqs)
+
+
+def test_copies_run_one_at_a_time_and_switches_wait_for_them() -> None:
+    # Shared prefixes, a burst then quiet (splits, merges, fetches, scan copies), and
+    # slow copies: the coordinator runs one copy at a time and switches between them.
+    lengths = LengthDistribution(prefix_groups=4, prefix_tokens=8_192, prefix_zipf=1.0)
+    reqs = phased(
+        [Phase(300, 40.0, 0.0), Phase(900, 0.5, 0.5)], seed=1, long_tokens=32_768, lengths=lengths
+    )
+    prof = profile(d4=0.2, c4=1e-5, d8=0.25, c8=1e-5)
+    cfg = LatticeConfig(16, (4, 8))
+    sim = Simulation(
+        SimSettings(policy="vertumnus", transfer_latency_s=2.0), prof, cfg, [8, 8], reqs
+    )
+    in_flight, most, switches_mid_copy = [0], [0], [0]
+    begin, commit, switch = sim.ledger.begin_copy, sim.ledger.commit_copy, sim.reconf.switch
+
+    def counting_begin(plan):  # type: ignore[no-untyped-def]
+        job = begin(plan)
+        if job is not None:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        return job
+
+    def counting_commit(job):  # type: ignore[no-untyped-def]
+        in_flight[0] -= 1
+        return commit(job)
+
+    def watched_switch(transition, now):  # type: ignore[no-untyped-def]
+        switches_mid_copy[0] += in_flight[0]
+        return switch(transition, now)
+
+    sim.ledger.begin_copy = counting_begin  # type: ignore[method-assign]
+    sim.ledger.commit_copy = counting_commit  # type: ignore[method-assign]
+    sim.reconf.switch = watched_switch  # type: ignore[method-assign]
+    result = sim.run()
+    assert result.copies >= 5 and {r.kind for r in result.reshapes} >= {"split", "merge"}
+    assert most[0] == 1 and in_flight[0] == 0 and switches_mid_copy[0] == 0
+    assert all(r.end_s is not None for r in result.records)
 
 
 def test_baseline_routers_route_as_documented() -> None:

@@ -16,8 +16,12 @@ Three server variants run side by side, one after the other:
   * ``cache-first``: the usual cache-aware router, no controller, no scans.
 
 Then the same requests go through the simulator, with the same arrivals, lengths,
-prefix blocks, pool, cache capacity and policy. The profile is the shipped
-`configs/profiles/tiny-cpu.json`, measured on this machine by `vertumnus profile`.
+prefix blocks, pool, cache capacity, KV retention and policy. The profile is the
+shipped `configs/profiles/tiny-cpu.json`, measured on this machine by `vertumnus
+profile`. Two more inputs of the simulator are timings of this server, read from its
+`/metrics` after the replay: the reshape switch (``switch_s``: about 10 ms through
+the rank pipes here, against the 0.5 s default meant for NCCL groups on GPUs) and
+the mean KV copy (``transfer_latency_s``), when it did any.
 It prints and saves the relative error of mean, P50 and P90 TTFT (the server's own
 TTFT, which the simulator models; the client's is printed beside it) and of the
 token hit rate, for ``fixed`` and for ``vertumnus``.
@@ -77,9 +81,34 @@ def serve(config: Path) -> tuple[subprocess.Popen[str], str]:
     return proc, url
 
 
+def server_timings(url: str) -> dict[str, float]:
+    """The server's mean switch and mean KV copy, in seconds, from ``/metrics`` (a
+    key is missing when the server did none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            sums[sample.name] = sample.value
+    out = {}
+    for key, metric in (
+        ("switch_s", "vertumnus_switch_seconds"),
+        ("copy_s", "vertumnus_copy_seconds"),
+    ):
+        if sums.get(metric + "_count"):
+            out[key] = sums[metric + "_sum"] / sums[metric + "_count"]
+    return out
+
+
 def simulate(
-    requests: list[loadgen.LoadRequest], policy: str, window_phase_s: float = 0.0
+    requests: list[loadgen.LoadRequest],
+    policy: str,
+    window_phase_s: float = 0.0,
+    timings: dict[str, float] | None = None,
 ) -> dict[str, float]:
+    timings = timings or {}
     profile = Profile.load(PROFILE)
     sim_requests = [
         SimRequest(
@@ -98,6 +127,8 @@ def simulate(
         cache=CacheManagerConfig(),
         scan_interval_s=5.0,
         window_phase_s=window_phase_s,
+        switch_s=timings.get("switch_s", 0.01),
+        transfer_latency_s=timings.get("copy_s", 0.01),
     )
     sim = Simulation(settings, profile, LatticeConfig(2, (1, 2)), [1, 1], sim_requests)
     result = sim.run()
@@ -110,6 +141,8 @@ def simulate(
         "token_hit_rate": sum(r.cached_tokens for r in result.records) / tokens,
         "splits": sum(r.kind == "split" for r in result.reshapes),
         "merges": sum(r.kind == "merge" for r in result.reshapes),
+        "copies": result.copies,
+        "blocks_copied": result.blocks_copied,
     }
 
 
@@ -126,6 +159,7 @@ def main() -> None:
     requests = requests[: args.requests]
     summaries: dict[str, Any] = {}
     phases: dict[str, float] = {}
+    timings: dict[str, dict[str, float]] = {}
     for name, text in VARIANTS.items():
         config = args.out / f"{name}.toml"
         config.write_text(text)
@@ -136,6 +170,7 @@ def main() -> None:
             with urllib.request.urlopen(url + "/health", timeout=5) as resp:
                 phases[name] = orjson.loads(resp.read())["window_phase_s"] or 0.0
             result = asyncio.run(loadgen.run(url, requests, max_concurrency=256))
+            timings[name] = server_timings(url)
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
@@ -150,7 +185,7 @@ def main() -> None:
         )
     fidelity = {}
     for name in ("fixed", "vertumnus"):
-        sim = simulate(requests, name, phases.get(name, 0.0))
+        sim = simulate(requests, name, phases.get(name, 0.0), timings.get(name))
         real = summaries[name]
         errors = {
             "mean_ttft": sim["mean_ttft_ms"] / real["mean_server_ttft_ms"] - 1,
@@ -158,13 +193,19 @@ def main() -> None:
             "p90_ttft": sim["p90_ttft_ms"] / real["p90_server_ttft_ms"] - 1,
             "token_hit_rate": sim["token_hit_rate"] / real["token_hit_rate"] - 1,
         }
-        fidelity[name] = {"simulated": sim, "relative_error": errors}
+        fidelity[name] = {
+            "simulated": sim,
+            "server_timings": timings.get(name, {}),
+            "relative_error": errors,
+        }
         print(
             f"simulated {name:<10} mean {sim['mean_ttft_ms']:7.2f} ms "
             f"({100 * errors['mean_ttft']:+.1f} %), "
             f"median {sim['median_ttft_ms']:6.2f} ({100 * errors['median_ttft']:+.1f} %), P90 "
             f"{sim['p90_ttft_ms']:7.2f} ({100 * errors['p90_ttft']:+.1f} %), hit "
-            f"{sim['token_hit_rate']:.3f} ({100 * errors['token_hit_rate']:+.1f} %)",
+            f"{sim['token_hit_rate']:.3f} ({100 * errors['token_hit_rate']:+.1f} %); "
+            f"{sim['merges']} merges, {sim['splits']} splits, {sim['copies']} copies; server "
+            + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in timings.get(name, {}).items()),
             flush=True,
         )
     (args.out / "e2e.json").write_bytes(

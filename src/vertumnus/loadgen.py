@@ -125,6 +125,8 @@ class Outcome:
     sent_s: float
     ttft_s: float | None = None
     server_ttft_s: float | None = None
+    server_queue_s: float | None = None  # the server's split of its TTFT: queued,
+    server_prefill_s: float | None = None  # then running
     cached_tokens: int = 0
     worker: int | None = None
     cp_degree: int | None = None
@@ -175,6 +177,8 @@ async def run(
                     else:
                         out.ttft_s = time.perf_counter() - sent
                         out.server_ttft_s = body["ttft_s"]
+                        out.server_queue_s = body.get("queue_s")
+                        out.server_prefill_s = body.get("prefill_s")
                         out.cached_tokens = body["cached_tokens"]
                         out.worker, out.cp_degree = body["worker"], body["cp_degree"]
             except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
@@ -237,6 +241,8 @@ def summarize(
                 "sent_s": o.sent_s,
                 "ttft_s": o.ttft_s,
                 "server_ttft_s": o.server_ttft_s,
+                "server_queue_s": o.server_queue_s,
+                "server_prefill_s": o.server_prefill_s,
                 "cached_tokens": o.cached_tokens,
                 "worker": o.worker,
                 "cp_degree": o.cp_degree,

@@ -22,7 +22,8 @@ prefix-cache manager (trie), the window controller and the reshape transitions
 After a reshape, the blocks the old workers left where the new geometry wants them
 are adopted into the new workers' indexes at their slots (no data moves); the other
 retained blocks keep their slots, reserved for ``retain_s``, and a pending prefix is
-fetched from them (or from a live holder) on first reuse.
+fetched from them (or from a live holder) on first reuse. The bookkeeping of both,
+and of every copy, is ``policy/kv_ledger.py``'s, shared with the simulator.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from vertumnus.policy.cache_index import PrefillLease, WorkerCacheIndex
 from vertumnus.policy.cache_manager import PrefixCacheManager
 from vertumnus.policy.cache_plans import CopyPlan
 from vertumnus.policy.controller import Controller
+from vertumnus.policy.kv_ledger import KVLedger
 from vertumnus.policy.lattice import Lattice, LatticeConfig, LatticeError, Reshape, WorkerState
 from vertumnus.policy.scheduler import PlacementRequest, Scheduler, SchedulerConfig
 from vertumnus.policy.transition import Phase, Reconfigurer, Transition
@@ -152,12 +154,10 @@ class Coordinator:
         self._buffers: dict[int, bytearray] = {}  # rank -> bytes read, not yet a message
         self._copy_ids = itertools.count(1)
         self._copy_lock = asyncio.Lock()  # one KV copy at a time
-        # KV retained from an old geometry and not adopted: block -> {global rank:
-        # slot}, each slot reserved in the index of the worker that now owns the rank
-        # until it is fetched or ``retain_s`` passes.
-        self._retained_at: dict[int, dict[int, int]] = {}
-        self.retain_s = 60.0
-        self.reserve_fraction = 0.25  # of a new worker's KV slots, at most
+        # Copy and adopt plans as slot moves; KV a reshape left behind (policy/).
+        self.ledger = KVLedger(
+            self.lattice, self.indexes, self.cache, cfg.engine.kv_blocks_per_rank, cfg.retention
+        )
         self._background: set[asyncio.Task[None]] = set()
         self.ready = False
         self.started_s = time.monotonic()
@@ -492,115 +492,38 @@ class Coordinator:
         return summary
 
     async def run_copy(self, plan: CopyPlan) -> int:
-        """Execute a copy plan: the destination's index allocates the missing blocks,
-        their K and V are read from the source's ranks and written into the
-        destination's (re-sharded: block j goes to rank j % C of each worker), then
-        the destination commits and its report makes the replica visible. Returns the
-        blocks installed (0 if the plan could not run: it ends as a miss)."""
+        """Execute a copy plan: the ledger allocates the destination's slots (and pins
+        the source's), the K and V of each block are read from the source's ranks and
+        written into the destination's (re-sharded: block j goes to rank j % C of each
+        worker), then the copies become visible. Returns the blocks installed (0 if
+        the plan could not run: it ends as a miss). One copy at a time."""
         async with self._copy_lock:
-            try:
-                installed = await self._copy(plan)
-            except (RankPoolError, TimeoutError) as exc:
-                log.error("copy_failed", plan=plan.plan_id, error=str(exc))
-                installed = 0
-            self.cache.finish_copy(plan.plan_id, ok=installed > 0)
-            if installed:
-                self.metrics.replicated()
-            return installed
-
-    async def _copy(self, plan: CopyPlan) -> int:
-        assert self.pool is not None and self._loop is not None
-        sources = {m.src_worker for m in plan.moves}
-        if sources == {None}:
-            return await self._fetch_retained(plan)
-        if None in sources or len(sources) != 1:
-            return 0  # mixed sources: an ordinary miss
-        src_id = sources.pop()
-        assert src_id is not None
-        src_index, dst_index = self.indexes.get(src_id), self.indexes.get(plan.dest_worker)
-        src_w, dst_w = self.lattice.workers.get(src_id), self.lattice.workers.get(plan.dest_worker)
-        if src_index is None or dst_index is None or src_w is None or dst_w is None:
-            return 0
-        prefix = list(plan.prefix_ids)
-        if len(src_index.match(prefix)) < len(prefix):
-            return 0  # the source no longer holds the whole prefix
-        src_lease = src_index.begin(prefix, len(prefix))  # pins the source's blocks
-        if src_lease.new or src_lease.num_reused_blocks < len(prefix):
-            self.cache.apply_report(src_index.abort(src_lease))
-            return 0  # the source no longer holds the whole prefix
-        dst_lease = dst_index.begin(prefix, len(prefix))
-        try:
-            moves = []
-            for loc in dst_lease.new:
-                src = src_lease.reused[loc.depth]
-                moves.append(
-                    (
-                        src_w.first_device + src.rank,
-                        src.slot,
-                        dst_w.first_device + loc.rank,
-                        loc.slot,
-                    )
-                )
-            await self._transfer(moves)
-        except BaseException:
-            self.cache.apply_report(dst_index.abort(dst_lease))
-            self.cache.apply_report(src_index.commit(src_lease))
-            raise
-        self.cache.apply_report(dst_index.commit(dst_lease))
-        self.cache.apply_report(src_index.commit(src_lease))
-        log.info(
-            "copy",
-            kind=plan.kind,
-            source=src_id,
-            dest=plan.dest_worker,
-            blocks=len(dst_lease.new),
-            reshard=plan.reshard,
-        )
-        return len(dst_lease.new)
-
-    async def _fetch_retained(self, plan: CopyPlan) -> int:
-        """A pending prefix's missing blocks, from the slots that kept them after a
-        split or merge (reserved until now) into slots the destination allocates."""
-        dst_index = self.indexes.get(plan.dest_worker)
-        dst_w = self.lattice.workers.get(plan.dest_worker)
-        if dst_index is None or dst_w is None:
-            return 0
-        source = {
-            m.block_id: (m.src_device, self._retained_at.get(m.block_id, {}).get(m.src_device))
-            for m in plan.moves
-        }
-        # The prefix up to the first block with no copy left (the rest is a miss).
-        prefix = list(plan.prefix_ids)
-        for n, bid in enumerate(prefix):
-            if bid in source and source[bid][1] is None:
-                prefix = prefix[:n]
-                break
-        if not prefix:
-            return 0
-        dst_lease = dst_index.begin(prefix, len(prefix))
-        moves = []
-        for loc in dst_lease.new:
-            grank, slot = source.get(loc.block_id, (None, None))
-            if grank is None or slot is None:  # not a fetched block: cannot fill it
-                self.cache.apply_report(dst_index.abort(dst_lease))
+            job = self.ledger.begin_copy(plan)
+            if job is None:
                 return 0
-            moves.append((grank, slot, dst_w.first_device + loc.rank, loc.slot))
-        try:
-            await self._transfer(moves)
-        except BaseException:
-            self.cache.apply_report(dst_index.abort(dst_lease))
-            raise
-        self.cache.apply_report(dst_index.commit(dst_lease))
-        # The copies live at the destination now: the retained slots go back.
-        for loc in dst_lease.new:
-            grank, slot = source[loc.block_id]
-            assert grank is not None and slot is not None
-            for w in self.lattice.workers.values():
-                if grank in w.devices and w.worker_id in self.indexes:
-                    self.indexes[w.worker_id].release(grank - w.first_device, slot)
-            self._retained_at.get(loc.block_id, {}).pop(grank, None)
-        log.info("fetch", dest=plan.dest_worker, blocks=len(dst_lease.new), source="retained")
-        return len(dst_lease.new)
+            started = time.monotonic()
+            try:
+                await self._transfer(job.moves)
+            except (RankPoolError, TimeoutError) as exc:
+                self.ledger.abort_copy(job)
+                log.error("copy_failed", plan=plan.plan_id, error=str(exc))
+                return 0
+            except BaseException:
+                self.ledger.abort_copy(job)
+                raise
+            installed = self.ledger.commit_copy(job)
+            seconds = time.monotonic() - started
+            self.metrics.copied(installed, seconds)
+            log.info(
+                "copy",
+                kind=plan.kind,
+                source="retained" if job.src_worker is None else job.src_worker,
+                dest=plan.dest_worker,
+                blocks=installed,
+                reshard=plan.reshard,
+                seconds=round(seconds, 6),
+            )
+            return installed
 
     async def _transfer(self, moves: Sequence[tuple[int, int, int, int]]) -> None:
         """Copy KV blocks (src rank, src slot, dst rank, dst slot) through the
@@ -665,13 +588,7 @@ class Coordinator:
         await self._copy_lock.acquire()  # no KV copy runs across a switch
         try:
             start = time.monotonic()
-            # Where the old workers' blocks are: block id -> {global rank: slot} (two
-            # sources of a merge may both hold a block, each on its own rank).
-            retained: dict[int, dict[int, int]] = {}
-            for s in transition.op.sources:
-                first = self.lattice.workers[s].first_device
-                for bid, loc in self.indexes[s].locations().items():
-                    retained.setdefault(bid, {})[first + loc.rank] = loc.slot
+            retained = self.ledger.collect(transition.op.sources)
             adopt = self.reconf.switch(transition, start)
             for s in transition.op.sources:
                 self.indexes.pop(s, None)
@@ -681,14 +598,11 @@ class Coordinator:
                     task.cancel()
             for w in transition.new_workers:
                 self._add_worker(w)
-            # Reservations made on these ranks by an earlier reshape die with the old
-            # indexes: forget them (the new workers re-reserve what is still retained).
-            new_ranks = {r for w in transition.new_workers for r in self.lattice.workers[w].devices}
-            for by_rank in self._retained_at.values():
-                for r in new_ranks & set(by_rank):
-                    by_rank.pop(r)
-            adopted = self._adopt(adopt, retained)
-            reserved = self._reserve_retained(transition.new_workers, retained)
+            adopted, reserved = self.ledger.after_switch(
+                transition.new_workers, retained, adopt, start
+            )
+            if reserved:
+                self._loop.call_later(self.cfg.retention.retain_s, self._expire_retained)
             epoch = self.lattice.epoch
             acks = []
             for w in transition.new_workers:
@@ -730,75 +644,10 @@ class Coordinator:
             self._copy_lock.release()
             self._transitions.pop(id(transition), None)
 
-    def _reserve_retained(
-        self, new_workers: Sequence[int], retained: dict[int, dict[int, int]]
-    ) -> int:
-        """Keep the slots of retained blocks that were not adopted out of allocation, so
-        a pending prefix can be fetched from them; released after ``retain_s``."""
-        assert self._loop is not None
-        owner = {r: w for w in new_workers for r in self.lattice.workers[w].devices}
-        reserved: list[tuple[int, int, int]] = []  # (worker, rank within it, slot)
-        # At most ``reserve_fraction`` of a worker's slots, the most accessed blocks
-        # first: holding every retained block would starve the new worker's cache.
-        budget = {
-            w: int(self.reserve_fraction * self.cfg.engine.kv_blocks_per_rank)
-            * self.lattice.workers[w].cp_degree
-            for w in new_workers
-        }
-        nodes = self.cache.trie.nodes
-
-        def demand(bid: int) -> float:
-            node = nodes.get(bid)
-            return sum(node.access) if node is not None and node.access is not None else 0.0
-
-        for bid in sorted(retained, key=demand, reverse=True):
-            by_rank = retained[bid]
-            for grank, slot in by_rank.items():
-                w = owner.get(grank)
-                if w is None or budget[w] <= 0:
-                    continue
-                first = self.lattice.workers[w].first_device
-                index = self.indexes[w]
-                if index.reserve(grank - first, slot):
-                    budget[w] -= 1
-                    self._retained_at.setdefault(bid, {})[grank] = slot
-                    reserved.append((w, grank - first, slot))
-        if reserved:
-            self._loop.call_later(self.retain_s, self._release_reserved, reserved)
-        return len(reserved)
-
-    def _release_reserved(self, reserved: Sequence[tuple[int, int, int]]) -> None:
-        for w, rank, slot in reserved:
-            index = self.indexes.get(w)
-            if index is not None:
-                index.release(rank, slot)
-            first = self.lattice.workers[w].first_device if w in self.lattice.workers else None
-            if first is not None:
-                for by_rank in self._retained_at.values():
-                    if by_rank.get(first + rank) == slot:
-                        by_rank.pop(first + rank)
-        self._retained_at = {b: r for b, r in self._retained_at.items() if r}
-
-    def _adopt(self, plans: Sequence[CopyPlan], retained: dict[int, dict[int, int]]) -> int:
-        """Run the cache manager's adopt plans: blocks the old workers left where the new
-        geometry wants them join the new workers' indexes at their slots (no data
-        moves). Returns the blocks adopted."""
-        adopted = 0
-        for plan in plans:
-            w = self.lattice.workers[plan.dest_worker]
-            index = self.indexes[plan.dest_worker]
-            chain = []
-            for depth, bid in enumerate(plan.prefix_ids):
-                rank = depth % w.cp_degree  # where the new geometry wants block `depth`
-                slot = retained.get(bid, {}).get(w.first_device + rank)
-                if slot is None:
-                    break
-                chain.append((bid, rank, slot))
-            report = index.adopt(chain)
-            self.cache.apply_report(report)
-            adopted += len(report.inserted)
-            self.cache.finish_copy(plan.plan_id, ok=plan.block_id in index)
-        return adopted
+    def _expire_retained(self) -> None:
+        released = self.ledger.expire(time.monotonic())
+        if released:
+            log.info("retained_released", blocks=released)
 
     def reshape_for(self, op_name: str, workers: Sequence[int] | None) -> Reshape:
         """The admin endpoint's request as a lattice operation (or the controller's

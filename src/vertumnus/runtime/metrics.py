@@ -11,8 +11,10 @@ vertumnus_worker_outstanding_seconds gauge per worker: predicted work outstandin
 vertumnus_reconfigurations_total     counter, by kind (split, merge)
 vertumnus_drain_seconds              histogram of a reshape's drain
 vertumnus_switch_seconds             histogram of a reshape's switch
-vertumnus_replications_total         KV copies between workers (0: not built yet)
-vertumnus_reclamations_total         replicas reclaimed (0: not built yet)
+vertumnus_replications_total         KV copies and fetches that installed blocks
+vertumnus_copied_blocks_total        KV blocks they installed
+vertumnus_copy_seconds               histogram of a copy's time, start to visible
+vertumnus_reclamations_total         replicas reclaimed
 """
 
 from __future__ import annotations
@@ -59,6 +61,15 @@ class Metrics:
         self.replications = Counter(
             "vertumnus_replications", "KV copies between workers", registry=r
         )
+        self.copy_seconds = Histogram(
+            "vertumnus_copy_seconds",
+            "KV copies and fetches that installed blocks, start to visible",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=r,
+        )
+        self.copied_blocks = Counter(
+            "vertumnus_copied_blocks", "KV blocks installed by copies and fetches", registry=r
+        )
         self.reclamations = Counter("vertumnus_reclamations", "Replicas reclaimed", registry=r)
         self._cached = self._total = 0
         self.replication_count = self.reclamation_count = 0
@@ -89,9 +100,13 @@ class Metrics:
             self.outstanding.labels(worker=str(w["worker"])).set(w["outstanding_s"])
         return generate_latest(self.registry)
 
-    def replicated(self) -> None:
-        self.replications.inc()
-        self.replication_count += 1
+    def copied(self, blocks: int, seconds: float) -> None:
+        """A copy or fetch ended (``blocks`` installed; 0: nothing was missing)."""
+        if blocks:
+            self.replications.inc()
+            self.replication_count += 1
+            self.copied_blocks.inc(blocks)
+            self.copy_seconds.observe(seconds)
 
     def reclaimed(self) -> None:
         self.reclamations.inc()

@@ -9,8 +9,9 @@
                   (round-robin, least-load, cache-first, length-threshold), beta,
                   gpu_penalty
     [controller]  enabled = true, and the fields of ``ControllerConfig``
-    [cache]       scan_interval_s = 5 (0: no scans), and the fields of
-                  ``CacheManagerConfig`` (theta_inter_s, theta_intra, ...)
+    [cache]       scan_interval_s = 5 (0: no scans), reserve_fraction = 0.25 and
+                  retain_s = 60 (KV a reshape leaves behind: ``RetentionConfig``),
+                  and the fields of ``CacheManagerConfig`` (theta_inter_s, ...)
     [server]      max_queued = 1024, request_timeout_s = 120
 
 The embedded default (no file) is the ``tiny`` model on two CPU ranks, starting as
@@ -30,6 +31,7 @@ from vertumnus.config import ConfigError, EngineConfig, build_table
 from vertumnus.policy.cache_plans import CacheManagerConfig
 from vertumnus.policy.controller import ControllerConfig
 from vertumnus.policy.costs import CostWeights
+from vertumnus.policy.kv_ledger import RetentionConfig
 
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_PROFILE = REPO / "configs" / "profiles" / "tiny-cpu.json"
@@ -51,6 +53,7 @@ class ServeConfig:
     )
     cache: CacheManagerConfig = dataclasses.field(default_factory=CacheManagerConfig)
     scan_interval_s: float = 5.0  # the cache manager's scans; 0 turns them off
+    retention: RetentionConfig = dataclasses.field(default_factory=RetentionConfig)
     max_queued: int = 1024  # requests placed but not finished, over all workers
     request_timeout_s: float = 120.0
 
@@ -95,6 +98,9 @@ def load(path: Path | None, model: str | None = None) -> ServeConfig:
     scan_interval_s = float(cache.pop("scan_interval_s", 5.0))
     if scan_interval_s < 0:
         raise ConfigError("[cache] scan_interval_s must be >= 0")
+    retention: dict[str, Any] = {
+        k: cache.pop(k) for k in ("reserve_fraction", "retain_s") if k in cache
+    }
     kwargs: dict[str, Any] = {
         "model": model or raw.get("model", {}).get("name", "tiny"),
         "engine": build_table(EngineConfig, raw.get("engine", {}), "engine"),
@@ -104,6 +110,7 @@ def load(path: Path | None, model: str | None = None) -> ServeConfig:
         "controller": build_table(ControllerConfig, controller, "controller"),
         "cache": build_table(CacheManagerConfig, cache, "cache"),
         "scan_interval_s": scan_interval_s,
+        "retention": build_table(RetentionConfig, retention, "cache"),
     }
     if "ranks" in pool:
         kwargs["ranks"] = int(pool.pop("ranks"))

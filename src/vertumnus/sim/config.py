@@ -10,7 +10,8 @@ Tables and keys (every key optional; the defaults are the dataclasses' fields)::
                   blocks_per_rank, kv_bytes_per_token, devices_per_host,
                   intra_host_bytes_s, inter_host_bytes_s, transfer_latency_s
     [controller]  the fields of ``ControllerConfig`` (window_s, upper_fraction, ...)
-    [cache]       the fields of ``CacheManagerConfig`` (theta_inter_s, decay, ...)
+    [cache]       the fields of ``CacheManagerConfig`` (theta_inter_s, decay, ...),
+                  and reserve_fraction, retain_s (``RetentionConfig``, as the server)
     [workload]    trace = "../shared/traces/conversation_trace.jsonl",
                   rate_scale, time_scale, max_requests, seed, long_tokens
                   [[workload.phases]] duration_s, rate, long_fraction, burstiness
@@ -37,6 +38,7 @@ from vertumnus.policy.cache_plans import CacheManagerConfig
 from vertumnus.policy.composition import layout_for
 from vertumnus.policy.controller import ControllerConfig
 from vertumnus.policy.costs import CostWeights
+from vertumnus.policy.kv_ledger import RetentionConfig
 from vertumnus.policy.lattice import LatticeConfig, LatticeError
 from vertumnus.sim.simulator import SimSettings, SimulationError
 from vertumnus.sim.traces import load_trace
@@ -155,6 +157,10 @@ def load(
     policy = _table(raw, "policy")
     name = str(policy.pop("name", "vertumnus"))
     weights = _build(CostWeights, policy, "policy")
+    cache = _table(raw, "cache")
+    retention: dict[str, Any] = {
+        k: cache.pop(k) for k in ("reserve_fraction", "retain_s") if k in cache
+    }
     sim = _table(raw, "sim")
     if "slo" in sim:
         sim["slo"] = TtftSlo.parse(str(sim["slo"]))
@@ -165,7 +171,8 @@ def load(
             "policy": name,
             "weights": weights,
             "controller": _build(ControllerConfig, _table(raw, "controller"), "controller"),
-            "cache": _build(CacheManagerConfig, _table(raw, "cache"), "cache"),
+            "cache": _build(CacheManagerConfig, cache, "cache"),
+            "retention": _build(RetentionConfig, retention, "cache"),
         },
         "sim",
     )

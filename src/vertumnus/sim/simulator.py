@@ -11,17 +11,22 @@ Events, in a heap ordered by (time, rank, sequence number), so runs are
 deterministic for a seed::
 
     END (0)       a prefill ends: cache report, release, next in the queue, drains
-    COPY (1)      a KV copy lands: install at the destination, confirm
-    SWITCH (2)    a reshape's switch ends: new epoch, adopt plans, ranks acknowledge
+    COPY (1)      a KV copy lands: the copies become visible; the next copy starts
+    SWITCH (2)    a reshape's switch ends: new epoch, adopt plans, reservations,
+                  ranks acknowledge
     WINDOW (3)    the controller's window ends: decision, drains begin
-    SCAN (4)      the cache manager's scan: copy plans start, reclamations happen
+    SCAN (4)      the cache manager's scan: copy plans queue, reclamations happen
     ARRIVAL (5)   a request arrives: placement, statistics, maybe a fetch
+    EXPIRE (6)    slots a reshape reserved for fetches go back to their caches
 
-Copies take latency + blocks * block bytes / bandwidth, the bandwidth of NVLink
-within a host and of the network between hosts; they do not slow the prefills.
-A reshape drains for as long as its participants' prefills take, then switches in
-``switch_s``. Requests that find no candidate (every worker draining) wait and are
-placed as soon as a worker comes back.
+Copies run one at a time, in the order planned, as the coordinator runs them; the
+KV ledger (``policy/kv_ledger.py``, the coordinator's too) turns each into slot moves
+when it starts, and a switch waits for the copy under way. A copy takes latency +
+moved blocks * block bytes / bandwidth, the bandwidth of NVLink within a host and
+of the network between hosts; it does not slow the prefills. A reshape drains for
+as long as its participants' prefills take, then switches in ``switch_s``. Requests
+that find no candidate (every worker draining) wait and are placed as soon as a
+worker comes back.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import heapq
 import math
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -40,6 +46,7 @@ from vertumnus.policy.cache_manager import PrefixCacheManager
 from vertumnus.policy.cache_plans import CacheManagerConfig, CopyPlan
 from vertumnus.policy.controller import Controller, ControllerConfig, Decision
 from vertumnus.policy.costs import CostWeights, reuse_curves
+from vertumnus.policy.kv_ledger import CopyJob, KVLedger, RetentionConfig
 from vertumnus.policy.lattice import Lattice, LatticeConfig, WorkerState
 from vertumnus.policy.scheduler import PlacementRequest, Scheduler, SchedulerConfig
 from vertumnus.policy.transition import Phase, Reconfigurer, Transition
@@ -47,7 +54,7 @@ from vertumnus.sim.workload import SimRequest
 from vertumnus.slo import DEFAULT_TTFT_SLO, TtftSlo
 from vertumnus.stats import progress
 
-END, COPY, SWITCH, WINDOW, SCAN, ARRIVAL = range(6)
+END, COPY, SWITCH, WINDOW, SCAN, ARRIVAL, EXPIRE = range(7)
 
 POLICIES = ("vertumnus", "fixed", "no-replication", *ROUTERS)
 
@@ -77,6 +84,7 @@ class SimSettings:
     weights: CostWeights = field(default_factory=CostWeights)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     cache: CacheManagerConfig = field(default_factory=CacheManagerConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -208,6 +216,14 @@ class Simulation:
             self.lattice, self.scheduler, self.cache, self.controller, settings.blocks_per_rank
         )
         self.workers: dict[int, _Worker] = {}
+        self.indexes: dict[int, WorkerCacheIndex] = {}  # the ledger reads it
+        self.ledger = KVLedger(
+            self.lattice, self.indexes, self.cache, settings.blocks_per_rank, settings.retention
+        )
+        self._copy_queue: deque[CopyPlan] = deque()
+        self._copy_job: CopyJob | None = None  # the copy under way
+        self._copy_end_s = 0.0
+        self._switch_waiting: list[Transition] = []
         for w in self.lattice.workers.values():
             self._add_worker(w.worker_id, w.cp_degree, w.first_device)
         self.rng = random.Random(settings.seed)
@@ -238,6 +254,7 @@ class Simulation:
     def _add_worker(self, worker_id: int, degree: int, first: int) -> None:
         index = WorkerCacheIndex(degree, self.s.blocks_per_rank, worker_id)
         self.workers[worker_id] = _Worker(worker_id, degree, first, index)
+        self.indexes[worker_id] = index
         if worker_id not in self.cache.trie.workers:
             self.cache.add_worker(worker_id, degree, first)
 
@@ -273,6 +290,8 @@ class Simulation:
                 self._window(now)
             elif kind == SCAN:
                 self._scan(now)
+            elif kind == EXPIRE:
+                self.ledger.expire(now)
         if self._done < total:
             raise SimulationError(f"the run stalled: {total - self._done} requests never finished")
         self._window(now, final=True)
@@ -409,15 +428,21 @@ class Simulation:
         self._push(now + h, WINDOW)
 
     def _switch(self, transition: Transition, now: float) -> None:
+        if self._copy_job is not None:  # the coordinator switches between copies
+            self._switch_waiting.append(transition)
+            return
+        retained = self.ledger.collect(transition.op.sources)
         adopt = self.reconf.switch(transition, now)
         for s in transition.op.sources:
             old = self.workers.pop(s)
+            del self.indexes[s]
             assert old.running is None
         for w in transition.new_workers:
             lw = self.lattice.workers[w]
             self._add_worker(w, lw.cp_degree, lw.first_device)
-        for plan in adopt:
-            self._install(plan, now)
+        _, reserved = self.ledger.after_switch(transition.new_workers, retained, adopt, now)
+        if reserved:
+            self._push(now + self.s.retention.retain_s, EXPIRE)
         for w in transition.new_workers:
             for rank in range(self.lattice.workers[w].cp_degree):
                 self.reconf.acknowledge(transition, w, rank, now)
@@ -447,40 +472,38 @@ class Simulation:
         self._push(now + self.s.scan_interval_s, SCAN)
 
     def _start_copy(self, plan: CopyPlan, now: float) -> None:
-        block_bytes = self.s.block_tokens * self.s.kv_bytes_per_token
-        seconds = self.s.transfer_latency_s
-        for m in plan.moves:
-            if m.src_device == m.dst_device:
-                continue
-            same_host = m.src_device // self.s.devices_per_host == (
-                m.dst_device // self.s.devices_per_host
-            )
-            seconds += block_bytes / (
-                self.s.intra_host_bytes_s if same_host else self.s.inter_host_bytes_s
-            )
-        self._push(now + seconds, COPY, plan)
+        self._copy_queue.append(plan)
+        self._next_copy(now)
 
-    def _copy_done(self, plan: CopyPlan, now: float) -> None:
-        if plan.plan_id not in self.cache.copies_in_flight:
-            return  # cancelled: a worker involved left
-        ok = plan.dest_worker in self.workers and all(
-            m.src_worker is None
-            or (m.src_worker in self.workers and m.block_id in self.workers[m.src_worker].index)
-            for m in plan.moves
-        )
-        if ok:
-            self._install(plan, now)
-        else:
-            self.cache.finish_copy(plan.plan_id, ok=False)
+    def _next_copy(self, now: float) -> None:
+        """Start the next queued copy that can run, unless one is under way."""
+        while self._copy_job is None and self._copy_queue:
+            job = self.ledger.begin_copy(self._copy_queue.popleft())
+            if job is None:
+                continue  # cancelled, or nothing left to copy from: a miss
+            block_bytes = self.s.block_tokens * self.s.kv_bytes_per_token
+            seconds = self.s.transfer_latency_s
+            for src, _, dst, _ in job.moves:
+                if src == dst:
+                    continue
+                same_host = src // self.s.devices_per_host == dst // self.s.devices_per_host
+                seconds += block_bytes / (
+                    self.s.intra_host_bytes_s if same_host else self.s.inter_host_bytes_s
+                )
+            self._copy_job, self._copy_end_s = job, now + seconds
+            self._push(self._copy_end_s, COPY, job)
 
-    def _install(self, plan: CopyPlan, now: float) -> None:
-        index = self.workers[plan.dest_worker].index
-        lease = index.begin(plan.prefix_ids, len(plan.prefix_ids))
-        self.cache.apply_report(index.commit(lease))
-        if plan.kind != "adopt":
+    def _copy_done(self, job: CopyJob, now: float) -> None:
+        self._copy_job = None
+        installed = self.ledger.commit_copy(job)
+        if installed:
             self.copies += 1
-            self.blocks_copied += len(lease.new)
-        self.cache.finish_copy(plan.plan_id, ok=plan.block_id in index)
+            self.blocks_copied += installed
+        # Switches that waited for this copy go before the copies queued behind it.
+        waiting, self._switch_waiting = self._switch_waiting, []
+        for transition in waiting:
+            self._switch(transition, now)
+        self._next_copy(now)
 
 
 def terminal_progress(done: int, total: int, sim_s: float) -> None:
