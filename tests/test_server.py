@@ -6,14 +6,10 @@ answers bad input with JSON errors, and SIGTERM leaves no process behind."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,84 +17,21 @@ from typing import Any
 
 import pytest
 
+from server_support import ADMIN_TOKEN, Server, running_server
+
 pytestmark = pytest.mark.multiproc
-
-START_TIMEOUT_S = 90.0
-
-
-def children_of(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
-
-
-class Server:
-    def __init__(self, proc: subprocess.Popen[str], url: str) -> None:
-        self.proc, self.url = proc, url
-
-    def call(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        raw: bytes | None = None,
-        content_type: str = "application/json",
-    ) -> tuple[int, Any]:
-        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        req = urllib.request.Request(self.url + path, data=data, method=method)
-        if data is not None:
-            req.add_header("Content-Type", content_type)
-        try:
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                payload = resp.read()
-                status = resp.status
-                ctype = resp.headers.get("Content-Type", "")
-        except urllib.error.HTTPError as err:
-            payload, status, ctype = err.read(), err.code, err.headers.get("Content-Type", "")
-        return status, json.loads(payload) if "json" in ctype else payload.decode()
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     config = tmp_path_factory.mktemp("serve") / "serve.toml"
     # The controller off: the tests reshape by hand, at known moments.
-    config.write_text("[controller]\nenabled = false\n[engine]\nthreads_per_rank = 1\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vertumnus", "serve", "--config", str(config), "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    config.write_text(
+        "[controller]\nenabled = false\n[engine]\nthreads_per_rank = 1\n"
+        f'[server]\nadmin_token = "{ADMIN_TOKEN}"\n'
     )
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("vertumnus listening on "), (
-            line,
-            proc.stderr and proc.stderr.read(),
-        )
-        url = line.split()[-1]
-        srv = Server(proc, url)
-        while time.monotonic() < deadline and srv.call("GET", "/ready")[0] != 200:
-            time.sleep(0.2)
+    with running_server(config) as srv:
         yield srv
-    finally:
-        ranks = children_of(proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise
-        time.sleep(0.5)
-        alive = [
-            p
-            for p in ranks
-            if os.path.exists(f"/proc/{p}")
-            and Path(f"/proc/{p}/stat").read_text().split()[2] != "Z"
-        ]
-        assert proc.returncode == 0 and not alive, (proc.returncode, alive)
 
 
 def tokens(n: int, seed: int) -> list[int]:

@@ -32,12 +32,16 @@ import time
 import urllib.request
 from typing import Any
 
+ADMIN_TOKEN = "bench-serve-admin-token-0123"
+
 
 def call(url: str, path: str, body: Any = None) -> Any:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url + path, data=data, method="POST" if data else "GET")
     if data is not None:
         req.add_header("Content-Type", "application/json")
+    if path.startswith("/v1/admin/"):
+        req.add_header("Authorization", f"Bearer {ADMIN_TOKEN}")
     with urllib.request.urlopen(req, timeout=120) as resp:
         return json.loads(resp.read())
 
@@ -59,7 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     config = "/tmp/vertumnus-bench-serve.toml"
     with open(config, "w") as f:
-        f.write("[controller]\nenabled = false\n")
+        f.write(f'[controller]\nenabled = false\n[server]\nadmin_token = "{ADMIN_TOKEN}"\n')
     proc = subprocess.Popen(
         [sys.executable, "-m", "vertumnus", "serve", "--config", config, "--port", "0"],
         stdout=subprocess.PIPE,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -44,18 +44,24 @@ class SoloComm:
 
 
 class DistComm:
-    """A worker's process group in ``torch.distributed``."""
+    """A worker's group in ``torch.distributed``: the default process group (None), a
+    ``ProcessGroup``, or a backend built directly (``ProcessGroupGloo`` or
+    ``ProcessGroupNCCL`` over a prefixed store, as the rank processes build theirs, so
+    a group can be formed anew when a member restarts)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int) -> None:
+    def __init__(self, group: Any, rank: int, size: int) -> None:
         self.group, self.rank, self.size = group, rank, size
         self.calls: Counter[str] = Counter()
 
     def all_gather(self, t: Tensor, tag: str) -> Tensor:
         self.calls[tag] += 1
         t = t.contiguous()
-        # Concatenated along dim 0 (the layout gloo and NCCL both accept), then split.
+        # Gathered into one buffer along dim 0, then viewed per rank.
         out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-        _all_gather_single(out, t, group=self.group)
+        if self.group is None or isinstance(self.group, dist.ProcessGroup):
+            _all_gather_single(out, t, group=self.group)
+        else:
+            self.group.allgather([list(out.chunk(self.size))], [t]).wait()
         return out.view(self.size, *t.shape)
 
 

@@ -6,9 +6,14 @@ once at start-up, so a lattice split or merge only switches which group is used)
 It executes commands in arrival order and answers each on its answer pipe. It does
 not decide anything: placement, cache slots and worker membership come in commands.
 
-Life: connect to the coordinator's TCP store -> init the default group (NCCL on
-CUDA, gloo on CPU) -> create worker groups -> build the model and KV store -> send
-``RankReady`` -> loop until ``Shutdown`` -> destroy the groups.
+Life: connect to the coordinator's TCP store -> form the group of every worker this
+rank can belong to (NCCL on CUDA, gloo on CPU) -> build the model and KV store ->
+send ``RankReady`` -> loop until ``Shutdown``.
+
+Groups are built directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) over a store
+prefix named by the group's ranks and *generation*, not from a default group of the
+whole pool: when a rank dies and is restarted, its peers form the groups they share
+with it anew at the next generation (``RebuildGroups``), and nothing else changes.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from vertumnus.engine.weights import build_model, resolve_dtype
 from vertumnus.engine.zigzag import prefill_rank
 from vertumnus.runtime.messages import (
     EpochAck,
+    GroupsReady,
     KVData,
     KVRead,
     KVWrite,
@@ -39,6 +45,7 @@ from vertumnus.runtime.messages import (
     PrefillDone,
     RankFailed,
     RankReady,
+    RebuildGroups,
     Shutdown,
     SwitchEpoch,
 )
@@ -55,6 +62,8 @@ class RankSpec:
     worker_groups: tuple[tuple[int, ...], ...]  # every multi-rank worker the lattice can form
     store_host: str
     store_port: int
+    # Generation of each group (absent: 0); a restarted rank joins the current ones.
+    group_generations: tuple[tuple[tuple[int, ...], int], ...] = ()
 
 
 def resolve_device(engine: EngineConfig, rank: int) -> torch.device:
@@ -85,16 +94,14 @@ def rank_main(rank: int, spec: RankSpec, commands: Any, results: Any) -> None:
             torch.set_num_threads(threads)
         timeout = timedelta(seconds=spec.engine.rank_timeout_s)
         store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=spec.world_size, timeout=timeout
-        )
-        # Every rank creates every group, in the same order (a collective requirement).
+        generation = dict(spec.group_generations)
+        # Every rank forms its groups in the same order: rendezvous cannot deadlock.
         groups: dict[tuple[int, ...], Any] = {}
         for ranks in spec.worker_groups:
-            group = dist.new_group(list(ranks), timeout=timeout)
             if rank in ranks:
-                groups[ranks] = group
+                groups[ranks] = make_group(
+                    store, ranks, generation.get(ranks, 0), rank, device, timeout
+                )
         dtype = resolve_dtype(spec.engine.dtype, device)
         model = build_model(spec.model, spec.model_dir, spec.engine.seed, dtype, device)
         kv = PagedKVStore(
@@ -104,11 +111,26 @@ def rank_main(rank: int, spec: RankSpec, commands: Any, results: Any) -> None:
         results.send(RankFailed(rank, None, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return
     results.send(RankReady(rank=rank, device=str(device), kv_bytes=kv.nbytes))
-    try:
-        _serve(rank, model, kv, groups, commands, results)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    _serve(rank, model, kv, groups, commands, results, store, device, timeout)
+
+
+def make_group(
+    store: Any,
+    ranks: tuple[int, ...],
+    generation: int,
+    rank: int,
+    device: torch.device,
+    timeout: timedelta,
+) -> Any:
+    """The backend of worker group ``ranks`` at ``generation`` (every member calls
+    this; it returns when all have)."""
+    prefix = dist.PrefixStore(f"group/{generation}/{'-'.join(map(str, ranks))}", store)
+    index = ranks.index(rank)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefix, index, len(ranks), options)
+    return dist.ProcessGroupGloo(prefix, index, len(ranks), timeout)
 
 
 def _serve(
@@ -118,6 +140,9 @@ def _serve(
     groups: dict[tuple[int, ...], Any],
     commands: Any,
     results: Any,
+    store: Any,
+    device: torch.device,
+    timeout: timedelta,
 ) -> None:
     parent = os.getppid()
     while True:
@@ -154,6 +179,17 @@ def _serve(
                             rank, None, f"KVWrite: {exc}", traceback.format_exc(), msg.copy_id
                         )
                     )
+            case RebuildGroups():
+                try:
+                    for ranks, generation in msg.groups:
+                        if rank in ranks:
+                            groups[ranks] = make_group(
+                                store, ranks, generation, rank, device, timeout
+                            )
+                    results.send(GroupsReady(rank, msg.token))
+                except Exception as exc:
+                    error = f"RebuildGroups: {type(exc).__name__}: {exc}"
+                    results.send(RankFailed(rank, None, error, traceback.format_exc()))
             case SwitchEpoch():
                 # The groups exist since start-up: adopting an epoch only checks that
                 # this rank belongs to the worker and can reach its group.

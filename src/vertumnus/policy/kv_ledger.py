@@ -315,6 +315,14 @@ class KVLedger:
         self._retained_at = {b: r for b, r in self._retained_at.items() if r}
         return released
 
+    def drop_ranks(self, ranks: Iterable[int]) -> None:
+        """These ranks lost their KV (restarted): nothing retained there is fetchable."""
+        gone = set(ranks)
+        for by_rank in self._retained_at.values():
+            for r in gone & set(by_rank):
+                by_rank.pop(r)
+        self._retained_at = {b: r for b, r in self._retained_at.items() if r}
+
     def _release_slot(self, grank: int, slot: int) -> None:
         for w in self.lattice.workers.values():
             index = self.indexes.get(w.worker_id)

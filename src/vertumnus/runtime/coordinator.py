@@ -55,12 +55,15 @@ from vertumnus.policy.scheduler import PlacementRequest, Scheduler, SchedulerCon
 from vertumnus.policy.transition import Phase, Reconfigurer, Transition
 from vertumnus.runtime.messages import (
     EpochAck,
+    GroupsReady,
     KVData,
     KVRead,
     KVWrite,
     KVWritten,
     PrefillDone,
     RankFailed,
+    RankReady,
+    RebuildGroups,
     SwitchEpoch,
 )
 from vertumnus.runtime.metrics import Metrics
@@ -77,6 +80,14 @@ class Overloaded(RuntimeError):
 
 class Unavailable(RuntimeError):
     """No worker can serve the request now (retry later)."""
+
+
+class WorkerLost(RuntimeError):
+    """The worker running a prefill failed (a rank died or hung); the request is
+    placed again."""
+
+
+MAX_ATTEMPTS = 3  # placements of one request before a failure is the client's answer
 
 
 @dataclass
@@ -103,6 +114,7 @@ class _Request:
     future: asyncio.Future[PrefillResult]
     worker: int | None = None
     start_s: float | None = None
+    attempts: int = 0
 
 
 @dataclass
@@ -163,6 +175,13 @@ class Coordinator:
         self.started_s = time.monotonic()
         self._windows_started_s: float | None = None
         self.rank_error: str | None = None
+        # Rank failures: workers being restarted, and what their recovery waits for.
+        self._recovering: set[int] = set()
+        self._recovery_lock = asyncio.Lock()
+        self._ready_waits: dict[int, asyncio.Future[None]] = {}  # rank -> RankReady
+        self._group_waits: dict[tuple[int, int], asyncio.Future[None]] = {}  # (rank, token)
+        self._tokens = itertools.count(1)
+        self.restarts = 0
 
     # -- life ------------------------------------------------------------------------
 
@@ -177,9 +196,7 @@ class Coordinator:
             self._add_worker(w.worker_id)
         # The event loop itself watches the ranks' answer pipes and their process
         # sentinels: no thread between a rank's answer and the request it finishes.
-        for rank, conn, sentinel in pool.channels():
-            self._loop.add_reader(conn.fileno(), self._readable, rank, conn)
-            self._loop.add_reader(sentinel, self._rank_exited, rank, sentinel)
+        self._watch(range(self.cfg.ranks))
         if self.cfg.controller_enabled:
             self._windows_started_s = time.monotonic()
             self._window_task = asyncio.create_task(self._windows())
@@ -258,16 +275,27 @@ class Coordinator:
             del buf[: header + size]
             self._on_message(pickle.loads(payload))
 
+    def _watch(self, ranks: Sequence[int]) -> None:
+        assert self.pool is not None and self._loop is not None
+        wanted = set(ranks)
+        for rank, conn, sentinel in self.pool.channels():
+            if rank in wanted:
+                self._buffers.pop(rank, None)
+                self._loop.add_reader(conn.fileno(), self._readable, rank, conn)
+                self._loop.add_reader(sentinel, self._rank_exited, rank, sentinel)
+
     def _rank_exited(self, rank: int, sentinel: int) -> None:
         assert self._loop is not None
         self._loop.remove_reader(sentinel)
         if not self._stopping.is_set():
-            self._rank_pool_failed(f"rank process {rank} exited unexpectedly")
+            self.rank_down(rank, f"rank process {rank} exited unexpectedly")
 
-    def _unwatch(self) -> None:
+    def _unwatch(self, ranks: Sequence[int] | None = None) -> None:
         if self.pool is None or self._loop is None:
             return
-        for _, conn, sentinel in self.pool.channels():
+        for rank, conn, sentinel in self.pool.channels():
+            if ranks is not None and rank not in ranks:
+                continue
             self._loop.remove_reader(sentinel)
             if not conn.closed:
                 self._loop.remove_reader(conn.fileno())
@@ -276,8 +304,8 @@ class Coordinator:
         match msg:
             case PrefillDone():
                 inflight = self._inflight.get(msg.request_id)
-                if inflight is None or inflight.future is None:
-                    return
+                if inflight is None or inflight.future is None or msg.rank not in inflight.ranks:
+                    return  # late, from a worker the request has left
                 inflight.done[msg.rank] = msg
                 if len(inflight.done) == len(inflight.ranks) and not inflight.future.done():
                     inflight.future.set_result(inflight.done)
@@ -289,6 +317,17 @@ class Coordinator:
                 for (copy_id, _), wait in list(self._kv_waits.items()):
                     if copy_id == msg.copy_id and not wait.done():
                         wait.set_exception(RankPoolError(msg.error))
+            case RankFailed() if msg.rank in self._ready_waits or any(
+                r == msg.rank for r, _ in self._group_waits
+            ):
+                error = RankPoolError(f"rank {msg.rank}: {msg.error}")
+                for key, wait in [(k, w) for k, w in self._group_waits.items() if k[0] == msg.rank]:
+                    if not wait.done():
+                        wait.set_exception(error)
+                    self._group_waits.pop(key, None)
+                ready = self._ready_waits.pop(msg.rank, None)
+                if ready is not None and not ready.done():
+                    ready.set_exception(error)
             case RankFailed():
                 inflight = self._inflight.get(msg.request_id) if msg.request_id else None
                 if inflight is not None and inflight.future is not None:
@@ -296,6 +335,14 @@ class Coordinator:
                         inflight.future.set_exception(RankPoolError(msg.error))
                 else:
                     self._rank_pool_failed(f"rank {msg.rank}: {msg.error}")
+            case RankReady():
+                ready = self._ready_waits.pop(msg.rank, None)
+                if ready is not None and not ready.done():
+                    ready.set_result(None)
+            case GroupsReady():
+                wait = self._group_waits.pop((msg.rank, msg.token), None)
+                if wait is not None and not wait.done():
+                    wait.set_result(None)
             case EpochAck():
                 ack = self._acks.pop((msg.rank, msg.epoch), None)
                 if ack is not None and not ack.done():
@@ -341,17 +388,18 @@ class Coordinator:
             PlacementRequest(req.request_id, len(req.tokens), req.block_ids), now
         )
         if placed is None:
-            reshaping = any(
+            reshaping = self._recovering or any(
                 w.state in (WorkerState.DRAINING, WorkerState.SWITCHING)
                 for w in self.lattice.workers.values()
             )
             if not reshaping:
                 raise Unavailable("no worker can take the request now")
-            # Every worker is in a reshape: wait for the new workers (bounded by the
+            # Every worker is in a reshape or restarting: wait for it (bounded by the
             # request's time-out) instead of refusing.
             self._waiting.append(req)
             return
         req.worker = placed.worker_id
+        req.attempts += 1
         if placed.update is not None and placed.update.fetch is not None:
             self._spawn(self.run_copy(placed.update.fetch))
         if self.cfg.controller_enabled:
@@ -398,19 +446,37 @@ class Coordinator:
             for r in ranks:
                 self.pool.send(r, cmd)
             assert inflight.future is not None
-            done = await inflight.future
+            try:
+                done = await asyncio.wait_for(
+                    asyncio.shield(inflight.future), self.cfg.step_timeout_s
+                )
+            except TimeoutError:
+                # A hung rank: take the worker down (its ranks are killed and
+                # restarted) and place the request again.
+                self.rank_down(
+                    ranks[0], f"no answer within step_timeout_s = {self.cfg.step_timeout_s} s"
+                )
+                raise WorkerLost(f"worker {worker_id} timed out") from None
         except Exception as exc:
-            if lease is not None:
-                self.cache.apply_report(index.abort(lease))
-            self.scheduler.complete(rid)
+            if lease is not None and self.indexes.get(worker_id) is index:
+                self.cache.apply_report(index.abort(lease))  # (a failed worker's is gone)
+            if self.scheduler.running(worker_id) == rid:
+                self.scheduler.complete(rid)
             self._inflight.pop(rid, None)
-            if not req.future.done():
-                req.future.set_exception(exc)
+            if isinstance(exc, RankPoolError):  # the worker's group is out of step now
+                self.rank_down(ranks[0], f"prefill failed: {exc}")
+            lost = isinstance(exc, WorkerLost | RankPoolError) or worker_id in self._recovering
+            if lost and req.attempts < MAX_ATTEMPTS and not req.future.done():
+                log.warning("replaced", request_id=rid, worker=worker_id, error=str(exc))
+                self._replace(req)
+            elif not req.future.done():
+                req.future.set_exception(Unavailable(f"worker {worker_id} failed: {exc}"))
             self._after_prefill(worker_id)
             return
         self._inflight.pop(rid, None)
         end = time.monotonic()
-        self.cache.apply_report(index.commit(lease))
+        if self.indexes.get(worker_id) is index:
+            self.cache.apply_report(index.commit(lease))
         self.scheduler.complete(rid)
         logits = done[ranks[0]].logits
         assert logits is not None
@@ -442,6 +508,103 @@ class Coordinator:
         if not req.future.done():
             req.future.set_result(result)
         self._after_prefill(worker_id)
+
+    def _replace(self, req: _Request) -> None:
+        """Place a request again (its worker failed); a clear 503 if none can take it."""
+        try:
+            self._place(req)
+        except Unavailable as exc:
+            if not req.future.done():
+                req.future.set_exception(exc)
+
+    # -- rank failures -----------------------------------------------------------------
+
+    def rank_down(self, rank: int, reason: str) -> None:
+        """Rank ``rank`` died, hung or failed a prefill: its worker leaves the candidate
+        set at once and is restarted in the background (see ``_recover``)."""
+        if self._stopping.is_set():
+            return
+        worker = next((w for w in self.lattice.workers.values() if rank in w.devices), None)
+        if worker is None or worker.worker_id in self._recovering:
+            return
+        self._recovering.add(worker.worker_id)
+        if worker.state is WorkerState.ACTIVE:
+            self.lattice.fail(worker.worker_id)
+        log.error("worker_failed", worker=worker.worker_id, rank=rank, reason=reason)
+        self._spawn(self._recover(worker.worker_id, reason))
+
+    async def _recover(self, worker_id: int, reason: str) -> None:
+        """Take a failed worker out, hand its work on, restart its ranks and let it
+        rejoin with an empty cache. Requests it held are placed again (or wait, when
+        no other worker can take them, until it is back)."""
+        assert self.pool is not None and self._loop is not None
+        w = self.lattice.workers[worker_id]
+        ranks = tuple(w.devices)
+        started = time.monotonic()
+        try:
+            async with self._recovery_lock:
+                # Everything that waits on these ranks fails now.
+                lost = WorkerLost(f"worker {worker_id} failed: {reason}")
+                for inflight in self._inflight.values():
+                    future = inflight.future
+                    hit = set(inflight.ranks) & set(ranks)
+                    if hit and future is not None and not future.done():
+                        future.set_exception(lost)
+                for (_, rank), wait in list(self._kv_waits.items()):
+                    if rank in ranks and not wait.done():
+                        wait.set_exception(RankPoolError(str(lost)))
+                for (rank, _), ack in list(self._acks.items()):
+                    if rank in ranks and not ack.done():
+                        ack.set_exception(RankPoolError(str(lost)))
+                for preq in self.scheduler.drain(worker_id):
+                    req = self._requests.get(preq.request_id)
+                    if req is not None and not req.future.done():
+                        self._replace(req)
+                # The trie forgets what it held; its cache is gone with its ranks.
+                self.cache.remove_worker(worker_id)
+                self.ledger.drop_ranks(ranks)
+                self.indexes.pop(worker_id, None)
+                self._unwatch(ranks)
+                rebuild = await self._loop.run_in_executor(None, self.pool.restart, ranks)
+                token = next(self._tokens)
+                waits: list[asyncio.Future[None]] = []
+                for rank in ranks:
+                    self._ready_waits[rank] = self._loop.create_future()
+                    waits.append(self._ready_waits[rank])
+                self._watch(ranks)
+                live = sorted({r for group, _ in rebuild for r in group} - set(ranks))
+                for rank in live:
+                    mine = tuple((g, gen) for g, gen in rebuild if rank in g)
+                    self._group_waits[(rank, token)] = self._loop.create_future()
+                    waits.append(self._group_waits[(rank, token)])
+                    self.pool.send(rank, RebuildGroups(token, mine))
+                await asyncio.wait_for(asyncio.gather(*waits), self.cfg.engine.rank_timeout_s)
+                self.indexes[worker_id] = WorkerCacheIndex(
+                    w.cp_degree, self.cfg.engine.kv_blocks_per_rank, worker_id
+                )
+                self.cache.add_worker(worker_id, w.cp_degree, w.first_device)
+                self.lattice.restore(worker_id)
+                self.restarts += 1
+                self.metrics.restarted()
+                log.info(
+                    "worker_rejoined",
+                    worker=worker_id,
+                    ranks=list(ranks),
+                    seconds=round(time.monotonic() - started, 3),
+                )
+        except Exception as exc:
+            self.rank_error = f"worker {worker_id} could not be restarted: {exc}"
+            log.error("worker_restart_failed", worker=worker_id, error=str(exc))
+        finally:
+            self._recovering.discard(worker_id)
+            for rank in ranks:
+                self._ready_waits.pop(rank, None)
+            self._group_waits = {k: v for k, v in self._group_waits.items() if not v.done()}
+            self._wake[worker_id].set()
+            waiting, self._waiting = self._waiting, []
+            for req in waiting:
+                if not req.future.done():
+                    self._replace(req)
 
     def _after_prefill(self, worker_id: int) -> None:
         for transition, _ in list(self._transitions.values()):
@@ -695,6 +858,10 @@ class Coordinator:
                     "running": self.scheduler.running(w.worker_id),
                     "outstanding_s": self.scheduler.outstanding_s(w.worker_id, now),
                     "cached_blocks": len(index) if index is not None else 0,
+                    "pids": [
+                        self.pool.pid(r) if self.pool is not None else None for r in w.devices
+                    ],
+                    "restarting": w.worker_id in self._recovering,
                 }
             )
         return out

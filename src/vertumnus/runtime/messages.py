@@ -101,6 +101,22 @@ class EpochAck:
 
 
 @dataclass(frozen=True)
+class RebuildGroups:
+    """Form these worker groups anew, at these generations (ranks, generation), with
+    a restarted peer; answered by ``GroupsReady``. Every member forms them in the
+    same order, so rendezvous cannot deadlock."""
+
+    token: int
+    groups: tuple[tuple[tuple[int, ...], int], ...]
+
+
+@dataclass(frozen=True)
+class GroupsReady:
+    rank: int
+    token: int
+
+
+@dataclass(frozen=True)
 class KVRead(_TensorsAsBytes):
     """Send back the K and V of ``slots`` (all layers), for a copy to another rank."""
 

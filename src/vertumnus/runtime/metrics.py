@@ -15,6 +15,7 @@ vertumnus_replications_total         KV copies and fetches that installed blocks
 vertumnus_copied_blocks_total        KV blocks they installed
 vertumnus_copy_seconds               histogram of a copy's time, start to visible
 vertumnus_reclamations_total         replicas reclaimed
+vertumnus_worker_restarts_total      workers restarted after a rank died or hung
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ class Metrics:
             "vertumnus_copied_blocks", "KV blocks installed by copies and fetches", registry=r
         )
         self.reclamations = Counter("vertumnus_reclamations", "Replicas reclaimed", registry=r)
+        self.restarts = Counter(
+            "vertumnus_worker_restarts",
+            "Workers restarted after a rank died or hung",
+            registry=r,
+        )
         self._cached = self._total = 0
         self.replication_count = self.reclamation_count = 0
 
@@ -107,6 +113,9 @@ class Metrics:
             self.replication_count += 1
             self.copied_blocks.inc(blocks)
             self.copy_seconds.observe(seconds)
+
+    def restarted(self) -> None:
+        self.restarts.inc()
 
     def reclaimed(self) -> None:
         self.reclamations.inc()

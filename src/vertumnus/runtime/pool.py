@@ -96,11 +96,12 @@ class RankPool:
         self.world_size = world_size
         self.groups = worker_groups(world_size, degrees)
         self.ready: dict[int, RankReady] = {}
-        self._procs: list[Any] = []
+        self._procs: list[Any] = []  # per rank, replaced when a rank restarts
         self._commands: list[_CommandSender] = []  # per rank, coordinator -> rank
         self._results: list[Any] = []  # Connection per rank, rank -> coordinator
         self._pending: list[object] = []  # read, not yet handed out
         self._store: dist.TCPStore | None = None
+        self.generations: dict[tuple[int, ...], int] = {}  # of each group; absent: 0
 
     def __enter__(self) -> RankPool:
         self.start()
@@ -114,31 +115,11 @@ class RankPool:
         self._store = dist.TCPStore(
             "127.0.0.1", 0, None, is_master=True, timeout=timeout, wait_for_workers=False
         )
-        spec = RankSpec(
-            model=self.model,
-            model_dir=self.model_dir,
-            engine=self.engine,
-            world_size=self.world_size,
-            worker_groups=self.groups,
-            store_host="127.0.0.1",
-            store_port=self._store.port,
-        )
-        ctx = mp.get_context("spawn")
+        self._procs = [None] * self.world_size
+        self._commands = [None] * self.world_size  # type: ignore[list-item]
+        self._results = [None] * self.world_size
         for rank in range(self.world_size):
-            cmd_recv, cmd_send = ctx.Pipe(duplex=False)
-            res_recv, res_send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=rank_main,
-                args=(rank, spec, cmd_recv, res_send),
-                name=f"vertumnus-rank{rank}",
-                daemon=True,
-            )
-            proc.start()
-            cmd_recv.close()  # the child's ends: only the rank holds them now
-            res_send.close()
-            self._commands.append(_CommandSender(cmd_send, f"vertumnus-send{rank}"))
-            self._results.append(res_recv)
-            self._procs.append(proc)
+            self._spawn(rank)
         try:
             while len(self.ready) < self.world_size:
                 msg = self.recv(self.engine.rank_timeout_s)
@@ -151,6 +132,71 @@ class RankPool:
         except BaseException:
             self.close()
             raise
+
+    def _spawn(self, rank: int) -> None:
+        assert self._store is not None
+        spec = RankSpec(
+            model=self.model,
+            model_dir=self.model_dir,
+            engine=self.engine,
+            world_size=self.world_size,
+            worker_groups=self.groups,
+            store_host="127.0.0.1",
+            store_port=self._store.port,
+            group_generations=tuple(sorted(self.generations.items())),
+        )
+        ctx = mp.get_context("spawn")
+        cmd_recv, cmd_send = ctx.Pipe(duplex=False)
+        res_recv, res_send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=rank_main,
+            args=(rank, spec, cmd_recv, res_send),
+            name=f"vertumnus-rank{rank}",
+            daemon=True,
+        )
+        proc.start()
+        cmd_recv.close()  # the child's ends: only the rank holds them now
+        res_send.close()
+        self._commands[rank] = _CommandSender(cmd_send, f"vertumnus-send{rank}")
+        self._results[rank] = res_recv
+        self._procs[rank] = proc
+
+    def restart(self, ranks: Sequence[int]) -> list[tuple[tuple[int, ...], int]]:
+        """Kill ``ranks`` (whatever state they are in) and start them again; the
+        groups they share with other ranks move to the next generation. Returns those
+        groups with their new generation: each live member must form them anew
+        (``RebuildGroups``) while the new processes start. Their ``RankReady`` comes
+        through ``channels``, which change for these ranks."""
+        dead = set(ranks)
+        for rank in dead:
+            proc = self._procs[rank]
+            if proc is not None and proc.is_alive():
+                proc.kill()
+            if proc is not None:
+                proc.join(5.0)
+            self._results[rank].close()
+            self._commands[rank].stop(2.0)
+            self.ready.pop(rank, None)
+        rebuild = []
+        for group in self.groups:
+            if dead & set(group):
+                self.generations[group] = self.generations.get(group, 0) + 1
+                if set(group) - dead:
+                    rebuild.append((group, self.generations[group]))
+        self._pending = [m for m in self._pending if getattr(m, "rank", None) not in dead]
+        for rank in sorted(dead):
+            self._spawn(rank)
+        return rebuild
+
+    def kill(self, rank: int) -> None:
+        """SIGKILL one rank process (a hung rank; tests)."""
+        proc = self._procs[rank]
+        if proc is not None and proc.is_alive():
+            proc.kill()
+
+    def pid(self, rank: int) -> int | None:
+        proc = self._procs[rank]
+        return None if proc is None else proc.pid
 
     def send(self, rank: int, msg: object) -> None:
         """Never blocks: the queue's feeder thread writes to the rank."""
@@ -197,13 +243,14 @@ class RankPool:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask every rank to exit, wait, then terminate stragglers; idempotent."""
+        procs = [p for p in self._procs if p is not None]
         for proc, commands in zip(self._procs, self._commands, strict=True):
-            if proc.is_alive():
+            if proc is not None and proc.is_alive():
                 commands.put(Shutdown())
         deadline = time.monotonic() + timeout_s
-        for proc in self._procs:
+        for proc in procs:
             proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self._procs:
+        for proc in procs:
             if proc.is_alive():
                 proc.terminate()
                 proc.join(2.0)
@@ -211,8 +258,10 @@ class RankPool:
                 proc.kill()
                 proc.join(2.0)
         for conn in self._results:
-            conn.close()
+            if conn is not None:
+                conn.close()
         for sender in self._commands:
-            sender.stop(2.0)  # the ranks are gone: a blocked write fails with EPIPE
+            if sender is not None:
+                sender.stop(2.0)  # the ranks are gone: a blocked write fails with EPIPE
         self._procs, self._commands, self._results, self._pending = [], [], [], []
         self._store = None

@@ -12,7 +12,11 @@
     [cache]       scan_interval_s = 5 (0: no scans), reserve_fraction = 0.25 and
                   retain_s = 60 (KV a reshape leaves behind: ``RetentionConfig``),
                   and the fields of ``CacheManagerConfig`` (theta_inter_s, ...)
-    [server]      max_queued = 1024, request_timeout_s = 120
+    [server]      max_queued = 1024, request_timeout_s = 120, shutdown_grace_s = 30,
+                  step_timeout_s = 60 (a prefill unanswered this long: its worker's
+                  ranks are killed and restarted),
+                  admin_token (or $VERTUMNUS_ADMIN_TOKEN; none: admin calls
+                  refused), api_key (or $VERTUMNUS_API_KEY; none: /v1 is open)
 
 The embedded default (no file) is the ``tiny`` model on two CPU ranks, starting as
 two degree-1 workers that may merge into one degree-2 worker: the shipped CPU
@@ -23,6 +27,7 @@ CUDA, give ``ranks`` = the number of GPUs (one rank per GPU) and a profile of th
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -56,6 +61,12 @@ class ServeConfig:
     retention: RetentionConfig = dataclasses.field(default_factory=RetentionConfig)
     max_queued: int = 1024  # requests placed but not finished, over all workers
     request_timeout_s: float = 120.0
+    shutdown_grace_s: float = 30.0  # SIGTERM: how long in-flight work may finish
+    step_timeout_s: float = 60.0  # a prefill unanswered this long: its worker is restarted
+    # Bearer tokens. The environment (VERTUMNUS_ADMIN_TOKEN, VERTUMNUS_API_KEY)
+    # overrides the file. No admin token: every /v1/admin call is refused.
+    admin_token: str | None = dataclasses.field(default=None, repr=False)
+    api_key: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -72,8 +83,20 @@ class ServeConfig:
             raise ConfigError(
                 f"[scheduler] policy {self.policy!r}: choose vertumnus or one of {sorted(ROUTERS)}"
             )
-        if self.max_queued < 1 or self.request_timeout_s <= 0:
-            raise ConfigError("[server] max_queued must be >= 1 and request_timeout_s > 0")
+        if (
+            self.max_queued < 1
+            or self.request_timeout_s <= 0
+            or self.shutdown_grace_s < 0
+            or self.step_timeout_s <= 0
+        ):
+            raise ConfigError(
+                "[server] need max_queued >= 1, request_timeout_s > 0, shutdown_grace_s >= 0, "
+                "step_timeout_s > 0"
+            )
+        for name in ("admin_token", "api_key"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or len(value) < 16):
+                raise ConfigError(f"[server] {name} must be a string of at least 16 characters")
 
 
 def load(path: Path | None, model: str | None = None) -> ServeConfig:
@@ -122,9 +145,19 @@ def load(path: Path | None, model: str | None = None) -> ServeConfig:
         raise ConfigError(f"[pool] unknown keys {sorted(pool)}")
     if "path" in raw.get("profile", {}):
         kwargs["profile"] = Path(raw["profile"]["path"])
-    for key in ("max_queued", "request_timeout_s"):
+    for key in (
+        "max_queued",
+        "request_timeout_s",
+        "shutdown_grace_s",
+        "step_timeout_s",
+        "admin_token",
+        "api_key",
+    ):
         if key in server:
             kwargs[key] = server.pop(key)
     if server:
         raise ConfigError(f"[server] unknown keys {sorted(server)}")
+    for key, env in (("admin_token", "VERTUMNUS_ADMIN_TOKEN"), ("api_key", "VERTUMNUS_API_KEY")):
+        if os.environ.get(env):
+            kwargs[key] = os.environ[env]
     return ServeConfig(**kwargs)

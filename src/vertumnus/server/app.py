@@ -11,14 +11,23 @@
 
 Errors are JSON, ``{"error": {"message": ..., "type": ...}}``, with a 4xx for what the
 client sent and a 503 (with ``Retry-After``) when the pool cannot take work now.
+
+Access: ``/v1/admin/*`` needs ``Authorization: Bearer <admin token>`` (401 without
+it, 403 with a wrong one, 403 for every call when no token is configured). When an
+API key is configured, every other ``/v1/*`` route needs ``Bearer <api key>`` (401).
+``/health``, ``/ready``, ``/metrics`` and ``/openapi.json`` stay open. Tokens are
+compared in constant time and never logged. Nothing from the network is unpickled:
+bodies are JSON (orjson); only the rank processes' own pipes carry pickles.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 from typing import Any
 
 import orjson
+import structlog
 from aiohttp import web
 
 from vertumnus.policy.lattice import LatticeError
@@ -30,6 +39,7 @@ from vertumnus.server.tokenizer import Tokenizer, TokenizerError
 COORDINATOR = web.AppKey("coordinator", Coordinator)
 TOKENIZER = web.AppKey("tokenizer", Tokenizer)
 MAX_BODY_BYTES = 16 * 1024 * 1024
+log = structlog.get_logger("vertumnus.api")
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -208,6 +218,10 @@ async def reconfigure(request: web.Request) -> web.Response:
         chosen = body.get("workers") or ([body["worker"]] if "worker" in body else [])
         if not isinstance(chosen, list) or not all(isinstance(w, int) for w in chosen):
             raise BadRequest("'worker' must be an integer and 'workers' a list of integers")
+        if not coord.ready:
+            return _error(
+                503, coord.rank_error or "the pool is not ready", "unavailable", retry_after_s=1
+            )
         op = coord.reshape_for(str(op_name), chosen)
         done = coord.begin_reshape(op)
         transition = await asyncio.wait_for(done, coord.cfg.request_timeout_s)
@@ -262,6 +276,48 @@ async def openapi(request: web.Request) -> web.Response:
     return _json(OPENAPI)
 
 
+def _bearer(request: web.Request) -> str | None:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _matches(given: str, expected: str) -> bool:
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+@web.middleware
+async def access(request: web.Request, handler: Any) -> web.StreamResponse:
+    """The admin token for /v1/admin/*, the API key (when set) for the rest of /v1."""
+    cfg = request.app[COORDINATOR].cfg
+    path = request.path
+    challenge = {"WWW-Authenticate": 'Bearer realm="vertumnus"'}
+    if path.startswith("/v1/admin/") or path == "/v1/admin":
+        if cfg.admin_token is None:
+            return _error(
+                403,
+                "the admin API is disabled: set VERTUMNUS_ADMIN_TOKEN or [server] admin_token",
+                "forbidden",
+            )
+        token = _bearer(request)
+        if token is None:
+            response = _error(
+                401, "admin calls need 'Authorization: Bearer <token>'", "unauthorized"
+            )
+            response.headers.update(challenge)
+            return response
+        if not _matches(token, cfg.admin_token):
+            return _error(403, "wrong admin token", "forbidden")
+    elif path.startswith("/v1/") and cfg.api_key is not None:
+        token = _bearer(request)
+        if token is None or not _matches(token, cfg.api_key):
+            response = _error(
+                401, "a valid API key is needed: 'Authorization: Bearer <key>'", "unauthorized"
+            )
+            response.headers.update(challenge)
+            return response
+    return await handler(request)
+
+
 @web.middleware
 async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """Unknown routes, wrong methods, oversized bodies: JSON errors like the rest."""
@@ -271,10 +327,13 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
         if exc.status < 400:
             raise
         return _error(exc.status, exc.reason or "error", "http_error")
+    except Exception as exc:  # a bug: logged with its traceback, answered as JSON
+        log.exception("internal_error", path=request.path, error=repr(exc))
+        return _error(500, f"internal error: {type(exc).__name__}", "internal_error")
 
 
 def build_app(coordinator: Coordinator, tokenizer: Tokenizer) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors])
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors, access])
     app[COORDINATOR] = coordinator
     app[TOKENIZER] = tokenizer
     app.add_routes(

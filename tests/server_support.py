@@ -1,0 +1,100 @@
+"""Helpers for tests that run ``python -m vertumnus serve``: an HTTP caller, and
+the server's start and its clean stop (no rank process left)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+START_TIMEOUT_S = 90.0
+ADMIN_TOKEN = "test-admin-token-0123456789"
+
+
+def children_of(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen[str], url: str) -> None:
+        self.proc, self.url = proc, url
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        raw: bytes | None = None,
+        content_type: str = "application/json",
+    ) -> tuple[int, Any]:
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", content_type)
+        if path.startswith("/v1/admin/"):
+            req.add_header("Authorization", f"Bearer {ADMIN_TOKEN}")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                payload = resp.read()
+                status = resp.status
+                ctype = resp.headers.get("Content-Type", "")
+        except urllib.error.HTTPError as err:
+            payload, status, ctype = err.read(), err.code, err.headers.get("Content-Type", "")
+        return status, json.loads(payload) if "json" in ctype else payload.decode()
+
+
+@contextmanager
+def running_server(config: Path) -> Iterator[Server]:
+    """Start the server on ``config`` (a free port), wait until ready; on exit,
+    SIGTERM, and check it exited 0 with none of its rank processes left. Its logs go
+    to ``server.log`` beside the config (a pipe nobody reads would fill and block it)."""
+    log = (config.parent / "server.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vertumnus", "serve", "--config", str(config), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("vertumnus listening on "), (
+            line,
+            (config.parent / "server.log").read_text()[-2000:],
+        )
+        srv = Server(proc, line.split()[-1])
+        while time.monotonic() < deadline and srv.call("GET", "/ready")[0] != 200:
+            time.sleep(0.2)
+        yield srv
+    finally:
+        ranks = children_of(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        time.sleep(0.5)
+        log.close()
+        alive = [p for p in ranks if is_running(p)]
+        assert proc.returncode == 0 and not alive, (proc.returncode, alive)
+
+
+def is_running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,118 @@
+"""Rank failures on the real server: a rank killed (SIGKILL) in the middle of a
+prefill, and a rank that hangs (SIGSTOP, past ``step_timeout_s``). The worker leaves
+the candidate set at once, its requests are answered elsewhere, exactly once and
+with the right first token, its holder records leave the trie, and it is restarted
+and rejoins with an empty cache."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from server_support import Server, running_server
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.fixture()
+def server(tmp_path: Path) -> Iterator[Server]:
+    config = tmp_path / "serve.toml"
+    config.write_text(
+        "[controller]\nenabled = false\n[cache]\nscan_interval_s = 0\n"
+        "[engine]\nthreads_per_rank = 1\nrank_timeout_s = 60\n"
+        "[server]\nstep_timeout_s = 4\n"
+    )
+    with running_server(config) as srv:
+        yield srv
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def first_token(server: Server, prompt: list[int]) -> int:
+    status, body = server.call("POST", "/v1/prefill", {"token_ids": prompt})
+    assert status == 200, body
+    return int(body["first_token"])
+
+
+def workers(server: Server) -> dict[int, dict]:  # type: ignore[type-arg]
+    return {w["worker"]: w for w in server.call("GET", "/v1/workers")[1]["workers"]}
+
+
+def wait_rejoined(server: Server, worker: int, old_pid: int, timeout_s: float = 60.0) -> dict:  # type: ignore[type-arg]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        w = workers(server)[worker]
+        if w["state"] == "active" and not w["restarting"] and w["pids"][0] != old_pid:
+            return w
+        time.sleep(0.1)
+    raise AssertionError(f"worker {worker} did not rejoin: {workers(server)[worker]}")
+
+
+def run_killing(server: Server, sig: signal.Signals) -> None:
+    prompts = [tokens(3000, seed=s) for s in range(12)]
+    # Reference answers, and a cached prefix on each worker.
+    expected = [first_token(server, p) for p in prompts]
+    before = workers(server)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [
+            pool.submit(server.call, "POST", "/v1/prefill", {"token_ids": p}) for p in prompts
+        ]
+        # Strike the rank of whichever worker is busy.
+        deadline = time.monotonic() + 10
+        victim = None
+        while victim is None and time.monotonic() < deadline:
+            busy = [w for w in workers(server).values() if w["running"] is not None]
+            if busy:
+                victim = busy[0]
+            else:
+                time.sleep(0.005)
+        assert victim is not None
+        struck = time.monotonic()
+        os.kill(victim["pids"][0], sig)
+        # Out of the candidate set within a second (the hang: within step_timeout_s).
+        limit = 1.0 if sig == signal.SIGKILL else 4.0 + 1.0
+        while workers(server)[victim["worker"]]["state"] == "active":
+            assert time.monotonic() - struck < limit, "the worker is still a candidate"
+            time.sleep(0.02)
+        answers = [f.result() for f in futures]
+    # Every request answered once, correctly, though one worker died under it.
+    assert [a[0] for a in answers] == [200] * len(prompts), answers
+    assert [a[1]["first_token"] for a in answers] == expected
+    ids = [a[1]["request_id"] for a in answers]
+    assert len(set(ids)) == len(ids)
+    assert before[victim["worker"]]["cached_blocks"] > 0
+    back = wait_rejoined(server, victim["worker"], victim["pids"][0])
+    # Back with an empty cache, and the trie holds nothing for it.
+    assert back["cached_blocks"] == 0
+    assert server.call("GET", "/v1/cache")[1]["holders"][str(victim["worker"])] == 0
+    # It serves again, and right: a burst spreads over both workers.
+    with ThreadPoolExecutor(4) as pool:
+        again = list(
+            pool.map(lambda p: server.call("POST", "/v1/prefill", {"token_ids": p}), prompts[:4])
+        )
+    assert [a[1]["first_token"] for a in again] == expected[:4]
+    assert victim["worker"] in {a[1]["worker"] for a in again}
+    health = server.call("GET", "/health")[1]
+    assert health["status"] == "ok"
+    metrics = server.call("GET", "/metrics")[1]
+    assert "vertumnus_worker_restarts_total 1.0" in metrics
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_killed_mid_prefill_loses_nothing(server: Server) -> None:
+    run_killing(server, signal.SIGKILL)
+
+
+@pytest.mark.timeout(240)
+def test_a_hung_rank_is_restarted_after_the_step_timeout(server: Server) -> None:
+    run_killing(server, signal.SIGSTOP)
