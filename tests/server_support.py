@@ -37,6 +37,18 @@ class Server:
         raw: bytes | None = None,
         content_type: str = "application/json",
     ) -> tuple[int, Any]:
+        status, payload, _ = self.call_full(method, path, body, raw, content_type)
+        return status, payload
+
+    def call_full(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        raw: bytes | None = None,
+        content_type: str = "application/json",
+    ) -> tuple[int, Any, dict[str, str]]:
+        """(status, JSON or text body, headers)."""
         data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
         req = urllib.request.Request(self.url + path, data=data, method=method)
         if data is not None:
@@ -45,12 +57,11 @@ class Server:
             req.add_header("Authorization", f"Bearer {ADMIN_TOKEN}")
         try:
             with urllib.request.urlopen(req, timeout=60) as resp:
-                payload = resp.read()
-                status = resp.status
-                ctype = resp.headers.get("Content-Type", "")
+                payload, status, headers = resp.read(), resp.status, dict(resp.headers)
         except urllib.error.HTTPError as err:
-            payload, status, ctype = err.read(), err.code, err.headers.get("Content-Type", "")
-        return status, json.loads(payload) if "json" in ctype else payload.decode()
+            payload, status, headers = err.read(), err.code, dict(err.headers)
+        ctype = headers.get("Content-Type", "")
+        return status, json.loads(payload) if "json" in ctype else payload.decode(), headers
 
 
 @contextmanager

@@ -4,8 +4,9 @@ Starts the rank processes (the embedded default: the ``tiny`` model on two CPU r
 see ``runtime/serve_config.py``), the asyncio coordinator on uvloop and the aiohttp
 API (docs/api.md). Binds 127.0.0.1 unless told otherwise; ``--port 0`` picks a free
 port. Logs are JSON lines on stderr, one per request and per reconfiguration. The
-first line on stdout says where it listens. SIGTERM or SIGINT stops admission,
-finishes or fails what is in flight, stops the ranks, and exits.
+first line on stdout says where it listens. SIGTERM or SIGINT stops admission (new
+requests get a 503), lets accepted requests finish for up to ``[server]
+shutdown_grace_s`` (30 s), fails what is left with a 503, stops the ranks and exits 0.
 """
 
 from __future__ import annotations
@@ -70,9 +71,17 @@ async def serve(args: argparse.Namespace) -> int:
         structlog.get_logger("vertumnus").info("listening", host=args.host, port=port)
         await stop.wait()
     finally:
-        structlog.get_logger("vertumnus").info("shutting_down")
+        log = structlog.get_logger("vertumnus")
+        # Stop admission, let accepted requests finish (up to the grace period),
+        # then close the listener and stop the ranks.
+        coordinator.stop_admission()
+        log.info("shutting_down", open_requests=coordinator.open_requests)
+        left = await coordinator.drain(cfg.shutdown_grace_s)
+        if left:
+            log.warning("grace_period_over", failed_requests=left)
         await runner.cleanup()
         await coordinator.close()
+        log.info("stopped")
     return 0
 
 

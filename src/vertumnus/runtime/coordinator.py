@@ -176,7 +176,8 @@ class Coordinator:
         self._windows_started_s: float | None = None
         self.rank_error: str | None = None
         # Rank failures: workers being restarted, and what their recovery waits for.
-        self._recovering: set[int] = set()
+        self._recovering: set[int] = set()  # workers being restarted
+        self._dead_ranks: set[int] = set()  # failed ranks, until their worker rejoins
         self._recovery_lock = asyncio.Lock()
         self._ready_waits: dict[int, asyncio.Future[None]] = {}  # rank -> RankReady
         self._group_waits: dict[tuple[int, int], asyncio.Future[None]] = {}  # (rank, token)
@@ -205,8 +206,26 @@ class Coordinator:
         self.ready = True
         log.info("ready", ranks=self.cfg.ranks, composition=self.composition_name())
 
+    @property
+    def open_requests(self) -> int:
+        """Accepted and not yet answered."""
+        return len(self._requests)
+
+    def stop_admission(self) -> None:
+        """New requests get a 503 (``Unavailable``); what was accepted goes on."""
+        self.ready = False
+        self.rank_error = self.rank_error or "the server is shutting down"
+
+    async def drain(self, grace_s: float) -> int:
+        """Wait until every accepted request is answered, or ``grace_s`` passes;
+        returns how many were still open."""
+        deadline = time.monotonic() + grace_s
+        while self._requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return len(self._requests)
+
     async def close(self) -> None:
-        """Stop admission, cancel what waits, stop the ranks."""
+        """Stop admission, fail what still waits (a clear 503), stop the ranks."""
         self.ready = False
         self._stopping.set()
         for periodic in (self._window_task, self._scan_task):
@@ -388,7 +407,7 @@ class Coordinator:
             PlacementRequest(req.request_id, len(req.tokens), req.block_ids), now
         )
         if placed is None:
-            reshaping = self._recovering or any(
+            reshaping = self._dead_ranks or any(
                 w.state in (WorkerState.DRAINING, WorkerState.SWITCHING)
                 for w in self.lattice.workers.values()
             )
@@ -454,7 +473,9 @@ class Coordinator:
                 # A hung rank: take the worker down (its ranks are killed and
                 # restarted) and place the request again.
                 self.rank_down(
-                    ranks[0], f"no answer within step_timeout_s = {self.cfg.step_timeout_s} s"
+                    ranks[0],
+                    f"no answer within step_timeout_s = {self.cfg.step_timeout_s} s",
+                    whole_worker=True,
                 )
                 raise WorkerLost(f"worker {worker_id} timed out") from None
         except Exception as exc:
@@ -464,7 +485,7 @@ class Coordinator:
                 self.scheduler.complete(rid)
             self._inflight.pop(rid, None)
             if isinstance(exc, RankPoolError):  # the worker's group is out of step now
-                self.rank_down(ranks[0], f"prefill failed: {exc}")
+                self.rank_down(ranks[0], f"prefill failed: {exc}", whole_worker=True)
             lost = isinstance(exc, WorkerLost | RankPoolError) or worker_id in self._recovering
             if lost and req.attempts < MAX_ATTEMPTS and not req.future.done():
                 log.warning("replaced", request_id=rid, worker=worker_id, error=str(exc))
@@ -519,43 +540,82 @@ class Coordinator:
 
     # -- rank failures -----------------------------------------------------------------
 
-    def rank_down(self, rank: int, reason: str) -> None:
-        """Rank ``rank`` died, hung or failed a prefill: its worker leaves the candidate
-        set at once and is restarted in the background (see ``_recover``)."""
-        if self._stopping.is_set():
+    def rank_down(self, rank: int, reason: str, whole_worker: bool = False) -> None:
+        """Rank ``rank`` died, hung or failed a prefill (``whole_worker``: every rank of
+        its worker is suspect). The rank is killed if it still runs, and everything
+        that waits on it fails or, for a reshape's acknowledgement, is skipped; its
+        worker leaves the candidate set and is restarted in the background (see
+        ``_recover``), after any reshape it takes part in has finished."""
+        if self._stopping.is_set() or self.pool is None:
             return
         worker = next((w for w in self.lattice.workers.values() if rank in w.devices), None)
-        if worker is None or worker.worker_id in self._recovering:
+        if worker is None:
             return
-        self._recovering.add(worker.worker_id)
+        suspects = set(worker.devices) if whole_worker else {rank}
+        fresh = suspects - self._dead_ranks
+        if not fresh:
+            return
+        first_failure = not (set(worker.devices) & self._dead_ranks)
+        self._dead_ranks |= fresh
+        for r in fresh:
+            self.pool.kill(r)  # a hung rank is dead from now on
+        lost = WorkerLost(f"worker {worker.worker_id} failed: {reason}")
+        for inflight in self._inflight.values():
+            future = inflight.future
+            if set(inflight.ranks) & fresh and future is not None and not future.done():
+                future.set_exception(lost)
+        for (_, r), wait in list(self._kv_waits.items()):
+            if r in fresh and not wait.done():
+                wait.set_exception(RankPoolError(str(lost)))
+        for (r, _), ack in list(self._acks.items()):
+            if r in fresh and not ack.done():
+                ack.set_result(None)  # the switch goes on; the worker restarts after it
         if worker.state is WorkerState.ACTIVE:
             self.lattice.fail(worker.worker_id)
-        log.error("worker_failed", worker=worker.worker_id, rank=rank, reason=reason)
-        self._spawn(self._recover(worker.worker_id, reason))
+        log.error("worker_failed", worker=worker.worker_id, ranks=sorted(fresh), reason=reason)
+        if first_failure:
+            self._spawn(self._recover(rank, reason))
 
-    async def _recover(self, worker_id: int, reason: str) -> None:
-        """Take a failed worker out, hand its work on, restart its ranks and let it
-        rejoin with an empty cache. Requests it held are placed again (or wait, when
-        no other worker can take them, until it is back)."""
+    def _in_reshape(self, rank: int) -> bool:
+        for transition, _ in self._transitions.values():
+            for w in (*transition.op.sources, *transition.new_workers):
+                lw = self.lattice.workers.get(w)
+                if lw is not None and rank in lw.devices:
+                    return True
+        return False
+
+    async def _recover(self, rank: int, reason: str) -> None:
+        """Take the failed worker of ``rank`` out, hand its work on, restart its ranks
+        and let it rejoin with an empty cache. Requests it held are placed again (or
+        wait, when no other worker can take them, until it is back). A reshape that
+        involves the rank finishes first: its drain ends when the failed prefill
+        does, and the dead rank's acknowledgement is skipped."""
         assert self.pool is not None and self._loop is not None
-        w = self.lattice.workers[worker_id]
-        ranks = tuple(w.devices)
         started = time.monotonic()
+        worker_id: int | None = None
+        ranks: tuple[int, ...] = (rank,)
         try:
             async with self._recovery_lock:
-                # Everything that waits on these ranks fails now.
+                deadline = time.monotonic() + self.cfg.engine.rank_timeout_s
+                while self._in_reshape(rank) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                w = next(w for w in self.lattice.workers.values() if rank in w.devices)
+                worker_id, ranks = w.worker_id, tuple(w.devices)
+                self._recovering.add(worker_id)
+                if w.state is not WorkerState.UNAVAILABLE:
+                    self.lattice.fail(worker_id)  # (a worker a failed reshape left behind too)
+                self._dead_ranks |= set(ranks)
+                for r in ranks:
+                    self.pool.kill(r)
                 lost = WorkerLost(f"worker {worker_id} failed: {reason}")
                 for inflight in self._inflight.values():
                     future = inflight.future
                     hit = set(inflight.ranks) & set(ranks)
                     if hit and future is not None and not future.done():
                         future.set_exception(lost)
-                for (_, rank), wait in list(self._kv_waits.items()):
-                    if rank in ranks and not wait.done():
+                for (_, r), wait in list(self._kv_waits.items()):
+                    if r in ranks and not wait.done():
                         wait.set_exception(RankPoolError(str(lost)))
-                for (rank, _), ack in list(self._acks.items()):
-                    if rank in ranks and not ack.done():
-                        ack.set_exception(RankPoolError(str(lost)))
                 for preq in self.scheduler.drain(worker_id):
                     req = self._requests.get(preq.request_id)
                     if req is not None and not req.future.done():
@@ -594,13 +654,16 @@ class Coordinator:
                 )
         except Exception as exc:
             self.rank_error = f"worker {worker_id} could not be restarted: {exc}"
-            log.error("worker_restart_failed", worker=worker_id, error=str(exc))
+            log.error("worker_restart_failed", worker=worker_id, error=repr(exc))
         finally:
-            self._recovering.discard(worker_id)
-            for rank in ranks:
-                self._ready_waits.pop(rank, None)
+            if worker_id is not None:
+                self._recovering.discard(worker_id)
+                if worker_id in self._wake:
+                    self._wake[worker_id].set()
+            self._dead_ranks -= set(ranks)
+            for r in ranks:
+                self._ready_waits.pop(r, None)
             self._group_waits = {k: v for k, v in self._group_waits.items() if not v.done()}
-            self._wake[worker_id].set()
             waiting, self._waiting = self._waiting, []
             for req in waiting:
                 if not req.future.done():
@@ -774,10 +837,19 @@ class Coordinator:
                     fut: asyncio.Future[None] = self._loop.create_future()
                     self._acks[(r, epoch)] = fut
                     acks.append((w, r - ranks[0], fut))
-                    self.pool.send(r, SwitchEpoch(epoch, ranks))
+                    if r in self._dead_ranks:
+                        fut.set_result(None)  # restarted after this switch, all groups new
+                    else:
+                        self.pool.send(r, SwitchEpoch(epoch, ranks))
             for w, cp_rank, fut in acks:
                 await asyncio.wait_for(fut, self.cfg.engine.rank_timeout_s)
                 self.reconf.acknowledge(transition, w, cp_rank, time.monotonic())
+            for key in [k for k in self._acks if k[1] == epoch]:
+                self._acks.pop(key)  # (a skipped, dead rank's)
+            # A new worker with a failed rank is not a candidate: its restart follows.
+            for w in transition.new_workers:
+                if set(self.lattice.workers[w].devices) & self._dead_ranks:
+                    self.lattice.fail(w)
             waiting, self._waiting = self._waiting, []
             for req in waiting:
                 if not req.future.done():

@@ -1,0 +1,306 @@
+"""Soak: the real server under steady load, with periodic splits and merges and one
+rank killed, checked for lost requests, wrong answers and memory growth.
+
+    .venv/bin/python tools/soak.py [--duration-s 600] [--rate 8] [--reshape-every-s 20]
+        [--kill-at-s DURATION/2] [--out results/soak.json]
+
+It starts ``python -m vertumnus serve`` on the embedded default (tiny, 2 CPU ranks,
+loopback only, the controller off: this tool reshapes by hand), sends Poisson
+arrivals of prompts drawn from 48 prompts over 8 shared prefixes, merges and splits
+every ``--reshape-every-s`` through the admin API, and SIGKILLs one rank of a busy
+worker at ``--kill-at-s``. Every answer's first token is checked against a
+single-process reference forward of the same seeded model (a differing token counts
+as wrong unless the two logits tie within 1e-4). Resident memory (VmRSS) of the
+coordinator and of each rank is sampled every 5 s; growth is measured from the end
+of the warm-up (the first fifth of the run) to the end. Prints a summary, writes
+the JSON, and exits 1 if a request was lost, answered wrongly or answered twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+ADMIN_TOKEN = "soak-admin-token-0123456789"
+
+
+def rss_kib(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(256) for _ in range(rng.randrange(256, 1024))] for _ in range(8)]
+    out = []
+    for k in range(48):
+        own = [rng.randrange(256) for _ in range(rng.randrange(64, 1024))]
+        out.append(prefixes[k % 8] + own)
+    return out
+
+
+def reference(prompt_list: list[list[int]]) -> list[tuple[int, Any]]:
+    """(argmax, last-position logits) of each prompt, one process, no cache."""
+    import torch
+
+    from vertumnus.config import EngineConfig, resolve_model
+    from vertumnus.engine.model import causal_attention
+    from vertumnus.engine.weights import build_model
+
+    cfg, model_dir = resolve_model("tiny")
+    engine = EngineConfig()
+    model = build_model(cfg, model_dir, engine.seed, torch.float32, torch.device("cpu"))
+    out = []
+    with torch.inference_mode():
+        for p in prompt_list:
+            ids = torch.tensor(p, dtype=torch.long)
+            hidden = model(ids, torch.arange(len(p)), causal_attention())
+            logits = model.logits(hidden[-1:])[0]
+            out.append((int(logits.argmax()), logits))
+    return out
+
+
+def call(url: str, path: str, body: Any = None, timeout: float = 120) -> Any:
+    data = None if body is None else orjson.dumps(body)
+    req = urllib.request.Request(url + path, data=data, method="POST" if data else "GET")
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    if path.startswith("/v1/admin/"):
+        req.add_header("Authorization", f"Bearer {ADMIN_TOKEN}")
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return orjson.loads(resp.read())
+
+
+async def drive(url: str, args: argparse.Namespace, server_pid: int) -> dict[str, Any]:
+    import aiohttp
+
+    pool = prompts(args.seed)
+    rng = random.Random(args.seed + 1)
+    outcomes: list[dict[str, Any]] = []
+    reshapes: list[dict[str, Any]] = []
+    memory: list[dict[str, Any]] = []
+    killed: dict[str, Any] = {}
+    start = time.monotonic()
+    loop = asyncio.get_running_loop()
+
+    async def one(session: aiohttp.ClientSession, k: int, at: float) -> None:
+        await asyncio.sleep(max(0.0, at - (time.monotonic() - start)))
+        rec: dict[str, Any] = {"prompt": k, "sent_s": time.monotonic() - start}
+        try:
+            async with session.post(f"{url}/v1/prefill", json={"token_ids": pool[k]}) as resp:
+                body = await resp.json()
+                rec["status"] = resp.status
+                if resp.status == 200:
+                    rec.update(
+                        first_token=body["first_token"],
+                        request_id=body["request_id"],
+                        ttft_s=body["ttft_s"],
+                        worker=body["worker"],
+                    )
+                else:
+                    rec["error"] = body.get("error", {}).get("message")
+        except Exception as exc:  # the client saw no answer: lost
+            rec["status"] = None
+            rec["error"] = f"{type(exc).__name__}: {exc}"
+        outcomes.append(rec)
+
+    async def reshaper() -> None:
+        while time.monotonic() - start < args.duration_s - args.reshape_every_s:
+            await asyncio.sleep(args.reshape_every_s)
+            try:
+                ws = (await loop.run_in_executor(None, call, url, "/v1/workers"))["workers"]
+                if any(w["state"] != "active" for w in ws):
+                    reshapes.append({"at_s": time.monotonic() - start, "skipped": "restarting"})
+                    continue  # a worker is restarting: reshape next time
+                body: dict[str, Any] = (
+                    {"op": "merge"} if len(ws) == 2 else {"op": "split", "worker": ws[0]["worker"]}
+                )
+                done = await loop.run_in_executor(None, call, url, "/v1/admin/reconfigure", body)
+                reshapes.append({"at_s": time.monotonic() - start, **done})
+            except Exception as exc:
+                reshapes.append({"at_s": time.monotonic() - start, "error": str(exc)})
+
+    async def killer() -> None:
+        await asyncio.sleep(args.kill_at_s)
+        ws = (await loop.run_in_executor(None, call, url, "/v1/workers"))["workers"]
+        busy = [w for w in ws if w["running"] is not None] or ws
+        victim = busy[0]
+        os.kill(victim["pids"][0], signal.SIGKILL)
+        killed.update(at_s=time.monotonic() - start, worker=victim["worker"], pid=victim["pids"][0])
+
+    async def sampler() -> None:
+        while time.monotonic() - start < args.duration_s:
+            ws = (await loop.run_in_executor(None, call, url, "/v1/workers"))["workers"]
+            ranks = [p for w in ws for p in w["pids"] if p is not None]
+            memory.append(
+                {
+                    "t_s": time.monotonic() - start,
+                    "coordinator_kib": rss_kib(server_pid),
+                    "ranks_kib": {str(p): rss_kib(p) for p in ranks},
+                }
+            )
+            await asyncio.sleep(5.0)
+
+    arrivals, t = [], 0.0
+    while True:
+        t += rng.expovariate(args.rate)
+        if t >= args.duration_s:
+            break
+        arrivals.append((rng.randrange(len(pool)), t))
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        side = [asyncio.create_task(c) for c in (reshaper(), killer(), sampler())]
+        await asyncio.gather(*(one(session, k, at) for k, at in arrivals))
+        for task in side:
+            task.cancel()
+    return {
+        "sent": len(arrivals),
+        "outcomes": outcomes,
+        "reshapes": reshapes,
+        "killed": killed,
+        "memory": memory,
+    }
+
+
+def growth(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, float | None]:
+    """RSS growth from the first sample after the warm-up to the last, per process
+    that lived through both (a restarted rank is a new process that warms up again:
+    it is left out)."""
+    after = [s for s in samples if s["t_s"] >= warmup_s]
+    if len(after) < 2:
+        return {}
+    first, last = after[0], after[-1]
+    out: dict[str, float | None] = {}
+    if first["coordinator_kib"] and last["coordinator_kib"]:
+        out["coordinator"] = last["coordinator_kib"] / first["coordinator_kib"] - 1
+    for pid, kib in first["ranks_kib"].items():
+        end = last["ranks_kib"].get(pid)
+        if kib and end:
+            out[f"rank pid {pid}"] = end / kib - 1
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
+    parser.add_argument("--duration-s", type=float, default=600.0)
+    parser.add_argument("--rate", type=float, default=8.0)
+    parser.add_argument("--reshape-every-s", type=float, default=20.0)
+    parser.add_argument("--kill-at-s", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("results/soak.json"))
+    args = parser.parse_args()
+    if args.kill_at_s is None:
+        args.kill_at_s = args.duration_s / 2
+    pool = prompts(args.seed)
+    expected = reference(pool)
+    config = Path(tempfile.mkdtemp()) / "soak.toml"
+    config.write_text(
+        "[controller]\nenabled = false\n[engine]\nthreads_per_rank = 1\n"
+        f'[server]\nadmin_token = "{ADMIN_TOKEN}"\nstep_timeout_s = 20\n'
+    )
+    log_path = config.with_name("server.log")
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vertumnus", "serve", "--config", str(config), "--port", "0"],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+        try:
+            assert proc.stdout is not None
+            url = proc.stdout.readline().split()[-1]
+            while True:
+                try:
+                    if call(url, "/ready").get("ready"):
+                        break
+                except OSError:
+                    time.sleep(0.2)
+            wall = time.monotonic()
+            run = asyncio.run(drive(url, args, proc.pid))
+            wall = time.monotonic() - wall
+            metrics = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(120)
+    outcomes = run["outcomes"]
+    answered = [o for o in outcomes if o["status"] == 200]
+    lost = [o for o in outcomes if o["status"] is None]
+    refused = [o for o in outcomes if o["status"] not in (None, 200)]
+    wrong = []
+    for o in answered:
+        token, logits = expected[o["prompt"]]
+        if o["first_token"] != token and float(logits[token] - logits[o["first_token"]]) > 1e-4:
+            wrong.append(o)
+    ids = [o["request_id"] for o in answered]
+    restarts = sum(
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("vertumnus_worker_restarts_total")
+    )
+    ttft = [o["ttft_s"] for o in answered]
+    summary = {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "wall_s": wall,
+        "sent": run["sent"],
+        "answered": len(answered),
+        "lost": len(lost),
+        "refused": len(refused),
+        "wrong": len(wrong),
+        "answered_twice": len(ids) - len(set(ids)),
+        "reshapes_done": sum("op" in r for r in run["reshapes"]),
+        "reshapes_skipped": sum("skipped" in r for r in run["reshapes"]),
+        "reshape_errors": [r["error"] for r in run["reshapes"] if "error" in r],
+        "killed": run["killed"],
+        "worker_restarts": restarts,
+        "mean_ttft_ms": 1e3 * statistics.fmean(ttft) if ttft else None,
+        "p99_ttft_ms": 1e3 * sorted(ttft)[int(0.99 * (len(ttft) - 1))] if ttft else None,
+        "rss_growth_after_warmup": growth(run["memory"], args.duration_s / 5),
+        "errors": sorted({str(o.get("error")) for o in lost + refused})[:10],
+        "server_log": str(log_path),
+        "memory": run["memory"],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    for key in (
+        "wall_s",
+        "sent",
+        "answered",
+        "lost",
+        "refused",
+        "wrong",
+        "answered_twice",
+        "reshapes_done",
+        "reshapes_skipped",
+        "reshape_errors",
+        "killed",
+        "worker_restarts",
+        "mean_ttft_ms",
+        "p99_ttft_ms",
+        "rss_growth_after_warmup",
+        "errors",
+    ):
+        print(f"{key:<24} {summary[key]}")
+    bad = summary["lost"] or summary["wrong"] or summary["answered_twice"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
