@@ -32,15 +32,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
-import subprocess
-import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from _serving import start_server
 from vertumnus import loadgen
 from vertumnus.perfmodel import Profile
 from vertumnus.policy.cache_plans import CacheManagerConfig
@@ -60,25 +58,6 @@ VARIANTS = {
     "cache-first": '[controller]\nenabled = false\n[scheduler]\npolicy = "cache-first"\n'
     "[cache]\nscan_interval_s = 0\n",
 }
-
-
-def serve(config: Path) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vertumnus", "serve", "--config", str(config), "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert proc.stdout is not None
-    url = proc.stdout.readline().split()[-1]
-    for _ in range(600):
-        try:
-            with urllib.request.urlopen(url + "/ready", timeout=5) as resp:
-                if resp.status == 200:
-                    break
-        except OSError:
-            time.sleep(0.1)
-    return proc, url
 
 
 def server_timings(url: str) -> dict[str, float]:
@@ -163,7 +142,7 @@ def main() -> None:
     for name, text in VARIANTS.items():
         config = args.out / f"{name}.toml"
         config.write_text(text)
-        proc, url = serve(config)
+        proc, url = start_server(config)
         try:
             # How far into its current controller window the server is as the load
             # starts: the simulator lines its windows up with that.

@@ -25,12 +25,14 @@ import json
 import random
 import signal
 import statistics
-import subprocess
-import sys
+import tempfile
 import threading
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
+
+from _serving import start_server
 
 ADMIN_TOKEN = "bench-serve-admin-token-0123"
 
@@ -61,24 +63,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--reshapes", type=int, default=10)
     args = parser.parse_args()
-    config = "/tmp/vertumnus-bench-serve.toml"
-    with open(config, "w") as f:
-        f.write(f'[controller]\nenabled = false\n[server]\nadmin_token = "{ADMIN_TOKEN}"\n')
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vertumnus", "serve", "--config", config, "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    config = Path(tempfile.mkdtemp()) / "bench-serve.toml"
+    config.write_text(f'[controller]\nenabled = false\n[server]\nadmin_token = "{ADMIN_TOKEN}"\n')
+    proc, url = start_server(config)
     try:
-        assert proc.stdout is not None
-        url = proc.stdout.readline().split()[-1]
-        while True:
-            try:
-                if call(url, "/ready").get("ready"):
-                    break
-            except OSError:
-                time.sleep(0.2)
         rng = random.Random(0)
         overhead, ttft = [], []
         for _ in range(args.requests):

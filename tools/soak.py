@@ -24,7 +24,6 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
+from _serving import start_server
 
 ADMIN_TOKEN = "soak-admin-token-0123456789"
 
@@ -218,21 +219,8 @@ def main() -> int:
     )
     log_path = config.with_name("server.log")
     with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vertumnus", "serve", "--config", str(config), "--port", "0"],
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-        )
+        proc, url = start_server(config, stderr=log)
         try:
-            assert proc.stdout is not None
-            url = proc.stdout.readline().split()[-1]
-            while True:
-                try:
-                    if call(url, "/ready").get("ready"):
-                        break
-                except OSError:
-                    time.sleep(0.2)
             wall = time.monotonic()
             run = asyncio.run(drive(url, args, proc.pid))
             wall = time.monotonic() - wall
