@@ -221,8 +221,8 @@ def test_model_folder(checkpoint: Checkpoint, tmp_path: Path) -> None:
 BAD_INPUT = {
     "unknown-model": (
         ["--model", "no-such-model", "--prompt-len", "10"],
-        "--model 'no-such-model': neither a built-in preset (qwen3-0.6b-4l, tiny) nor a "
-        "folder with config.json and *.safetensors",
+        "--model 'no-such-model': neither a built-in preset (qwen3-0.6b-4l, qwen3-30b-a3b-2l, "
+        "tiny, tiny-moe) nor a folder with config.json and *.safetensors",
     ),
     "prefix-longer-than-prompt": (
         ["--prompt-len", "10", "--prefix-len", "11"],
@@ -302,7 +302,8 @@ def test_bad_model_folders(checkpoint: Checkpoint, tmp_path: Path) -> None:
     assert_one_line_error(
         run_cli("prefill", "--model", str(tmp_path), "--prompt-len", "5"),
         2,
-        "unsupported architecture 'LlamaForCausalLM'; supported: Qwen3ForCausalLM",
+        "unsupported architecture 'LlamaForCausalLM'; supported: Qwen3ForCausalLM, "
+        "Qwen3MoeForCausalLM",
     )
     # Checked before any rank starts: the folder's config allows 4096 positions.
     assert_one_line_error(

@@ -124,8 +124,21 @@ def test_reads_what_transformers_writes() -> None:
     [
         ({"architectures": ["LlamaForCausalLM"]}, "unsupported architecture 'LlamaForCausalLM'"),
         (
-            {"architectures": ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]},
-            "unsupported architecture 'Qwen3MoeForCausalLM'",
+            {"architectures": ["Qwen3ForCausalLM", "Qwen2MoeForCausalLM"]},
+            "unsupported architecture 'Qwen2MoeForCausalLM'",
+        ),
+        (
+            {"architectures": ["Qwen3MoeForCausalLM"], "num_experts_per_tok": 2},
+            "config.json lacks MoE fields: num_experts, moe_intermediate_size",
+        ),
+        (
+            {
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "num_local_experts": 4,
+                "num_experts_per_tok": 5,
+                "moe_intermediate_size": 8,
+            },
+            "num_experts_per_tok must lie in [1, num_experts]",
         ),
         ({"architectures": _DROP, "model_type": "llama"}, "unsupported model_type 'llama'"),
         ({"architectures": [], "model_type": _DROP}, "unsupported model_type None"),

@@ -159,6 +159,9 @@ def run(args: argparse.Namespace) -> int:
         "prefix_prefill_s": None if prefix_s is None else round(prefix_s, 6),
         "collectives_per_rank": out.collectives,
     }
+    if out.expert_tokens is not None:
+        # The last prefill's (token, expert) assignments per expert, by sparse layer.
+        result["expert_tokens"] = {str(k): v for k, v in out.expert_tokens.items()}
     if args.dump_logits is not None:
         import numpy as np
 

@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 class ConfigError(ValueError):
@@ -28,7 +29,8 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Qwen3-family decoder (names follow ``Qwen3Config``)."""
+    """Shape of a Qwen3-family decoder (names follow ``Qwen3Config`` and, for the
+    mixture-of-experts fields, ``Qwen3MoeConfig``; ``num_experts`` = 0: dense)."""
 
     vocab_size: int
     hidden_size: int
@@ -43,6 +45,29 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     name: str = "custom"
+    # Mixture of experts (Qwen3-MoE): a layer is sparse when it is not in
+    # ``mlp_only_layers`` and (layer + 1) % decoder_sparse_step == 0.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def sparse_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_sparse_layer(i)]
 
     def __post_init__(self) -> None:
         for f in (
@@ -68,6 +93,19 @@ class ModelConfig:
             raise ConfigError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
         if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
             raise ConfigError("model config: rms_norm_eps and rope_theta must be positive")
+        if self.num_experts < 0:
+            raise ConfigError(f"model config: num_experts must be >= 0, got {self.num_experts}")
+        if self.num_experts > 0:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ConfigError(
+                    "model config: num_experts_per_tok must lie in [1, num_experts], got "
+                    f"{self.num_experts_per_tok} of {self.num_experts}"
+                )
+            if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
+                raise ConfigError(
+                    "model config: moe_intermediate_size and decoder_sparse_step must be "
+                    "positive for a mixture-of-experts model"
+                )
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -86,11 +124,37 @@ class ModelConfig:
                     f"unsupported architecture {unsupported[0]!r}; supported: "
                     f"{', '.join(SUPPORTED_ARCHITECTURES)}"
                 )
-        elif model_type != "qwen3":
+            arch = archs[0]
+        elif model_type in _MODEL_TYPES:
+            arch = _MODEL_TYPES[model_type]
+        else:
             raise ConfigError(
                 f"unsupported model_type {model_type!r} (no 'architectures' given); "
-                f"supported: qwen3 ({', '.join(SUPPORTED_ARCHITECTURES)})"
+                f"supported: {', '.join(_MODEL_TYPES)} ({', '.join(SUPPORTED_ARCHITECTURES)})"
             )
+        moe: dict[str, Any] = {}
+        if arch == "Qwen3MoeForCausalLM":
+            # transformers >= 5 writes num_experts as num_local_experts.
+            experts = raw.get("num_experts", raw.get("num_local_experts"))
+            missing_moe = [
+                k
+                for k, v in (
+                    ("num_experts", experts),
+                    ("num_experts_per_tok", raw.get("num_experts_per_tok")),
+                    ("moe_intermediate_size", raw.get("moe_intermediate_size")),
+                )
+                if v is None
+            ]
+            if missing_moe:
+                raise ConfigError(f"config.json lacks MoE fields: {', '.join(missing_moe)}")
+            moe = {
+                "num_experts": int(experts),  # type: ignore[arg-type]
+                "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+                "moe_intermediate_size": int(raw["moe_intermediate_size"]),
+                "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+                "decoder_sparse_step": int(raw.get("decoder_sparse_step", 1)),
+                "mlp_only_layers": tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+            }
         if raw.get("use_sliding_window"):
             raise ConfigError("sliding-window attention is not supported")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -123,6 +187,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
             name=name,
+            **moe,
         )
 
     @classmethod
@@ -152,6 +217,42 @@ PRESETS: dict[str, ModelConfig] = {
         max_position_embeddings=65_536,
         tie_word_embeddings=True,
         name="tiny",
+    ),
+    # Qwen3-MoE with a few small experts, for tests and the CPU demo.
+    "tiny-moe": ModelConfig(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=65_536,
+        tie_word_embeddings=True,
+        name="tiny-moe",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+    ),
+    # Qwen3-30B-A3B's layer shape (128 experts, top 8) cut to 2 layers: benchmarks.
+    "qwen3-30b-a3b-2l": ModelConfig(
+        vocab_size=151_936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=40_960,
+        tie_word_embeddings=False,
+        name="qwen3-30b-a3b-2l",
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
     ),
     "qwen3-0.6b-4l": ModelConfig(
         vocab_size=151_936,

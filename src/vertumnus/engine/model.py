@@ -1,7 +1,8 @@
-"""Qwen3 decoder in plain PyTorch, unaware of parallelism.
+"""Qwen3 and Qwen3-MoE decoders in plain PyTorch, unaware of parallelism.
 
 Owns the layers and their arithmetic (RMSNorm, RoPE, grouped-query attention with
-per-head q/k RMSNorm, SwiGLU MLP, optional tied embeddings). It does not own
+per-head q/k RMSNorm, SwiGLU MLP or a sparse mixture of SwiGLU experts, optional
+tied embeddings). It does not own
 attention itself: every layer hands its post-RoPE queries, keys and values to an
 ``AttentionFn`` supplied by the caller, which is where context parallelism, prefix
 caches and KV capture live (``engine/zigzag.py``). Parameter names match the
@@ -104,27 +105,104 @@ class MLP(nn.Module):
         return self.down_proj(h.mul_(self.up_proj(x)))
 
 
-class DecoderLayer(nn.Module):
+class Experts(nn.Module):
+    """The experts of one sparse layer, fused as Hugging Face's ``Qwen3MoeExperts``
+    holds them: ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I]."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+
+
+class SparseMoeBlock(nn.Module):
+    """Qwen3-MoE's sparse block: softmax router (fp32), top-k experts, renormalised
+    when ``norm_topk_prob``; each token's output is the routing-weighted sum of its
+    experts' SwiGLU outputs.
+
+    Dispatch is grouped by expert: the (token, expert) assignments are sorted by
+    expert, each active expert runs one matmul pair over its tokens, and the results
+    are scattered back with one ``index_add_``. No Python loop over tokens.
+    ``tokens_per_expert`` accumulates how many assignments each expert served (the
+    load balance), until ``reset`` by the caller."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(cfg.num_experts, dtype=torch.long), persistent=False
+        )
+
+    def forward(self, x: Tensor, counted: Tensor | None = None) -> Tensor:
+        """``counted``: [T] bool, the rows that count in ``tokens_per_expert`` (not
+        the padding of a zigzag share); None: all."""
+        probs = F.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float32)  # [T, E]
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        flat = chosen.reshape(-1)  # [T*k]: assignment a is token a // k
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        if counted is None:
+            self.tokens_per_expert += counts
+        else:
+            real = chosen[counted].reshape(-1)
+            self.tokens_per_expert += torch.bincount(real, minlength=self.num_experts)
+        token_of = order // self.top_k
+        xs = x.index_select(0, token_of)  # [T*k, H], grouped by expert
+        out = torch.empty_like(xs)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n == 0:
+                continue
+            rows = slice(start, start + n)
+            g, u = F.linear(xs[rows], gate_up[e]).chunk(2, dim=-1)
+            out[rows] = F.linear(F.silu(g) * u, down[e])
+            start += n
+        out.mul_(weights.reshape(-1)[order].unsqueeze(-1))
+        return torch.zeros_like(x).index_add_(0, token_of, out)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+        super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = SparseMoeBlock(cfg) if cfg.is_sparse_layer(layer) else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionFn
+        self,
+        layer: int,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        attention: AttentionFn,
+        counted: Tensor | None = None,
     ) -> Tensor:
         # Residual adds in place: ``x`` is this forward's own buffer (the embedding output).
         x = x.add_(self.self_attn(layer, self.input_layernorm(x), cos, sin, attention))
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+        h = self.post_attention_layernorm(x)
+        return x.add_(self.mlp(h, counted) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(h))
 
 
 class Qwen3Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -147,18 +225,44 @@ class Qwen3ForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
-    def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionFn) -> Tensor:
-        """``input_ids``, ``positions``: [T] int64 -> hidden [T, hidden] after the final norm."""
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        attention: AttentionFn,
+        counted: Tensor | None = None,
+    ) -> Tensor:
+        """``input_ids``, ``positions``: [T] int64 -> hidden [T, hidden] after the final
+        norm. ``counted``: [T] bool, the tokens that count in the experts' load (the
+        rest is padding); None: all."""
         cfg = self.config
         x = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(i, x, cos, sin, attention)
+            x = layer(i, x, cos, sin, attention, counted)
         return self.model.norm(x)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """[N, hidden] -> [N, vocab] in fp32."""
         return self.lm_head(hidden).float()
+
+    def reset_expert_tokens(self) -> None:
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, SparseMoeBlock):
+                layer.mlp.tokens_per_expert.zero_()
+
+    def expert_tokens(self, reset: bool = True) -> dict[int, list[int]] | None:
+        """Assignments each expert served since the last reset, by sparse layer
+        (None for a dense model)."""
+        if not self.config.is_moe:
+            return None
+        out = {}
+        for i, layer in enumerate(self.model.layers):
+            if isinstance(layer.mlp, SparseMoeBlock):
+                out[i] = layer.mlp.tokens_per_expert.tolist()
+                if reset:
+                    layer.mlp.tokens_per_expert.zero_()
+        return out
 
 
 def causal_attention(prefix_kv: list[tuple[Tensor, Tensor]] | None = None) -> AttentionFn:

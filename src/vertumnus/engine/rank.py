@@ -231,6 +231,7 @@ def _run(
             elapsed,
             None if logits is None else logits.cpu(),
             dict(comm.calls),
+            model.expert_tokens(),
         )
     except Exception as exc:
         return RankFailed(

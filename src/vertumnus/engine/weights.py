@@ -1,7 +1,13 @@
 """Model construction: seeded random weights for presets, or a Hugging Face folder.
 
 Owns the mapping from checkpoint tensors to ``Qwen3ForCausalLM`` parameters and the
-errors a user sees when a checkpoint does not fit. Does not own the architecture
+errors a user sees when a checkpoint does not fit. Qwen3-MoE experts load from
+either layout a checkpoint may use: one tensor per expert and projection
+(``mlp.experts.E.gate_proj.weight`` [I, H], ``up_proj`` [I, H], ``down_proj`` [H, I],
+as transformers saves them) or fused (``mlp.experts.gate_up_proj`` [E, 2I, H] and
+``mlp.experts.down_proj`` [E, H, I], the in-memory layout of newer transformers, or
+their transposes [E, H, 2I] and [E, I, H]; when 2I = H a transpose cannot be told
+apart, and the tensor is read in the transformers layout). Does not own the architecture
 (``model.py``) or device placement policy beyond the ``device``/``dtype`` it is given.
 """
 
@@ -9,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -36,6 +43,7 @@ def random_model(cfg: ModelConfig, seed: int) -> Qwen3ForCausalLM:
     with torch.device("meta"):
         model = Qwen3ForCausalLM(cfg)
     model = model.to_empty(device="cpu")
+    model.reset_expert_tokens()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     gen = torch.Generator().manual_seed(seed)
@@ -47,8 +55,8 @@ def random_model(cfg: ModelConfig, seed: int) -> Qwen3ForCausalLM:
                 param.copy_(0.02 * torch.randn(param.shape, generator=gen))
             elif "embed_tokens" in name:
                 param.copy_(torch.randn(param.shape, generator=gen))
-            else:
-                fan_in = param.shape[1]
+            else:  # [out, in] matrices and [E, out, in] expert stacks
+                fan_in = param.shape[-1]
                 param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(fan_in))
     return model
 
@@ -64,6 +72,9 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
 def load_model(
     cfg: ModelConfig, model_dir: str | Path, dtype: torch.dtype, device: torch.device
 ) -> Qwen3ForCausalLM:
@@ -72,10 +83,19 @@ def load_model(
     with torch.device("meta"):
         model = Qwen3ForCausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
+    model.reset_expert_tokens()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     params = dict(model.named_parameters())
-    expected = set(params)
+    # What must be loaded: whole parameters, and each expert's projections.
+    expected: set[str] = set()
+    for name, param in params.items():
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            base = name.rsplit(".", 1)[0]
+            parts = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+            expected |= {f"{base}.{e}.{p}.weight" for e in range(param.shape[0]) for p in parts}
+        else:
+            expected.add(name)
     loaded: set[str] = set()
     with torch.no_grad():
         for path in _safetensors_files(model_dir):
@@ -83,21 +103,8 @@ def load_model(
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                     if name.endswith(_IGNORED_SUFFIXES):
                         continue
-                    if name not in params:
-                        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                            continue
-                        raise ConfigError(
-                            f"{path.name}: unexpected tensor {name!r} "
-                            "for a Qwen3 decoder of this config"
-                        )
                     tensor = f.get_tensor(name)
-                    if tuple(tensor.shape) != tuple(params[name].shape):
-                        raise ConfigError(
-                            f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                            f"config.json implies {tuple(params[name].shape)}"
-                        )
-                    params[name].copy_(tensor.to(dtype))
-                    loaded.add(name)
+                    loaded |= _place(cfg, params, name, tensor, path.name, dtype)
     if cfg.tie_word_embeddings:
         loaded.add("lm_head.weight")  # shares embed_tokens.weight
     missing = sorted(expected - loaded)
@@ -107,6 +114,64 @@ def load_model(
         )
         raise ConfigError(f"{model_dir}: checkpoint lacks tensors: {shown}")
     return model.eval()
+
+
+def _place(
+    cfg: ModelConfig,
+    params: dict[str, torch.nn.Parameter],
+    name: str,
+    tensor: torch.Tensor,
+    file: str,
+    dtype: torch.dtype,
+) -> set[str]:
+    """Copy one checkpoint tensor into the model; returns the names it satisfies."""
+    i = cfg.moe_intermediate_size
+    per_expert = _PER_EXPERT.match(name)
+    if per_expert is not None:
+        base, e, proj = per_expert.group(1), int(per_expert.group(2)), per_expert.group(3)
+        target = params.get(f"{base}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}")
+        if target is None or e >= target.shape[0]:
+            raise ConfigError(f"{file}: unexpected tensor {name!r} for this config's experts")
+        dest = {
+            "gate_proj": target[e, :i],
+            "up_proj": target[e, i:],
+            "down_proj": target[e],
+        }[proj]
+        _copy(dest, tensor, name, file, dtype)
+        return {name}
+    if name.endswith((".experts.gate_up_proj", ".experts.down_proj")) and name in params:
+        target = params[name]
+        if tuple(tensor.shape) != tuple(target.shape):
+            flipped = (target.shape[0], target.shape[2], target.shape[1])
+            if tuple(tensor.shape) != flipped or target.shape[1] == target.shape[2]:
+                raise ConfigError(
+                    f"{file}: unsupported expert layout: {name!r} has shape "
+                    f"{tuple(tensor.shape)}; expected {tuple(target.shape)} (fused, as "
+                    f"transformers holds it), {flipped} (transposed), or one tensor per expert"
+                )
+            tensor = tensor.transpose(1, 2)
+        _copy(target, tensor, name, file, dtype)
+        base = name.rsplit(".", 1)[0]
+        parts = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+        return {f"{base}.{e}.{p}.weight" for e in range(target.shape[0]) for p in parts}
+    if name not in params:
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            return set()
+        kind = "Qwen3-MoE" if cfg.is_moe else "Qwen3"
+        raise ConfigError(f"{file}: unexpected tensor {name!r} for a {kind} decoder of this config")
+    _copy(params[name], tensor, name, file, dtype)
+    return {name}
+
+
+def _copy(
+    dest: torch.Tensor, tensor: torch.Tensor, name: str, file: str, dtype: torch.dtype
+) -> None:
+    if tuple(tensor.shape) != tuple(dest.shape):
+        raise ConfigError(
+            f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+            f"config.json implies {tuple(dest.shape)}"
+        )
+    dest.copy_(tensor.to(dtype))
 
 
 def build_model(

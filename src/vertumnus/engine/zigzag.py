@@ -181,7 +181,7 @@ def prefill_rank(
     ids = torch.where(real, step.token_ids[idx.clamp(max=part.num_tokens - 1)], 0)
     positions = step.prefix_len + idx
     attention = ZigzagAttention(part, comm, store, step)
-    hidden = model(ids, positions, attention)  # [2s, H]
+    hidden = model(ids, positions, attention, counted=real)  # [2s, H]
     gathered = comm.all_gather(hidden, tag="out")  # [C, 2s, H]
     if comm.rank != 0:
         return None

@@ -169,6 +169,8 @@ class PrefillDone(_TensorsAsBytes):
     compute_s: float  # wall time of this rank's part
     logits: Tensor | None  # fp32, only from CP rank 0 of the worker
     collectives: dict[str, int]  # collectives this rank issued, by tag
+    # MoE models: this rank's (token, expert) assignments per expert, by sparse layer
+    expert_tokens: dict[int, list[int]] | None = None
     _tensor_fields = ("logits",)
 
 

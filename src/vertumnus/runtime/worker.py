@@ -72,6 +72,8 @@ class PrefillOutcome:
     rank_compute_s: tuple[float, ...]
     collectives: dict[str, int]  # per rank (all equal): collectives issued, by tag
     report: CacheReport
+    # MoE: (token, expert) assignments per expert, summed over the ranks, by sparse layer
+    expert_tokens: dict[int, list[int]] | None = None
 
     @property
     def first_token(self) -> int:
@@ -132,4 +134,17 @@ class PrefillWorker:
             rank_compute_s=tuple(done[r].compute_s for r in self.ranks),
             collectives=lead.collectives,
             report=report,
+            expert_tokens=_sum_expert_tokens([done[r].expert_tokens for r in self.ranks]),
         )
+
+
+def _sum_expert_tokens(
+    per_rank: Sequence[dict[int, list[int]] | None],
+) -> dict[int, list[int]] | None:
+    known = [counts for counts in per_rank if counts is not None]
+    if not known:
+        return None
+    return {
+        layer: [sum(c[layer][e] for c in known) for e in range(len(known[0][layer]))]
+        for layer in known[0]
+    }
