@@ -89,13 +89,9 @@ def hf_config(tie_word_embeddings: bool) -> transformers.Qwen3Config:
     )
 
 
-def make_hf_model(tie_word_embeddings: bool, seed: int = 1234) -> transformers.Qwen3ForCausalLM:
-    """A transformers Qwen3 with seeded weights of a larger scale than its default init
-    (matrices N(0, 1/fan_in), embeddings N(0, 1), norms 1 + N(0, 0.1^2)), so that
-    activations keep their scale and logits are well separated."""
-    cfg = hf_config(tie_word_embeddings)
-    cfg._attn_implementation = "eager"
-    model = transformers.Qwen3ForCausalLM(cfg).float().eval()
+def seed_weights(model: torch.nn.Module, seed: int) -> None:
+    """Matrices (and expert stacks) N(0, 1/fan_in), embeddings N(0, 1), norms
+    1 + N(0, 0.1^2), in parameter-name order: the same weights for the same seed."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
@@ -104,7 +100,17 @@ def make_hf_model(tie_word_embeddings: bool, seed: int = 1234) -> transformers.Q
             elif "embed_tokens" in name:
                 param.copy_(torch.randn(param.shape, generator=gen))
             else:
-                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[1]))
+                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[-1]))
+
+
+def make_hf_model(tie_word_embeddings: bool, seed: int = 1234) -> transformers.Qwen3ForCausalLM:
+    """A transformers Qwen3 with seeded weights of a larger scale than its default init
+    (matrices N(0, 1/fan_in), embeddings N(0, 1), norms 1 + N(0, 0.1^2)), so that
+    activations keep their scale and logits are well separated."""
+    cfg = hf_config(tie_word_embeddings)
+    cfg._attn_implementation = "eager"
+    model = transformers.Qwen3ForCausalLM(cfg).float().eval()
+    seed_weights(model, seed)
     tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert tied == tie_word_embeddings, "lm_head tying differs from the config"
     return model

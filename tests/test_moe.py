@@ -6,7 +6,6 @@ other, and the experts' load balance."""
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -17,6 +16,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from mp_support import seed_weights
 from test_zigzag_attention import run_ranks
 from vertumnus.config import PRESETS, ConfigError, ModelConfig
 from vertumnus.engine.comm import ThreadComm
@@ -55,15 +55,7 @@ def hf_moe(norm_topk_prob: bool, seed: int = 7) -> transformers.Qwen3MoeForCausa
     )
     cfg._attn_implementation = "eager"
     model = transformers.Qwen3MoeForCausalLM(cfg).float().eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
-            elif "embed_tokens" in name:
-                param.copy_(torch.randn(param.shape, generator=gen))
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[-1]))
+    seed_weights(model, seed)
     return model
 
 
