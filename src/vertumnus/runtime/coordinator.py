@@ -336,9 +336,9 @@ class Coordinator:
                 for (copy_id, _), wait in list(self._kv_waits.items()):
                     if copy_id == msg.copy_id and not wait.done():
                         wait.set_exception(RankPoolError(msg.error))
-            case RankFailed() if msg.rank in self._ready_waits or any(
-                r == msg.rank for r, _ in self._group_waits
-            ):
+            case RankFailed() if msg.request_id is None and (
+                msg.rank in self._ready_waits or any(r == msg.rank for r, _ in self._group_waits)
+            ):  # a restarted rank that could not start, or a peer that could not regroup
                 error = RankPoolError(f"rank {msg.rank}: {msg.error}")
                 for key, wait in [(k, w) for k, w in self._group_waits.items() if k[0] == msg.rank]:
                     if not wait.done():
