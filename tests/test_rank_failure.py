@@ -6,6 +6,7 @@ and rejoins with an empty cache."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -167,3 +168,43 @@ def test_a_rank_killed_while_its_worker_drains_for_a_merge(tmp_path: Path) -> No
         assert [first_token(server, p) for p in prompts[:3]] == expected[:3]
         held = server.call("GET", "/v1/cache")[1]["holders"][str(new)]
         assert held == workers(server)[new]["cached_blocks"] > 0
+
+
+@pytest.mark.timeout(240)
+def test_a_failed_restart_is_retried_with_backoff(tmp_path: Path) -> None:
+    from mp_support import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "model", tie_word_embeddings=True)
+    config = tmp_path / "serve.toml"
+    config.write_text(
+        f'[model]\nname = "{ckpt.model_dir}"\n[controller]\nenabled = false\n'
+        "[cache]\nscan_interval_s = 0\n[engine]\nthreads_per_rank = 1\nrank_timeout_s = 60\n"
+        "[server]\nmax_restart_attempts = 4\n"
+    )
+    log_path = tmp_path / "server.log"
+    with running_server(config) as server:
+        prompt = tokens(100, seed=5)
+        expected = first_token(server, prompt)
+        victim = workers(server)[0]
+        weights = ckpt.model_dir / "model.safetensors"
+        weights.rename(weights.with_suffix(".hidden"))  # the restart cannot load them
+        os.kill(victim["pids"][0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while '"worker_restart_failed"' not in log_path.read_text():
+            assert time.monotonic() < deadline, "the restart did not fail"
+            time.sleep(0.1)
+        # Meanwhile the other worker serves, right.
+        assert first_token(server, prompt) == expected
+        weights.with_suffix(".hidden").rename(weights)
+        back = wait_rejoined(server, 0, victim["pids"][0])
+        assert back["cached_blocks"] == 0
+        assert first_token(server, prompt) == expected
+    events = [
+        json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")
+    ]
+    kinds = [e["event"] for e in events]
+    assert kinds.count("worker_failed") == 1  # one failure, no crash loop
+    failed = [e for e in events if e["event"] == "worker_restart_failed"]
+    assert failed and failed[0]["attempt"] == 1 and failed[0]["retry_in_s"] == 2.0
+    rejoined = [e for e in events if e["event"] == "worker_rejoined"]
+    assert len(rejoined) == 1 and rejoined[0]["attempt"] == len(failed) + 1

@@ -584,16 +584,22 @@ class Coordinator:
                     return True
         return False
 
-    async def _recover(self, rank: int, reason: str) -> None:
+    async def _recover(self, rank: int, reason: str, attempt: int = 1) -> None:
         """Take the failed worker of ``rank`` out, hand its work on, restart its ranks
         and let it rejoin with an empty cache. Requests it held are placed again (or
         wait, when no other worker can take them, until it is back). A reshape that
         involves the rank finishes first: its drain ends when the failed prefill
-        does, and the dead rank's acknowledgement is skipped."""
+        does, and the dead rank's acknowledgement is skipped.
+
+        A restart that fails (the new processes cannot start, or their groups cannot
+        form) is tried again after 2, 4, 8, ... s, up to ``[server]
+        max_restart_attempts``; meanwhile the worker stays out, and the failed
+        processes are not watched (no crash loop)."""
         assert self.pool is not None and self._loop is not None
         started = time.monotonic()
         worker_id: int | None = None
         ranks: tuple[int, ...] = (rank,)
+        retrying = False
         try:
             async with self._recovery_lock:
                 deadline = time.monotonic() + self.cfg.engine.rank_timeout_s
@@ -621,23 +627,24 @@ class Coordinator:
                     if req is not None and not req.future.done():
                         self._replace(req)
                 # The trie forgets what it held; its cache is gone with its ranks.
-                self.cache.remove_worker(worker_id)
+                if worker_id in self.cache.trie.workers:  # (not on a retry)
+                    self.cache.remove_worker(worker_id)
                 self.ledger.drop_ranks(ranks)
                 self.indexes.pop(worker_id, None)
                 self._unwatch(ranks)
                 rebuild = await self._loop.run_in_executor(None, self.pool.restart, ranks)
                 token = next(self._tokens)
                 waits: list[asyncio.Future[None]] = []
-                for rank in ranks:
-                    self._ready_waits[rank] = self._loop.create_future()
-                    waits.append(self._ready_waits[rank])
+                for r in ranks:
+                    self._ready_waits[r] = self._loop.create_future()
+                    waits.append(self._ready_waits[r])
                 self._watch(ranks)
                 live = sorted({r for group, _ in rebuild for r in group} - set(ranks))
-                for rank in live:
-                    mine = tuple((g, gen) for g, gen in rebuild if rank in g)
-                    self._group_waits[(rank, token)] = self._loop.create_future()
-                    waits.append(self._group_waits[(rank, token)])
-                    self.pool.send(rank, RebuildGroups(token, mine))
+                for r in live:
+                    mine = tuple((g, gen) for g, gen in rebuild if r in g)
+                    self._group_waits[(r, token)] = self._loop.create_future()
+                    waits.append(self._group_waits[(r, token)])
+                    self.pool.send(r, RebuildGroups(token, mine))
                 await asyncio.wait_for(asyncio.gather(*waits), self.cfg.engine.rank_timeout_s)
                 self.indexes[worker_id] = WorkerCacheIndex(
                     w.cp_degree, self.cfg.engine.kv_blocks_per_rank, worker_id
@@ -650,17 +657,35 @@ class Coordinator:
                     "worker_rejoined",
                     worker=worker_id,
                     ranks=list(ranks),
+                    attempt=attempt,
                     seconds=round(time.monotonic() - started, 3),
                 )
         except Exception as exc:
-            self.rank_error = f"worker {worker_id} could not be restarted: {exc}"
-            log.error("worker_restart_failed", worker=worker_id, error=repr(exc))
+            self._unwatch(ranks)  # the processes that failed to start: no crash loop
+            retrying = attempt < self.cfg.max_restart_attempts and not self._stopping.is_set()
+            delay = min(30.0, 2.0**attempt)
+            log.error(
+                "worker_restart_failed",
+                worker=worker_id,
+                attempt=attempt,
+                error=repr(exc),
+                retry_in_s=delay if retrying else None,
+            )
+            if retrying:
+                self._loop.call_later(
+                    delay, lambda: self._spawn(self._recover(rank, reason, attempt + 1))
+                )
+            else:
+                self.rank_error = (
+                    f"worker {worker_id} could not be restarted in {attempt} attempts: {exc}"
+                )
         finally:
             if worker_id is not None:
                 self._recovering.discard(worker_id)
                 if worker_id in self._wake:
                     self._wake[worker_id].set()
-            self._dead_ranks -= set(ranks)
+            if not retrying:  # (while a retry waits, the ranks stay down)
+                self._dead_ranks -= set(ranks)
             for r in ranks:
                 self._ready_waits.pop(r, None)
             self._group_waits = {k: v for k, v in self._group_waits.items() if not v.done()}

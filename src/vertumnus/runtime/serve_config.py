@@ -14,7 +14,7 @@
                   and the fields of ``CacheManagerConfig`` (theta_inter_s, ...)
     [server]      max_queued = 1024, request_timeout_s = 120, shutdown_grace_s = 30,
                   step_timeout_s = 60 (a prefill unanswered this long: its worker's
-                  ranks are killed and restarted),
+                  ranks are killed and restarted), max_restart_attempts = 5,
                   admin_token (or $VERTUMNUS_ADMIN_TOKEN; none: admin calls
                   refused), api_key (or $VERTUMNUS_API_KEY; none: /v1 is open)
 
@@ -63,6 +63,7 @@ class ServeConfig:
     request_timeout_s: float = 120.0
     shutdown_grace_s: float = 30.0  # SIGTERM: how long in-flight work may finish
     step_timeout_s: float = 60.0  # a prefill unanswered this long: its worker is restarted
+    max_restart_attempts: int = 5  # a failed worker's restarts, 2, 4, 8, ... s apart
     # Bearer tokens. The environment (VERTUMNUS_ADMIN_TOKEN, VERTUMNUS_API_KEY)
     # overrides the file. No admin token: every /v1/admin call is refused.
     admin_token: str | None = dataclasses.field(default=None, repr=False)
@@ -88,10 +89,11 @@ class ServeConfig:
             or self.request_timeout_s <= 0
             or self.shutdown_grace_s < 0
             or self.step_timeout_s <= 0
+            or self.max_restart_attempts < 1
         ):
             raise ConfigError(
                 "[server] need max_queued >= 1, request_timeout_s > 0, shutdown_grace_s >= 0, "
-                "step_timeout_s > 0"
+                "step_timeout_s > 0, max_restart_attempts >= 1"
             )
         for name in ("admin_token", "api_key"):
             value = getattr(self, name)
@@ -150,6 +152,7 @@ def load(path: Path | None, model: str | None = None) -> ServeConfig:
         "request_timeout_s",
         "shutdown_grace_s",
         "step_timeout_s",
+        "max_restart_attempts",
         "admin_token",
         "api_key",
     ):
