@@ -107,3 +107,47 @@ def test_any_sequence_of_reshapes_keeps_every_device_once(steps: list[tuple[bool
         assert all(w.first_device % w.cp_degree == 0 for w in lattice.workers.values())
         counts = dict(lattice.composition())
         assert counts in reachable_compositions(config)
+
+
+def test_hosts_are_checked_and_known() -> None:
+    # 32 devices on 4 hosts of 8: degree 16 spans two whole hosts, 4 and 8 fit in one.
+    config = LatticeConfig(32, (4, 8, 16), devices_per_host=8)
+    lattice = Lattice(config, [16, 8, 4, 4])
+    spans = {
+        w.cp_degree: (list(w.hosts(config)), w.spans_hosts(config))
+        for w in lattice.workers.values()
+        if w.cp_degree != 4
+    }
+    assert spans == {16: ([0, 1], True), 8: ([2], False)}
+    assert [list(w.hosts(config)) for w in lattice.workers.values() if w.cp_degree == 4] == [
+        [3],
+        [3],
+    ]
+    with pytest.raises(LatticeError, match="could straddle two hosts"):
+        LatticeConfig(24, (4, 8), devices_per_host=6)  # a degree-4 block at 4..7 would
+    with pytest.raises(LatticeError, match="must be positive and divide"):
+        LatticeConfig(20, (4,), devices_per_host=8)
+    # No host size: one host holds everything.
+    flat = LatticeConfig(16, (4, 8, 16))
+    assert all(not w.spans_hosts(flat) for w in Lattice(flat).workers.values())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 50)), max_size=30))
+def test_workers_that_fit_a_host_stay_in_one(steps: list[tuple[bool, int]]) -> None:
+    config = LatticeConfig(32, (2, 4, 8, 16), devices_per_host=8)
+    lattice = Lattice(config)
+    for split, pick in steps:
+        options = lattice.split_options() if split else lattice.merge_options()
+        if not options:
+            continue
+        op = options[pick % len(options)]
+        lattice.begin(op)
+        for s in op.sources:
+            lattice.park(s)
+        for w in lattice.commit(op):
+            lattice.activate(w.worker_id)
+        for w in lattice.workers.values():
+            hosts = list(w.hosts(config))
+            assert len(hosts) == max(1, w.cp_degree // 8)
+            assert w.spans_hosts(config) == (w.cp_degree > 8)

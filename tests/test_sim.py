@@ -14,7 +14,7 @@ from vertumnus.__main__ import main
 from vertumnus.perfmodel import DegreeCoeffs, Profile
 from vertumnus.policy.lattice import LatticeConfig
 from vertumnus.sim.report import percentile, summarize
-from vertumnus.sim.simulator import SimSettings, Simulation
+from vertumnus.sim.simulator import SimSettings, Simulation, SimulationError
 from vertumnus.sim.workload import LengthDistribution, Phase, SimRequest, phased
 from vertumnus.slo import TtftSlo
 
@@ -250,3 +250,24 @@ def test_slo_of_the_summary_is_token_weighted() -> None:
     summary = summarize(result, cfg)  # type: ignore[arg-type]
     # TTFTs 1 s and 2 s against 1.5 s: 100 of 400 tokens met.
     assert summary["token_slo_attainment"] == pytest.approx(0.25)
+
+
+def test_pool_hosts_reach_the_lattice_and_the_copy_model(tmp_path: Path) -> None:
+    from vertumnus.sim import config as sim_config
+
+    raw = {
+        "pool": {"composition": "2CP16/4CP4", "degrees": [4, 8, 16], "devices_per_host": 8},
+        "workload": {"phases": [{"duration_s": 10, "rate": 5.0}]},
+    }
+    cfg = sim_config.load(None, {}, raw=raw)
+    assert cfg.lattice.devices_per_host == 8 and cfg.settings.devices_per_host == 8
+    spans = sorted((c, list(cfg.lattice.hosts_of(first, c))) for first, c in [(0, 16), (32, 4)])
+    assert spans == [(4, [4]), (16, [0, 1])]
+    bad = {**raw, "sim": {"devices_per_host": 4}}
+    with pytest.raises(
+        SimulationError, match="devices_per_host 8 and \\[sim\\] devices_per_host 4"
+    ):
+        sim_config.load(None, {}, raw=bad)
+    odd = {**raw, "pool": {**raw["pool"], "devices_per_host": 6}}
+    with pytest.raises(SimulationError, match="straddle"):
+        sim_config.load(None, {}, raw=odd)

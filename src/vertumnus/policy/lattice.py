@@ -50,6 +50,9 @@ class LatticeConfig:
     # Bounds on the number of workers of each degree (absent: no bound).
     min_workers: Mapping[int, int] = field(default_factory=dict)
     max_workers: Mapping[int, int] = field(default_factory=dict)
+    # Devices per host (None: one host holds them all). Every degree must divide it or
+    # be a multiple of it, so an aligned worker that fits in a host stays in one.
+    devices_per_host: int | None = None
 
     def __post_init__(self) -> None:
         degrees = tuple(sorted(self.degrees))
@@ -65,7 +68,25 @@ class LatticeConfig:
             for c, n in bounds.items():
                 if c not in degrees or n < 0:
                     raise LatticeError(f"{name}: degree {c} not in {list(degrees)} or count < 0")
+        h = self.devices_per_host
+        if h is not None:
+            if h < 1 or self.num_devices % h:
+                raise LatticeError(
+                    f"devices_per_host {h} must be positive and divide the {self.num_devices} "
+                    "devices"
+                )
+            odd = [c for c in degrees if (h % c if c <= h else c % h)]
+            if odd:
+                raise LatticeError(
+                    f"degrees {odd} neither divide nor are multiples of devices_per_host {h}: "
+                    "an aligned worker of that degree could straddle two hosts"
+                )
         top_blocks(self.num_devices, degrees)  # raises if G cannot be covered
+
+    def hosts_of(self, first_device: int, degree: int) -> range:
+        """The hosts that the worker of ``degree`` on ``[first_device, +degree)`` uses."""
+        h = self.devices_per_host or self.num_devices
+        return range(first_device // h, (first_device + degree - 1) // h + 1)
 
     def within_bounds(self, counts: Mapping[int, int]) -> bool:
         return all(counts.get(c, 0) >= n for c, n in self.min_workers.items()) and all(
@@ -102,6 +123,13 @@ class LatticeWorker:
     @property
     def devices(self) -> range:
         return range(self.first_device, self.first_device + self.cp_degree)
+
+    def hosts(self, config: LatticeConfig) -> range:
+        return config.hosts_of(self.first_device, self.cp_degree)
+
+    def spans_hosts(self, config: LatticeConfig) -> bool:
+        """True for a worker whose collectives cross hosts (degree > devices_per_host)."""
+        return len(self.hosts(config)) > 1
 
 
 @dataclass(frozen=True)

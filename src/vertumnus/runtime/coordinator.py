@@ -949,6 +949,7 @@ class Coordinator:
                     "worker": w.worker_id,
                     "cp_degree": w.cp_degree,
                     "ranks": list(w.devices),
+                    "hosts": list(w.hosts(self.lattice.config)),
                     "state": str(w.state),
                     "epoch": w.epoch,
                     "queued": len(self.scheduler.queued(w.worker_id)),

@@ -2,7 +2,8 @@
 
 Tables and keys (every key optional; the defaults are the dataclasses' fields)::
 
-    [pool]        composition = "4CP4/3CP8"   degrees = [4, 8]
+    [pool]        composition = "4CP4/3CP8"   degrees = [4, 8]   devices_per_host = 8
+                  (optional: hosts in the lattice, and the copy model's host size)
                   min_workers = {"8" = 1}      max_workers = {"4" = 8}
     [profile]     path = "configs/profiles/qwen3-30b-a3b-h100.json"
     [policy]      name = "vertumnus"   beta = 1.0   gpu_penalty = 0.0
@@ -134,6 +135,7 @@ def load(
         key: {int(c): int(n) for c, n in dict(pool.pop(key, {})).items()}
         for key in ("min_workers", "max_workers")
     }
+    hosts = pool.pop("devices_per_host", None)
     if pool:
         raise SimulationError(f"[pool] unknown keys {sorted(pool)}")
     outside = sorted(set(composition) - set(degrees))
@@ -143,7 +145,13 @@ def load(
         )
     devices = sum(c * n for c, n in composition.items())
     try:
-        lattice = LatticeConfig(devices, degrees, bounds["min_workers"], bounds["max_workers"])
+        lattice = LatticeConfig(
+            devices,
+            degrees,
+            bounds["min_workers"],
+            bounds["max_workers"],
+            None if hosts is None else int(hosts),
+        )
         layout = layout_for(lattice, composition)
     except LatticeError as exc:
         raise SimulationError(str(exc)) from exc
@@ -162,6 +170,12 @@ def load(
         k: cache.pop(k) for k in ("reserve_fraction", "retain_s") if k in cache
     }
     sim = _table(raw, "sim")
+    # One host size for the lattice and the copy model.
+    if hosts is not None and sim.setdefault("devices_per_host", int(hosts)) != int(hosts):
+        raise SimulationError(
+            f"[pool] devices_per_host {hosts} and [sim] devices_per_host "
+            f"{sim['devices_per_host']} differ"
+        )
     if "slo" in sim:
         sim["slo"] = TtftSlo.parse(str(sim["slo"]))
     settings = _build(
