@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -87,11 +89,8 @@ def test_reachable_compositions() -> None:
     assert len(reachable_compositions(LatticeConfig(8, (1, 2, 4, 8)))) == 10
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.integers(0, 50)), max_size=30))
-def test_any_sequence_of_reshapes_keeps_every_device_once(steps: list[tuple[bool, int]]) -> None:
-    config = LatticeConfig(16, (1, 2, 4, 8))
-    lattice = Lattice(config)
+def reshapes(lattice: Lattice, steps: list[tuple[bool, int]]) -> Iterator[Reshape]:
+    """Run each (split?, pick) step that has an option, whole; yield after each."""
     for split, pick in steps:
         options = lattice.split_options() if split else lattice.merge_options()
         if not options:
@@ -102,6 +101,15 @@ def test_any_sequence_of_reshapes_keeps_every_device_once(steps: list[tuple[bool
             lattice.park(s)
         for w in lattice.commit(op):
             lattice.activate(w.worker_id)
+        yield op
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 50)), max_size=30))
+def test_any_sequence_of_reshapes_keeps_every_device_once(steps: list[tuple[bool, int]]) -> None:
+    config = LatticeConfig(16, (1, 2, 4, 8))
+    lattice = Lattice(config)
+    for _ in reshapes(lattice, steps):
         lattice.check()
         assert sum(w.cp_degree for w in lattice.workers.values()) == 16
         assert all(w.first_device % w.cp_degree == 0 for w in lattice.workers.values())
@@ -137,16 +145,7 @@ def test_hosts_are_checked_and_known() -> None:
 def test_workers_that_fit_a_host_stay_in_one(steps: list[tuple[bool, int]]) -> None:
     config = LatticeConfig(32, (2, 4, 8, 16), devices_per_host=8)
     lattice = Lattice(config)
-    for split, pick in steps:
-        options = lattice.split_options() if split else lattice.merge_options()
-        if not options:
-            continue
-        op = options[pick % len(options)]
-        lattice.begin(op)
-        for s in op.sources:
-            lattice.park(s)
-        for w in lattice.commit(op):
-            lattice.activate(w.worker_id)
+    for _ in reshapes(lattice, steps):
         for w in lattice.workers.values():
             hosts = list(w.hosts(config))
             assert len(hosts) == max(1, w.cp_degree // 8)
