@@ -52,6 +52,15 @@ def test_one_worker_fifo_by_hand() -> None:
     assert {r.worker for r in sim.records} == {0}
 
 
+def test_dispatch_time_keeps_the_worker_busy() -> None:
+    reqs = [SimRequest(0, 0.0, 100), SimRequest(1, 0.5, 100)]
+    sim = run(reqs, [4], policy="fixed", dispatch_s=0.25)
+    # E = d = 1 s, plus 0.25 s of the serving path each; the second waits 0.75 s.
+    assert [r.ttft_s for r in sim.records] == [1.25, 2.0]
+    with pytest.raises(SimulationError, match="dispatch_s >= 0"):
+        SimSettings(dispatch_s=-1.0)
+
+
 def test_prefix_reuse_shortens_the_prefill_exactly() -> None:
     # E_4(R, P) = 0.5 + 1e-3 * R / 4: the second request reuses 2 blocks (1024 tokens).
     prof = profile(d4=0.5, c4=1e-3)

@@ -21,7 +21,9 @@ shipped `configs/profiles/tiny-cpu.json`, measured on this machine by `vertumnus
 profile`. Two more inputs of the simulator are timings of this server, read from its
 `/metrics` after the replay: the reshape switch (``switch_s``: about 10 ms through
 the rank pipes here, against the 0.5 s default meant for NCCL groups on GPUs) and
-the mean KV copy (``transfer_latency_s``), when it did any.
+the mean KV copy (``transfer_latency_s``), when it did any; and, from its answers,
+the serving path's mean time around the ranks' compute per prefill
+(``dispatch_s``: ``prefill_s`` - ``rank_compute_s``).
 It prints and saves the relative error of mean, P50 and P90 TTFT (the server's own
 TTFT, which the simulator models; the client's is printed beside it) and of the
 token hit rate, for ``fixed`` and for ``vertumnus``.
@@ -108,6 +110,7 @@ def simulate(
         window_phase_s=window_phase_s,
         switch_s=timings.get("switch_s", 0.01),
         transfer_latency_s=timings.get("copy_s", 0.01),
+        dispatch_s=timings.get("dispatch_s", 0.0),
     )
     sim = Simulation(settings, profile, LatticeConfig(2, (1, 2)), [1, 1], sim_requests)
     result = sim.run()
@@ -159,6 +162,14 @@ def main() -> None:
                 phases[name] = orjson.loads(resp.read())["window_phase_s"] or 0.0
             result = asyncio.run(loadgen.run(url, requests, max_concurrency=256))
             timings[name] = server_timings(url)
+            # The serving path's own time per prefill, around the ranks' compute.
+            around = [
+                o.server_prefill_s - o.server_rank_compute_s
+                for o in result.outcomes
+                if o.server_prefill_s is not None and o.server_rank_compute_s is not None
+            ]
+            if around:
+                timings[name]["dispatch_s"] = sum(around) / len(around)
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)

@@ -127,6 +127,7 @@ class Outcome:
     server_ttft_s: float | None = None
     server_queue_s: float | None = None  # the server's split of its TTFT: queued,
     server_prefill_s: float | None = None  # then running
+    server_rank_compute_s: float | None = None  # of which the slowest rank computed
     cached_tokens: int = 0
     worker: int | None = None
     cp_degree: int | None = None
@@ -179,6 +180,7 @@ async def run(
                         out.server_ttft_s = body["ttft_s"]
                         out.server_queue_s = body.get("queue_s")
                         out.server_prefill_s = body.get("prefill_s")
+                        out.server_rank_compute_s = body.get("rank_compute_s")
                         out.cached_tokens = body["cached_tokens"]
                         out.worker, out.cp_degree = body["worker"], body["cp_degree"]
             except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
@@ -243,6 +245,7 @@ def summarize(
                 "server_ttft_s": o.server_ttft_s,
                 "server_queue_s": o.server_queue_s,
                 "server_prefill_s": o.server_prefill_s,
+                "server_rank_compute_s": o.server_rank_compute_s,
                 "cached_tokens": o.cached_tokens,
                 "worker": o.worker,
                 "cp_degree": o.cp_degree,

@@ -76,6 +76,9 @@ class SimSettings:
     transfer_latency_s: float = 1e-3
     scan_interval_s: float = 5.0
     switch_s: float = 0.5
+    # Per prefill, the serving path's own time around the ranks' compute (dispatch,
+    # answers, bookkeeping), which keeps the worker busy: 0 for GPU studies.
+    dispatch_s: float = 0.0
     noise_cv: float = 0.0
     # Where t = 0 falls in the controller's first window (seconds into it): to line
     # the windows up with a real server's, whose windows run from when it started.
@@ -91,8 +94,15 @@ class SimSettings:
             raise SimulationError(f"unknown policy {self.policy!r}; choose from {list(POLICIES)}")
         if self.blocks_per_rank < 1 or self.block_tokens < 1 or self.kv_bytes_per_token < 1:
             raise SimulationError("blocks_per_rank, block_tokens, kv_bytes_per_token must be >= 1")
-        if not (self.scan_interval_s > 0 and self.switch_s >= 0 and self.noise_cv >= 0):
-            raise SimulationError("need scan_interval_s > 0, switch_s >= 0, noise_cv >= 0")
+        if not (
+            self.scan_interval_s > 0
+            and self.switch_s >= 0
+            and self.noise_cv >= 0
+            and self.dispatch_s >= 0
+        ):
+            raise SimulationError(
+                "need scan_interval_s > 0, switch_s >= 0, noise_cv >= 0, dispatch_s >= 0"
+            )
 
     @property
     def adaptive(self) -> bool:
@@ -340,7 +350,7 @@ class Simulation:
         usable = (r.input_tokens - 1) // self.s.block_tokens
         lease = worker.index.begin(r.block_ids, usable)
         cached = lease.num_reused_blocks * self.s.block_tokens
-        exec_s = self.curves[worker.cp_degree].time_s(r.input_tokens, cached)
+        exec_s = self.curves[worker.cp_degree].time_s(r.input_tokens, cached) + self.s.dispatch_s
         if self.s.noise_cv > 0:
             sigma = math.sqrt(math.log1p(self.s.noise_cv**2))
             exec_s *= self.rng.lognormvariate(-sigma * sigma / 2, sigma)
