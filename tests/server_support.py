@@ -29,15 +29,9 @@ class Server:
     def __init__(self, proc: subprocess.Popen[str], url: str) -> None:
         self.proc, self.url = proc, url
 
-    def call(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        raw: bytes | None = None,
-        content_type: str = "application/json",
-    ) -> tuple[int, Any]:
-        status, payload, _ = self.call_full(method, path, body, raw, content_type)
+    def call(self, method: str, path: str, *args: Any, **kwargs: Any) -> tuple[int, Any]:
+        """(status, JSON or text body): ``call_full`` without the headers."""
+        status, payload, _ = self.call_full(method, path, *args, **kwargs)
         return status, payload
 
     def call_full(

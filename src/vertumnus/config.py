@@ -204,32 +204,24 @@ class ModelConfig:
 
 # Built-in presets, with seeded random weights. `tiny` is for tests and the CPU demo;
 # `qwen3-0.6b-4l` is Qwen3-0.6B's shape cut to 4 layers, for benchmarks.
+_TINY = ModelConfig(
+    vocab_size=1024,
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    rope_theta=1_000_000.0,
+    max_position_embeddings=65_536,
+    tie_word_embeddings=True,
+    name="tiny",
+)
 PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(
-        vocab_size=1024,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        rope_theta=1_000_000.0,
-        max_position_embeddings=65_536,
-        tie_word_embeddings=True,
-        name="tiny",
-    ),
-    # Qwen3-MoE with a few small experts, for tests and the CPU demo.
-    "tiny-moe": ModelConfig(
-        vocab_size=1024,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        rope_theta=1_000_000.0,
-        max_position_embeddings=65_536,
-        tie_word_embeddings=True,
+    "tiny": _TINY,
+    # `tiny` with a few small experts in every layer, for tests and the CPU demo.
+    "tiny-moe": dataclasses.replace(
+        _TINY,
         name="tiny-moe",
         num_experts=8,
         num_experts_per_tok=2,

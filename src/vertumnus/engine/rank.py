@@ -160,36 +160,31 @@ def _serve(
             case PrefillCommand():
                 results.send(_run(rank, model, kv, groups, msg))
             case KVRead():
-                try:
-                    k, v = kv.export(msg.slots)
-                    results.send(KVData(msg.copy_id, rank, k, v))
-                except Exception as exc:
-                    results.send(
-                        RankFailed(
-                            rank, None, f"KVRead: {exc}", traceback.format_exc(), msg.copy_id
-                        )
-                    )
+                _answer(
+                    results,
+                    rank,
+                    lambda m=msg: KVData(m.copy_id, rank, *kv.export(m.slots)),
+                    "KVRead",
+                    msg.copy_id,
+                )
             case KVWrite():
-                try:
-                    kv.install(msg.slots, msg.k, msg.v)
-                    results.send(KVWritten(msg.copy_id, rank))
-                except Exception as exc:
-                    results.send(
-                        RankFailed(
-                            rank, None, f"KVWrite: {exc}", traceback.format_exc(), msg.copy_id
-                        )
-                    )
+
+                def write(m: KVWrite = msg) -> KVWritten:
+                    kv.install(m.slots, m.k, m.v)
+                    return KVWritten(m.copy_id, rank)
+
+                _answer(results, rank, write, "KVWrite", msg.copy_id)
             case RebuildGroups():
-                try:
-                    for ranks, generation in msg.groups:
+
+                def rebuild(m: RebuildGroups = msg) -> GroupsReady:
+                    for ranks, generation in m.groups:
                         if rank in ranks:
                             groups[ranks] = make_group(
                                 store, ranks, generation, rank, device, timeout
                             )
-                    results.send(GroupsReady(rank, msg.token))
-                except Exception as exc:
-                    error = f"RebuildGroups: {type(exc).__name__}: {exc}"
-                    results.send(RankFailed(rank, None, error, traceback.format_exc()))
+                    return GroupsReady(rank, m.token)
+
+                _answer(results, rank, rebuild, "RebuildGroups")
             case SwitchEpoch():
                 # The groups exist since start-up: adopting an epoch only checks that
                 # this rank belongs to the worker and can reach its group.
@@ -202,6 +197,16 @@ def _serve(
                     results.send(EpochAck(rank, msg.epoch))
             case _:
                 results.send(RankFailed(rank, None, f"unknown command {type(msg).__name__}", ""))
+
+
+def _answer(results: Any, rank: int, make: Any, what: str, copy_id: int | None = None) -> None:
+    """Send ``make()``, or a ``RankFailed`` naming ``what`` if it raises."""
+    try:
+        answer = make()
+    except Exception as exc:
+        error = f"{what}: {type(exc).__name__}: {exc}"
+        answer = RankFailed(rank, None, error, traceback.format_exc(), copy_id)
+    results.send(answer)
 
 
 def _run(

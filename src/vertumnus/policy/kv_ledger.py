@@ -145,11 +145,7 @@ class KVLedger:
             if fetched or key in self._expired_in_flight:
                 self._expired_in_flight.discard(key)
                 self._release_slot(grank, slot)
-                for bid, by_rank in list(self._retained_at.items()):
-                    if by_rank.get(grank) == slot:
-                        by_rank.pop(grank)
-                        if not by_rank:
-                            del self._retained_at[bid]
+                self._forget_copy(grank, slot)
 
     def _begin(self, plan: CopyPlan) -> CopyJob | None:
         sources = {m.src_worker for m in plan.moves}
@@ -233,11 +229,7 @@ class KVLedger:
         rest within budget until ``now + retain_s``. Returns (adopted, reserved)."""
         # Reservations an earlier reshape made on these ranks died with the old
         # indexes: forget them (what is still retained is re-reserved below).
-        new_ranks = {r for w in new_workers for r in self.lattice.workers[w].devices}
-        for by_rank in self._retained_at.values():
-            for r in new_ranks & set(by_rank):
-                by_rank.pop(r)
-        self._retained_at = {b: r for b, r in self._retained_at.items() if r}
+        self.drop_ranks(r for w in new_workers for r in self.lattice.workers[w].devices)
         adopted = self._adopt(adopt, retained)
         reserved = self._reserve(new_workers, retained, now)
         return adopted, reserved
@@ -308,15 +300,23 @@ class KVLedger:
                     self._expired_in_flight.add((grank, slot))  # released when read
                     continue
                 index.release(rank, slot)
-                for by_rank in self._retained_at.values():
-                    if by_rank.get(grank) == slot:
-                        by_rank.pop(grank)
-                        released += 1
-        self._retained_at = {b: r for b, r in self._retained_at.items() if r}
+                released += self._forget_copy(grank, slot)
         return released
 
+    def _forget_copy(self, grank: int, slot: int) -> int:
+        """The retained copy in ``slot`` of ``grank`` is gone; returns how many
+        blocks it was (0 or 1)."""
+        for bid, by_rank in list(self._retained_at.items()):
+            if by_rank.get(grank) == slot:
+                del by_rank[grank]
+                if not by_rank:
+                    del self._retained_at[bid]
+                return 1
+        return 0
+
     def drop_ranks(self, ranks: Iterable[int]) -> None:
-        """These ranks lost their KV (restarted): nothing retained there is fetchable."""
+        """Nothing retained on these ranks is fetchable any more: they restarted, or a
+        new geometry's index owns their slots now (it reserves again what it keeps)."""
         gone = set(ranks)
         for by_rank in self._retained_at.values():
             for r in gone & set(by_rank):

@@ -50,7 +50,14 @@ from vertumnus.policy.cache_manager import PrefixCacheManager
 from vertumnus.policy.cache_plans import CopyPlan
 from vertumnus.policy.controller import Controller
 from vertumnus.policy.kv_ledger import KVLedger
-from vertumnus.policy.lattice import Lattice, LatticeConfig, LatticeError, Reshape, WorkerState
+from vertumnus.policy.lattice import (
+    Lattice,
+    LatticeConfig,
+    LatticeError,
+    LatticeWorker,
+    Reshape,
+    WorkerState,
+)
 from vertumnus.policy.scheduler import PlacementRequest, Scheduler, SchedulerConfig
 from vertumnus.policy.transition import Phase, Reconfigurer, Transition
 from vertumnus.runtime.messages import (
@@ -182,7 +189,6 @@ class Coordinator:
         self._ready_waits: dict[int, asyncio.Future[None]] = {}  # rank -> RankReady
         self._group_waits: dict[tuple[int, int], asyncio.Future[None]] = {}  # (rank, token)
         self._tokens = itertools.count(1)
-        self.restarts = 0
 
     # -- life ------------------------------------------------------------------------
 
@@ -548,7 +554,7 @@ class Coordinator:
         ``_recover``), after any reshape it takes part in has finished."""
         if self._stopping.is_set() or self.pool is None:
             return
-        worker = next((w for w in self.lattice.workers.values() if rank in w.devices), None)
+        worker = self._worker_of_rank(rank)
         if worker is None:
             return
         suspects = set(worker.devices) if whole_worker else {rank}
@@ -556,25 +562,34 @@ class Coordinator:
         if not fresh:
             return
         first_failure = not (set(worker.devices) & self._dead_ranks)
-        self._dead_ranks |= fresh
-        for r in fresh:
-            self.pool.kill(r)  # a hung rank is dead from now on
-        lost = WorkerLost(f"worker {worker.worker_id} failed: {reason}")
-        for inflight in self._inflight.values():
-            future = inflight.future
-            if set(inflight.ranks) & fresh and future is not None and not future.done():
-                future.set_exception(lost)
-        for (_, r), wait in list(self._kv_waits.items()):
-            if r in fresh and not wait.done():
-                wait.set_exception(RankPoolError(str(lost)))
-        for (r, _), ack in list(self._acks.items()):
-            if r in fresh and not ack.done():
-                ack.set_result(None)  # the switch goes on; the worker restarts after it
+        self._mark_dead(fresh, WorkerLost(f"worker {worker.worker_id} failed: {reason}"))
         if worker.state is WorkerState.ACTIVE:
             self.lattice.fail(worker.worker_id)
         log.error("worker_failed", worker=worker.worker_id, ranks=sorted(fresh), reason=reason)
         if first_failure:
             self._spawn(self._recover(rank, reason))
+
+    def _worker_of_rank(self, rank: int) -> LatticeWorker | None:
+        return next((w for w in self.lattice.workers.values() if rank in w.devices), None)
+
+    def _mark_dead(self, ranks: set[int], lost: WorkerLost) -> None:
+        """Kill ``ranks`` (a hung rank is dead from now on) and release what waits on
+        them: their prefills and KV copies fail; a reshape's acknowledgement is
+        skipped (the switch goes on, and the worker restarts after it)."""
+        assert self.pool is not None
+        self._dead_ranks |= ranks
+        for r in ranks:
+            self.pool.kill(r)
+        for inflight in self._inflight.values():
+            future = inflight.future
+            if set(inflight.ranks) & ranks and future is not None and not future.done():
+                future.set_exception(lost)
+        for (_, r), wait in list(self._kv_waits.items()):
+            if r in ranks and not wait.done():
+                wait.set_exception(RankPoolError(str(lost)))
+        for (r, _), ack in list(self._acks.items()):
+            if r in ranks and not ack.done():
+                ack.set_result(None)
 
     def _in_reshape(self, rank: int) -> bool:
         for transition, _ in self._transitions.values():
@@ -605,23 +620,14 @@ class Coordinator:
                 deadline = time.monotonic() + self.cfg.engine.rank_timeout_s
                 while self._in_reshape(rank) and time.monotonic() < deadline:
                     await asyncio.sleep(0.02)
-                w = next(w for w in self.lattice.workers.values() if rank in w.devices)
+                w = self._worker_of_rank(rank)
+                assert w is not None
                 worker_id, ranks = w.worker_id, tuple(w.devices)
                 self._recovering.add(worker_id)
                 if w.state is not WorkerState.UNAVAILABLE:
                     self.lattice.fail(worker_id)  # (a worker a failed reshape left behind too)
-                self._dead_ranks |= set(ranks)
-                for r in ranks:
-                    self.pool.kill(r)
-                lost = WorkerLost(f"worker {worker_id} failed: {reason}")
-                for inflight in self._inflight.values():
-                    future = inflight.future
-                    hit = set(inflight.ranks) & set(ranks)
-                    if hit and future is not None and not future.done():
-                        future.set_exception(lost)
-                for (_, r), wait in list(self._kv_waits.items()):
-                    if r in ranks and not wait.done():
-                        wait.set_exception(RankPoolError(str(lost)))
+                # The whole worker restarts: its other ranks too.
+                self._mark_dead(set(ranks), WorkerLost(f"worker {worker_id} failed: {reason}"))
                 for preq in self.scheduler.drain(worker_id):
                     req = self._requests.get(preq.request_id)
                     if req is not None and not req.future.done():
@@ -651,7 +657,6 @@ class Coordinator:
                 )
                 self.cache.add_worker(worker_id, w.cp_degree, w.first_device)
                 self.lattice.restore(worker_id)
-                self.restarts += 1
                 self.metrics.restarted()
                 log.info(
                     "worker_rejoined",

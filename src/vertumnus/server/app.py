@@ -70,7 +70,10 @@ async def _body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def _tokens(body: dict[str, Any], tokenizer: Tokenizer, vocab_size: int, max_len: int) -> list[int]:
+def _tokens(body: dict[str, Any], app: web.Application) -> list[int]:
+    """The prompt's token ids, checked against the served model."""
+    tokenizer, cfg = app[TOKENIZER], app[COORDINATOR].model_cfg
+    vocab_size, max_len = cfg.vocab_size, cfg.max_position_embeddings
     ids = body.get("token_ids")
     prompt = body.get("prompt")
     if (ids is None) == (prompt is None):
@@ -119,12 +122,7 @@ async def prefill(request: web.Request) -> web.Response:
         slo = body.get("ttft_slo_s")
         if slo is not None and not (isinstance(slo, int | float) and slo > 0):
             raise BadRequest("'ttft_slo_s' must be a positive number of seconds")
-        tokens = _tokens(
-            body,
-            request.app[TOKENIZER],
-            coord.model_cfg.vocab_size,
-            coord.model_cfg.max_position_embeddings,
-        )
+        tokens = _tokens(body, request.app)
     except BadRequest as exc:
         return _error(400, str(exc), "invalid_request")
     result = await _serve_prefill(coord, tokens)
@@ -150,12 +148,7 @@ async def completions(request: web.Request) -> web.Response:
             and isinstance(body["prompt"][0], list)
         ):
             raise BadRequest("one prompt per request")
-        tokens = _tokens(
-            {"prompt": body.get("prompt")},
-            request.app[TOKENIZER],
-            coord.model_cfg.vocab_size,
-            coord.model_cfg.max_position_embeddings,
-        )
+        tokens = _tokens({"prompt": body.get("prompt")}, request.app)
     except BadRequest as exc:
         return _error(400, str(exc), "invalid_request_error")
     result = await _serve_prefill(coord, tokens)

@@ -232,7 +232,6 @@ class Simulation:
         )
         self._copy_queue: deque[CopyPlan] = deque()
         self._copy_job: CopyJob | None = None  # the copy under way
-        self._copy_end_s = 0.0
         self._switch_waiting: list[Transition] = []
         for w in self.lattice.workers.values():
             self._add_worker(w.worker_id, w.cp_degree, w.first_device)
@@ -500,8 +499,8 @@ class Simulation:
                 seconds += block_bytes / (
                     self.s.intra_host_bytes_s if same_host else self.s.inter_host_bytes_s
                 )
-            self._copy_job, self._copy_end_s = job, now + seconds
-            self._push(self._copy_end_s, COPY, job)
+            self._copy_job = job
+            self._push(now + seconds, COPY, job)
 
     def _copy_done(self, job: CopyJob, now: float) -> None:
         self._copy_job = None
