@@ -3,7 +3,8 @@
 Subcommands: ``prefill`` (one CP worker, one prefill, optional check against a
 reference), ``fit`` (the execution-time model from measured samples), ``profile``
 (measure the engine and fit), ``capacity`` (kappa_C per degree into a profile) and
-``simulate`` (the policies at cluster scale, in simulation). Errors in
+``simulate`` (the policies at cluster scale, in simulation), ``serve`` (the REST
+API), ``loadgen`` and ``agent`` (a host of a multi-host pool). Errors in
 what the user gave print one line on stderr and exit 2; a failure of the rank
 processes (``RankPoolError``) prints one line and exits 1.
 """
@@ -15,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from vertumnus import (
+    cli_agent,
     cli_capacity,
     cli_fit,
     cli_loadgen,
@@ -38,6 +40,7 @@ COMMANDS = (
     ("simulate", "run the prefill pool's policies in a discrete-event simulation", cli_simulate),
     ("serve", "serve prefills over a REST API (coordinator + rank processes)", cli_serve),
     ("loadgen", "drive a running server with a trace or synthetic load", cli_loadgen),
+    ("agent", "run this host's ranks for a multi-host pool's coordinator", cli_agent),
 )
 
 

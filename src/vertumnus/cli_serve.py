@@ -17,6 +17,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -49,12 +50,22 @@ async def serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from vertumnus.runtime.coordinator import Coordinator
-    from vertumnus.runtime.serve_config import load
+    from vertumnus.runtime.serve_config import load, load_cluster
     from vertumnus.server.app import build_app
     from vertumnus.server.tokenizer import Tokenizer
 
-    cfg = load(args.config, args.model)
-    coordinator = Coordinator(cfg)
+    cluster = load_cluster(args.config)
+    pool = None
+    if cluster is None:
+        cfg = load(args.config, args.model)
+    else:
+        pool, cfg = await gather_cluster(args, cluster)
+    try:
+        coordinator = Coordinator(cfg, pool)
+    except BaseException:
+        if pool is not None:
+            pool.close()
+        raise
     tokenizer = Tokenizer.for_model(coordinator.model_dir, coordinator.model_cfg.vocab_size)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -83,6 +94,31 @@ async def serve(args: argparse.Namespace) -> int:
         await coordinator.close()
         log.info("stopped")
     return 0
+
+
+async def gather_cluster(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]:
+    """Wait for the node agents of a multi-host pool; its configuration then
+    has their topology (ranks, ranks per host)."""
+    from vertumnus.config import resolve_model
+    from vertumnus.runtime.cluster import ClusterPool
+    from vertumnus.runtime.serve_config import load, load_rank_setup
+
+    model, engine = load_rank_setup(args.config, args.model)
+    model_cfg, model_dir = resolve_model(model)
+    pool = ClusterPool(cluster, model_cfg, model_dir, engine)
+    try:
+        host = cluster.listen.rpartition(":")[0]
+        print(f"vertumnus waiting for {cluster.hosts} agent(s) on {host}:{pool.port}", flush=True)
+        structlog.get_logger("vertumnus").info(
+            "waiting_for_agents", hosts=cluster.hosts, port=pool.port
+        )
+        topology = await asyncio.get_running_loop().run_in_executor(None, pool.gather)
+        cfg = load(args.config, args.model, topology=topology)
+        pool.configure(cfg.degrees)
+    except BaseException:
+        pool.close()
+        raise
+    return pool, cfg
 
 
 def run(args: argparse.Namespace) -> int:

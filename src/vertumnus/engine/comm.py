@@ -3,7 +3,8 @@
 Owns the one collective the zigzag prefill needs (all-gather along a new leading
 dimension) over three transports: ``torch.distributed`` process groups (NCCL on
 CUDA, gloo on CPU), a single rank (no communication), and threads in one process
-(tests and debugging). Every call is counted by tag, so tests can assert how many
+(tests and debugging); and the making of a ``torch.distributed`` group of given
+ranks (``make_group``). Every call is counted by tag, so tests can assert how many
 collectives a prefill issued per layer.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -63,6 +65,29 @@ class DistComm:
         else:
             self.group.allgather([list(out.chunk(self.size))], [t]).wait()
         return out.view(self.size, *t.shape)
+
+
+def worker_group_name(ranks: tuple[int, ...], generation: int) -> str:
+    return f"group/{generation}/{'-'.join(map(str, ranks))}"
+
+
+def make_group(
+    store: Any,
+    name: str,
+    ranks: tuple[int, ...],
+    rank: int,
+    device: torch.device,
+    timeout: timedelta,
+) -> Any:
+    """The backend of the group of ``ranks`` over the store prefix ``name``, unique to
+    this group's life (every member calls this; it returns when all have)."""
+    prefix = dist.PrefixStore(name, store)
+    index = ranks.index(rank)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefix, index, len(ranks), options)
+    return dist.ProcessGroupGloo(prefix, index, len(ranks), timeout)
 
 
 class ThreadGroup:

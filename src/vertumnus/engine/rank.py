@@ -14,6 +14,8 @@ Groups are built directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) over a s
 prefix named by the group's ranks and *generation*, not from a default group of the
 whole pool: when a rank dies and is restarted, its peers form the groups they share
 with it anew at the next generation (``RebuildGroups``), and nothing else changes.
+A KV copy (``KVTransfer``) moves blocks rank to rank, never through the coordinator
+(``engine/kv_transfer.py``).
 """
 
 from __future__ import annotations
@@ -30,16 +32,15 @@ import torch
 import torch.distributed as dist
 
 from vertumnus.config import EngineConfig, ModelConfig
-from vertumnus.engine.comm import Communicator, DistComm, SoloComm
+from vertumnus.engine.comm import Communicator, DistComm, SoloComm, make_group, worker_group_name
 from vertumnus.engine.kv_store import PagedKVStore
+from vertumnus.engine.kv_transfer import PairGroups, check_transfer, run_transfer
 from vertumnus.engine.weights import build_model, resolve_dtype
 from vertumnus.engine.zigzag import prefill_rank
 from vertumnus.runtime.messages import (
     EpochAck,
     GroupsReady,
-    KVData,
-    KVRead,
-    KVWrite,
+    KVTransfer,
     KVWritten,
     PrefillCommand,
     PrefillDone,
@@ -64,6 +65,7 @@ class RankSpec:
     store_port: int
     # Generation of each group (absent: 0); a restarted rank joins the current ones.
     group_generations: tuple[tuple[tuple[int, ...], int], ...] = ()
+    local_ranks: int | None = None  # ranks on this host (None: world_size), for threads
 
 
 def resolve_device(engine: EngineConfig, rank: int) -> torch.device:
@@ -89,7 +91,7 @@ def rank_main(rank: int, spec: RankSpec, commands: Any, results: Any) -> None:
             torch.cuda.set_device(device)
         else:
             threads = spec.engine.threads_per_rank or max(
-                1, (os.cpu_count() or 1) // spec.world_size
+                1, (os.cpu_count() or 1) // (spec.local_ranks or spec.world_size)
             )
             torch.set_num_threads(threads)
         timeout = timedelta(seconds=spec.engine.rank_timeout_s)
@@ -99,9 +101,8 @@ def rank_main(rank: int, spec: RankSpec, commands: Any, results: Any) -> None:
         groups: dict[tuple[int, ...], Any] = {}
         for ranks in spec.worker_groups:
             if rank in ranks:
-                groups[ranks] = make_group(
-                    store, ranks, generation.get(ranks, 0), rank, device, timeout
-                )
+                name = worker_group_name(ranks, generation.get(ranks, 0))
+                groups[ranks] = make_group(store, name, ranks, rank, device, timeout)
         dtype = resolve_dtype(spec.engine.dtype, device)
         model = build_model(spec.model, spec.model_dir, spec.engine.seed, dtype, device)
         kv = PagedKVStore(
@@ -112,25 +113,6 @@ def rank_main(rank: int, spec: RankSpec, commands: Any, results: Any) -> None:
         return
     results.send(RankReady(rank=rank, device=str(device), kv_bytes=kv.nbytes))
     _serve(rank, model, kv, groups, commands, results, store, device, timeout)
-
-
-def make_group(
-    store: Any,
-    ranks: tuple[int, ...],
-    generation: int,
-    rank: int,
-    device: torch.device,
-    timeout: timedelta,
-) -> Any:
-    """The backend of worker group ``ranks`` at ``generation`` (every member calls
-    this; it returns when all have)."""
-    prefix = dist.PrefixStore(f"group/{generation}/{'-'.join(map(str, ranks))}", store)
-    index = ranks.index(rank)
-    if device.type == "cuda":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(prefix, index, len(ranks), options)
-    return dist.ProcessGroupGloo(prefix, index, len(ranks), timeout)
 
 
 def _serve(
@@ -145,6 +127,7 @@ def _serve(
     timeout: timedelta,
 ) -> None:
     parent = os.getppid()
+    pairs = PairGroups(store, rank, device, timeout)  # of the KV copies
     while True:
         try:
             if not commands.poll(1.0):
@@ -159,29 +142,21 @@ def _serve(
                 return
             case PrefillCommand():
                 results.send(_run(rank, model, kv, groups, msg))
-            case KVRead():
-                _answer(
-                    results,
-                    rank,
-                    lambda m=msg: KVData(m.copy_id, rank, *kv.export(m.slots)),
-                    "KVRead",
-                    msg.copy_id,
-                )
-            case KVWrite():
+            case KVTransfer():
 
-                def write(m: KVWrite = msg) -> KVWritten:
-                    kv.install(m.slots, m.k, m.v)
+                def transfer(m: KVTransfer = msg) -> KVWritten:
+                    check_transfer(rank, m, kv)
+                    run_transfer(rank, kv, m, lambda peer: pairs.get(peer, m.incarnations))
                     return KVWritten(m.copy_id, rank)
 
-                _answer(results, rank, write, "KVWrite", msg.copy_id)
+                _answer(results, rank, transfer, "KVTransfer", msg.copy_id)
             case RebuildGroups():
 
                 def rebuild(m: RebuildGroups = msg) -> GroupsReady:
                     for ranks, generation in m.groups:
                         if rank in ranks:
-                            groups[ranks] = make_group(
-                                store, ranks, generation, rank, device, timeout
-                            )
+                            name = worker_group_name(ranks, generation)
+                            groups[ranks] = make_group(store, name, ranks, rank, device, timeout)
                     return GroupsReady(rank, m.token)
 
                 _answer(results, rank, rebuild, "RebuildGroups")

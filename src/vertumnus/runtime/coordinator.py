@@ -16,8 +16,9 @@ prefix-cache manager (trie), the window controller and the reshape transitions
                  workers, which become schedulable when every rank acknowledges
 
     scan task:   every ``scan_interval_s`` the cache manager's scan; its copies run one
-                 at a time (KVRead from the source's ranks, KVWrite to the
-                 destination's, re-sharded block by block), reclamations at once
+                 at a time (one KVTransfer to every rank of the source and the
+                 destination; the blocks go rank to rank, re-sharded block by
+                 block), reclamations at once
 
 After a reshape, the blocks the old workers left where the new geometry wants them
 are adopted into the new workers' indexes at their slots (no data moves); the other
@@ -63,9 +64,7 @@ from vertumnus.policy.transition import Phase, Reconfigurer, Transition
 from vertumnus.runtime.messages import (
     EpochAck,
     GroupsReady,
-    KVData,
-    KVRead,
-    KVWrite,
+    KVTransfer,
     KVWritten,
     PrefillDone,
     RankFailed,
@@ -132,8 +131,11 @@ class _InFlight:
 
 
 class Coordinator:
-    def __init__(self, cfg: ServeConfig) -> None:
+    def __init__(self, cfg: ServeConfig, pool: Any = None) -> None:
+        """``pool``: the ranks, when they are not this process's children (a
+        ``ClusterPool`` of node agents, already gathered); None: a ``RankPool``."""
         self.cfg = cfg
+        self._given_pool = pool
         self.model_cfg, self.model_dir = resolve_model(cfg.model)
         self.profile = Profile.load(cfg.profile)
         missing = sorted(set(cfg.degrees) - set(self.profile.degrees))
@@ -144,7 +146,13 @@ class Coordinator:
             )
         coeffs = {c: self.profile.coeffs[c] for c in cfg.degrees}
         assert cfg.layout is not None
-        self.lattice = Lattice(LatticeConfig(cfg.ranks, cfg.degrees), cfg.layout)
+        try:
+            lattice_cfg = LatticeConfig(
+                cfg.ranks, cfg.degrees, devices_per_host=cfg.devices_per_host
+            )
+            self.lattice = Lattice(lattice_cfg, cfg.layout)
+        except LatticeError as exc:
+            raise ConfigError(f"[pool] {exc}") from exc
         block = cfg.engine.block_size
         self.cache = PrefixCacheManager(coeffs, block, cfg.cache)
         router = ROUTERS.get(cfg.policy, Scheduler)
@@ -155,7 +163,7 @@ class Coordinator:
             self.lattice, self.scheduler, self.cache, self.controller, cfg.engine.kv_blocks_per_rank
         )
         self.metrics = Metrics()
-        self.pool: RankPool | None = None
+        self.pool: Any = None  # a RankPool, or a ClusterPool of node agents
         self.indexes: dict[int, WorkerCacheIndex] = {}
         self._requests: dict[int, _Request] = {}
         self._waiting: list[_Request] = []  # no candidate while every worker reshapes
@@ -194,11 +202,14 @@ class Coordinator:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        pool = RankPool(
+        pool = self._given_pool or RankPool(
             self.model_cfg, self.model_dir, self.cfg.engine, self.cfg.ranks, self.cfg.degrees
         )
         await self._loop.run_in_executor(None, pool.start)
         self.pool = pool
+        if hasattr(pool, "on_rejoin"):  # a host's agent came back: restart its workers
+            loop = self._loop
+            pool.on_rejoin = lambda ranks: loop.call_soon_threadsafe(self._hosts_back, ranks)
         for w in self.lattice.workers.values():
             self._add_worker(w.worker_id)
         # The event loop itself watches the ranks' answer pipes and their process
@@ -269,7 +280,9 @@ class Coordinator:
         pipe non-blocking, so a large answer can arrive in pieces. Bytes are buffered
         and framed as ``multiprocessing.connection`` frames them (a 4-byte big-endian
         length, or -1 then an 8-byte one), and whole messages are unpickled. (These
-        pipes come only from this pool's own rank processes.)"""
+        pipes come only from this pool's own rank processes, or from the I/O thread
+        of a ``ClusterPool``, which passes on only what the signature of a holder of
+        the cluster secret covers.)"""
         assert self._loop is not None
         fd = conn.fileno()
         buf = self._buffers.setdefault(rank, bytearray())
@@ -334,7 +347,7 @@ class Coordinator:
                 inflight.done[msg.rank] = msg
                 if len(inflight.done) == len(inflight.ranks) and not inflight.future.done():
                     inflight.future.set_result(inflight.done)
-            case KVData() | KVWritten():
+            case KVWritten():
                 wait = self._kv_waits.pop((msg.copy_id, msg.rank), None)
                 if wait is not None and not wait.done():
                     wait.set_result(msg)
@@ -569,6 +582,16 @@ class Coordinator:
         if first_failure:
             self._spawn(self._recover(rank, reason))
 
+    def _hosts_back(self, ranks: Sequence[int]) -> None:
+        """The agent of ``ranks`` is back: restart the failed workers among them now
+        (not at their next retry)."""
+        back = set(ranks)
+        for w in list(self.lattice.workers.values()):
+            if back & set(w.devices) and (
+                set(w.devices) & self._dead_ranks or w.state is WorkerState.UNAVAILABLE
+            ):
+                self._spawn(self._recover(w.devices[0], "its host is back"))
+
     def _worker_of_rank(self, rank: int) -> LatticeWorker | None:
         return next((w for w in self.lattice.workers.values() if rank in w.devices), None)
 
@@ -622,6 +645,8 @@ class Coordinator:
                     await asyncio.sleep(0.02)
                 w = self._worker_of_rank(rank)
                 assert w is not None
+                if not set(w.devices) & self._dead_ranks and w.state is not WorkerState.UNAVAILABLE:
+                    return  # recovered already (a retry after its host came back)
                 worker_id, ranks = w.worker_id, tuple(w.devices)
                 self._recovering.add(worker_id)
                 if w.state is not WorkerState.UNAVAILABLE:
@@ -657,6 +682,8 @@ class Coordinator:
                 )
                 self.cache.add_worker(worker_id, w.cp_degree, w.first_device)
                 self.lattice.restore(worker_id)
+                if self.rank_error and self.rank_error.startswith(f"worker {worker_id} could not"):
+                    self.rank_error = None  # (it gave up before its host came back)
                 self.metrics.restarted()
                 log.info(
                     "worker_rejoined",
@@ -762,7 +789,12 @@ class Coordinator:
                 await self._transfer(job.moves)
             except (RankPoolError, TimeoutError) as exc:
                 self.ledger.abort_copy(job)
-                log.error("copy_failed", plan=plan.plan_id, error=str(exc))
+                log.error("copy_failed", plan=plan.plan_id, error=repr(exc))
+                if isinstance(exc, TimeoutError):
+                    # A rank hung, and the pair groups may be out of step: the
+                    # workers of the copy restart (their ranks get new pairs).
+                    for r in sorted({r for m in job.moves for r in (m[0], m[2])}):
+                        self.rank_down(r, "a KV copy timed out", whole_worker=True)
                 return 0
             except BaseException:
                 self.ledger.abort_copy(job)
@@ -782,29 +814,32 @@ class Coordinator:
             return installed
 
     async def _transfer(self, moves: Sequence[tuple[int, int, int, int]]) -> None:
-        """Copy KV blocks (src rank, src slot, dst rank, dst slot) through the
-        coordinator: one KVRead per source rank, one KVWrite per destination rank."""
-        copy_id = next(self._copy_ids)
-        by_src: dict[int, list[tuple[int, int, int]]] = {}
-        for src_rank, src_slot, dst_rank, dst_slot in moves:
-            by_src.setdefault(src_rank, []).append((src_slot, dst_rank, dst_slot))
-        for src_rank, items in by_src.items():
-            read = KVRead(copy_id, tuple(i[0] for i in items))
-            data = await self._kv_call(src_rank, copy_id, read)
-            by_dst: dict[int, list[int]] = {}
-            for n, (_, dst_rank, _) in enumerate(items):
-                by_dst.setdefault(dst_rank, []).append(n)
-            for dst_rank, rows in by_dst.items():
-                slots = tuple(items[n][2] for n in rows)
-                write = KVWrite(copy_id, slots, data.k[rows], data.v[rows])
-                await self._kv_call(dst_rank, copy_id, write)
-
-    async def _kv_call(self, rank: int, copy_id: int, msg: object) -> Any:
+        """Copy KV blocks (src rank, src slot, dst rank, dst slot) rank to rank: one
+        ``KVTransfer`` to every rank involved, then a ``KVWritten`` from each. The
+        blocks travel between the ranks; the coordinator only orchestrates."""
         assert self.pool is not None and self._loop is not None
-        wait: asyncio.Future[Any] = self._loop.create_future()
-        self._kv_waits[(copy_id, rank)] = wait
-        self.pool.send(rank, msg)
-        return await asyncio.wait_for(wait, self.cfg.engine.rank_timeout_s)
+        if not moves:
+            return
+        copy_id = next(self._copy_ids)
+        ranks = sorted({r for src, _, dst, _ in moves for r in (src, dst)})
+        cmd = KVTransfer(
+            copy_id,
+            tuple((s, ss, d, ds) for s, ss, d, ds in moves),
+            tuple((r, self.pool.incarnation(r)) for r in ranks),
+        )
+        waits: list[asyncio.Future[Any]] = []
+        for r in ranks:
+            waits.append(self._loop.create_future())
+            self._kv_waits[(copy_id, r)] = waits[-1]
+        try:
+            # One loop, no await: every rank sees the multi-rank commands (prefills,
+            # copies) in one order, so their pairs cannot wait on each other.
+            for r in ranks:
+                self.pool.send(r, cmd)
+            await asyncio.wait_for(asyncio.gather(*waits), self.cfg.engine.rank_timeout_s)
+        finally:
+            for r in ranks:
+                self._kv_waits.pop((copy_id, r), None)
 
     # -- reconfiguration -------------------------------------------------------------
 
@@ -955,6 +990,11 @@ class Coordinator:
                     "cp_degree": w.cp_degree,
                     "ranks": list(w.devices),
                     "hosts": list(w.hosts(self.lattice.config)),
+                    "host_names": list(
+                        dict.fromkeys(self.pool.host_of(r) for r in w.devices)
+                        if self.pool is not None
+                        else ()
+                    ),
                     "state": str(w.state),
                     "epoch": w.epoch,
                     "queued": len(self.scheduler.queued(w.worker_id)),

@@ -1,14 +1,20 @@
 """Messages across the coordinator <-> rank process boundary.
 
-Every message is a small frozen dataclass sent through a ``torch.multiprocessing``
-queue; receivers ``match`` on the type. Nothing here runs anything. The tensors of
+Every message is a small frozen dataclass, pickled onto a one-way pipe between the
+coordinator (or, for a rank on another host, its node agent) and the rank;
+receivers ``match`` on the type. Nothing here runs anything. The tensors of
 a command (token ids) and of an answer (logits) cross as plain bytes: moving a
 tensor through shared memory costs about 0.5 ms per message on CPU (a segment is
 created and mapped each time), more than a whole small prefill's bookkeeping.
 
-    coordinator --PrefillCommand / SwitchEpoch / KVRead / KVWrite / Shutdown--> rank r
-    rank r      --RankReady / PrefillDone / EpochAck / KVData / KVWritten /
+    coordinator --PrefillCommand / SwitchEpoch / RebuildGroups / KVTransfer /
+                  Shutdown--> rank r
+    rank r      --RankReady / PrefillDone / EpochAck / GroupsReady / KVWritten /
                   RankFailed--> coordinator
+    rank r      <--K and V of a KVTransfer's blocks (torch.distributed)--> rank s
+
+KV bytes never cross this boundary: a ``KVTransfer`` names the moves, and the ranks
+send the blocks to each other over their pair's process group.
 """
 
 from __future__ import annotations
@@ -117,31 +123,22 @@ class GroupsReady:
 
 
 @dataclass(frozen=True)
-class KVRead(_TensorsAsBytes):
-    """Send back the K and V of ``slots`` (all layers), for a copy to another rank."""
+class KVTransfer:
+    """One KV copy: each move (src rank, src slot, dst rank, dst slot) puts the K and V
+    of one block (all layers) of the source rank into a slot of the destination rank,
+    within a rank or over the two ranks' pair group (formed on first use, named by
+    both ``incarnations``). Every rank of ``ranks`` receives the same command and
+    answers ``KVWritten`` once it has sent and stored its blocks, or ``RankFailed``
+    with the ``copy_id``."""
 
     copy_id: int
-    slots: tuple[int, ...]
+    moves: tuple[tuple[int, int, int, int], ...]
+    incarnations: tuple[tuple[int, int], ...]  # (rank, restarts) of each of ``ranks``
 
-
-@dataclass(frozen=True)
-class KVData(_TensorsAsBytes):
-    copy_id: int
-    rank: int
-    k: Tensor  # [len(slots), layers, block_size, Hkv, D]
-    v: Tensor
-    _tensor_fields = ("k", "v")
-
-
-@dataclass(frozen=True)
-class KVWrite(_TensorsAsBytes):
-    """Store ``k``, ``v`` (as ``KVData`` carries them) into ``slots``."""
-
-    copy_id: int
-    slots: tuple[int, ...]
-    k: Tensor
-    v: Tensor
-    _tensor_fields = ("k", "v")
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks involved: a source or destination of some move, ascending."""
+        return tuple(sorted({r for src, _, dst, _ in self.moves for r in (src, dst)}))
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ pipes from its event loop.
 from __future__ import annotations
 
 import queue
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -55,7 +56,9 @@ def worker_groups(world_size: int, degrees: Sequence[int]) -> tuple[tuple[int, .
 
 class _CommandSender:
     """The write end of one rank's command pipe, fed by a daemon thread: ``put``
-    never blocks; the thread ends on ``stop`` or when the rank is gone (EPIPE)."""
+    never blocks; the thread ends on ``stop`` or when the rank is gone (EPIPE).
+    A ``bytes`` item is a message pickled already (an agent forwards what the
+    coordinator sent) and is written as it is."""
 
     _STOP = object()
 
@@ -71,7 +74,10 @@ class _CommandSender:
     def _feed(self) -> None:
         while (msg := self._queue.get()) is not self._STOP:
             try:
-                self._conn.send(msg)
+                if isinstance(msg, bytes):
+                    self._conn.send_bytes(msg)
+                else:
+                    self._conn.send(msg)
             except (OSError, ValueError):  # the rank exited, or the pipe was closed
                 return
 
@@ -83,7 +89,120 @@ class _CommandSender:
         self._conn.close()
 
 
+class LocalRanks:
+    """The rank processes of this host, by global rank: spawn (``spawn`` context, a
+    command pipe written by a ``_CommandSender`` and an answer pipe each), kill, and
+    an orderly close. The coordinator's ``RankPool`` and a node agent
+    (``runtime/agent.py``) both hold one."""
+
+    def __init__(self) -> None:
+        self.procs: dict[int, Any] = {}
+        self.results: dict[int, Any] = {}  # Connection per rank, rank -> here
+        self._commands: dict[int, _CommandSender] = {}
+
+    def spawn(self, rank: int, spec: RankSpec) -> None:
+        ctx = mp.get_context("spawn")
+        cmd_recv, cmd_send = ctx.Pipe(duplex=False)
+        res_recv, res_send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=rank_main,
+            args=(rank, spec, cmd_recv, res_send),
+            name=f"vertumnus-rank{rank}",
+            daemon=True,
+        )
+        proc.start()
+        cmd_recv.close()  # the child's ends: only the rank holds them now
+        res_send.close()
+        self._commands[rank] = _CommandSender(cmd_send, f"vertumnus-send{rank}")
+        self.results[rank] = res_recv
+        self.procs[rank] = proc
+
+    def send(self, rank: int, msg: object) -> None:
+        """Never blocks: the rank's sender thread writes it."""
+        self._commands[rank].put(msg)
+
+    def kill(self, rank: int) -> None:
+        proc = self.procs.get(rank)
+        if proc is not None and proc.is_alive():
+            proc.kill()
+
+    def stop(self, rank: int) -> None:
+        """Kill ``rank`` (whatever state it is in) and forget its pipes."""
+        proc = self.procs.pop(rank, None)
+        if proc is not None:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5.0)
+        conn = self.results.pop(rank, None)
+        if conn is not None:
+            conn.close()
+        sender = self._commands.pop(rank, None)
+        if sender is not None:
+            sender.stop(2.0)
+
+    def close(self, timeout_s: float) -> None:
+        """Ask every rank to exit, wait, then terminate stragglers; idempotent."""
+        for rank, proc in self.procs.items():
+            if proc.is_alive():
+                self._commands[rank].put(Shutdown())
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2.0)
+        for conn in self.results.values():
+            conn.close()
+        for sender in self._commands.values():
+            sender.stop(2.0)  # the ranks are gone: a blocked write fails with EPIPE
+        self.procs, self.results, self._commands = {}, {}, {}
+
+
+def poll_channels(
+    pending: list[object], results: Sequence[Any], sentinels: dict[Any, str], timeout_s: float
+) -> object | None:
+    """Next message from ``pending`` or from any answer connection in ``results``, or
+    None after ``timeout_s``; raises RankPoolError if a sentinel (waitable -> name of
+    its rank) fired, after handing out what the ranks sent before."""
+    if pending:
+        return pending.pop(0)
+    try:
+        ready = connection.wait([*results, *sentinels], timeout_s)
+    except (OSError, ValueError):  # closed under us: shutting down
+        return None
+    for conn in results:
+        if conn in ready:
+            try:
+                while conn.poll():
+                    pending.append(conn.recv())
+            except (EOFError, OSError):
+                pass  # the rank is gone; its sentinel says so below
+    if pending:
+        return pending.pop(0)
+    dead = [sentinels[s] for s in ready if s in sentinels]
+    if dead:
+        raise RankPoolError(f"rank process(es) exited unexpectedly: {', '.join(dead)}")
+    return None
+
+
+def wait_ready(pool: Any, ranks: Sequence[int], timeout_s: float) -> None:
+    """Collect a ``RankReady`` from each of ``ranks`` into ``pool.ready``; a
+    ``RankFailed`` raises RankPoolError naming the rank."""
+    while not set(ranks) <= set(pool.ready):
+        msg = pool.recv(timeout_s)
+        if isinstance(msg, RankFailed):
+            raise RankPoolError(f"rank {msg.rank} failed to start: {msg.error}\n{msg.traceback}")
+        if isinstance(msg, RankReady):
+            pool.ready[msg.rank] = msg
+
+
 class RankPool:
+    """The ranks of a pool on this host, started by the coordinator itself."""
+
     def __init__(
         self,
         model: ModelConfig,
@@ -96,12 +215,11 @@ class RankPool:
         self.world_size = world_size
         self.groups = worker_groups(world_size, degrees)
         self.ready: dict[int, RankReady] = {}
-        self._procs: list[Any] = []  # per rank, replaced when a rank restarts
-        self._commands: list[_CommandSender] = []  # per rank, coordinator -> rank
-        self._results: list[Any] = []  # Connection per rank, rank -> coordinator
+        self._ranks = LocalRanks()
         self._pending: list[object] = []  # read, not yet handed out
         self._store: dist.TCPStore | None = None
         self.generations: dict[tuple[int, ...], int] = {}  # of each group; absent: 0
+        self._incarnations: dict[int, int] = {}  # restarts of each rank; absent: 0
 
     def __enter__(self) -> RankPool:
         self.start()
@@ -115,20 +233,10 @@ class RankPool:
         self._store = dist.TCPStore(
             "127.0.0.1", 0, None, is_master=True, timeout=timeout, wait_for_workers=False
         )
-        self._procs = [None] * self.world_size
-        self._commands = [None] * self.world_size  # type: ignore[list-item]
-        self._results = [None] * self.world_size
         for rank in range(self.world_size):
             self._spawn(rank)
         try:
-            while len(self.ready) < self.world_size:
-                msg = self.recv(self.engine.rank_timeout_s)
-                if isinstance(msg, RankFailed):
-                    raise RankPoolError(
-                        f"rank {msg.rank} failed to start: {msg.error}\n{msg.traceback}"
-                    )
-                if isinstance(msg, RankReady):
-                    self.ready[msg.rank] = msg
+            wait_ready(self, range(self.world_size), self.engine.rank_timeout_s)
         except BaseException:
             self.close()
             raise
@@ -145,21 +253,7 @@ class RankPool:
             store_port=self._store.port,
             group_generations=tuple(sorted(self.generations.items())),
         )
-        ctx = mp.get_context("spawn")
-        cmd_recv, cmd_send = ctx.Pipe(duplex=False)
-        res_recv, res_send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(
-            target=rank_main,
-            args=(rank, spec, cmd_recv, res_send),
-            name=f"vertumnus-rank{rank}",
-            daemon=True,
-        )
-        proc.start()
-        cmd_recv.close()  # the child's ends: only the rank holds them now
-        res_send.close()
-        self._commands[rank] = _CommandSender(cmd_send, f"vertumnus-send{rank}")
-        self._results[rank] = res_recv
-        self._procs[rank] = proc
+        self._ranks.spawn(rank, spec)
 
     def restart(self, ranks: Sequence[int]) -> list[tuple[tuple[int, ...], int]]:
         """Kill ``ranks`` (whatever state they are in) and start them again; the
@@ -169,46 +263,41 @@ class RankPool:
         through ``channels``, which change for these ranks."""
         dead = set(ranks)
         for rank in dead:
-            proc = self._procs[rank]
-            if proc is not None and proc.is_alive():
-                proc.kill()
-            if proc is not None:
-                proc.join(5.0)
-            self._results[rank].close()
-            self._commands[rank].stop(2.0)
+            self._ranks.stop(rank)
             self.ready.pop(rank, None)
-        rebuild = []
-        for group in self.groups:
-            if dead & set(group):
-                self.generations[group] = self.generations.get(group, 0) + 1
-                if set(group) - dead:
-                    rebuild.append((group, self.generations[group]))
+        rebuild = next_generations(self.groups, self.generations, dead)
         self._pending = [m for m in self._pending if getattr(m, "rank", None) not in dead]
         for rank in sorted(dead):
+            self._incarnations[rank] = self._incarnations.get(rank, 0) + 1
             self._spawn(rank)
         return rebuild
 
+    def incarnation(self, rank: int) -> int:
+        """How many times ``rank`` was restarted: a group formed with it on demand
+        (a KV copy's pair) is named by its members' incarnations, so a restarted rank
+        never meets the half of a group its predecessor formed."""
+        return self._incarnations.get(rank, 0)
+
     def kill(self, rank: int) -> None:
         """SIGKILL one rank process (a hung rank; tests)."""
-        proc = self._procs[rank]
-        if proc is not None and proc.is_alive():
-            proc.kill()
+        self._ranks.kill(rank)
 
     def pid(self, rank: int) -> int | None:
-        proc = self._procs[rank]
+        proc = self._ranks.procs.get(rank)
         return None if proc is None else proc.pid
 
+    def host_of(self, rank: int) -> str:
+        return socket.gethostname()
+
     def send(self, rank: int, msg: object) -> None:
-        """Never blocks: the queue's feeder thread writes to the rank."""
-        self._commands[rank].put(msg)
+        """Never blocks: the rank's sender thread writes it."""
+        self._ranks.send(rank, msg)
 
     def channels(self) -> list[tuple[int, Any, int]]:
         """(rank, result connection, process sentinel) of every rank: an event loop can
         watch them directly (``loop.add_reader``) instead of calling ``poll``."""
-        return [
-            (rank, conn, proc.sentinel)
-            for rank, (conn, proc) in enumerate(zip(self._results, self._procs, strict=True))
-        ]
+        procs = self._ranks.procs
+        return [(rank, conn, procs[rank].sentinel) for rank, conn in self._ranks.results.items()]
 
     def recv(self, timeout_s: float) -> object:
         """Next message from any rank; raises RankPoolError if a rank died or time ran out."""
@@ -220,48 +309,26 @@ class RankPool:
     def poll(self, timeout_s: float) -> object | None:
         """Next message from any rank, or None after ``timeout_s``; raises RankPoolError
         if a rank process died (after handing out what it sent before)."""
-        if self._pending:
-            return self._pending.pop(0)
-        sentinels = {p.sentinel: p for p in self._procs}
-        try:
-            ready = connection.wait([*self._results, *sentinels], timeout_s)
-        except (OSError, ValueError):  # closed under us: shutting down
-            return None
-        for conn in self._results:
-            if conn in ready:
-                try:
-                    while conn.poll():
-                        self._pending.append(conn.recv())
-                except (EOFError, OSError):
-                    pass  # the rank is gone; its sentinel says so below
-        if self._pending:
-            return self._pending.pop(0)
-        dead = [sentinels[s].name for s in ready if s in sentinels]
-        if dead:
-            raise RankPoolError(f"rank process(es) exited unexpectedly: {', '.join(dead)}")
-        return None
+        sentinels = {p.sentinel: p.name for p in self._ranks.procs.values()}
+        results = list(self._ranks.results.values())
+        return poll_channels(self._pending, results, sentinels, timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask every rank to exit, wait, then terminate stragglers; idempotent."""
-        procs = [p for p in self._procs if p is not None]
-        for proc, commands in zip(self._procs, self._commands, strict=True):
-            if proc is not None and proc.is_alive():
-                commands.put(Shutdown())
-        deadline = time.monotonic() + timeout_s
-        for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in procs:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(2.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(2.0)
-        for conn in self._results:
-            if conn is not None:
-                conn.close()
-        for sender in self._commands:
-            if sender is not None:
-                sender.stop(2.0)  # the ranks are gone: a blocked write fails with EPIPE
-        self._procs, self._commands, self._results, self._pending = [], [], [], []
+        self._ranks.close(timeout_s)
+        self._pending = []
         self._store = None
+
+
+def next_generations(
+    groups: Sequence[tuple[int, ...]], generations: dict[tuple[int, ...], int], dead: set[int]
+) -> list[tuple[tuple[int, ...], int]]:
+    """Move every group with a member in ``dead`` to its next generation (in
+    ``generations``); returns those that keep a live member, with the new generation."""
+    rebuild = []
+    for group in groups:
+        if dead & set(group):
+            generations[group] = generations.get(group, 0) + 1
+            if set(group) - dead:
+                rebuild.append((group, generations[group]))
+    return rebuild

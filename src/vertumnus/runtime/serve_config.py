@@ -17,6 +17,9 @@
                   ranks are killed and restarted), max_restart_attempts = 5,
                   admin_token (or $VERTUMNUS_ADMIN_TOKEN; none: admin calls
                   refused), api_key (or $VERTUMNUS_API_KEY; none: /v1 is open)
+    [cluster]     listen = "0.0.0.0:7700", hosts = 2: a multi-host pool; the ranks
+                  run under node agents (``python -m vertumnus agent``), and
+                  [pool] ranks is learned from them (see ``ClusterConfig``)
 
 The embedded default (no file) is the ``tiny`` model on two CPU ranks, starting as
 two degree-1 workers that may merge into one degree-2 worker: the shipped CPU
@@ -40,6 +43,39 @@ from vertumnus.policy.kv_ledger import RetentionConfig
 
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_PROFILE = REPO / "configs" / "profiles" / "tiny-cpu.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """``[cluster]``: the coordinator waits for ``hosts`` node agents on ``listen``
+    (``HOST:PORT``; port 0: a free one), each running the ranks of one host. Every
+    host must run the same number of ranks (``devices_per_host``, learned from the
+    agents). The secret (``$VERTUMNUS_CLUSTER_SECRET`` or ``secret``, at least 16
+    characters) signs and encrypts the control channel (``runtime/control.py``)."""
+
+    listen: str = "0.0.0.0:7700"
+    hosts: int = 1
+    secret: str | None = dataclasses.field(default=None, repr=False)
+    heartbeat_s: float = 1.0  # each side's heartbeat period
+    agent_timeout_s: float = 5.0  # an agent silent this long is gone (a dropped
+    # connection is seen at once)
+    join_timeout_s: float = 600.0  # start-up: how long to wait for every agent
+
+    def __post_init__(self) -> None:
+        if self.hosts < 1:
+            raise ConfigError("[cluster] hosts must be >= 1")
+        if not 0 < self.heartbeat_s < self.agent_timeout_s:
+            raise ConfigError("[cluster] need 0 < heartbeat_s < agent_timeout_s")
+        if self.join_timeout_s <= 0:
+            raise ConfigError("[cluster] join_timeout_s must be > 0")
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"[cluster] listen must be HOST:PORT, got {self.listen!r}")
+        if self.secret is None or len(self.secret) < 16:
+            raise ConfigError(
+                "[cluster] needs a secret of at least 16 characters: set "
+                "$VERTUMNUS_CLUSTER_SECRET (or [cluster] secret), the same on every host"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +104,8 @@ class ServeConfig:
     # overrides the file. No admin token: every /v1/admin call is refused.
     admin_token: str | None = dataclasses.field(default=None, repr=False)
     api_key: str | None = dataclasses.field(default=None, repr=False)
+    devices_per_host: int | None = None  # None: one host
+    cluster: ClusterConfig | None = None  # None: the ranks are this process's children
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -101,14 +139,54 @@ class ServeConfig:
                 raise ConfigError(f"[server] {name} must be a string of at least 16 characters")
 
 
-def load(path: Path | None, model: str | None = None) -> ServeConfig:
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            raw = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"{path}: {exc}") from exc
-    known = {"model", "pool", "engine", "profile", "scheduler", "controller", "cache", "server"}
+def _read(path: Path | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        return tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+
+
+def load_cluster(path: Path | None) -> ClusterConfig | None:
+    """The ``[cluster]`` table alone (None: a single-host pool): the coordinator
+    needs it to gather its agents before it knows how many ranks the pool has."""
+    raw = _read(path).get("cluster")
+    if raw is None:
+        return None
+    values = dict(raw)
+    if os.environ.get("VERTUMNUS_CLUSTER_SECRET"):
+        values["secret"] = os.environ["VERTUMNUS_CLUSTER_SECRET"]
+    cluster: ClusterConfig = build_table(ClusterConfig, values, "cluster")
+    return cluster
+
+
+def load_rank_setup(path: Path | None, model: str | None = None) -> tuple[str, EngineConfig]:
+    """The model and the engine settings alone: what a multi-host pool's ranks need
+    before the agents' topology completes the configuration."""
+    raw = _read(path)
+    name = model or raw.get("model", {}).get("name", "tiny")
+    engine: EngineConfig = build_table(EngineConfig, raw.get("engine", {}), "engine")
+    return name, engine
+
+
+def load(
+    path: Path | None, model: str | None = None, topology: tuple[int, int] | None = None
+) -> ServeConfig:
+    """The serving configuration. A multi-host pool (``[cluster]``) needs its
+    ``topology`` (ranks, devices per host), learned from its agents."""
+    raw = _read(path)
+    known = {
+        "model",
+        "pool",
+        "engine",
+        "profile",
+        "scheduler",
+        "controller",
+        "cache",
+        "server",
+        "cluster",
+    }
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"{path}: unknown tables {unknown}; known: {sorted(known)}")
@@ -137,6 +215,19 @@ def load(path: Path | None, model: str | None = None) -> ServeConfig:
         "scan_interval_s": scan_interval_s,
         "retention": build_table(RetentionConfig, retention, "cache"),
     }
+    cluster = load_cluster(path)
+    if cluster is not None:
+        if topology is None:
+            raise ConfigError(
+                f"{path} describes a multi-host pool ([cluster]): its ranks come from its "
+                "agents (load it with their topology)"
+            )
+        if "ranks" in pool:
+            raise ConfigError(
+                "[pool] ranks is learned from the agents in a multi-host pool: remove it"
+            )
+        kwargs["cluster"] = cluster
+        kwargs["ranks"], kwargs["devices_per_host"] = topology
     if "ranks" in pool:
         kwargs["ranks"] = int(pool.pop("ranks"))
     if "degrees" in pool:
