@@ -433,13 +433,6 @@ class ClusterPool:
             reason = f"protocol {hello.protocol}; this coordinator speaks {control.PROTOCOL}"
         elif hello.devices < 1:
             reason = "an agent must run at least one rank"
-        elif (
-            known is not None
-            and known.connected
-            and known.peer != peer
-            and time.monotonic() - known.last_seen_s < 2 * self.cluster.heartbeat_s
-        ):
-            reason = f"an agent named {hello.name!r} is connected already"
         elif known is None and len(self._agents) >= self.cluster.hosts:
             reason = f"the pool has its {self.cluster.hosts} hosts: {sorted(self._agents)}"
         elif known is None and self._agents:
@@ -461,10 +454,12 @@ class ClusterPool:
             log.info("agent_joined", agent=hello.name, devices=hello.devices, pid=hello.pid)
             self._joined.notify_all()
             return
-        # Back after a loss (or restarted before its loss was seen): same ranks; the
-        # coordinator restarts its workers.
+        # Back after a loss, or restarted before its loss was seen (a new connection
+        # under a name that is connected: the old one is lost; names must be unique
+        # per host, so two agents under one name would keep taking over, each time
+        # logged): same ranks; the coordinator restarts its workers.
         if known.connected:
-            self._lost(known, "its agent restarted")
+            self._lost(known, f"a new agent connected as {hello.name!r}")
         self._by_peer.pop(known.peer, None)
         known.peer, known.connected, known.last_seen_s = peer, True, time.monotonic()
         known.fd = fd
