@@ -318,7 +318,7 @@ def test_agent_outlives_a_lost_coordinator(tmp_path: Path, checkpoint: Checkpoin
         first.start()
         old_ranks = rank_pids(agent.pid)
         assert len(old_ranks) == 2
-        first.crash_for_tests()  # silence, as if the coordinator's host died
+        first.hub.crash_for_tests()  # silence, as if the coordinator's host died
         second = ClusterPool(
             ClusterConfig(listen=address, **settings),  # type: ignore[arg-type]
             checkpoint.config,
