@@ -73,7 +73,7 @@ from vertumnus.runtime.messages import (
     SwitchEpoch,
 )
 from vertumnus.runtime.metrics import Metrics
-from vertumnus.runtime.pool import RankPool, RankPoolError
+from vertumnus.runtime.pool import RankPool, RankPoolError, Ranks
 from vertumnus.runtime.serve_config import ServeConfig
 from vertumnus.runtime.worker import plan_prefill
 
@@ -131,7 +131,7 @@ class _InFlight:
 
 
 class Coordinator:
-    def __init__(self, cfg: ServeConfig, pool: Any = None) -> None:
+    def __init__(self, cfg: ServeConfig, pool: Ranks | None = None) -> None:
         """``pool``: the ranks, when they are not this process's children (a
         ``ClusterPool`` of node agents, already gathered); None: a ``RankPool``."""
         self.cfg = cfg
@@ -163,7 +163,7 @@ class Coordinator:
             self.lattice, self.scheduler, self.cache, self.controller, cfg.engine.kv_blocks_per_rank
         )
         self.metrics = Metrics()
-        self.pool: Any = None  # a RankPool, or a ClusterPool of node agents
+        self.pool: Ranks | None = None  # a RankPool, or a ClusterPool of node agents
         self.indexes: dict[int, WorkerCacheIndex] = {}
         self._requests: dict[int, _Request] = {}
         self._waiting: list[_Request] = []  # no candidate while every worker reshapes
@@ -202,7 +202,7 @@ class Coordinator:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        pool = self._given_pool or RankPool(
+        pool: Ranks = self._given_pool or RankPool(
             self.model_cfg, self.model_dir, self.cfg.engine, self.cfg.ranks, self.cfg.degrees
         )
         await self._loop.run_in_executor(None, pool.start)

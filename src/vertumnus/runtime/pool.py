@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from datetime import timedelta
 from multiprocessing import connection
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -52,6 +52,27 @@ def worker_groups(world_size: int, degrees: Sequence[int]) -> tuple[tuple[int, .
         if c > 1:
             groups.extend(tuple(range(k * c, (k + 1) * c)) for k in range(world_size // c))
     return tuple(groups)
+
+
+class Ranks(Protocol):
+    """What the coordinator needs of its ranks, wherever they run: ``RankPool``
+    (children of this process) and ``ClusterPool`` (under node agents) provide it.
+
+    ``send`` never blocks; answers arrive on ``channels`` (an answer connection and
+    a sentinel that becomes readable when the rank is gone, per rank), which change
+    for the ranks that ``restart`` starts again. ``restart`` returns the groups the
+    live members must form anew (``RebuildGroups``); ``incarnation`` counts a rank's
+    restarts (pair groups of KV copies are named by it)."""
+
+    def start(self) -> None: ...
+    def send(self, rank: int, msg: object) -> None: ...
+    def channels(self) -> list[tuple[int, Any, int]]: ...
+    def restart(self, ranks: Sequence[int]) -> list[tuple[tuple[int, ...], int]]: ...
+    def incarnation(self, rank: int) -> int: ...
+    def kill(self, rank: int) -> None: ...
+    def pid(self, rank: int) -> int | None: ...
+    def host_of(self, rank: int) -> str: ...
+    def close(self, timeout_s: float = 10.0) -> None: ...
 
 
 class _CommandSender:
