@@ -7,12 +7,16 @@ slots gives logits bit-identical to the probe on the original slots only if ever
 K and V value of every layer arrived unchanged (and a probe on empty slots differs).
 Covered: one direction, both directions in one copy, a copy within a rank, a copy
 with a restarted peer (a new incarnation, so a new pair group), and a malformed
-copy that every involved rank rejects, after which the pool copies on.
+copy that every involved rank rejects, after which the pool copies on; a peer
+killed mid-copy fails the copy at once on the other side.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import signal
+import time
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -27,7 +31,7 @@ from vertumnus.runtime.messages import (
     PrefillDone,
     RankFailed,
 )
-from vertumnus.runtime.pool import RankPool, wait_ready
+from vertumnus.runtime.pool import RankPool, RankPoolError, wait_ready
 
 pytestmark = pytest.mark.multiproc
 BLOCK_SIZE = 16
@@ -184,3 +188,39 @@ def test_bad_copy_rejected_by_every_rank(pool: RankPool) -> None:
     dst = [3, 4, 10]
     _copied(pool, [(0, s, 1, d) for s, d in zip(src, dst, strict=True)])
     assert torch.equal(_probe(pool, 1, tokens, dst), _probe(pool, 0, tokens, src))
+
+
+@pytest.mark.timeout(180)
+def test_peer_killed_mid_copy_fails_the_copy_at_once(pool: RankPool) -> None:
+    """Rank 1 is stopped before it reads the copy, then SIGKILLed: rank 0, blocked
+    sending to it, fails the copy as soon as the connection closes (not after the
+    group's time-out), answers RankFailed, and then serves and copies on."""
+    tokens = _prompt(seed=7)
+    src, dst = [2, 6, 9], [2, 6, 9]
+    _fill(pool, 0, tokens, src)
+    moves = [(0, s, 1, d) for s, d in zip(src, dst, strict=True)]
+    _copied(pool, moves)  # the pair exists: rank 0's send needs no rendezvous
+    pid = pool.pid(1)
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    cmd = KVTransfer(next(_ids), tuple(moves), ((0, pool.incarnation(0)), (1, pool.incarnation(1))))
+    for r in (0, 1):
+        pool.send(r, cmd)
+    time.sleep(0.5)  # rank 0 is in its send now
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    answer = None
+    while answer is None:
+        assert time.monotonic() - killed < 20, "rank 0 still blocked on its dead peer"
+        try:
+            msg = pool.poll(1.0)
+        except RankPoolError:  # rank 1's sentinel: expected
+            continue
+        if isinstance(msg, RankFailed) and msg.rank == 0:
+            answer = msg
+    assert answer.copy_id == cmd.copy_id and answer.error.startswith("KVTransfer:")
+    assert pool.restart([1]) == []
+    wait_ready(pool, [1], 60.0)
+    reference = _probe(pool, 0, tokens, src)  # rank 0 serves on
+    _copied(pool, moves)
+    assert torch.equal(_probe(pool, 1, tokens, dst), reference)
