@@ -340,3 +340,37 @@ def test_agent_outlives_a_lost_coordinator(tmp_path: Path, checkpoint: Checkpoin
             agent.wait()
     time.sleep(1.0)
     assert not pids_in_session(agent.pid)
+
+
+@pytest.mark.timeout(240)
+def test_rank_killed_on_an_agent_host_is_restarted_through_its_agent(
+    tmp_path: Path, checkpoint: Checkpoint
+) -> None:
+    """One rank of host 1 dies (its agent lives): the agent reports it, the worker
+    leaves the candidate set, its ranks restart through the agent, and the degree-4
+    group they share with host 0's ranks is formed anew (a spanning merge works)."""
+    prompt = make_tokens(400, seed=50)
+    expected = first_tokens(checkpoint, [prompt])[0]
+
+    async def main() -> None:
+        async with cluster(tmp_path, checkpoint, (2, 2)) as c:
+            coord = c.coord
+            old = c.pool.pid(3)
+            assert old is not None
+            os.kill(old, signal.SIGKILL)
+            killed = time.monotonic()
+            while coord.lattice.workers[1].state is WorkerState.ACTIVE:
+                assert time.monotonic() - killed < 5.0, "the dead rank's worker is still in"
+                await asyncio.sleep(0.01)
+            while coord.lattice.workers[1].state is not WorkerState.ACTIVE:
+                assert time.monotonic() - killed < 120, "the worker did not rejoin"
+                await asyncio.sleep(0.1)
+            assert c.pool.pid(3) not in (None, old) and c.pool.incarnation(3) == 1
+            assert c.agents["host1"].poll() is None  # the agent lived on
+            merge = await coord.begin_reshape(coord.reshape_for("merge", None))
+            assert [w["ranks"] for w in coord.workers_view()] == [[0, 1, 2, 3]]
+            assert merge.new_workers
+            result = await coord.prefill(prompt)
+            assert result.cp_degree == 4 and result.first_token == expected
+
+    asyncio.run(main())
