@@ -31,9 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
-import pickle
-import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -74,6 +71,7 @@ from vertumnus.runtime.messages import (
 )
 from vertumnus.runtime.metrics import Metrics
 from vertumnus.runtime.pool import RankPool, RankPoolError, Ranks
+from vertumnus.runtime.rank_watch import RankWatch
 from vertumnus.runtime.serve_config import ServeConfig
 from vertumnus.runtime.worker import plan_prefill
 
@@ -178,7 +176,7 @@ class Coordinator:
         self._window_task: asyncio.Task[None] | None = None
         self._scan_task: asyncio.Task[None] | None = None
         self._kv_waits: dict[tuple[int, int], asyncio.Future[Any]] = {}  # (copy, rank)
-        self._buffers: dict[int, bytearray] = {}  # rank -> bytes read, not yet a message
+        self._watcher: RankWatch | None = None  # the ranks' pipes, from the event loop
         self._copy_ids = itertools.count(1)
         self._copy_lock = asyncio.Lock()  # one KV copy at a time
         # Copy and adopt plans as slot moves; KV a reshape left behind (policy/).
@@ -214,6 +212,7 @@ class Coordinator:
             self._add_worker(w.worker_id)
         # The event loop itself watches the ranks' answer pipes and their process
         # sentinels: no thread between a rank's answer and the request it finishes.
+        self._watcher = RankWatch(self._loop, self._on_message, self._rank_exited)
         self._watch(range(self.cfg.ranks))
         if self.cfg.controller_enabled:
             self._windows_started_s = time.monotonic()
@@ -275,68 +274,20 @@ class Coordinator:
         self._wake[worker_id] = asyncio.Event()
         self._tasks[worker_id] = asyncio.create_task(self._worker_loop(worker_id))
 
-    def _readable(self, rank: int, conn: Any) -> None:
-        """Read what rank ``rank`` wrote, without blocking: the loop's poller makes the
-        pipe non-blocking, so a large answer can arrive in pieces. Bytes are buffered
-        and framed as ``multiprocessing.connection`` frames them (a 4-byte big-endian
-        length, or -1 then an 8-byte one), and whole messages are unpickled. (These
-        pipes come only from this pool's own rank processes, or from the I/O thread
-        of a ``ClusterPool``, which passes on only what the signature of a holder of
-        the cluster secret covers.)"""
-        assert self._loop is not None
-        fd = conn.fileno()
-        buf = self._buffers.setdefault(rank, bytearray())
-        try:
-            while True:
-                chunk = os.read(fd, 1 << 20)
-                if not chunk:  # the rank closed its end
-                    self._loop.remove_reader(fd)
-                    break
-                buf += chunk
-                if len(chunk) < 1 << 20:
-                    break
-        except BlockingIOError:
-            pass
-        except OSError:
-            self._loop.remove_reader(fd)
-        while len(buf) >= 4:
-            (size,) = struct.unpack("!i", buf[:4])
-            header = 4
-            if size == -1:
-                if len(buf) < 12:
-                    break
-                (size,) = struct.unpack("!Q", buf[4:12])
-                header = 12
-            if len(buf) < header + size:
-                break
-            payload = bytes(buf[header : header + size])
-            del buf[: header + size]
-            self._on_message(pickle.loads(payload))
-
     def _watch(self, ranks: Sequence[int]) -> None:
-        assert self.pool is not None and self._loop is not None
+        assert self.pool is not None and self._watcher is not None
         wanted = set(ranks)
-        for rank, conn, sentinel in self.pool.channels():
-            if rank in wanted:
-                self._buffers.pop(rank, None)
-                self._loop.add_reader(conn.fileno(), self._readable, rank, conn)
-                self._loop.add_reader(sentinel, self._rank_exited, rank, sentinel)
-
-    def _rank_exited(self, rank: int, sentinel: int) -> None:
-        assert self._loop is not None
-        self._loop.remove_reader(sentinel)
-        if not self._stopping.is_set():
-            self.rank_down(rank, f"rank process {rank} exited unexpectedly")
+        self._watcher.watch(c for c in self.pool.channels() if c[0] in wanted)
 
     def _unwatch(self, ranks: Sequence[int] | None = None) -> None:
-        if self.pool is None or self._loop is None:
+        if self.pool is None or self._watcher is None:
             return
-        for rank, conn, sentinel in self.pool.channels():
-            if ranks is not None and rank not in ranks:
-                continue
-            self._loop.remove_reader(sentinel)
-            if not conn.closed:
-                self._loop.remove_reader(conn.fileno())
+        channels = self.pool.channels()
+        self._watcher.unwatch(c for c in channels if ranks is None or c[0] in ranks)
+
+    def _rank_exited(self, rank: int) -> None:
+        if not self._stopping.is_set():
+            self.rank_down(rank, f"rank process {rank} exited unexpectedly")
 
     def _on_message(self, msg: object) -> None:
         match msg:
