@@ -16,9 +16,9 @@ prefix-cache manager (trie), the window controller and the reshape transitions
                  workers, which become schedulable when every rank acknowledges
 
     scan task:   every ``scan_interval_s`` the cache manager's scan; its copies run one
-                 at a time (one KVTransfer to every rank of the source and the
-                 destination; the blocks go rank to rank, re-sharded block by
-                 block), reclamations at once
+                 at a time (``KVCopier``: one KVTransfer to every rank of the
+                 source and the destination; the blocks go rank to rank,
+                 re-sharded block by block), reclamations at once
 
 After a reshape, the blocks the old workers left where the new geometry wants them
 are adopted into the new workers' indexes at their slots (no data moves); the other
@@ -58,10 +58,10 @@ from vertumnus.policy.lattice import (
 )
 from vertumnus.policy.scheduler import PlacementRequest, Scheduler, SchedulerConfig
 from vertumnus.policy.transition import Phase, Reconfigurer, Transition
+from vertumnus.runtime.kv_copies import KVCopier
 from vertumnus.runtime.messages import (
     EpochAck,
     GroupsReady,
-    KVTransfer,
     KVWritten,
     PrefillDone,
     RankFailed,
@@ -175,13 +175,13 @@ class Coordinator:
         self._stopping = threading.Event()
         self._window_task: asyncio.Task[None] | None = None
         self._scan_task: asyncio.Task[None] | None = None
-        self._kv_waits: dict[tuple[int, int], asyncio.Future[Any]] = {}  # (copy, rank)
         self._watcher: RankWatch | None = None  # the ranks' pipes, from the event loop
-        self._copy_ids = itertools.count(1)
-        self._copy_lock = asyncio.Lock()  # one KV copy at a time
         # Copy and adopt plans as slot moves; KV a reshape left behind (policy/).
         self.ledger = KVLedger(
             self.lattice, self.indexes, self.cache, cfg.engine.kv_blocks_per_rank, cfg.retention
+        )
+        self.copies = KVCopier(
+            self.ledger, self.metrics, lambda: self.pool, cfg.engine.rank_timeout_s, self._copy_hung
         )
         self._background: set[asyncio.Task[None]] = set()
         self.ready = False
@@ -299,13 +299,9 @@ class Coordinator:
                 if len(inflight.done) == len(inflight.ranks) and not inflight.future.done():
                     inflight.future.set_result(inflight.done)
             case KVWritten():
-                wait = self._kv_waits.pop((msg.copy_id, msg.rank), None)
-                if wait is not None and not wait.done():
-                    wait.set_result(msg)
+                self.copies.answer(msg)
             case RankFailed() if msg.copy_id is not None:
-                for (copy_id, _), wait in list(self._kv_waits.items()):
-                    if copy_id == msg.copy_id and not wait.done():
-                        wait.set_exception(RankPoolError(msg.error))
+                self.copies.answer(msg)
             case RankFailed() if msg.request_id is None and (
                 msg.rank in self._ready_waits or any(r == msg.rank for r, _ in self._group_waits)
             ):  # a restarted rank that could not start, or a peer that could not regroup
@@ -329,9 +325,9 @@ class Coordinator:
                 if ready is not None and not ready.done():
                     ready.set_result(None)
             case GroupsReady():
-                wait = self._group_waits.pop((msg.rank, msg.token), None)
-                if wait is not None and not wait.done():
-                    wait.set_result(None)
+                grouped = self._group_waits.pop((msg.rank, msg.token), None)
+                if grouped is not None and not grouped.done():
+                    grouped.set_result(None)
             case EpochAck():
                 ack = self._acks.pop((msg.rank, msg.epoch), None)
                 if ack is not None and not ack.done():
@@ -344,9 +340,10 @@ class Coordinator:
         for pending in (*self._inflight.values(),):
             if pending.future is not None and not pending.future.done():
                 pending.future.set_exception(RankPoolError(error))
-        for wait in (*self._acks.values(), *self._kv_waits.values()):
+        for wait in self._acks.values():
             if not wait.done():
                 wait.set_exception(RankPoolError(error))
+        self.copies.fail(error)
 
     # -- requests --------------------------------------------------------------------
 
@@ -558,9 +555,7 @@ class Coordinator:
             future = inflight.future
             if set(inflight.ranks) & ranks and future is not None and not future.done():
                 future.set_exception(lost)
-        for (_, r), wait in list(self._kv_waits.items()):
-            if r in ranks and not wait.done():
-                wait.set_exception(RankPoolError(str(lost)))
+        self.copies.fail(str(lost), ranks)
         for (r, _), ack in list(self._acks.items()):
             if r in ranks and not ack.done():
                 ack.set_result(None)
@@ -726,71 +721,14 @@ class Coordinator:
         return summary
 
     async def run_copy(self, plan: CopyPlan) -> int:
-        """Execute a copy plan: the ledger allocates the destination's slots (and pins
-        the source's), the K and V of each block are read from the source's ranks and
-        written into the destination's (re-sharded: block j goes to rank j % C of each
-        worker), then the copies become visible. Returns the blocks installed (0 if
-        the plan could not run: it ends as a miss). One copy at a time."""
-        async with self._copy_lock:
-            job = self.ledger.begin_copy(plan)
-            if job is None:
-                return 0
-            started = time.monotonic()
-            try:
-                await self._transfer(job.moves)
-            except (RankPoolError, TimeoutError) as exc:
-                self.ledger.abort_copy(job)
-                log.error("copy_failed", plan=plan.plan_id, error=repr(exc))
-                if isinstance(exc, TimeoutError):
-                    # A rank hung, and the pair groups may be out of step: the
-                    # workers of the copy restart (their ranks get new pairs).
-                    for r in sorted({r for m in job.moves for r in (m[0], m[2])}):
-                        self.rank_down(r, "a KV copy timed out", whole_worker=True)
-                return 0
-            except BaseException:
-                self.ledger.abort_copy(job)
-                raise
-            installed = self.ledger.commit_copy(job)
-            seconds = time.monotonic() - started
-            self.metrics.copied(installed, seconds)
-            log.info(
-                "copy",
-                kind=plan.kind,
-                source="retained" if job.src_worker is None else job.src_worker,
-                dest=plan.dest_worker,
-                blocks=installed,
-                reshard=plan.reshard,
-                seconds=round(seconds, 6),
-            )
-            return installed
+        """Execute a copy plan (``KVCopier.run``); the blocks installed."""
+        return await self.copies.run(plan)
 
-    async def _transfer(self, moves: Sequence[tuple[int, int, int, int]]) -> None:
-        """Copy KV blocks (src rank, src slot, dst rank, dst slot) rank to rank: one
-        ``KVTransfer`` to every rank involved, then a ``KVWritten`` from each. The
-        blocks travel between the ranks; the coordinator only orchestrates."""
-        assert self.pool is not None and self._loop is not None
-        if not moves:
-            return
-        copy_id = next(self._copy_ids)
-        ranks = sorted({r for src, _, dst, _ in moves for r in (src, dst)})
-        cmd = KVTransfer(
-            copy_id,
-            tuple((s, ss, d, ds) for s, ss, d, ds in moves),
-            tuple((r, self.pool.incarnation(r)) for r in ranks),
-        )
-        waits: list[asyncio.Future[Any]] = []
+    def _copy_hung(self, ranks: list[int]) -> None:
+        """A KV copy timed out: a rank hung, and the pair groups may be out of step;
+        the copy's workers restart (their ranks get new pairs)."""
         for r in ranks:
-            waits.append(self._loop.create_future())
-            self._kv_waits[(copy_id, r)] = waits[-1]
-        try:
-            # One loop, no await: every rank sees the multi-rank commands (prefills,
-            # copies) in one order, so their pairs cannot wait on each other.
-            for r in ranks:
-                self.pool.send(r, cmd)
-            await asyncio.wait_for(asyncio.gather(*waits), self.cfg.engine.rank_timeout_s)
-        finally:
-            for r in ranks:
-                self._kv_waits.pop((copy_id, r), None)
+            self.rank_down(r, "a KV copy timed out", whole_worker=True)
 
     # -- reconfiguration -------------------------------------------------------------
 
@@ -827,7 +765,7 @@ class Coordinator:
     async def _switch(self, transition: Transition) -> None:
         assert self.pool is not None and self._loop is not None
         _, done = self._transitions[id(transition)]
-        await self._copy_lock.acquire()  # no KV copy runs across a switch
+        await self.copies.lock.acquire()  # no KV copy runs across a switch
         try:
             start = time.monotonic()
             retained = self.ledger.collect(transition.op.sources)
@@ -892,7 +830,7 @@ class Coordinator:
             if not done.done():
                 done.set_exception(exc)
         finally:
-            self._copy_lock.release()
+            self.copies.lock.release()
             self._transitions.pop(id(transition), None)
 
     def _expire_retained(self) -> None:
