@@ -7,22 +7,33 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 
 def start_server(
-    config: Path, stderr: IO[Any] | int = subprocess.DEVNULL, timeout_s: float = 120.0
+    config: Path,
+    stderr: IO[Any] | int = subprocess.DEVNULL,
+    timeout_s: float = 120.0,
+    env: dict[str, str] | None = None,
+    on_waiting: Callable[[str], None] | None = None,
 ) -> tuple[subprocess.Popen[str], str]:
-    """(process, base URL) of a server on ``config``, ready to serve."""
+    """(process, base URL) of a server on ``config``, ready to serve. A multi-host
+    pool's server first waits for its agents: ``on_waiting`` gets the address they
+    must connect to (and should start them)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "vertumnus", "serve", "--config", str(config), "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=stderr,
         text=True,
+        env=env,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
+    if line.startswith("vertumnus waiting for ") and on_waiting is not None:
+        on_waiting(line.split()[-1])
+        line = proc.stdout.readline()
     if not line.startswith("vertumnus listening on "):
         proc.kill()
         raise RuntimeError(f"the server did not start (exit {proc.wait()}): {line!r}")

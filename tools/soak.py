@@ -2,7 +2,7 @@
 rank killed, checked for lost requests, wrong answers and memory growth.
 
     .venv/bin/python tools/soak.py [--duration-s 600] [--rate 8] [--reshape-every-s 20]
-        [--kill-at-s DURATION/2] [--out results/soak.json]
+        [--kill-at-s DURATION/2] [--hosts 1|2] [--agent-down-s 10] [--out results/soak.json]
 
 It starts ``python -m vertumnus serve`` on the embedded default (tiny, 2 CPU ranks,
 loopback only, the controller off: this tool reshapes by hand), sends Poisson
@@ -14,6 +14,12 @@ as wrong unless the two logits tie within 1e-4). Resident memory (VmRSS) of the
 coordinator and of each rank is sampled every 5 s; growth is measured from the end
 of the warm-up (the first fifth of the run) to the end. Prints a summary, writes
 the JSON, and exits 1 if a request was lost, answered wrongly or answered twice.
+
+``--hosts 2`` runs the same two ranks as a two-host pool: two node agents of one
+rank each on loopback (``docs/multi-host.md``), so the degree-2 worker a merge makes
+spans both. At ``--kill-at-s`` the second host's agent is SIGKILLed instead of a
+rank (its rank exits with it), and a new agent for that host starts
+``--agent-down-s`` later.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import os
 import random
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +43,7 @@ import orjson
 from _serving import start_server
 
 ADMIN_TOKEN = "soak-admin-token-0123456789"
+CLUSTER_SECRET = "soak-cluster-secret-0123456789"
 
 
 def rss_kib(pid: int) -> int | None:
@@ -90,7 +98,21 @@ def call(url: str, path: str, body: Any = None, timeout: float = 120) -> Any:
         return orjson.loads(resp.read())
 
 
-async def drive(url: str, args: argparse.Namespace, server_pid: int) -> dict[str, Any]:
+def start_agent(address: str, name: str, logs: Path) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "vertumnus", "agent", "--coordinator", address]
+    with (logs / f"agent-{name}.log").open("ab") as out:
+        return subprocess.Popen(
+            [*cmd, "--name", name, "--devices", "1"],
+            env={**os.environ, "VERTUMNUS_CLUSTER_SECRET": CLUSTER_SECRET},
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+        )
+
+
+async def drive(
+    url: str, args: argparse.Namespace, server_pid: int, agents: dict[str, Any]
+) -> dict[str, Any]:
     import aiohttp
 
     pool = prompts(args.seed)
@@ -141,6 +163,14 @@ async def drive(url: str, args: argparse.Namespace, server_pid: int) -> dict[str
 
     async def killer() -> None:
         await asyncio.sleep(args.kill_at_s)
+        if args.hosts > 1:
+            agents["host1"].kill()
+            killed.update(at_s=time.monotonic() - start, agent="host1", pid=agents["host1"].pid)
+            await loop.run_in_executor(None, agents["host1"].wait)
+            await asyncio.sleep(args.agent_down_s)
+            agents["host1"] = start_agent(agents["address"], "host1", agents["logs"])
+            killed["agent_restarted_at_s"] = time.monotonic() - start
+            return
         ws = (await loop.run_in_executor(None, call, url, "/v1/workers"))["workers"]
         busy = [w for w in ws if w["running"] is not None] or ws
         victim = busy[0]
@@ -205,6 +235,8 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=8.0)
     parser.add_argument("--reshape-every-s", type=float, default=20.0)
     parser.add_argument("--kill-at-s", type=float, default=None)
+    parser.add_argument("--hosts", type=int, choices=(1, 2), default=1)
+    parser.add_argument("--agent-down-s", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("results/soak.json"))
     args = parser.parse_args()
@@ -217,17 +249,38 @@ def main() -> int:
         "[controller]\nenabled = false\n[engine]\nthreads_per_rank = 1\n"
         f'[server]\nadmin_token = "{ADMIN_TOKEN}"\nstep_timeout_s = 20\n'
     )
+    agents: dict[str, Any] = {"logs": config.parent}
+    env = None
+    if args.hosts > 1:
+        with config.open("a") as f:
+            f.write('[pool]\ndegrees = [1, 2]\n[cluster]\nlisten = "127.0.0.1:0"\nhosts = 2\n')
+            f.write("heartbeat_s = 0.5\nagent_timeout_s = 3.0\n")
+        env = {**os.environ, "VERTUMNUS_CLUSTER_SECRET": CLUSTER_SECRET}
+
+    def on_waiting(address: str) -> None:
+        agents["address"] = address
+        for name in ("host0", "host1"):
+            agents[name] = start_agent(address, name, config.parent)
+
     log_path = config.with_name("server.log")
     with log_path.open("w") as log:
-        proc, url = start_server(config, stderr=log)
+        proc, url = start_server(config, stderr=log, env=env, on_waiting=on_waiting)
         try:
             wall = time.monotonic()
-            run = asyncio.run(drive(url, args, proc.pid))
+            run = asyncio.run(drive(url, args, proc.pid, agents))
             wall = time.monotonic() - wall
             metrics = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(120)
+            for name in ("host0", "host1"):
+                agent = agents.get(name)
+                if agent is not None:
+                    try:
+                        agent.wait(30)  # the coordinator's Stop ends it
+                    except subprocess.TimeoutExpired:
+                        os.killpg(agent.pid, signal.SIGKILL)
+                        agent.wait()
     outcomes = run["outcomes"]
     answered = [o for o in outcomes if o["status"] == 200]
     lost = [o for o in outcomes if o["status"] is None]
