@@ -36,7 +36,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from vertumnus.config import EngineConfig
 from vertumnus.perfmodel import DegreeCoeffs, Profile
@@ -86,7 +85,10 @@ def start_agent(address: str, name: str, log: Path) -> subprocess.Popen[bytes]:
         )
 
 
-async def two_hosts(tmp: Path, layout: tuple[int, ...]) -> tuple[Coordinator, Any]:
+async def two_hosts(
+    tmp: Path, layout: tuple[int, ...]
+) -> tuple[Coordinator, dict[str, subprocess.Popen[bytes]], str]:
+    """The coordinator of a two-host pool, its agents by name, and their address."""
     cluster = ClusterConfig(
         listen="127.0.0.1:0", hosts=2, secret=SECRET, heartbeat_s=0.5, agent_timeout_s=3.0
     )
@@ -101,9 +103,7 @@ async def two_hosts(tmp: Path, layout: tuple[int, ...]) -> tuple[Coordinator, An
     pool.configure(cfg.degrees)
     coord = Coordinator(cfg, pool)
     await coord.start()
-    pool.bench_agents = agents  # type: ignore[attr-defined]
-    pool.bench_address = address  # type: ignore[attr-defined]
-    return coord, pool
+    return coord, agents, address
 
 
 async def stop(coord: Coordinator, agents: dict[str, subprocess.Popen[bytes]]) -> None:
@@ -136,11 +136,11 @@ async def main(args: argparse.Namespace) -> None:
             local_over, local_compute = await overheads(local, args.requests, args.prompt_tokens)
         finally:
             await local.close()
-        coord, pool = await two_hosts(tmp, (4,))
+        coord, agents, _ = await two_hosts(tmp, (4,))
         try:
             remote_over, remote_compute = await overheads(coord, args.requests, args.prompt_tokens)
         finally:
-            await stop(coord, pool.bench_agents)
+            await stop(coord, agents)
         lo, ro = statistics.median(local_over), statistics.median(remote_over)
         print(f"degree-4 worker, {args.requests} sequential {args.prompt_tokens}-token prefills")
         print(
@@ -150,8 +150,7 @@ async def main(args: argparse.Namespace) -> None:
         lc, rc = statistics.median(local_compute), statistics.median(remote_compute)
         print(f"  rank compute:         local {lc * 1e3:.3f} ms, two hosts {rc * 1e3:.3f} ms")
 
-        coord, pool = await two_hosts(tmp, (2, 2))
-        agents = pool.bench_agents
+        coord, agents, address = await two_hosts(tmp, (2, 2))
         try:
             killed = time.monotonic()
             agents["host1"].kill()
@@ -161,7 +160,7 @@ async def main(args: argparse.Namespace) -> None:
             agents["host1"].wait()
             await asyncio.sleep(1.0)
             started = time.monotonic()
-            agents["host1"] = start_agent(pool.bench_address, "host1", tmp / "host1b.log")
+            agents["host1"] = start_agent(address, "host1", tmp / "host1b.log")
             while coord.lattice.workers[1].state is not WorkerState.ACTIVE:
                 await asyncio.sleep(0.01)
             rejoin_s = time.monotonic() - started

@@ -77,6 +77,7 @@ class AgentHub:
         self.world_size = 0
         self._agents: dict[str, _Agent] = {}
         self._by_peer: dict[bytes, _Agent] = {}
+        self._by_rank: dict[int, _Agent] = {}  # once gathered (a returning agent keeps its)
         self._lock = threading.Lock()  # the registry and the outbox socket
         self._joined = threading.Condition(self._lock)
         self._ctx: zmq.Context[Any] = zmq.Context()
@@ -114,6 +115,7 @@ class AgentHub:
             per_host = agents[0].devices
             for k, agent in enumerate(agents):
                 agent.first_rank = k * per_host
+                self._by_rank.update(dict.fromkeys(agent.ranks(), agent))
             self.world_size = per_host * len(agents)
             for agent in agents:
                 self._welcome(agent)
@@ -163,7 +165,7 @@ class AgentHub:
     # -- the I/O thread ----------------------------------------------------------------
 
     def _agent_of(self, rank: int) -> _Agent:
-        return next(a for a in self._agents.values() if rank in a.ranks())
+        return self._by_rank[rank]
 
     def _post(self, agent: _Agent, msg: object, payload: bytes = b"") -> None:
         """Queue a message for the I/O thread (hold ``_lock``)."""

@@ -21,26 +21,15 @@ import contextlib
 import os
 import pickle
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from multiprocessing import Pipe
 from typing import Any
 
-import torch.distributed as dist
-
 from vertumnus.config import EngineConfig, ModelConfig
-from vertumnus.engine.rank import RankSpec
 from vertumnus.runtime.agent_hub import AgentHub
 from vertumnus.runtime.control import Kill, Spawn, ToRank
-from vertumnus.runtime.messages import RankReady
-from vertumnus.runtime.pool import (
-    RankPoolError,
-    next_generations,
-    poll_channels,
-    wait_ready,
-    worker_groups,
-)
+from vertumnus.runtime.pool import PoolCore, RankPoolError, poll_channels
 from vertumnus.runtime.serve_config import ClusterConfig
 
 
@@ -68,7 +57,9 @@ class _Channel:
         os.close(self.sentinel)
 
 
-class ClusterPool:
+class ClusterPool(PoolCore):
+    _store_bind = "0.0.0.0"  # the ranks of every host rendezvous on it
+
     def __init__(
         self,
         cluster: ClusterConfig,
@@ -76,18 +67,11 @@ class ClusterPool:
         model_dir: str | None,
         engine: EngineConfig,
     ) -> None:
-        self.model, self.model_dir, self.engine = model, model_dir, engine
-        self.world_size = 0
+        super().__init__(model, model_dir, engine)  # world size: from the agents
         self.devices_per_host = 0
-        self.groups: tuple[tuple[int, ...], ...] = ()
-        self.generations: dict[tuple[int, ...], int] = {}
-        self.ready: dict[int, RankReady] = {}
-        self.on_rejoin: Callable[[list[int]], None] | None = None  # called on the I/O thread
         self._channels: dict[int, _Channel] = {}
         self._lock = threading.Lock()  # the channels
-        self._pending: list[object] = []
         self._last_sent: tuple[object, bytes] = (None, b"")  # (message, its pickle)
-        self._store: dist.TCPStore | None = None
         self.hub = AgentHub(cluster, engine.device, self)
         self.port = self.hub.port
 
@@ -99,10 +83,6 @@ class ClusterPool:
         self.world_size = self.hub.world_size
         return self.world_size, self.devices_per_host
 
-    def configure(self, degrees: Sequence[int]) -> None:
-        """The worker groups the lattice can form (before ``start``)."""
-        self.groups = worker_groups(self.world_size, degrees)
-
     def host_of(self, rank: int) -> str:
         return self.hub.host_of(rank)
 
@@ -110,30 +90,10 @@ class ClusterPool:
         """Start every rank through its agent and wait for all to be ready."""
         if self.world_size == 0:
             raise RankPoolError("gather() the agents and configure() before start()")
-        timeout = timedelta(seconds=self.engine.rank_timeout_s)
-        self._store = dist.TCPStore(
-            "0.0.0.0", 0, None, is_master=True, timeout=timeout, wait_for_workers=False
-        )
-        try:
-            self._spawn(range(self.world_size))
-            wait_ready(self, range(self.world_size), self.engine.rank_timeout_s)
-        except BaseException:
-            self.close()
-            raise
+        super().start()
 
     def _spawn(self, ranks: Sequence[int]) -> None:
-        assert self._store is not None
-        spec = RankSpec(
-            model=self.model,
-            model_dir=self.model_dir,
-            engine=self.engine,
-            world_size=self.world_size,
-            worker_groups=self.groups,
-            store_host="",  # the agent's way to this host
-            store_port=self._store.port,
-            group_generations=tuple(sorted(self.generations.items())),
-            local_ranks=self.devices_per_host,
-        )
+        spec = self._rank_spec("", self.devices_per_host)  # "": the agent's way here
         by_host: dict[str, list[int]] = {}
         with self._lock:
             for rank in ranks:
@@ -159,12 +119,8 @@ class ClusterPool:
         gone = self.hub.disconnected(ranks)
         if gone:
             raise RankPoolError(f"host(s) {gone} have no agent connected")
-        dead = set(ranks)
-        for rank in dead:
-            self.ready.pop(rank, None)
-        rebuild = next_generations(self.groups, self.generations, dead)
-        self._pending = [m for m in self._pending if getattr(m, "rank", None) not in dead]
-        self._spawn(sorted(dead))
+        rebuild = self._forget(set(ranks))
+        self._spawn(sorted(ranks))
         return rebuild
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -198,12 +154,6 @@ class ClusterPool:
 
     def channels(self) -> list[tuple[int, Any, int]]:
         return [(r, ch.answers, ch.sentinel) for r, ch in sorted(self._channels.items())]
-
-    def recv(self, timeout_s: float) -> object:
-        msg = self.poll(timeout_s)
-        if msg is None:
-            raise RankPoolError(f"no answer from the ranks within {timeout_s:.0f} s")
-        return msg
 
     def poll(self, timeout_s: float) -> object | None:
         with self._lock:

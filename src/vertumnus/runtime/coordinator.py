@@ -205,9 +205,12 @@ class Coordinator:
         )
         await self._loop.run_in_executor(None, pool.start)
         self.pool = pool
-        if hasattr(pool, "on_rejoin"):  # a host's agent came back: restart its workers
-            loop = self._loop
-            pool.on_rejoin = lambda ranks: loop.call_soon_threadsafe(self._hosts_back, ranks)
+        loop = self._loop
+
+        def rejoin(ranks: list[int]) -> None:  # a host's agent came back (another thread)
+            loop.call_soon_threadsafe(self._hosts_back, ranks)
+
+        pool.on_rejoin = rejoin
         for w in self.lattice.workers.values():
             self._add_worker(w.worker_id)
         # The event loop itself watches the ranks' answer pipes and their process

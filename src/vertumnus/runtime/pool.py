@@ -26,7 +26,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from multiprocessing import connection
 from typing import Any, Protocol
@@ -63,6 +63,8 @@ class Ranks(Protocol):
     for the ranks that ``restart`` starts again. ``restart`` returns the groups the
     live members must form anew (``RebuildGroups``); ``incarnation`` counts a rank's
     restarts (pair groups of KV copies are named by it)."""
+
+    on_rejoin: Callable[[list[int]], None] | None  # a host's ranks can start again
 
     def start(self) -> None: ...
     def send(self, rank: int, msg: object) -> None: ...
@@ -221,7 +223,88 @@ def wait_ready(pool: Any, ranks: Sequence[int], timeout_s: float) -> None:
             pool.ready[msg.rank] = msg
 
 
-class RankPool:
+class PoolCore:
+    """What ``RankPool`` and ``ClusterPool`` share: the model and engine, the worker
+    groups and their generations, readiness, the TCP store the ranks rendezvous on,
+    answers read but not handed out, and the start and restart sequences around each
+    pool's own ``_spawn`` (start these ranks) and ``poll``."""
+
+    _store_bind = "127.0.0.1"  # where the TCP store listens
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        model_dir: str | None,
+        engine: EngineConfig,
+        world_size: int = 0,
+        degrees: Sequence[int] = (),
+    ) -> None:
+        self.model, self.model_dir, self.engine = model, model_dir, engine
+        self.world_size = world_size
+        self.groups = worker_groups(world_size, degrees) if world_size else ()
+        self.generations: dict[tuple[int, ...], int] = {}  # of each group; absent: 0
+        self.ready: dict[int, RankReady] = {}
+        self.on_rejoin: Callable[[list[int]], None] | None = None  # ranks back (a host)
+        self._pending: list[object] = []  # read, not yet handed out
+        self._store: dist.TCPStore | None = None
+
+    def configure(self, degrees: Sequence[int]) -> None:
+        """The worker groups the lattice can form (before ``start``)."""
+        self.groups = worker_groups(self.world_size, degrees)
+
+    def _spawn(self, ranks: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    def poll(self, timeout_s: float) -> object | None:
+        raise NotImplementedError
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        """Start every rank and wait for each ``RankReady``; on failure, close."""
+        timeout = timedelta(seconds=self.engine.rank_timeout_s)
+        self._store = dist.TCPStore(
+            self._store_bind, 0, None, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        try:
+            self._spawn(range(self.world_size))
+            wait_ready(self, range(self.world_size), self.engine.rank_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _rank_spec(self, store_host: str, local_ranks: int | None = None) -> RankSpec:
+        assert self._store is not None
+        return RankSpec(
+            model=self.model,
+            model_dir=self.model_dir,
+            engine=self.engine,
+            world_size=self.world_size,
+            worker_groups=self.groups,
+            store_host=store_host,
+            store_port=self._store.port,
+            group_generations=tuple(sorted(self.generations.items())),
+            local_ranks=local_ranks,
+        )
+
+    def _forget(self, dead: set[int]) -> list[tuple[tuple[int, ...], int]]:
+        """Before ``dead`` start again: drop their readiness and unread answers, and
+        move their groups to the next generation (returned: those with live members)."""
+        for rank in dead:
+            self.ready.pop(rank, None)
+        self._pending = [m for m in self._pending if getattr(m, "rank", None) not in dead]
+        return next_generations(self.groups, self.generations, dead)
+
+    def recv(self, timeout_s: float) -> object:
+        """Next message from any rank; raises RankPoolError if a rank died or time ran out."""
+        msg = self.poll(timeout_s)
+        if msg is None:
+            raise RankPoolError(f"no answer from the ranks within {timeout_s:.0f} s")
+        return msg
+
+
+class RankPool(PoolCore):
     """The ranks of a pool on this host, started by the coordinator itself."""
 
     def __init__(
@@ -232,14 +315,8 @@ class RankPool:
         world_size: int,
         degrees: Sequence[int],
     ) -> None:
-        self.model, self.model_dir, self.engine = model, model_dir, engine
-        self.world_size = world_size
-        self.groups = worker_groups(world_size, degrees)
-        self.ready: dict[int, RankReady] = {}
+        super().__init__(model, model_dir, engine, world_size, degrees)
         self._ranks = LocalRanks()
-        self._pending: list[object] = []  # read, not yet handed out
-        self._store: dist.TCPStore | None = None
-        self.generations: dict[tuple[int, ...], int] = {}  # of each group; absent: 0
         self._incarnations: dict[int, int] = {}  # restarts of each rank; absent: 0
 
     def __enter__(self) -> RankPool:
@@ -249,32 +326,10 @@ class RankPool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def start(self) -> None:
-        timeout = timedelta(seconds=self.engine.rank_timeout_s)
-        self._store = dist.TCPStore(
-            "127.0.0.1", 0, None, is_master=True, timeout=timeout, wait_for_workers=False
-        )
-        for rank in range(self.world_size):
-            self._spawn(rank)
-        try:
-            wait_ready(self, range(self.world_size), self.engine.rank_timeout_s)
-        except BaseException:
-            self.close()
-            raise
-
-    def _spawn(self, rank: int) -> None:
-        assert self._store is not None
-        spec = RankSpec(
-            model=self.model,
-            model_dir=self.model_dir,
-            engine=self.engine,
-            world_size=self.world_size,
-            worker_groups=self.groups,
-            store_host="127.0.0.1",
-            store_port=self._store.port,
-            group_generations=tuple(sorted(self.generations.items())),
-        )
-        self._ranks.spawn(rank, spec)
+    def _spawn(self, ranks: Sequence[int]) -> None:
+        spec = self._rank_spec("127.0.0.1")
+        for rank in ranks:
+            self._ranks.spawn(rank, spec)
 
     def restart(self, ranks: Sequence[int]) -> list[tuple[tuple[int, ...], int]]:
         """Kill ``ranks`` (whatever state they are in) and start them again; the
@@ -285,12 +340,9 @@ class RankPool:
         dead = set(ranks)
         for rank in dead:
             self._ranks.stop(rank)
-            self.ready.pop(rank, None)
-        rebuild = next_generations(self.groups, self.generations, dead)
-        self._pending = [m for m in self._pending if getattr(m, "rank", None) not in dead]
-        for rank in sorted(dead):
             self._incarnations[rank] = self._incarnations.get(rank, 0) + 1
-            self._spawn(rank)
+        rebuild = self._forget(dead)
+        self._spawn(sorted(dead))
         return rebuild
 
     def incarnation(self, rank: int) -> int:
@@ -319,13 +371,6 @@ class RankPool:
         watch them directly (``loop.add_reader``) instead of calling ``poll``."""
         procs = self._ranks.procs
         return [(rank, conn, procs[rank].sentinel) for rank, conn in self._ranks.results.items()]
-
-    def recv(self, timeout_s: float) -> object:
-        """Next message from any rank; raises RankPoolError if a rank died or time ran out."""
-        msg = self.poll(timeout_s)
-        if msg is None:
-            raise RankPoolError(f"no answer from the ranks within {timeout_s:.0f} s")
-        return msg
 
     def poll(self, timeout_s: float) -> object | None:
         """Next message from any rank, or None after ``timeout_s``; raises RankPoolError
