@@ -24,8 +24,6 @@ from vertumnus.perfmodel import DegreeCoeffs, Profile
 from vertumnus.sim.traces import load_trace
 from vertumnus.slo import TtftSlo
 
-PROFILES = Path(__file__).resolve().parents[1] / "configs" / "profiles"
-
 # A made-up accelerator with a real profile's shape: C=4 pays start-up and a
 # per-token overhead, and wins on long inputs.
 PROFILE = Profile(
@@ -141,7 +139,7 @@ def test_length_mixes(tmp_path: Path) -> None:
 
 
 def test_shipped_cpu_profile_meets_its_fit_target() -> None:
-    profile = Profile.load(PROFILES / "tiny-cpu.json")
+    profile = Profile.load("tiny-cpu")
     assert profile.degrees == [1, 2]
     for degree in profile.degrees:
         assert profile.provenance["mape_held_out"][str(degree)] < 0.10
@@ -151,7 +149,7 @@ def test_shipped_cpu_profile_meets_its_fit_target() -> None:
 
 
 def test_shipped_gpu_profile_matches_the_paper() -> None:
-    profile = Profile.load(PROFILES / "qwen3-30b-a3b-h100.json")
+    profile = Profile.load("qwen3-30b-a3b-h100")
     assert profile.degrees == [1, 2, 4, 8]
 
     def speedup(c: int, n: int) -> float:

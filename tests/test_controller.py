@@ -166,7 +166,7 @@ def test_bad_configs() -> None:
 
 
 def test_initial_composition_from_history() -> None:
-    profile = Profile.load("configs/profiles/qwen3-30b-a3b-h100.json")
+    profile = Profile.load("qwen3-30b-a3b-h100")
     coeffs = {c: profile.coeffs[c] for c in (4, 8)}
     kappa = {c: profile.capacity[c]["kappa_s"] for c in (4, 8)}
     config = LatticeConfig(40, (4, 8))

@@ -24,7 +24,7 @@ import torch
 
 from conftest import TINY, make_tokens
 from mp_support import engine_config, live_child_pids
-from vertumnus.runtime.messages import (
+from vertumnus.engine.messages import (
     KVTransfer,
     KVWritten,
     PrefillCommand,

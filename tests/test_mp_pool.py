@@ -30,8 +30,8 @@ from mp_support import (
     make_tokens,
 )
 from vertumnus.blocks import block_ids
+from vertumnus.engine.messages import PrefillCommand, PrefillDone, RankFailed
 from vertumnus.runtime import worker as worker_module
-from vertumnus.runtime.messages import PrefillCommand, PrefillDone, RankFailed
 from vertumnus.runtime.pool import RankPool, RankPoolError, worker_groups
 from vertumnus.runtime.worker import PrefillWorker
 

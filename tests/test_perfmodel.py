@@ -175,7 +175,7 @@ def test_fit_command_reports_a_bad_row_as_a_usage_error(tmp_path: Path, capsys):
 
 
 def test_profile_holds_out_a_checkerboard_of_the_grid():
-    from vertumnus.cli_profile import checkerboard_split
+    from vertumnus.runtime.profiling import checkerboard_split
 
     lengths, hits = (128, 256, 512), (0.0, 0.25, 0.5, 0.75)
     samples = [

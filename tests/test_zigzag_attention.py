@@ -23,10 +23,10 @@ from conftest import TINY, make_tokens
 from vertumnus.blocks import block_ids
 from vertumnus.engine.comm import Communicator, SoloComm, ThreadComm, ThreadGroup
 from vertumnus.engine.kv_store import PagedKVStore
+from vertumnus.engine.messages import PrefillCommand
 from vertumnus.engine.model import Qwen3ForCausalLM, causal_attention
 from vertumnus.engine.zigzag import RankPrefill, ZigzagAttention, ZigzagPartition, prefill_rank
 from vertumnus.policy.cache_index import BlockLocation, PrefillLease, WorkerCacheIndex
-from vertumnus.runtime.messages import PrefillCommand
 from vertumnus.runtime.worker import plan_prefill
 
 BLOCK_SIZE = 16

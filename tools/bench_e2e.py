@@ -17,7 +17,7 @@ Three server variants run side by side, one after the other:
 
 Then the same requests go through the simulator, with the same arrivals, lengths,
 prefix blocks, pool, cache capacity, KV retention and policy. The profile is the
-shipped `configs/profiles/tiny-cpu.json`, measured on this machine by `vertumnus
+shipped `tiny-cpu` profile (`src/vertumnus/data/profiles/`), measured on this machine by `vertumnus
 profile`. Two more inputs of the simulator are timings of this server, read from its
 `/metrics` after the replay: the reshape switch (``switch_s``: about 10 ms through
 the rank pipes here, against the 0.5 s default meant for NCCL groups on GPUs) and
@@ -52,7 +52,7 @@ from vertumnus.sim.traces import load_trace
 from vertumnus.sim.workload import SimRequest
 
 TRACE = Path("../shared/traces/conversation_trace.jsonl")
-PROFILE = Path(__file__).resolve().parents[1] / "configs/profiles/tiny-cpu.json"
+PROFILE = "tiny-cpu"  # shipped with the package
 WINDOW_S = 5.0
 VARIANTS = {
     "vertumnus": f"[controller]\nenabled = true\nwindow_s = {WINDOW_S}\n",

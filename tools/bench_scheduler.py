@@ -20,7 +20,6 @@ import argparse
 import random
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import trie_workload
@@ -29,7 +28,7 @@ from vertumnus.policy.cache_manager import PrefixCacheManager
 from vertumnus.policy.lattice import Lattice, LatticeConfig
 from vertumnus.policy.scheduler import PlacementRequest, Scheduler
 
-PROFILE = Path(__file__).resolve().parents[1] / "configs/profiles/qwen3-30b-a3b-h100.json"
+PROFILE = "qwen3-30b-a3b-h100"  # shipped with the package
 BLOCK_TOKENS = 512
 
 

@@ -25,14 +25,13 @@ import random
 import statistics
 import time
 import tracemalloc
-from pathlib import Path
 
 import trie_workload
 from vertumnus.perfmodel import Profile
 from vertumnus.policy.cache_manager import PrefixCacheManager
 from vertumnus.policy.cache_plans import CacheManagerConfig
 
-PROFILE = Path(__file__).resolve().parents[1] / "configs/profiles/qwen3-30b-a3b-h100.json"
+PROFILE = "qwen3-30b-a3b-h100"  # shipped with the package
 BLOCK_TOKENS = 512
 
 

@@ -1,6 +1,7 @@
 """Derive the Qwen3-30B-A3B / H100 execution-time profile from the model's shape.
 
-    .venv/bin/python tools/derive_gpu_profile.py [--out configs/profiles/qwen3-30b-a3b-h100.json]
+    .venv/bin/python tools/derive_gpu_profile.py \
+        [--out src/vertumnus/data/profiles/qwen3-30b-a3b-h100.json]
 
 No GPU measurement behind it: each coefficient of E_C(R, P) (DESIGN.md §4) comes from
 the model's shape and realistic H100 throughput, and the one term that first
@@ -138,7 +139,7 @@ def speedups(profile: Profile) -> dict[int, dict[int, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
     parser.add_argument(
-        "--out", type=Path, default=Path("configs/profiles/qwen3-30b-a3b-h100.json")
+        "--out", type=Path, default=Path("src/vertumnus/data/profiles/qwen3-30b-a3b-h100.json")
     )
     args = parser.parse_args()
     coeffs, facts = derive()

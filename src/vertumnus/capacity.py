@@ -23,7 +23,7 @@ degree-1 worker facing long requests under a scaled SLO), ``kappa`` is 0.
 
 Pure Python and clock-free: ``PredictFn`` is any E_C(R, P), such as
 ``Profile.predict``. Not owned here: the length mixes' sources (``sim.traces``) and
-writing the result into a profile (``cli_capacity``).
+writing the result into a profile (``cli/capacity.py``).
 """
 
 from __future__ import annotations

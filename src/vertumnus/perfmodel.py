@@ -24,6 +24,8 @@ import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
@@ -181,12 +183,39 @@ class Profile:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> Profile:
+    def load(cls, spec: str | Path) -> Profile:
+        """A profile file, or the name of a shipped profile (``shipped_profiles``)."""
+        path = resolve_profile(spec)
         try:
-            raw = json.loads(Path(path).read_text())
+            raw = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            raise ProfileError(f"{path}: {exc}") from exc
-        return cls.from_json(raw, source=str(path))
+            raise ProfileError(f"{spec}: {exc}") from exc
+        return cls.from_json(raw, source=str(spec))
+
+
+def shipped_profiles() -> list[str]:
+    """Names of the profiles that ship with the package (``vertumnus/data/profiles``)."""
+    folder = resources.files("vertumnus") / "data" / "profiles"
+    return sorted(
+        f.name.removesuffix(".json") for f in folder.iterdir() if f.name.endswith(".json")
+    )
+
+
+def resolve_profile(spec: str | Path) -> Traversable:
+    """A path to an existing file is that file; a bare name (``tiny-cpu``, with or
+    without ``.json``) is a shipped profile, found with ``importlib.resources`` so that
+    an installed package finds it from any folder."""
+    path = Path(spec)
+    if path.is_file():
+        return path
+    names = shipped_profiles()
+    name = str(spec).removesuffix(".json")
+    if path.parent == Path(".") and name in names:
+        return resources.files("vertumnus") / "data" / "profiles" / f"{name}.json"
+    hint = ""
+    if path.stem in names:
+        hint = f" (the shipped profile of that name is {path.stem!r})"
+    raise ProfileError(f"{spec}: no such profile file{hint}; shipped profiles: {', '.join(names)}")
 
 
 def _degree(key: object, source: str) -> int:

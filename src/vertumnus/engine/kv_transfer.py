@@ -22,7 +22,7 @@ from torch import Tensor
 
 from vertumnus.engine.comm import make_group
 from vertumnus.engine.kv_store import PagedKVStore
-from vertumnus.runtime.messages import KVTransfer
+from vertumnus.engine.messages import KVTransfer
 
 
 class PairGroups:

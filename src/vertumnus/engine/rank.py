@@ -35,9 +35,7 @@ from vertumnus.config import EngineConfig, ModelConfig
 from vertumnus.engine.comm import Communicator, DistComm, SoloComm, make_group, worker_group_name
 from vertumnus.engine.kv_store import PagedKVStore
 from vertumnus.engine.kv_transfer import PairGroups, check_transfer, run_transfer
-from vertumnus.engine.weights import build_model, resolve_dtype
-from vertumnus.engine.zigzag import prefill_rank
-from vertumnus.runtime.messages import (
+from vertumnus.engine.messages import (
     EpochAck,
     GroupsReady,
     KVTransfer,
@@ -50,6 +48,8 @@ from vertumnus.runtime.messages import (
     Shutdown,
     SwitchEpoch,
 )
+from vertumnus.engine.weights import build_model, resolve_dtype
+from vertumnus.engine.zigzag import prefill_rank
 
 
 @dataclass(frozen=True)

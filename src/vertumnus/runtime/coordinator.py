@@ -41,6 +41,16 @@ import structlog
 
 from vertumnus.blocks import block_ids
 from vertumnus.config import ConfigError, resolve_model
+from vertumnus.engine.messages import (
+    EpochAck,
+    GroupsReady,
+    KVWritten,
+    PrefillDone,
+    RankFailed,
+    RankReady,
+    RebuildGroups,
+    SwitchEpoch,
+)
 from vertumnus.perfmodel import Profile
 from vertumnus.policy.baselines import ROUTERS
 from vertumnus.policy.cache_index import PrefillLease, WorkerCacheIndex
@@ -59,16 +69,6 @@ from vertumnus.policy.lattice import (
 from vertumnus.policy.scheduler import PlacementRequest, Scheduler, SchedulerConfig
 from vertumnus.policy.transition import Phase, Reconfigurer, Transition
 from vertumnus.runtime.kv_copies import KVCopier
-from vertumnus.runtime.messages import (
-    EpochAck,
-    GroupsReady,
-    KVWritten,
-    PrefillDone,
-    RankFailed,
-    RankReady,
-    RebuildGroups,
-    SwitchEpoch,
-)
 from vertumnus.runtime.metrics import Metrics
 from vertumnus.runtime.pool import RankPool, RankPoolError, Ranks
 from vertumnus.runtime.rank_watch import RankWatch

@@ -20,9 +20,9 @@ from typing import Any
 
 import structlog
 
+from vertumnus.engine.messages import KVTransfer, KVWritten, RankFailed
 from vertumnus.policy.cache_plans import CopyPlan
 from vertumnus.policy.kv_ledger import KVLedger
-from vertumnus.runtime.messages import KVTransfer, KVWritten, RankFailed
 from vertumnus.runtime.metrics import Metrics
 from vertumnus.runtime.pool import RankPoolError, Ranks
 

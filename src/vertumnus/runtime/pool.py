@@ -35,8 +35,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from vertumnus.config import EngineConfig, ModelConfig
+from vertumnus.engine.messages import RankFailed, RankReady, Shutdown
 from vertumnus.engine.rank import RankSpec, rank_main
-from vertumnus.runtime.messages import RankFailed, RankReady, Shutdown
 
 
 class RankPoolError(RuntimeError):

@@ -41,8 +41,7 @@ from vertumnus.policy.controller import ControllerConfig
 from vertumnus.policy.costs import CostWeights
 from vertumnus.policy.kv_ledger import RetentionConfig
 
-REPO = Path(__file__).resolve().parents[3]
-DEFAULT_PROFILE = REPO / "configs" / "profiles" / "tiny-cpu.json"
+DEFAULT_PROFILE = "tiny-cpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +84,7 @@ class ServeConfig:
     degrees: tuple[int, ...] = (1, 2)
     layout: tuple[int, ...] | None = None  # default: every rank a degree-1 worker
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
-    profile: Path = DEFAULT_PROFILE
+    profile: str = DEFAULT_PROFILE  # a profile file, or the name of a shipped one
     weights: CostWeights = dataclasses.field(default_factory=CostWeights)
     policy: str = "vertumnus"  # placement: the cost rule, or a baseline router
     controller_enabled: bool = True
@@ -237,7 +236,7 @@ def load(
     if pool:
         raise ConfigError(f"[pool] unknown keys {sorted(pool)}")
     if "path" in raw.get("profile", {}):
-        kwargs["profile"] = Path(raw["profile"]["path"])
+        kwargs["profile"] = str(raw["profile"]["path"])
     for key in (
         "max_queued",
         "request_timeout_s",

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from vertumnus.blocks import block_ids
+from vertumnus.engine.messages import PrefillCommand, PrefillDone, RankFailed
 from vertumnus.policy.cache_index import CacheReport, PrefillLease, WorkerCacheIndex
-from vertumnus.runtime.messages import PrefillCommand, PrefillDone, RankFailed
 from vertumnus.runtime.pool import RankPool, RankPoolError
 
 

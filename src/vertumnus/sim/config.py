@@ -53,8 +53,7 @@ from vertumnus.sim.workload import (
 )
 from vertumnus.slo import TtftSlo
 
-REPO = Path(__file__).resolve().parents[3]
-DEFAULT_PROFILE = REPO / "configs" / "profiles" / "qwen3-30b-a3b-h100.json"
+DEFAULT_PROFILE = "qwen3-30b-a3b-h100"
 DEFAULT_TRACE = Path("../shared/traces/conversation_trace.jsonl")
 TABLES = ("pool", "profile", "policy", "sim", "controller", "cache", "workload")
 _COMPOSITION = re.compile(r"^\s*(\d+)\s*CP\s*(\d+)\s*$", re.IGNORECASE)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from vertumnus.capacity import CapacityError, CapacitySettings, LengthMix, measure_capacity
-from vertumnus.cli_args import int_list
+from vertumnus.cli.args import int_list
 from vertumnus.config import ConfigError
 from vertumnus.perfmodel import Profile
 from vertumnus.sim.traces import TraceError, load_trace

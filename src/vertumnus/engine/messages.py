@@ -15,6 +15,9 @@ created and mapped each time), more than a whole small prefill's bookkeeping.
 
 KV bytes never cross this boundary: a ``KVTransfer`` names the moves, and the ranks
 send the blocks to each other over their pair's process group.
+
+This module belongs to the engine (the rank side's vocabulary): the coordinator
+imports it, and nothing in ``engine/`` imports the runtime.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vertumnus.cli_serve import configure_logging
+    from vertumnus.cli.serve import configure_logging
     from vertumnus.config import ConfigError
     from vertumnus.runtime import control
 
