@@ -1,28 +1,22 @@
-"""Shared factories for the in-process and multi-process tests.
-
-Only what several test files need: seeded token sequences and the ``tiny`` preset
-model. Every test file keeps its own specialised factories and fixtures.
-"""
+"""Fixtures for every test folder. Factories and helpers are plain functions in the
+``support`` package; here only what pytest must manage: the test process's thread
+count, models and checkpoints built once, and the check that no rank process
+outlives the module that started it."""
 
 from __future__ import annotations
 
-import random
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from vertumnus.config import PRESETS, ModelConfig
+from support.factories import TINY
+from support.processes import live_child_pids
+from support.reference import Checkpoint, make_checkpoint
 from vertumnus.engine.model import Qwen3ForCausalLM
 from vertumnus.engine.weights import random_model
 
-TINY: ModelConfig = PRESETS["tiny"]
-TINY_SEED = 0
-
-
-def make_tokens(n: int, seed: int, vocab: int = TINY.vocab_size) -> list[int]:
-    """``n`` token ids in [0, vocab), the same for the same (n, seed, vocab)."""
-    rng = random.Random(seed)
-    return [rng.randrange(vocab) for _ in range(n)]
+TINY_SEED = 0  # EngineConfig.seed's default: the weights the rank processes build
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -38,3 +32,19 @@ def tiny_model() -> Qwen3ForCausalLM:
     """The ``tiny`` preset with the seeded random weights the rank processes build
     (``EngineConfig.seed`` = 0), fp32 on CPU. Shared: tests must not modify it."""
     return random_model(TINY, TINY_SEED).requires_grad_(False).eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    """An untied reference checkpoint (``support.reference``) in a folder of its own,
+    one per module. Modules that need another kind define their own ``checkpoint``."""
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3-untied"), tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def no_leftover_ranks() -> Iterator[None]:
+    """Fails the module if a rank process (a ``multiprocessing`` child) it started
+    is still alive when the module ends."""
+    before = live_child_pids()
+    yield
+    assert live_child_pids() - before == set(), "rank processes outlived the module"

@@ -7,7 +7,7 @@ from array import array
 
 import pytest
 
-from conftest import make_tokens
+from support.factories import make_tokens
 from vertumnus.blocks import ROOT_BLOCK_ID, block_id, block_ids
 
 BS = 4

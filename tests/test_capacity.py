@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support.factories import make_profile
 from vertumnus.capacity import (
     CapacityError,
     CapacitySettings,
@@ -26,14 +27,11 @@ from vertumnus.slo import TtftSlo
 
 # A made-up accelerator with a real profile's shape: C=4 pays start-up and a
 # per-token overhead, and wins on long inputs.
-PROFILE = Profile(
-    model="m",
-    hardware="h",
-    block_size=16,
-    coeffs={
+PROFILE = make_profile(
+    {
         1: DegreeCoeffs(d=0.02, c=6e-5, alpha=4e-10, b=2e-7),
         4: DegreeCoeffs(d=0.03, a=1e-5, c=6e-5, alpha=4e-10, b=3e-7),
-    },
+    }
 )
 MIX = LengthMix("test", ((512, 0), (2048, 1024), (8192, 0), (32768, 16384), (65536, 0)))
 FAST = CapacitySettings(window_s=10.0, min_requests=1000, max_requests=5000)

@@ -15,10 +15,11 @@ Three server variants run side by side, one after the other:
   * ``fixed``: the same with the controller off;
   * ``cache-first``: the usual cache-aware router, no controller, no scans.
 
-Then the same requests go through the simulator, with the same arrivals, lengths,
-prefix blocks, pool, cache capacity, KV retention and policy. The profile is the
-shipped `tiny-cpu` profile (`src/vertumnus/data/profiles/`), measured on this machine by `vertumnus
-profile`. Two more inputs of the simulator are timings of this server, read from its
+Then the same requests go through the simulator, with the same arrivals, lengths and
+prefix blocks; the pool, cache capacity, KV retention, policy and profile (the
+shipped ``tiny-cpu``, measured on this machine by ``vertumnus profile``) come from
+the very configuration file the server ran (the one TOML dialect). Two more inputs
+of the simulator are timings of this server, read from its
 `/metrics` after the replay: the reshape switch (``switch_s``: about 10 ms through
 the rank pipes here, against the 0.5 s default meant for NCCL groups on GPUs) and
 the mean KV copy (``transfer_latency_s``), when it did any; and, from its answers,
@@ -43,22 +44,19 @@ import orjson
 from _serving import start_server
 from vertumnus import loadgen
 from vertumnus.perfmodel import Profile
-from vertumnus.policy.cache_plans import CacheManagerConfig
-from vertumnus.policy.controller import ControllerConfig
-from vertumnus.policy.lattice import LatticeConfig
+from vertumnus.runtime import serve_config
 from vertumnus.sim.report import percentile
 from vertumnus.sim.simulator import SimSettings, Simulation
 from vertumnus.sim.traces import load_trace
 from vertumnus.sim.workload import SimRequest
 
 TRACE = Path("../shared/traces/conversation_trace.jsonl")
-PROFILE = "tiny-cpu"  # shipped with the package
 WINDOW_S = 5.0
 VARIANTS = {
     "vertumnus": f"[controller]\nenabled = true\nwindow_s = {WINDOW_S}\n",
     "fixed": "[controller]\nenabled = false\n",
     "cache-first": '[controller]\nenabled = false\n[scheduler]\npolicy = "cache-first"\n'
-    "[cache]\nscan_interval_s = 0\n",
+    "[cache]\nreplication = false\n",
 }
 
 
@@ -85,12 +83,15 @@ def server_timings(url: str) -> dict[str, float]:
 
 def simulate(
     requests: list[loadgen.LoadRequest],
-    policy: str,
+    config: Path,
     window_phase_s: float = 0.0,
     timings: dict[str, float] | None = None,
 ) -> dict[str, float]:
+    """The same requests through the simulator, on the pool and policy the server
+    ran: both read ``config`` (the one dialect), and both build ``PoolPolicy``."""
     timings = timings or {}
-    profile = Profile.load(PROFILE)
+    cfg = serve_config.load(config)
+    profile = Profile.load(cfg.profile)
     sim_requests = [
         SimRequest(
             r.index,
@@ -100,19 +101,14 @@ def simulate(
         )
         for r in requests
     ]
+    assert requests[0].block_tokens == cfg.engine.block_size
     settings = SimSettings(
-        policy=policy,
-        block_tokens=requests[0].block_tokens,
-        blocks_per_rank=1024,
-        controller=ControllerConfig(window_s=WINDOW_S),
-        cache=CacheManagerConfig(),
-        scan_interval_s=5.0,
         window_phase_s=window_phase_s,
         switch_s=timings.get("switch_s", 0.01),
         transfer_latency_s=timings.get("copy_s", 0.01),
         dispatch_s=timings.get("dispatch_s", 0.0),
     )
-    sim = Simulation(settings, profile, LatticeConfig(2, (1, 2)), [1, 1], sim_requests)
+    sim = Simulation(settings, profile, cfg.pool_spec, cfg.policy, sim_requests)
     result = sim.run()
     ttft = [r.ttft_s * 1e3 for r in result.records if r.ttft_s is not None]
     tokens = sum(r.input_tokens for r in result.records)
@@ -184,7 +180,8 @@ def main() -> None:
         )
     fidelity = {}
     for name in (n for n in ("fixed", "vertumnus") if n in summaries):
-        sim = simulate(requests, name, phases.get(name, 0.0), timings.get(name))
+        config = args.out / f"{name}.toml"
+        sim = simulate(requests, config, phases.get(name, 0.0), timings.get(name))
         real = summaries[name]
         errors = {
             "mean_ttft": sim["mean_ttft_ms"] / real["mean_server_ttft_ms"] - 1,

@@ -38,8 +38,10 @@ import time
 from pathlib import Path
 
 from vertumnus.config import EngineConfig
+from vertumnus.config.pool import PoolConfig
 from vertumnus.perfmodel import DegreeCoeffs, Profile
 from vertumnus.policy.lattice import WorkerState
+from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.runtime.cluster import ClusterPool
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.serve_config import ClusterConfig, ServeConfig
@@ -62,14 +64,10 @@ def profile(path: Path) -> Path:
 def config(tmp: Path, layout: tuple[int, ...], per_host: int | None) -> ServeConfig:
     return ServeConfig(
         model="tiny",
-        ranks=4,
-        devices_per_host=per_host,
-        degrees=(1, 2, 4),
-        layout=layout,
+        pool=PoolConfig((1, 2, 4), layout, devices_per_host=per_host),
         engine=EngineConfig(device="cpu", threads_per_rank=1, rank_timeout_s=60.0),
-        profile=profile(tmp / "profile.json"),
-        controller_enabled=False,
-        scan_interval_s=0.0,
+        profile=str(profile(tmp / "profile.json")),
+        policy=PolicyConfig(adaptive=False, replication=False),
     )
 
 

@@ -11,7 +11,10 @@ The file is a ``simulate`` configuration (see ``vertumnus.sim.config``) plus an
     variants = [
       { label = "vertumnus", policy = "vertumnus" },
       { label = "fixed 4CP4/3CP8", policy = "fixed", composition = "4CP4/3CP8" },
+      { label = "no scans", policy = "fixed", cache = { replication = false } },
     ]
+
+A variant's ``policy`` is a preset (``--policy``); its tables override the file's.
 
 Each run writes the usual files under ``OUT/<label>[@<rate>]/``. The tool then
 writes ``OUT/comparison.json`` and ``OUT/comparison.md``: one row per run, with
@@ -31,6 +34,7 @@ from typing import Any
 
 import orjson
 
+from vertumnus.config import read_toml
 from vertumnus.sim import config as sim_config
 from vertumnus.sim import report
 from vertumnus.sim.simulator import Simulation
@@ -45,7 +49,7 @@ def main() -> None:
     parser.add_argument("config", type=Path)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    raw = sim_config.read(args.config)
+    raw = read_toml(args.config)
     experiment = raw.pop("experiment")
     out = args.out or Path(experiment.get("out", f"results/sim/{args.config.stem}"))
     out.mkdir(parents=True, exist_ok=True)
@@ -57,15 +61,14 @@ def main() -> None:
             label = variant["label"]
             name = slug(label) + (f"@{rate:g}" if rate is not None else "")
             overrides = {
-                "policy": {"name": variant.get("policy")},
                 "pool": {"composition": variant.get("composition")},
                 "workload": {"rate_scale": rate},
                 **{k: v for k, v in variant.items() if isinstance(v, dict)},
             }
-            cfg = sim_config.load(None, overrides, raw=copy.deepcopy(raw))
-            result = Simulation(
-                cfg.settings, cfg.profile, cfg.lattice, cfg.layout, cfg.requests
-            ).run()
+            cfg = sim_config.load(
+                None, overrides, raw=copy.deepcopy(raw), preset=variant.get("policy")
+            )
+            result = Simulation(cfg.settings, cfg.profile, cfg.spec, cfg.policy, cfg.requests).run()
             summary = report.write(result, cfg, out / name)
             row = {"label": label, "rate_scale": rate, "run": name, **summary}
             rows.append(row)

@@ -14,6 +14,13 @@ from collections.abc import Sequence
 ROOT_BLOCK_ID = 0  # parent of the first block of every sequence
 
 
+def max_reuse_blocks(input_tokens: int, block_size: int) -> int:
+    """Whole blocks a prefill of ``input_tokens`` may reuse from a cache: at least one
+    token is always computed, since its logits give the first token. The one place
+    this rule lives (the engine's planning, the policy and the trie all ask here)."""
+    return max(0, (input_tokens - 1) // block_size)
+
+
 def block_id(parent_id: int, tokens: Sequence[int]) -> int:
     """64-bit id of a block from its parent's id and its token ids."""
     h = hashlib.blake2b(digest_size=8)

@@ -21,11 +21,19 @@ from typing import Any
 
 import structlog
 
+from vertumnus.policy.pool_config import PRESETS
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=None, metavar="configs/serve/NAME.toml")
     p.add_argument(
         "--model", default=None, help="preset or Hugging Face folder (overrides the config)"
+    )
+    p.add_argument(
+        "--policy",
+        choices=list(PRESETS),
+        default=None,
+        help="a preset of router, composition and replication, over the config file",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: a free port")
@@ -46,19 +54,17 @@ def configure_logging() -> None:
     )
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def serve(args: argparse.Namespace, cluster: Any, cfg: Any) -> int:
+    """``cfg``: the configuration, read already (None for a multi-host pool, whose
+    configuration needs its agents' topology: ``cluster``)."""
     from aiohttp import web
 
     from vertumnus.runtime.coordinator import Coordinator
-    from vertumnus.runtime.serve_config import load, load_cluster
     from vertumnus.server.app import build_app
     from vertumnus.server.tokenizer import Tokenizer
 
-    cluster = load_cluster(args.config)
     pool = None
-    if cluster is None:
-        cfg = load(args.config, args.model)
-    else:
+    if cfg is None:
         pool, cfg = await gather_cluster(args, cluster)
     try:
         coordinator = Coordinator(cfg, pool)
@@ -113,7 +119,7 @@ async def gather_cluster(args: argparse.Namespace, cluster: Any) -> tuple[Any, A
             "waiting_for_agents", hosts=cluster.hosts, port=pool.port
         )
         topology = await asyncio.get_running_loop().run_in_executor(None, pool.gather)
-        cfg = load(args.config, args.model, topology=topology)
+        cfg = load(args.config, args.model, topology=topology, preset=args.policy)
         pool.configure(cfg.degrees)
     except BaseException:
         pool.close()
@@ -122,10 +128,15 @@ async def gather_cluster(args: argparse.Namespace, cluster: Any) -> tuple[Any, A
 
 
 def run(args: argparse.Namespace) -> int:
+    from vertumnus.runtime.serve_config import load, load_cluster
+
+    # A mistake in the configuration is one error line, before anything starts.
+    cluster = load_cluster(args.config)
+    cfg = None if cluster is not None else load(args.config, args.model, preset=args.policy)
     configure_logging()
     try:
         import uvloop
 
-        return uvloop.run(serve(args))
+        return uvloop.run(serve(args, cluster, cfg))
     except ImportError:
-        return asyncio.run(serve(args))
+        return asyncio.run(serve(args, cluster, cfg))

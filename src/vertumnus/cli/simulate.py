@@ -1,9 +1,10 @@
 """``python -m vertumnus simulate``: a prefill pool at cluster scale, in simulation.
 
-The real scheduler, lattice controller and prefix-cache manager drive simulated
-workers whose prefill times come from a profile (``vertumnus.sim``). Defaults: the
-policy ``vertumnus``, the shipped Qwen3-30B-A3B / H100 profile, a 40-GPU pool at
-degrees {4, 8} starting as 4CP4/3CP8. ``--composition`` also sets the pool size.
+The pool's policy stack (the one the server runs) drives simulated workers whose
+prefill times come from a profile (``vertumnus.sim``). Defaults: the preset
+``vertumnus``, the shipped Qwen3-30B-A3B / H100 profile, a 40-GPU pool at degrees
+{4, 8} starting as 4CP4/3CP8. ``--composition`` also sets the pool size. The
+configuration file uses the dialect ``serve`` uses (``vertumnus/config/dialect.py``).
 Writes ``DIR/summary.json``, ``requests.jsonl``, ``timeline.csv``,
 ``ttft_composition.png`` and ``config.json``; prints a summary.
 """
@@ -15,7 +16,9 @@ from pathlib import Path
 
 from vertumnus.config import ConfigError
 from vertumnus.perfmodel import ProfileError
-from vertumnus.sim.simulator import POLICIES, Simulation, SimulationError, terminal_progress
+from vertumnus.policy.baselines import ROUTERS
+from vertumnus.policy.pool_config import PRESETS
+from vertumnus.sim.simulator import Simulation, SimulationError, terminal_progress
 from vertumnus.sim.traces import TraceError
 from vertumnus.sim.workload import WorkloadError
 from vertumnus.slo import SloError
@@ -24,9 +27,39 @@ from vertumnus.slo import SloError
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=None, metavar="CFG.toml")
     p.add_argument("--trace", type=Path, default=None, help="Mooncake JSONL or Azure CSV")
-    p.add_argument("--policy", choices=POLICIES, default=None, help="default: vertumnus")
+    p.add_argument(
+        "--policy",
+        choices=list(PRESETS),
+        default=None,
+        help="a preset of router, composition and replication (default: vertumnus)",
+    )
+    p.add_argument("--router", choices=sorted(ROUTERS), default=None, help="[scheduler] policy")
+    composition = p.add_mutually_exclusive_group()
+    composition.add_argument(
+        "--adaptive",
+        dest="adaptive",
+        action="store_const",
+        const=True,
+        default=None,
+        help="the controller reshapes the pool ([controller] enabled = true)",
+    )
+    composition.add_argument(
+        "--fixed",
+        dest="adaptive",
+        action="store_const",
+        const=False,
+        help="a fixed composition ([controller] enabled = false)",
+    )
+    p.add_argument(
+        "--replication",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the cache manager's replication and reclamation ([cache] replication)",
+    )
     p.add_argument("--composition", default=None, help="e.g. 4CP4/3CP8 (sets the pool size)")
-    p.add_argument("--profile", type=Path, default=None, metavar="PROFILE.json")
+    p.add_argument(
+        "--profile", default=None, metavar="PROFILE", help="a profile file or a shipped name"
+    )
     p.add_argument("--rate-scale", type=float, default=None, help="multiply the arrival rate")
     p.add_argument("--time-scale", type=float, default=None, help="stretch the timeline")
     p.add_argument("--max-requests", type=int, default=None)
@@ -40,8 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = {
         "pool": {"composition": args.composition},
-        "profile": {"path": str(args.profile) if args.profile else None},
-        "policy": {"name": args.policy},
+        "profile": {"path": args.profile},
         "sim": {"seed": args.seed},
         "workload": {
             "trace": str(args.trace) if args.trace else None,
@@ -50,10 +82,15 @@ def run(args: argparse.Namespace) -> int:
             "max_requests": args.max_requests,
         },
     }
+    choices = {
+        "scheduler": {"policy": args.router},
+        "controller": {"enabled": args.adaptive},
+        "cache": {"replication": args.replication},
+    }
     try:
-        cfg = sim_config.load(args.config, overrides)
+        cfg = sim_config.load(args.config, overrides, preset=args.policy, choices=choices)
         sim = Simulation(
-            cfg.settings, cfg.profile, cfg.lattice, cfg.layout, cfg.requests, terminal_progress
+            cfg.settings, cfg.profile, cfg.spec, cfg.policy, cfg.requests, terminal_progress
         )
         result = sim.run()
     except (SimulationError, TraceError, WorkloadError, SloError, ProfileError) as exc:

@@ -12,7 +12,8 @@ prefix), the same per-request cache statistics.
     length-threshold  inputs over ``long_tokens`` to the largest degree present,
                       the others to the smaller degrees; least q_w within the group
 
-Ties: the lower worker id. Pure Python.
+Ties: the lower worker id. Pure Python. ``ROUTERS`` names every router, the cost
+rule (``vertumnus``) included.
 """
 
 from __future__ import annotations
@@ -110,7 +111,10 @@ class LengthThresholdScheduler(_Baseline):
         return self._least_loaded(group, now)
 
 
+# Every router by its configuration name: the cost rule ("vertumnus") and the
+# baselines. ``PolicyConfig`` refuses any other name, listing these.
 ROUTERS: dict[str, type[Scheduler]] = {
+    "vertumnus": Scheduler,
     "round-robin": RoundRobinScheduler,
     "least-load": LeastLoadScheduler,
     "cache-first": CacheFirstScheduler,

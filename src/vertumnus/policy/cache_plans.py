@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
-from vertumnus.policy.costs import CostWeights
 from vertumnus.policy.trie import Node
 
 
@@ -55,7 +54,6 @@ class CacheManagerConfig:
     # "close": the smaller copy goes first.
     close_fraction: float = 0.1
     stat_floor: float = 1e-3  # statistics decayed below this are dropped
-    weights: CostWeights = field(default_factory=CostWeights)
 
     def __post_init__(self) -> None:
         if not 0 < self.decay < 1:

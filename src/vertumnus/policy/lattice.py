@@ -112,6 +112,19 @@ def top_blocks(num_devices: int, degrees: Sequence[int]) -> list[tuple[int, int]
     return blocks
 
 
+def worker_slots(config: LatticeConfig) -> list[tuple[int, int]]:
+    """(first device, degree) of every worker the lattice can ever form, by degree
+    then device: the aligned sub-blocks of each top-level block at every degree that
+    fits in it. The rank pool creates the process group of each at start-up."""
+    slots: list[tuple[int, int]] = []
+    blocks = top_blocks(config.num_devices, config.degrees)
+    for c in config.degrees:
+        for start, size in blocks:
+            if c <= size:
+                slots.extend((start + k * c, c) for k in range(size // c))
+    return slots
+
+
 @dataclass
 class LatticeWorker:
     worker_id: int
@@ -305,6 +318,11 @@ class Lattice:
             covered.extend(w.devices)
         if sorted(covered) != list(range(self.config.num_devices)):
             raise LatticeError("workers do not cover every device exactly once")
+
+
+def composition_name(counts: Mapping[int, int]) -> str:
+    """``{4: 4, 8: 3}`` -> ``4CP4/3CP8`` (workers per degree; ``-`` for none)."""
+    return "/".join(f"{n}CP{c}" for c, n in sorted(counts.items()) if n) or "-"
 
 
 def reachable_compositions(config: LatticeConfig) -> list[dict[int, int]]:

@@ -114,6 +114,15 @@ class Scheduler:
     def queued(self, worker_id: int) -> list[int]:
         return list(self._queue.get(worker_id, ()))
 
+    def is_queued(self, request_id: int) -> bool:
+        """Placed and not yet started."""
+        worker_id = self._where.get(request_id)
+        return worker_id is not None and request_id in self._queue.get(worker_id, ())
+
+    def head(self, worker_id: int) -> int | None:
+        """The request the worker runs next (FIFO), if any."""
+        return next(iter(self._queue.get(worker_id, ())), None)
+
     def running(self, worker_id: int) -> int | None:
         run = self._running.get(worker_id)
         return None if run is None else run.request_id

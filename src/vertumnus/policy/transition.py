@@ -19,6 +19,7 @@ simulator) does the waiting and the messaging.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from vertumnus.policy.cache_manager import PrefixCacheManager
@@ -154,3 +155,32 @@ class Reconfigurer:
             if self.controller is not None and transition.op in self.controller.in_flight:
                 self.controller.reshape_done(transition.op)
         return done
+
+
+def operator_reshape(
+    lattice: Lattice,
+    kind: str,
+    workers: Sequence[int] | None,
+    busy: set[int],
+    loads: Mapping[int, float],
+) -> Reshape:
+    """An operator's request as a lattice operation: the ``kind`` ("split" or
+    "merge") of exactly ``workers``, or, with none given, the option whose
+    participants have the least outstanding work (``loads``). Workers in ``busy``
+    (a reshape under way) are not options. LatticeError says what is possible."""
+    if kind not in ("split", "merge"):
+        raise LatticeError(f"op must be 'split' or 'merge', got {kind!r}")
+    options = lattice.split_options() if kind == "split" else lattice.merge_options()
+    options = [op for op in options if not busy & set(op.sources)]
+    if workers:
+        wanted = tuple(sorted(workers))
+        chosen = [op for op in options if tuple(sorted(op.sources)) == wanted]
+        if not chosen:
+            raise LatticeError(
+                f"cannot {kind} {list(wanted)}: the possible {kind}s now are "
+                f"{[list(op.sources) for op in options]}"
+            )
+        return chosen[0]
+    if not options:
+        raise LatticeError(f"no {kind} is possible now")
+    return min(options, key=lambda op: max(loads.get(s, 0.0) for s in op.sources))

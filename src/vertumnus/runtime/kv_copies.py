@@ -1,12 +1,12 @@
-"""KV copies on the live ranks: the cache manager's copy and fetch plans carried out.
+"""KV copies on the live ranks: moving a copy job's blocks rank to rank.
 
-Owns running one copy plan at a time (``lock``, which a reshape's switch also takes,
-so no copy runs across one): the KV ledger (``policy/kv_ledger.py``) turns the plan
-into slot moves, one ``KVTransfer`` goes to every rank involved in one loop (so
-every rank sees the multi-rank commands in one order), the blocks travel rank to
-rank over torch.distributed (``engine/kv_transfer.py``), and the copy commits when
-every rank has answered ``KVWritten``. It does not choose what to copy (the cache
-manager does) nor restart anything: a copy that times out is reported to
+The policy stack decides what to copy and when (one copy at a time, on the channel
+it shares with reshape switches, ``policy/pool_policy.py``); its KV ledger has turned
+the plan into slot moves by then. ``KVCopier`` carries them out: one ``KVTransfer``
+to every rank involved in one loop (so every rank sees the multi-rank commands in
+one order), the blocks travel rank to rank over torch.distributed
+(``engine/kv_transfer.py``), and the copy succeeds when every rank has answered
+``KVWritten``. It restarts nothing: a copy that times out is reported to
 ``on_hung`` with its ranks, whose pair groups may be out of step.
 """
 
@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
 
 from vertumnus.engine.messages import KVTransfer, KVWritten, RankFailed
-from vertumnus.policy.cache_plans import CopyPlan
-from vertumnus.policy.kv_ledger import KVLedger
-from vertumnus.runtime.metrics import Metrics
+from vertumnus.policy.kv_ledger import CopyJob
 from vertumnus.runtime.pool import RankPoolError, Ranks
 
 log = structlog.get_logger("vertumnus")
@@ -32,53 +29,25 @@ log = structlog.get_logger("vertumnus")
 class KVCopier:
     def __init__(
         self,
-        ledger: KVLedger,
-        metrics: Metrics,
         ranks: Callable[[], Ranks | None],
         timeout_s: float,
         on_hung: Callable[[list[int]], None],
     ) -> None:
-        self.ledger, self.metrics, self._ranks = ledger, metrics, ranks
-        self.timeout_s, self._on_hung = timeout_s, on_hung
-        self.lock = asyncio.Lock()  # one copy at a time, and none across a switch
+        self._ranks, self.timeout_s, self._on_hung = ranks, timeout_s, on_hung
         self._ids = itertools.count(1)
         self._waits: dict[tuple[int, int], asyncio.Future[Any]] = {}  # (copy, rank)
 
-    async def run(self, plan: CopyPlan) -> int:
-        """Execute a copy plan: the ledger allocates the destination's slots (and pins
-        the source's), the K and V of each block go from the source's ranks to the
-        destination's (re-sharded: block j to rank j % C of each worker), then the
-        copies become visible. Returns the blocks installed (0 if the plan could not
-        run: it ends as a miss)."""
-        async with self.lock:
-            job = self.ledger.begin_copy(plan)
-            if job is None:
-                return 0
-            started = time.monotonic()
-            try:
-                await self._transfer(job.moves)
-            except (RankPoolError, TimeoutError) as exc:
-                self.ledger.abort_copy(job)
-                log.error("copy_failed", plan=plan.plan_id, error=repr(exc))
-                if isinstance(exc, TimeoutError):
-                    self._on_hung(sorted({r for m in job.moves for r in (m[0], m[2])}))
-                return 0
-            except BaseException:
-                self.ledger.abort_copy(job)
-                raise
-            installed = self.ledger.commit_copy(job)
-            seconds = time.monotonic() - started
-            self.metrics.copied(installed, seconds)
-            log.info(
-                "copy",
-                kind=plan.kind,
-                source="retained" if job.src_worker is None else job.src_worker,
-                dest=plan.dest_worker,
-                blocks=installed,
-                reshard=plan.reshard,
-                seconds=round(seconds, 6),
-            )
-            return installed
+    async def transfer(self, job: CopyJob) -> bool:
+        """Move the job's blocks (re-sharded: block j to rank j % C of each worker);
+        False if a rank failed or the copy timed out."""
+        try:
+            await self._transfer(job.moves)
+        except (RankPoolError, TimeoutError) as exc:
+            log.error("copy_failed", plan=job.plan.plan_id, error=repr(exc))
+            if isinstance(exc, TimeoutError):
+                self._on_hung(sorted({r for m in job.moves for r in (m[0], m[2])}))
+            return False
+        return True
 
     async def _transfer(self, moves: Sequence[tuple[int, int, int, int]]) -> None:
         """Copy KV blocks (src rank, src slot, dst rank, dst slot) rank to rank: one

@@ -31,12 +31,13 @@ from datetime import timedelta
 from multiprocessing import connection
 from typing import Any, Protocol
 
-import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from vertumnus.config import EngineConfig, ModelConfig
 from vertumnus.engine.messages import RankFailed, RankReady, Shutdown
 from vertumnus.engine.rank import RankSpec, rank_main
+from vertumnus.policy.lattice import LatticeConfig, worker_slots
 
 
 class RankPoolError(RuntimeError):
@@ -44,14 +45,12 @@ class RankPoolError(RuntimeError):
 
 
 def worker_groups(world_size: int, degrees: Sequence[int]) -> tuple[tuple[int, ...], ...]:
-    """Every aligned block of ranks a worker of a degree in ``degrees`` can occupy."""
-    groups = []
-    for c in sorted(set(degrees)):
-        if c < 1 or world_size % c:
-            raise ValueError(f"degree {c} does not divide the pool of {world_size} ranks")
-        if c > 1:
-            groups.extend(tuple(range(k * c, (k + 1) * c)) for k in range(world_size // c))
-    return tuple(groups)
+    """The ranks of every worker of more than one rank that the lattice of
+    ``world_size`` devices at ``degrees`` can form (``policy.lattice.worker_slots``:
+    the lattice itself says, so the pool and the lattice cannot disagree); a pool the
+    lattice refuses raises ``LatticeError`` with its reason."""
+    config = LatticeConfig(world_size, tuple(sorted(set(degrees))))
+    return tuple(tuple(range(f, f + c)) for f, c in worker_slots(config) if c > 1)
 
 
 class Ranks(Protocol):
@@ -246,7 +245,7 @@ class PoolCore:
         self.ready: dict[int, RankReady] = {}
         self.on_rejoin: Callable[[list[int]], None] | None = None  # ranks back (a host)
         self._pending: list[object] = []  # read, not yet handed out
-        self._store: dist.TCPStore | None = None
+        self._store: TCPStore | None = None
 
     def configure(self, degrees: Sequence[int]) -> None:
         """The worker groups the lattice can form (before ``start``)."""
@@ -264,7 +263,7 @@ class PoolCore:
     def start(self) -> None:
         """Start every rank and wait for each ``RankReady``; on failure, close."""
         timeout = timedelta(seconds=self.engine.rank_timeout_s)
-        self._store = dist.TCPStore(
+        self._store = TCPStore(
             self._store_bind, 0, None, is_master=True, timeout=timeout, wait_for_workers=False
         )
         try:

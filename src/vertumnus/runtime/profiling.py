@@ -151,7 +151,8 @@ def checkerboard_split(
     both halves, so the held-out half tests interpolation, not a hit ratio (or a
     length) that the fit never saw."""
     per_degree = n_lengths * n_hits
-    fitted, held_out = [], []
+    fitted: list[Sample] = []
+    held_out: list[Sample] = []
     for i, sample in enumerate(samples):
         length_i, hit_i = divmod(i % per_degree, n_hits)
         (held_out if (length_i + hit_i) % 2 else fitted).append(sample)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from vertumnus.blocks import block_ids
+from vertumnus.blocks import block_ids, max_reuse_blocks
 from vertumnus.engine.messages import PrefillCommand, PrefillDone, RankFailed
 from vertumnus.policy.cache_index import CacheReport, PrefillLease, WorkerCacheIndex
 from vertumnus.runtime.pool import RankPool, RankPoolError
@@ -37,15 +37,32 @@ def plan_prefill(
         raise ValueError("a prefill needs at least one token")
     if logits not in ("last", "all"):
         raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
-    c = len(worker_ranks)
-    if c != index.cp_degree:
-        raise ValueError(f"worker of {c} ranks but cache index of degree {index.cp_degree}")
+    if len(worker_ranks) != index.cp_degree:
+        raise ValueError(
+            f"worker of {len(worker_ranks)} ranks but cache index of degree {index.cp_degree}"
+        )
     if ids is None:
         ids = block_ids(tokens, block_size)
-    # Reuse only whole blocks, and leave at least the last token to compute its logits.
-    lease = index.begin(ids, max_reuse_blocks=(len(tokens) - 1) // block_size)
+    lease = index.begin(ids, max_reuse_blocks(len(tokens), block_size))
+    return lease, prefill_command(lease, tokens, block_size, request_id, worker_ranks, logits)
+
+
+def prefill_command(
+    lease: PrefillLease,
+    tokens: Sequence[int],
+    block_size: int,
+    request_id: int,
+    worker_ranks: tuple[int, ...],
+    logits: str = "last",
+) -> PrefillCommand:
+    """The command every rank of the worker gets for a prefill whose cache lease is
+    ``lease``: the uncached suffix, which rank holds which prefix block (block j on
+    CP rank j % C) and where each new full block goes."""
+    if logits not in ("last", "all"):
+        raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
+    c = len(worker_ranks)
     prefix_len = lease.num_reused_blocks * block_size
-    cmd = PrefillCommand(
+    return PrefillCommand(
         request_id=request_id,
         worker_ranks=worker_ranks,
         token_ids=torch.tensor(tokens[prefix_len:], dtype=torch.long),
@@ -59,7 +76,6 @@ def plan_prefill(
         block_size=block_size,
         logits=logits,
     )
-    return lease, cmd
 
 
 @dataclass(frozen=True)

@@ -184,16 +184,7 @@ async def workers(request: web.Request) -> web.Response:
 
 
 async def composition(request: web.Request) -> web.Response:
-    coord = request.app[COORDINATOR]
-    return _json(
-        {
-            "composition": coord.composition_name(),
-            "epoch": coord.lattice.epoch,
-            "devices": coord.lattice.config.num_devices,
-            "degrees": list(coord.lattice.config.degrees),
-            "layout": coord.lattice.layout(),
-        }
-    )
+    return _json(request.app[COORDINATOR].composition_view())
 
 
 async def cache(request: web.Request) -> web.Response:

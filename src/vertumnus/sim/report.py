@@ -24,8 +24,9 @@ from typing import Any
 
 import orjson
 
+from vertumnus.policy.lattice import composition_name
 from vertumnus.sim.config import SimConfig
-from vertumnus.sim.simulator import RequestRecord, SimResult, composition_name
+from vertumnus.sim.simulator import RequestRecord, SimResult
 from vertumnus.stats import percentile
 
 
@@ -50,7 +51,7 @@ def summarize(result: SimResult, cfg: SimConfig) -> dict[str, Any]:
     drains = [r.drain_s for r in result.reshapes if r.drain_s is not None]
     switches = [r.switch_s for r in result.reshapes if r.switch_s is not None]
     summary: dict[str, Any] = {
-        "policy": cfg.settings.policy,
+        "policy": cfg.policy.name,
         "requests": len(records),
         "completed": completed,
         **ttft_stats(records),
@@ -113,7 +114,7 @@ def write(result: SimResult, cfg: SimConfig, out: Path) -> dict[str, Any]:
                 + b"\n"
             )
     by_window: dict[int, list[float]] = {}
-    h = cfg.settings.controller.window_s
+    h = cfg.policy.controller.window_s
     for r in result.records:
         if r.end_s is not None:
             by_window.setdefault(int(r.arrival_s // h), []).append(r.end_s - r.arrival_s)
@@ -170,14 +171,14 @@ def plot(result: SimResult, cfg: SimConfig, by_window: dict[int, list[float]], p
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    h = cfg.settings.controller.window_s
+    h = cfg.policy.controller.window_s
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
     xs = [(k + 0.5) * h / 60 for k in sorted(by_window)]
     top.plot(xs, [sum(v) / len(v) for _, v in sorted(by_window.items())], label="mean TTFT")
     top.plot(
         xs, [percentile(v, 90) for _, v in sorted(by_window.items())], label="P90 TTFT", alpha=0.6
     )
-    top.set(ylabel="TTFT (s)", yscale="log", title=f"{cfg.settings.policy}: TTFT by arrival window")
+    top.set(ylabel="TTFT (s)", yscale="log", title=f"{cfg.policy.name}: TTFT by arrival window")
     top.legend(loc="upper left")
     for start, _ in cfg.phase_bounds[1:]:
         top.axvline(start / 60, color="grey", linewidth=0.8, linestyle=":")
@@ -207,7 +208,7 @@ Series = tuple[list[float], list[float], list[str]]  # minutes, mean TTFT, compo
 
 def window_series(result: SimResult, cfg: SimConfig) -> Series:
     """Per window: its middle (minutes), the mean TTFT of its arrivals, the composition."""
-    h = cfg.settings.controller.window_s
+    h = cfg.policy.controller.window_s
     sums: dict[int, list[float]] = {}
     for r in result.records:
         if r.end_s is not None:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import orjson
 
+from vertumnus.blocks import max_reuse_blocks
+
 MOONCAKE_BLOCK_TOKENS = 512
 AZURE_HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
@@ -65,7 +67,7 @@ class Trace:
                 if block not in seen:
                     break
                 hits += 1
-            full_blocks = (req.input_tokens - 1) // self.block_tokens
+            full_blocks = max_reuse_blocks(req.input_tokens, self.block_tokens)
             cached.append(min(hits, full_blocks) * self.block_tokens)
             seen.update(req.block_hashes)
         return cached

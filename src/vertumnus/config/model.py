@@ -1,0 +1,267 @@
+"""The served model's shape: ``ModelConfig`` and the built-in presets.
+
+A model config is read from a Hugging Face style ``config.json`` (the fields of
+``Qwen3Config``) or taken from a built-in preset (``tiny`` for tests and the CPU demo,
+``qwen3-0.6b-4l`` for benchmarks), whose weights are seeded random.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vertumnus.config.tables import ConfigError
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Qwen3-family decoder (names follow ``Qwen3Config`` and, for the
+    mixture-of-experts fields, ``Qwen3MoeConfig``; ``num_experts`` = 0: dense)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40_960
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    name: str = "custom"
+    # Mixture of experts (Qwen3-MoE): a layer is sparse when it is not in
+    # ``mlp_only_layers`` and (layer + 1) % decoder_sparse_step == 0.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def sparse_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_sparse_layer(i)]
+
+    def __post_init__(self) -> None:
+        for f in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, f)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"model config: {f} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ConfigError(
+                "model config: num_attention_heads "
+                f"({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ConfigError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
+        if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
+            raise ConfigError("model config: rms_norm_eps and rope_theta must be positive")
+        if self.num_experts < 0:
+            raise ConfigError(f"model config: num_experts must be >= 0, got {self.num_experts}")
+        if self.num_experts > 0:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ConfigError(
+                    "model config: num_experts_per_tok must lie in [1, num_experts], got "
+                    f"{self.num_experts_per_tok} of {self.num_experts}"
+                )
+            if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
+                raise ConfigError(
+                    "model config: moe_intermediate_size and decoder_sparse_step must be "
+                    "positive for a mixture-of-experts model"
+                )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token over all layers, at 2 bytes per element (bf16)."""
+        return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * 2
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], name: str = "custom") -> ModelConfig:
+        """Read the fields of a Hugging Face ``config.json``; reject what we cannot run."""
+        archs = raw.get("architectures") or []
+        model_type = raw.get("model_type")
+        if archs:
+            unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+            if unsupported:
+                raise ConfigError(
+                    f"unsupported architecture {unsupported[0]!r}; supported: "
+                    f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+                )
+            arch = archs[0]
+        elif model_type in _MODEL_TYPES:
+            arch = _MODEL_TYPES[model_type]
+        else:
+            raise ConfigError(
+                f"unsupported model_type {model_type!r} (no 'architectures' given); "
+                f"supported: {', '.join(_MODEL_TYPES)} ({', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        moe: dict[str, Any] = {}
+        if arch == "Qwen3MoeForCausalLM":
+            # transformers >= 5 writes num_experts as num_local_experts.
+            experts = raw.get("num_experts", raw.get("num_local_experts"))
+            missing_moe = [
+                k
+                for k, v in (
+                    ("num_experts", experts),
+                    ("num_experts_per_tok", raw.get("num_experts_per_tok")),
+                    ("moe_intermediate_size", raw.get("moe_intermediate_size")),
+                )
+                if v is None
+            ]
+            if missing_moe:
+                raise ConfigError(f"config.json lacks MoE fields: {', '.join(missing_moe)}")
+            moe = {
+                "num_experts": int(experts),  # type: ignore[arg-type]
+                "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+                "moe_intermediate_size": int(raw["moe_intermediate_size"]),
+                "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+                "decoder_sparse_step": int(raw.get("decoder_sparse_step", 1)),
+                "mlp_only_layers": tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+            }
+        if raw.get("use_sliding_window"):
+            raise ConfigError("sliding-window attention is not supported")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ConfigError(f"unsupported RoPE type {rope_type!r}; supported: default")
+        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10_000.0))
+        required = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
+        missing = [k for k in required if k not in raw]
+        if missing:
+            raise ConfigError(f"config.json lacks required fields: {', '.join(missing)}")
+        heads = raw["num_attention_heads"]
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=raw.get("max_position_embeddings", 40_960),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            name=name,
+            **moe,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike[str]) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{model_dir}: no config.json (expected a Hugging Face model folder)")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}: not valid JSON: {exc}") from exc
+        return cls.from_hf_dict(raw, name=Path(model_dir).name)
+
+
+# Built-in presets, with seeded random weights. `tiny` is for tests and the CPU demo;
+# `qwen3-0.6b-4l` is Qwen3-0.6B's shape cut to 4 layers, for benchmarks.
+_TINY = ModelConfig(
+    vocab_size=1024,
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    rope_theta=1_000_000.0,
+    max_position_embeddings=65_536,
+    tie_word_embeddings=True,
+    name="tiny",
+)
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": _TINY,
+    # `tiny` with a few small experts in every layer, for tests and the CPU demo.
+    "tiny-moe": dataclasses.replace(
+        _TINY,
+        name="tiny-moe",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+    ),
+    # Qwen3-30B-A3B's layer shape (128 experts, top 8) cut to 2 layers: benchmarks.
+    "qwen3-30b-a3b-2l": ModelConfig(
+        vocab_size=151_936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=40_960,
+        tie_word_embeddings=False,
+        name="qwen3-30b-a3b-2l",
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+    ),
+    "qwen3-0.6b-4l": ModelConfig(
+        vocab_size=151_936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=40_960,
+        tie_word_embeddings=True,
+        name="qwen3-0.6b-4l",
+    ),
+}
+
+
+def resolve_model(spec: str) -> tuple[ModelConfig, str | None]:
+    """``spec`` is a preset name or a model folder; returns (config, folder or None)."""
+    if spec in PRESETS:
+        return PRESETS[spec], None
+    if os.path.isdir(spec):
+        return ModelConfig.from_dir(spec), spec
+    raise ConfigError(
+        f"--model {spec!r}: neither a built-in preset ({', '.join(sorted(PRESETS))}) "
+        "nor a folder with config.json and *.safetensors"
+    )

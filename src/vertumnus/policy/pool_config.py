@@ -1,0 +1,117 @@
+"""What a pool's policy stack is built from: the pool it runs and one policy configuration.
+
+``PoolSpec`` is the pool: its lattice (devices, degrees, bounds, hosts), the layout
+it starts in, and the KV geometry of a worker's cache (tokens per block, blocks per
+rank). ``PolicyConfig`` is every decision knob: the router, whether the composition
+adapts (the window controller runs its reshapes) or stays fixed (its decisions are
+only noted), whether the prefix-cache manager replicates and reclaims (its scans
+run) or every worker keeps a plain LRU cache, and the settings of each part.
+
+The simulator's old policy names are presets of the three choices (``PRESETS``):
+
+    vertumnus        the cost rule, adaptive, replication
+    fixed            the cost rule, fixed composition, replication
+    no-replication   the cost rule, fixed composition, LRU only (the paper's ablation)
+    <router>         a baseline router, fixed composition, LRU only
+
+Both drivers (``sim/simulator.py``, ``runtime/coordinator.py``) build their stack
+from these through ``PoolPolicy.build``; the TOML dialect that fills them is
+``vertumnus/config/dialect.py``. Pure Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vertumnus.policy.baselines import ROUTERS
+from vertumnus.policy.cache_plans import CacheManagerConfig
+from vertumnus.policy.controller import ControllerConfig
+from vertumnus.policy.costs import CostWeights
+from vertumnus.policy.kv_ledger import RetentionConfig
+from vertumnus.policy.lattice import LatticeConfig
+
+
+class PolicyError(ValueError):
+    """A policy configuration, pool or profile the policy stack cannot run."""
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    router: str = "vertumnus"  # a name of ``ROUTERS``: the cost rule or a baseline
+    adaptive: bool = True  # the controller's reshapes run (False: decisions only noted)
+    replication: bool = True  # the cache manager's scans run (False: per-worker LRU)
+    scan_interval_s: float = 5.0
+    weights: CostWeights = field(default_factory=CostWeights)  # beta, lambda
+    # KV room of one rank in tokens (a candidate must hold the request); None: no limit.
+    max_tokens_per_rank: int | None = None
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    cache: CacheManagerConfig = field(default_factory=CacheManagerConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
+
+    def __post_init__(self) -> None:
+        if self.router not in ROUTERS:
+            raise PolicyError(
+                f"unknown router {self.router!r}; choose one of {', '.join(sorted(ROUTERS))}"
+            )
+        if not self.scan_interval_s > 0:
+            raise PolicyError(
+                f"scan_interval_s must be > 0, got {self.scan_interval_s} "
+                "(turn the scans off with replication = false)"
+            )
+        if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
+            raise PolicyError("max_tokens_per_rank must be >= 1")
+
+    @property
+    def name(self) -> str:
+        """The preset this configuration is, or its three choices spelled out."""
+        for name, choices in PRESETS.items():
+            if choices == {
+                "router": self.router,
+                "adaptive": self.adaptive,
+                "replication": self.replication,
+            }:
+                return name
+        return "+".join(
+            (
+                self.router,
+                "adaptive" if self.adaptive else "fixed",
+                "replication" if self.replication else "no-replication",
+            )
+        )
+
+
+def _preset(router: str, adaptive: bool, replication: bool) -> dict[str, Any]:
+    return {"router": router, "adaptive": adaptive, "replication": replication}
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "vertumnus": _preset("vertumnus", True, True),
+    "fixed": _preset("vertumnus", False, True),
+    "no-replication": _preset("vertumnus", False, False),
+    **{name: _preset(name, False, False) for name in ROUTERS if name != "vertumnus"},
+}
+
+
+def preset(name: str) -> Mapping[str, Any]:
+    """The three choices of a preset; PolicyError listing the presets if unknown."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise PolicyError(f"unknown policy {name!r}; choose one of {', '.join(PRESETS)}") from None
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """The pool a policy stack runs: lattice, starting layout, KV geometry."""
+
+    lattice: LatticeConfig
+    layout: tuple[int, ...]  # worker degrees in device order
+    block_tokens: int  # tokens per KV block (the engine's block_size)
+    blocks_per_rank: int  # KV blocks one rank holds (0: nothing is cached)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layout", tuple(self.layout))
+        if self.block_tokens < 1 or self.blocks_per_rank < 0:
+            raise PolicyError("need block_tokens >= 1 and blocks_per_rank >= 0")

@@ -1,0 +1,417 @@
+"""The policy stack of a prefill pool: one object, driven the same way by the
+discrete-event simulator and the asyncio coordinator (DESIGN.md §2: one
+implementation, two drivers).
+
+``PoolPolicy.build(profile, pool, config)`` is the one factory. The stack owns the
+lattice (worker composition), the router (the cost rule or a baseline), the window
+controller (the trie's expected reconciliation traffic breaks its ties), the
+reshape transitions, the prefix-cache manager (trie), one ``WorkerCacheIndex`` per
+worker and the KV ledger. A driver calls it with the time and does what it returns:
+
+    arrive(request, now)          a new request: placed (its demand counted once, at its
+                                  first placement), waiting, or refused
+    start(worker, now)            the worker is idle: the head of its queue, leased
+    finish(worker, now, ok)       a prefill ended (ok: its KV is written)
+    replace / drop / abandon      a failed prefill placed again or answered; a client
+                                  that gave up
+    end_window(now)               the controller's decision; adaptive: reshapes begin
+    begin_reshape(op, now)        an operator's reshape
+    scan(now)                     the cache manager's scan: reclamations happen now,
+                                  copies queue
+    copy_done(job, ok, now)       a KV copy ended
+    acknowledge(t, w, rank, now)  a rank of a new worker adopted the epoch
+    worker_failed / worker_reset / worker_restored / worker_abandoned   rank failures
+    expire(now)                   slots a reshape reserved whose time is up
+
+Every call that changes what the pool must do returns ``Actions``: placements
+(their workers may start), refusals (no worker can take the request and none is
+coming back), and at most one copy or switch to run now.
+
+KV copies and reshape switches take turns on one channel (``policy/channel.py``),
+as the ranks must run them. The results are ``policy/pool_results.py``'s.
+
+Pure Python, clock-free: time is an argument. Not owned here: moving bytes, timing
+anything, processes (the drivers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vertumnus.blocks import max_reuse_blocks
+from vertumnus.perfmodel import Profile
+from vertumnus.policy.baselines import ROUTERS
+from vertumnus.policy.cache_index import PrefillLease, WorkerCacheIndex
+from vertumnus.policy.cache_manager import PrefixCacheManager
+from vertumnus.policy.cache_plans import CopyPlan
+from vertumnus.policy.channel import Channel
+from vertumnus.policy.controller import Controller
+from vertumnus.policy.costs import reuse_curves
+from vertumnus.policy.kv_ledger import CopyJob, KVLedger
+from vertumnus.policy.lattice import Lattice, Reshape, WorkerState, composition_name
+from vertumnus.policy.pool_config import PolicyConfig, PolicyError, PoolSpec
+from vertumnus.policy.pool_results import (
+    Actions,
+    Finished,
+    ScanOutcome,
+    Started,
+    Switch,
+    WindowOutcome,
+)
+from vertumnus.policy.scheduler import PlacementRequest, SchedulerConfig
+from vertumnus.policy.transition import Phase, Reconfigurer, Transition, operator_reshape
+
+
+@dataclass
+class _Run:
+    request_id: int
+    lease: PrefillLease
+    index: WorkerCacheIndex  # the index the lease is on (a reset worker gets a new one)
+
+
+class PoolPolicy:
+    def __init__(self, profile: Profile, pool: PoolSpec, config: PolicyConfig) -> None:
+        degrees = pool.lattice.degrees
+        missing = sorted(set(degrees) - set(profile.degrees))
+        if missing:
+            raise PolicyError(
+                f"the profile has no degrees {missing}: profile them "
+                "(`python -m vertumnus profile`) or change [pool] degrees"
+            )
+        no_kappa = [c for c in degrees if "kappa_s" not in profile.capacity.get(c, {})]
+        if config.adaptive and no_kappa:
+            raise PolicyError(
+                f"the profile has no capacity kappa for degrees {no_kappa}: run "
+                "`python -m vertumnus capacity` on it, or keep the composition fixed"
+            )
+        coeffs = {c: profile.coeffs[c] for c in degrees}
+        self.profile, self.pool, self.config = profile, pool, config
+        self.block_tokens = pool.block_tokens
+        self.curves = reuse_curves(coeffs)
+        self.lattice = Lattice(pool.lattice, pool.layout)
+        self.cache = PrefixCacheManager(coeffs, pool.block_tokens, config.cache, config.weights)
+        self.scheduler = ROUTERS[config.router](
+            self.lattice,
+            coeffs,
+            SchedulerConfig(config.weights, config.max_tokens_per_rank),
+            self.cache,
+        )
+        # Without a capacity (a fixed composition may lack one) the decisions, only
+        # noted, price every worker at one second per window.
+        kappa = {c: float(profile.capacity.get(c, {}).get("kappa_s", 1.0)) for c in degrees}
+        self.controller = Controller(config.controller, self.lattice, kappa, self._traffic)
+        self.reconf = Reconfigurer(
+            self.lattice, self.scheduler, self.cache, self.controller, pool.blocks_per_rank
+        )
+        self.indexes: dict[int, WorkerCacheIndex] = {}
+        self.ledger = KVLedger(
+            self.lattice, self.indexes, self.cache, pool.blocks_per_rank, config.retention
+        )
+        for w in self.lattice.workers.values():
+            self._add_worker(w.worker_id)
+        self._requests: dict[int, PlacementRequest] = {}  # open: arrived, not answered
+        self._recorded: set[int] = set()  # requests whose demand the controller counted
+        self._waiting: list[int] = []  # no candidate when placed
+        self._running: dict[int, _Run] = {}  # worker -> its prefill
+        self.transitions: list[Transition] = []  # under way
+        self._down: set[int] = set()  # devices of failed workers that are coming back
+        self.channel = Channel(self.ledger, self._commit)
+
+    @classmethod
+    def build(cls, profile: Profile, pool: PoolSpec, config: PolicyConfig) -> PoolPolicy:
+        """The one factory of the stack (the simulator's and the coordinator's)."""
+        return cls(profile, pool, config)
+
+    def _traffic(self, op: Reshape) -> float:
+        return self.cache.reconciliation_traffic(op.sources, op.target_degree, op.target_firsts)
+
+    def _add_worker(self, worker_id: int) -> None:
+        w = self.lattice.workers[worker_id]
+        self.indexes[worker_id] = WorkerCacheIndex(
+            w.cp_degree, self.pool.blocks_per_rank, worker_id
+        )
+        if worker_id not in self.cache.trie.workers:
+            self.cache.add_worker(worker_id, w.cp_degree, w.first_device)
+
+    # -- views -----------------------------------------------------------------------
+
+    def composition_name(self, states: Sequence[WorkerState] | None = None) -> str:
+        return composition_name(self.lattice.composition(states))
+
+    @property
+    def open_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    # -- requests --------------------------------------------------------------------
+
+    def arrive(self, request: PlacementRequest, now: float) -> Actions:
+        """A new request: placed on a worker, or waiting for one (while a reshape or a
+        restart is under way), or refused (no worker can take it, none is coming)."""
+        if request.request_id in self._requests:
+            raise PolicyError(f"request {request.request_id} arrived twice")
+        self._requests[request.request_id] = request
+        return self._place(request.request_id, now)
+
+    def replace(self, request_id: int, now: float) -> Actions:
+        """Place an open request again (its prefill failed); its demand was counted."""
+        return self._place(request_id, now)
+
+    def drop(self, request_id: int) -> None:
+        """The driver answered an open request (with an error): forget it."""
+        self._requests.pop(request_id, None)
+        self._recorded.discard(request_id)
+
+    def abandon(self, request_id: int, now: float) -> None:
+        """The client gave up: a waiting or queued request leaves (its reservation is
+        released); a running one finishes and is forgotten then."""
+        if request_id not in self._requests:
+            return
+        if request_id in self._waiting:
+            self._waiting.remove(request_id)
+        elif self.scheduler.is_queued(request_id):
+            self.scheduler.cancel(request_id)
+        elif any(run.request_id == request_id for run in self._running.values()):
+            return  # ``finish`` forgets it
+        self.drop(request_id)
+
+    def _place(self, request_id: int, now: float) -> Actions:
+        request = self._requests[request_id]
+        placed = self.scheduler.place(request, now)
+        if placed is None:
+            if self._someone_coming():
+                self._waiting.append(request_id)
+                return Actions()
+            self.drop(request_id)
+            return Actions(refused=[request_id])
+        if request_id not in self._recorded:
+            self._recorded.add(request_id)
+            self.controller.record(placed.exec_s, request.input_tokens)
+        actions = Actions(placed=[placed])
+        if placed.update is not None and placed.update.fetch is not None:
+            self.channel.queue_copy(placed.update.fetch)
+            actions.add(self.channel.pump(now))
+        return actions
+
+    def _someone_coming(self) -> bool:
+        """A worker will become a candidate: a reshape or a restart is under way."""
+        return bool(self._down) or any(
+            w.state in (WorkerState.DRAINING, WorkerState.SWITCHING)
+            for w in self.lattice.workers.values()
+        )
+
+    def _retry_waiting(self, now: float) -> Actions:
+        actions = Actions()
+        waiting, self._waiting = self._waiting, []
+        for request_id in waiting:
+            actions.add(self._place(request_id, now))
+        return actions
+
+    # -- a worker's prefills ---------------------------------------------------------
+
+    def start(self, worker_id: int, now: float) -> Started | None:
+        """The next prefill of an idle, active worker (None: nothing to run). The lease
+        pins the prefix the worker holds now (at most ``max_reuse_blocks``) and
+        allocates the slots the new blocks go to."""
+        w = self.lattice.workers.get(worker_id)
+        if w is None or w.state is not WorkerState.ACTIVE or worker_id in self._running:
+            return None
+        request_id = self.scheduler.head(worker_id)
+        if request_id is None:
+            return None
+        self.scheduler.start(request_id, now)
+        request = self._requests[request_id]
+        index = self.indexes[worker_id]
+        lease = index.begin(
+            request.block_ids, max_reuse_blocks(request.input_tokens, self.block_tokens)
+        )
+        cached = lease.num_reused_blocks * self.block_tokens
+        self._running[worker_id] = _Run(request_id, lease, index)
+        exec_s = self.curves[w.cp_degree].time_s(request.input_tokens, cached)
+        return Started(request_id, worker_id, w.cp_degree, w.first_device, lease, cached, exec_s)
+
+    def running(self, worker_id: int) -> int | None:
+        run = self._running.get(worker_id)
+        return None if run is None else run.request_id
+
+    def finish(self, worker_id: int, now: float, ok: bool = True) -> Finished:
+        """The worker's prefill ended. ``ok``: its new blocks are written (they become
+        visible); else they are given back, and the request stays open for
+        ``replace`` or ``drop``. A participant of a reshape may park now, and a
+        reshape whose participants have all parked switches (or waits its turn)."""
+        run = self._running.pop(worker_id)
+        if self.indexes.get(worker_id) is run.index:  # (a reset worker's is gone)
+            report = run.index.commit(run.lease) if ok else run.index.abort(run.lease)
+            self.cache.apply_report(report)
+        self.scheduler.complete(run.request_id)
+        if ok:
+            self.drop(run.request_id)
+        for transition in self.transitions:
+            if worker_id in transition.op.sources and self.reconf.idle(transition, worker_id, now):
+                self.channel.queue_switch(transition)
+        return Finished(run.request_id, self.channel.pump(now))
+
+    # -- the controller and reshapes -------------------------------------------------
+
+    def end_window(self, now: float, final: bool = False) -> WindowOutcome:
+        """Close the controller's window. Adaptive: its reshapes begin (participants
+        drain, their queued requests are placed again). Fixed, or ``final`` (the run
+        ended inside the window): the decision is noted, nothing runs."""
+        decision = self.controller.end_window(self.scheduler.loads(now))
+        actions = Actions()
+        begun: list[Transition] = []
+        if final or not self.config.adaptive:
+            for op in decision.ops:
+                self.controller.reshape_done(op)
+        else:
+            for op in decision.ops:
+                transition, more = self.begin_reshape(op, now)
+                begun.append(transition)
+                actions.add(more)
+        return WindowOutcome(decision, tuple(begun), actions)
+
+    def begin_reshape(self, op: Reshape, now: float) -> tuple[Transition, Actions]:
+        """Start draining ``op``'s workers (LatticeError if it cannot run now)."""
+        transition, requeue = self.reconf.begin(op, now)
+        self.transitions.append(transition)
+        actions = Actions()
+        for request in requeue:
+            actions.add(self._place(request.request_id, now))
+        if transition.phase is Phase.SWITCHING:  # every participant was idle
+            self.channel.queue_switch(transition)
+            actions.add(self.channel.pump(now))
+        return transition, actions
+
+    def choose_reshape(self, kind: str, workers: Sequence[int] | None, now: float) -> Reshape:
+        """An operator's reshape (``transition.operator_reshape``)."""
+        busy = {s for t in self.transitions for s in t.op.sources}
+        return operator_reshape(self.lattice, kind, workers, busy, self.scheduler.loads(now))
+
+    def acknowledge(
+        self, transition: Transition, worker_id: int, cp_rank: int, now: float
+    ) -> Actions:
+        """Rank ``cp_rank`` of new worker ``worker_id`` adopted the epoch. When every
+        rank has, the new workers serve, the channel is free and waiting requests
+        are placed."""
+        if not self.reconf.acknowledge(transition, worker_id, cp_rank, now):
+            return Actions()
+        self.transitions.remove(transition)
+        self.channel.release(transition)
+        actions = Actions(activated=[transition])
+        actions.add(self._retry_waiting(now))
+        return actions.add(self.channel.pump(now))
+
+    def switch_failed(self, transition: Transition, now: float) -> Actions:
+        """The ranks could not switch (the pool failed): free the channel. The new
+        workers stay out of the candidate set."""
+        if transition in self.transitions:
+            self.transitions.remove(transition)
+        self.channel.release(transition)
+        return self.channel.pump(now)
+
+    def _commit(self, transition: Transition, now: float) -> Switch:
+        retained = self.ledger.collect(transition.op.sources)
+        adopt = self.reconf.switch(transition, now)
+        for s in transition.op.sources:
+            assert s not in self._running, "a parked worker runs a prefill"
+            del self.indexes[s]
+        for w in transition.new_workers:
+            self._add_worker(w)
+        adopted, reserved = self.ledger.after_switch(transition.new_workers, retained, adopt, now)
+        workers = tuple((w, tuple(self.lattice.workers[w].devices)) for w in transition.new_workers)
+        expire = now + self.config.retention.retain_s if reserved else None
+        return Switch(transition, self.lattice.epoch, workers, adopted, reserved, expire)
+
+    # -- the cache manager ---------------------------------------------------------------
+
+    def scan(self, now: float) -> ScanOutcome:
+        """The cache manager's scan over the active workers: its copies queue on the
+        channel (the first may start now), its reclamations happen at once (a slot
+        freed in the index is free on the rank)."""
+        active = {
+            w.worker_id: self.indexes[w.worker_id]
+            for w in self.lattice.workers.values()
+            if w.state is WorkerState.ACTIVE and w.worker_id in self.indexes
+        }
+        loads = {w: self.scheduler.outstanding_s(w, now) for w in active}
+        result = self.cache.scan(active, loads)
+        for copy in result.copies:
+            self.channel.queue_copy(copy)
+        actions = self.channel.pump(now)
+        reclaimed = 0
+        for plan in result.reclaims:
+            report = self.indexes[plan.worker_id].reclaim(plan.block_id)
+            if report is not None:
+                self.cache.apply_report(report)
+                reclaimed += 1
+            self.cache.finish_reclaim(plan.plan_id, report is not None)
+        return ScanOutcome(result, reclaimed, actions)
+
+    def queue_copy(self, plan: CopyPlan, now: float) -> Actions:
+        """Run a copy plan made outside the scan (an operator's, a test's)."""
+        self.channel.queue_copy(plan)
+        return self.channel.pump(now)
+
+    def copy_done(self, job: CopyJob, ok: bool, now: float) -> Actions:
+        """The copy's bytes are in place (``ok``) or the move failed."""
+        return self.channel.copy_done(job, ok, job.plan.dest_worker in self.indexes, now)
+
+    def expire(self, now: float) -> int:
+        """Give back the reserved slots whose time is up; returns how many."""
+        return self.ledger.expire(now)
+
+    # -- failures --------------------------------------------------------------------
+
+    def worker_failed(self, worker_id: int, now: float) -> Actions:
+        """A rank of the worker died or hung. An active worker leaves the candidate
+        set now and its queued requests are placed again; one in a reshape finishes
+        the reshape first (the driver resets it after). Requests that find no worker
+        wait while it is coming back."""
+        w = self.lattice.workers[worker_id]
+        self._down.update(w.devices)
+        if w.state is not WorkerState.ACTIVE:
+            return Actions()
+        self.lattice.fail(worker_id)
+        return self._requeue(worker_id, now)
+
+    def worker_reset(self, worker_id: int, now: float) -> Actions:
+        """The failed worker's ranks restart: its cache is gone (the trie forgets what
+        it held, the ledger what was retained on its ranks), its queue is placed
+        again. Its running prefill, if any, still ends with ``finish``."""
+        w = self.lattice.workers[worker_id]
+        self._down.update(w.devices)
+        if w.state is not WorkerState.UNAVAILABLE:
+            self.lattice.fail(worker_id)
+        actions = self._requeue(worker_id, now)
+        if worker_id in self.cache.trie.workers:
+            self.cache.remove_worker(worker_id)
+        self.ledger.drop_ranks(w.devices)
+        self.indexes.pop(worker_id, None)
+        return actions
+
+    def worker_restored(self, worker_id: int, now: float) -> Actions:
+        """The worker's ranks are back, its cache empty: it serves again."""
+        w = self.lattice.workers[worker_id]
+        if worker_id not in self.indexes:
+            self._add_worker(worker_id)
+        self.lattice.restore(worker_id)
+        self._down.difference_update(w.devices)
+        return self._retry_waiting(now)
+
+    def worker_abandoned(self, worker_id: int, now: float) -> Actions:
+        """The driver gave up restarting the worker: it stays out, and requests
+        waiting only for it are refused."""
+        w = self.lattice.workers.get(worker_id)
+        if w is not None:
+            self._down.difference_update(w.devices)
+        return self._retry_waiting(now)
+
+    def _requeue(self, worker_id: int, now: float) -> Actions:
+        actions = Actions()
+        for request in self.scheduler.drain(worker_id):
+            actions.add(self._place(request.request_id, now))
+        return actions

@@ -1,0 +1,99 @@
+"""What the policy stack's calls return to its driver (``policy/pool_policy.py``).
+
+    Started        a prefill to run now, with the lease on the worker's cache
+    Switch         a committed reshape: the epoch its new workers' ranks must adopt
+    Actions        what to do after a call: wake workers, answer refusals, run the
+                   one copy or switch the channel allows, note what ended
+    Finished       a prefill's end, and the actions it causes
+    WindowOutcome  the controller's decision, the reshapes it began, their actions
+    ScanOutcome    the cache manager's scan, what it reclaimed, its actions
+
+Plain dataclasses: the simulator reads them with its clock, the coordinator with
+its ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vertumnus.policy.cache_index import PrefillLease
+from vertumnus.policy.cache_plans import ScanResult
+from vertumnus.policy.controller import Decision
+from vertumnus.policy.kv_ledger import CopyJob
+from vertumnus.policy.scheduler import Placement
+from vertumnus.policy.transition import Transition
+
+
+@dataclass(frozen=True)
+class Started:
+    """A prefill to run now: the worker's head request and the lease on its cache."""
+
+    request_id: int
+    worker_id: int
+    cp_degree: int
+    first_device: int
+    lease: PrefillLease
+    cached_tokens: int  # P: whole blocks the worker really holds now
+    exec_s: float  # E_C(L - P, P) from the profile
+
+    @property
+    def devices(self) -> range:
+        return range(self.first_device, self.first_device + self.cp_degree)
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A reshape committed: the ranks of its new workers must adopt ``epoch``; the
+    channel is held until each has (``acknowledge``)."""
+
+    transition: Transition
+    epoch: int
+    workers: tuple[tuple[int, tuple[int, ...]], ...]  # new worker -> its devices, CP order
+    adopted_blocks: int  # KV left in place under the new geometry, indexed again
+    reserved_blocks: int  # KV kept in reserved slots for fetches
+    expire_at_s: float | None  # when those reservations end (None: none made)
+
+
+@dataclass
+class Actions:
+    """What a driver must do after a call."""
+
+    placed: list[Placement] = field(default_factory=list)
+    refused: list[int] = field(default_factory=list)  # request ids: answer them "unavailable"
+    copy: CopyJob | None = None  # move these blocks now, then ``copy_done``
+    switch: Switch | None = None  # tell the new workers' ranks, then ``acknowledge``
+    copies_ended: list[tuple[int, int]] = field(default_factory=list)  # (plan, installed)
+    activated: list[Transition] = field(default_factory=list)  # reshapes now serving
+
+    def add(self, other: Actions) -> Actions:
+        self.placed += other.placed
+        self.refused += other.refused
+        self.copies_ended += other.copies_ended
+        self.activated += other.activated
+        if other.copy is not None:
+            assert self.copy is None, "one copy at a time"
+            self.copy = other.copy
+        if other.switch is not None:
+            assert self.switch is None, "one switch at a time"
+            self.switch = other.switch
+        return self
+
+
+@dataclass(frozen=True)
+class Finished:
+    request_id: int
+    actions: Actions
+
+
+@dataclass(frozen=True)
+class WindowOutcome:
+    decision: Decision
+    begun: tuple[Transition, ...]  # reshapes that started draining
+    actions: Actions
+
+
+@dataclass(frozen=True)
+class ScanOutcome:
+    result: ScanResult
+    reclaimed: int  # replicas deleted
+    actions: Actions

@@ -1,0 +1,188 @@
+"""The coordinator's end of the rank pipes: every answer a rank owes, and who waits.
+
+Owns the futures that wait on the ranks: a prefill's ``PrefillDone`` from every rank
+of its worker, a rank's ``EpochAck`` of a switch, a restarted rank's ``RankReady``,
+a live peer's ``GroupsReady``. ``on_message`` (fed by ``RankWatch`` from the event
+loop, or directly by an in-process fake of the ranks) routes each answer to its
+waiter; KV copy answers go to the ``KVCopier``. ``mark_dead`` releases what waits on
+ranks that died or hung: their prefills fail, their acknowledgements are skipped
+(the switch goes on; the worker restarts after it), their copies fail. It does not
+decide anything about requests or workers: the request path and recovery do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from vertumnus.engine.messages import (
+    EpochAck,
+    GroupsReady,
+    KVWritten,
+    PrefillDone,
+    RankFailed,
+    RankReady,
+)
+from vertumnus.runtime.kv_copies import KVCopier
+from vertumnus.runtime.pool import RankPoolError, Ranks
+from vertumnus.runtime.rank_watch import RankWatch
+
+log = structlog.get_logger("vertumnus")
+
+
+class WorkerLost(RuntimeError):
+    """The worker running a prefill failed (a rank died or hung); the request is
+    placed again."""
+
+
+@dataclass
+class _InFlight:
+    ranks: tuple[int, ...]
+    future: asyncio.Future[dict[int, PrefillDone]]
+    done: dict[int, PrefillDone] = field(default_factory=dict)
+
+
+class RankLink:
+    def __init__(
+        self,
+        copier: KVCopier,
+        on_exit: Callable[[int], None],
+        on_pool_failed: Callable[[str], None],
+    ) -> None:
+        """``on_exit(rank)``: a rank process ended; ``on_pool_failed(error)``: a rank
+        failed outside anything that waits (the pool is unusable)."""
+        self.copier = copier
+        self._on_exit, self._on_pool_failed = on_exit, on_pool_failed
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pool: Ranks | None = None
+        self._watcher: RankWatch | None = None
+        self._inflight: dict[int, _InFlight] = {}  # request id -> its prefill
+        self._acks: dict[tuple[int, int], asyncio.Future[None]] = {}  # (rank, epoch)
+        self._ready: dict[int, asyncio.Future[None]] = {}  # rank -> its RankReady
+        self._groups: dict[tuple[int, int], asyncio.Future[None]] = {}  # (rank, token)
+
+    def attach(self, loop: asyncio.AbstractEventLoop, pool: Ranks) -> None:
+        self._loop, self._pool = loop, pool
+        self._watcher = RankWatch(loop, self.on_message, self._on_exit)
+
+    def watch(self, ranks: Iterable[int]) -> None:
+        assert self._pool is not None and self._watcher is not None
+        wanted = set(ranks)
+        self._watcher.watch(c for c in self._pool.channels() if c[0] in wanted)
+
+    def unwatch(self, ranks: Sequence[int] | None = None) -> None:
+        if self._pool is None or self._watcher is None:
+            return
+        channels = self._pool.channels()
+        self._watcher.unwatch(c for c in channels if ranks is None or c[0] in ranks)
+
+    # -- waiting -----------------------------------------------------------------------
+
+    def _future(self) -> asyncio.Future[None]:
+        assert self._loop is not None
+        return self._loop.create_future()
+
+    def expect_prefill(
+        self, request_id: int, ranks: tuple[int, ...]
+    ) -> asyncio.Future[dict[int, PrefillDone]]:
+        """A future of every rank's ``PrefillDone`` for this request."""
+        assert self._loop is not None
+        inflight = _InFlight(ranks, self._loop.create_future())
+        self._inflight[request_id] = inflight
+        return inflight.future
+
+    def forget_prefill(self, request_id: int) -> None:
+        self._inflight.pop(request_id, None)
+
+    def expect_ack(self, rank: int, epoch: int) -> asyncio.Future[None]:
+        future = self._acks[(rank, epoch)] = self._future()
+        return future
+
+    def forget_acks(self, epoch: int) -> None:
+        for key in [k for k in self._acks if k[1] == epoch]:
+            self._acks.pop(key)
+
+    def expect_ready(self, rank: int) -> asyncio.Future[None]:
+        future = self._ready[rank] = self._future()
+        return future
+
+    def expect_groups(self, rank: int, token: int) -> asyncio.Future[None]:
+        future = self._groups[(rank, token)] = self._future()
+        return future
+
+    def forget_restart(self, ranks: Iterable[int]) -> None:
+        for r in ranks:
+            self._ready.pop(r, None)
+        self._groups = {k: v for k, v in self._groups.items() if not v.done()}
+
+    # -- answers -----------------------------------------------------------------------
+
+    def on_message(self, msg: object) -> None:
+        match msg:
+            case PrefillDone():
+                inflight = self._inflight.get(msg.request_id)
+                if inflight is None or msg.rank not in inflight.ranks:
+                    return  # late, from a worker the request has left
+                inflight.done[msg.rank] = msg
+                if len(inflight.done) == len(inflight.ranks) and not inflight.future.done():
+                    inflight.future.set_result(inflight.done)
+            case KVWritten():
+                self.copier.answer(msg)
+            case RankFailed() if msg.copy_id is not None:
+                self.copier.answer(msg)
+            case RankFailed() if msg.request_id is None and (
+                msg.rank in self._ready or any(r == msg.rank for r, _ in self._groups)
+            ):  # a restarted rank that could not start, or a peer that could not regroup
+                error = RankPoolError(f"rank {msg.rank}: {msg.error}")
+                for key, wait in [(k, w) for k, w in self._groups.items() if k[0] == msg.rank]:
+                    if not wait.done():
+                        wait.set_exception(error)
+                    self._groups.pop(key, None)
+                ready = self._ready.pop(msg.rank, None)
+                if ready is not None and not ready.done():
+                    ready.set_exception(error)
+            case RankFailed():
+                inflight = self._inflight.get(msg.request_id) if msg.request_id else None
+                if inflight is not None:
+                    if not inflight.future.done():
+                        inflight.future.set_exception(RankPoolError(msg.error))
+                else:
+                    self._on_pool_failed(f"rank {msg.rank}: {msg.error}")
+            case RankReady():
+                ready = self._ready.pop(msg.rank, None)
+                if ready is not None and not ready.done():
+                    ready.set_result(None)
+            case GroupsReady():
+                grouped = self._groups.pop((msg.rank, msg.token), None)
+                if grouped is not None and not grouped.done():
+                    grouped.set_result(None)
+            case EpochAck():
+                ack = self._acks.pop((msg.rank, msg.epoch), None)
+                if ack is not None and not ack.done():
+                    ack.set_result(None)
+
+    # -- failures ----------------------------------------------------------------------
+
+    def mark_dead(self, ranks: set[int], lost: WorkerLost) -> None:
+        """Release what waits on ``ranks`` (dead or hung, killed by the caller): their
+        prefills and copies fail; a switch's acknowledgement is skipped."""
+        for inflight in self._inflight.values():
+            if set(inflight.ranks) & ranks and not inflight.future.done():
+                inflight.future.set_exception(lost)
+        self.copier.fail(str(lost), ranks)
+        for (r, _), ack in list(self._acks.items()):
+            if r in ranks and not ack.done():
+                ack.set_result(None)
+
+    def fail_all(self, error: str) -> None:
+        """The pool failed: every prefill, acknowledgement and copy fails."""
+        for inflight in self._inflight.values():
+            if not inflight.future.done():
+                inflight.future.set_exception(RankPoolError(error))
+        for wait in self._acks.values():
+            if not wait.done():
+                wait.set_exception(RankPoolError(error))
+        self.copier.fail(error)

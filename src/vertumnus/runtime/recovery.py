@@ -1,0 +1,190 @@
+"""Rank failures: a rank that dies, hangs or fails a prefill restarts its worker.
+
+``rank_down`` kills the suspect ranks, releases what waits on them (``RankLink``),
+takes the worker out of the candidate set (the policy places its queue again) and
+starts ``_recover`` in the background. Recovery waits for any reshape that involves
+the rank to finish (its drain ends when the failed prefill does; the dead rank's
+acknowledgement is skipped), then resets the worker in the policy (its cache is
+gone), restarts its ranks, has their live peers form the groups they share anew
+(``RebuildGroups``) and lets it rejoin with an empty cache. A restart that fails is
+tried again after 2, 4, 8, ... s, up to ``[server] max_restart_attempts``; meanwhile
+the worker stays out and the failed processes are not watched (no crash loop).
+Requests wait while a worker is coming back and are refused once nothing is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import structlog
+
+from vertumnus.engine.messages import RebuildGroups
+from vertumnus.policy.lattice import LatticeWorker, WorkerState
+from vertumnus.runtime.pool import RankPoolError
+from vertumnus.runtime.rank_link import WorkerLost
+
+if TYPE_CHECKING:
+    from vertumnus.runtime.coordinator import Coordinator
+
+log = structlog.get_logger("vertumnus")
+
+
+class Recovery:
+    def __init__(self, coord: Coordinator) -> None:
+        self.coord = coord
+        self.dead_ranks: set[int] = set()  # failed ranks, until their worker rejoins
+        self._recovering: set[int] = set()  # workers being restarted
+        self._lock = asyncio.Lock()
+        self._tokens = itertools.count(1)
+
+    def recovering(self, worker_id: int) -> bool:
+        return worker_id in self._recovering
+
+    def worker_of_rank(self, rank: int) -> LatticeWorker | None:
+        workers = self.coord.policy.lattice.workers.values()
+        return next((w for w in workers if rank in w.devices), None)
+
+    def rank_down(self, rank: int, reason: str, whole_worker: bool = False) -> None:
+        """Rank ``rank`` died, hung or failed a prefill (``whole_worker``: every rank of
+        its worker is suspect). The rank is killed if it still runs, and everything
+        that waits on it fails or, for a reshape's acknowledgement, is skipped; its
+        worker leaves the candidate set and is restarted in the background, after any
+        reshape it takes part in has finished."""
+        coord = self.coord
+        if coord.stopping or coord.pool is None:
+            return
+        worker = self.worker_of_rank(rank)
+        if worker is None:
+            return
+        suspects = set(worker.devices) if whole_worker else {rank}
+        fresh = suspects - self.dead_ranks
+        if not fresh:
+            return
+        first_failure = not (set(worker.devices) & self.dead_ranks)
+        self._mark_dead(fresh, WorkerLost(f"worker {worker.worker_id} failed: {reason}"))
+        coord.apply(coord.policy.worker_failed(worker.worker_id, coord.clock()))
+        log.error("worker_failed", worker=worker.worker_id, ranks=sorted(fresh), reason=reason)
+        if first_failure:
+            coord.spawn(self._recover(rank, reason))
+
+    def hosts_back(self, ranks: Sequence[int]) -> None:
+        """The agent of ``ranks`` is back: restart the failed workers among them now
+        (not at their next retry)."""
+        back = set(ranks)
+        for w in list(self.coord.policy.lattice.workers.values()):
+            if back & set(w.devices) and (
+                set(w.devices) & self.dead_ranks or w.state is WorkerState.UNAVAILABLE
+            ):
+                self.coord.spawn(self._recover(w.devices[0], "its host is back"))
+
+    def new_workers_up(self, workers: Sequence[int]) -> None:
+        """A reshape's new workers serve: one with a dead rank leaves at once (its
+        restart follows, from ``_recover`` waiting on the reshape)."""
+        coord = self.coord
+        for w in workers:
+            lw = coord.policy.lattice.workers.get(w)
+            if lw is not None and set(lw.devices) & self.dead_ranks:
+                coord.apply(coord.policy.worker_failed(w, coord.clock()))
+
+    def _mark_dead(self, ranks: set[int], lost: WorkerLost) -> None:
+        """Kill ``ranks`` (a hung rank is dead from now on) and release what waits on
+        them."""
+        pool = self.coord.pool
+        assert pool is not None
+        self.dead_ranks |= ranks
+        for r in ranks:
+            pool.kill(r)
+        self.coord.link.mark_dead(ranks, lost)
+
+    def _in_reshape(self, rank: int) -> bool:
+        lattice = self.coord.policy.lattice
+        for transition in self.coord.policy.transitions:
+            for w in (*transition.op.sources, *transition.new_workers):
+                lw = lattice.workers.get(w)
+                if lw is not None and rank in lw.devices:
+                    return True
+        return False
+
+    async def _recover(self, rank: int, reason: str, attempt: int = 1) -> None:
+        """Take the failed worker of ``rank`` out, hand its work on, restart its ranks
+        and let it rejoin with an empty cache (see the module docstring)."""
+        coord = self.coord
+        policy, pool, link = coord.policy, coord.pool, coord.link
+        assert pool is not None
+        loop = asyncio.get_running_loop()
+        started = coord.clock()
+        worker_id: int | None = None
+        ranks: tuple[int, ...] = (rank,)
+        retrying = False
+        try:
+            async with self._lock:
+                deadline = coord.clock() + coord.cfg.engine.rank_timeout_s
+                while self._in_reshape(rank) and coord.clock() < deadline:
+                    await asyncio.sleep(0.02)
+                w = self.worker_of_rank(rank)
+                assert w is not None
+                if not set(w.devices) & self.dead_ranks and w.state is not WorkerState.UNAVAILABLE:
+                    return  # recovered already (a retry after its host came back)
+                worker_id, ranks = w.worker_id, tuple(w.devices)
+                self._recovering.add(worker_id)
+                # The whole worker restarts: its other ranks too; its cache is gone.
+                self._mark_dead(set(ranks), WorkerLost(f"worker {worker_id} failed: {reason}"))
+                coord.apply(policy.worker_reset(worker_id, coord.clock()))
+                link.unwatch(ranks)
+                rebuild = await loop.run_in_executor(None, pool.restart, ranks)
+                token = next(self._tokens)
+                waits = [link.expect_ready(r) for r in ranks]
+                link.watch(ranks)
+                live = sorted({r for group, _ in rebuild for r in group} - set(ranks))
+                for r in live:
+                    mine = tuple((g, gen) for g, gen in rebuild if r in g)
+                    waits.append(link.expect_groups(r, token))
+                    pool.send(r, RebuildGroups(token, mine))
+                await asyncio.wait_for(asyncio.gather(*waits), coord.cfg.engine.rank_timeout_s)
+                self.dead_ranks -= set(ranks)
+                coord.apply(policy.worker_restored(worker_id, coord.clock()))
+                if coord.rank_error and coord.rank_error.startswith(
+                    f"worker {worker_id} could not"
+                ):
+                    coord.rank_error = None  # (it gave up before its host came back)
+                coord.metrics.restarted()
+                log.info(
+                    "worker_rejoined",
+                    worker=worker_id,
+                    ranks=list(ranks),
+                    attempt=attempt,
+                    seconds=round(coord.clock() - started, 3),
+                )
+        except Exception as exc:
+            link.unwatch(ranks)  # the processes that failed to start: no crash loop
+            retrying = attempt < coord.cfg.max_restart_attempts and not coord.stopping
+            delay = min(30.0, 2.0**attempt)
+            log.error(
+                "worker_restart_failed",
+                worker=worker_id,
+                attempt=attempt,
+                error=repr(exc),
+                retry_in_s=delay if retrying else None,
+            )
+            if retrying:
+                loop.call_later(
+                    delay, lambda: coord.spawn(self._recover(rank, reason, attempt + 1))
+                )
+            else:
+                coord.rank_error = (
+                    f"worker {worker_id} could not be restarted in {attempt} attempts: {exc}"
+                )
+                self.dead_ranks -= set(ranks)
+                if worker_id is not None:
+                    coord.apply(policy.worker_abandoned(worker_id, coord.clock()))
+        finally:
+            if worker_id is not None:
+                self._recovering.discard(worker_id)
+                coord.requests.wake(worker_id)
+            link.forget_restart(ranks)
+
+
+__all__ = ["RankPoolError", "Recovery"]

@@ -1,0 +1,233 @@
+"""The request path: from an HTTP handler's token ids to the answer, exactly once.
+
+    prefill(tokens) -> the policy places it (or it waits, or is refused) -> the
+    worker's task starts the head of its queue (the policy leases its cache) ->
+    PrefillCommand to every rank -> every PrefillDone (``RankLink``) -> the policy
+    commits the new blocks -> the answer -> the next request of that worker
+
+Owns the open requests (their futures, attempts) and one task per worker. A prefill
+that fails because its worker failed is placed again, up to ``MAX_ATTEMPTS``; a
+client that gives up (time-out) leaves the policy's queues at once. It does not
+choose workers (the policy) nor restart them (``recovery``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from vertumnus.blocks import block_ids
+from vertumnus.engine.messages import PrefillDone
+from vertumnus.policy.pool_results import Started
+from vertumnus.policy.scheduler import PlacementRequest
+from vertumnus.runtime.pool import RankPoolError
+from vertumnus.runtime.rank_link import WorkerLost
+from vertumnus.runtime.worker import prefill_command
+
+if TYPE_CHECKING:
+    from vertumnus.runtime.coordinator import Coordinator
+
+log = structlog.get_logger("vertumnus")
+
+MAX_ATTEMPTS = 3  # prefills of one request before a failure is the client's answer
+
+
+class Overloaded(RuntimeError):
+    """Admission refused: too much work queued (retry later)."""
+
+
+class Unavailable(RuntimeError):
+    """No worker can serve the request now (retry later)."""
+
+
+@dataclass
+class PrefillResult:
+    request_id: int
+    first_token: int
+    cached_tokens: int
+    computed_tokens: int
+    worker: int
+    cp_degree: int
+    queue_s: float
+    prefill_s: float
+    ttft_s: float
+    rank_compute_s: float  # the slowest rank's compute; the rest of ttft_s is overhead
+    logits: Any = None  # fp32 [V] at the last position (not sent over the API)
+
+
+@dataclass
+class _Request:
+    request_id: int
+    tokens: list[int]
+    arrival_s: float
+    future: asyncio.Future[PrefillResult]
+    attempts: int = 0
+
+
+class RequestPath:
+    def __init__(self, coord: Coordinator) -> None:
+        self.coord = coord
+        self.open: dict[int, _Request] = {}
+        self._ids = itertools.count(1)
+        self._wake: dict[int, asyncio.Event] = {}
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+
+    async def prefill(self, tokens: Sequence[int]) -> PrefillResult:
+        coord = self.coord
+        if not coord.ready:
+            raise Unavailable(coord.rank_error or "the server is not ready")
+        if len(self.open) >= coord.cfg.max_queued:
+            raise Overloaded(f"{len(self.open)} requests in the pool")
+        loop = asyncio.get_running_loop()
+        rid = next(self._ids)
+        now = coord.clock()
+        req = _Request(rid, list(tokens), now, loop.create_future())
+        self.open[rid] = req
+        ids = tuple(block_ids(tokens, coord.cfg.engine.block_size))
+        try:
+            coord.apply(coord.policy.arrive(PlacementRequest(rid, len(tokens), ids), now))
+            return await asyncio.wait_for(asyncio.shield(req.future), coord.cfg.request_timeout_s)
+        finally:
+            self.open.pop(rid, None)
+            coord.policy.abandon(rid, coord.clock())  # (nothing if answered)
+
+    def refuse(self, request_id: int, error: Exception) -> None:
+        req = self.open.get(request_id)
+        if req is not None and not req.future.done():
+            req.future.set_exception(error)
+
+    def fail_all(self, error: Exception) -> None:
+        for req in self.open.values():
+            if not req.future.done():
+                req.future.set_exception(error)
+
+    # -- the workers' tasks ------------------------------------------------------------
+
+    def add_worker(self, worker_id: int) -> None:
+        self._wake[worker_id] = asyncio.Event()
+        self._tasks[worker_id] = asyncio.create_task(self._worker_loop(worker_id))
+
+    def remove_worker(self, worker_id: int) -> None:
+        self._wake.pop(worker_id, None)
+        task = self._tasks.pop(worker_id, None)
+        if task is not None:
+            task.cancel()
+
+    def wake(self, worker_id: int) -> None:
+        wake = self._wake.get(worker_id)
+        if wake is not None:
+            wake.set()
+
+    def cancel_all(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+
+    async def _worker_loop(self, worker_id: int) -> None:
+        wake = self._wake[worker_id]
+        policy = self.coord.policy
+        try:
+            while True:
+                await wake.wait()
+                wake.clear()
+                while (started := policy.start(worker_id, self.coord.clock())) is not None:
+                    await self._run_one(started)
+                if worker_id not in policy.lattice.workers:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug: say so loudly, the worker is lost
+            log.exception("worker_loop_crashed", worker=worker_id, error=repr(exc))
+            raise
+
+    async def _run_one(self, started: Started) -> None:
+        coord = self.coord
+        policy, pool = coord.policy, coord.pool
+        assert pool is not None
+        rid, worker_id = started.request_id, started.worker_id
+        start = coord.clock()
+        req = self.open.get(rid)
+        if req is None:  # (answered already: nothing to compute)
+            coord.apply(policy.finish(worker_id, start, ok=False).actions)
+            policy.drop(rid)
+            return
+        req.attempts += 1
+        ranks = tuple(started.devices)
+        block = coord.cfg.engine.block_size
+        cmd = prefill_command(started.lease, req.tokens, block, rid, ranks)
+        answers = coord.link.expect_prefill(rid, ranks)
+        for r in ranks:
+            pool.send(r, cmd)
+        failure: Exception | None = None
+        done: dict[int, PrefillDone] = {}
+        try:
+            done = await asyncio.wait_for(asyncio.shield(answers), coord.cfg.step_timeout_s)
+        except TimeoutError:
+            # A hung rank: take the worker down (its ranks are killed and restarted)
+            # and place the request again.
+            coord.recovery.rank_down(
+                ranks[0],
+                f"no answer within step_timeout_s = {coord.cfg.step_timeout_s} s",
+                whole_worker=True,
+            )
+            failure = WorkerLost(f"worker {worker_id} timed out")
+        except (WorkerLost, RankPoolError) as exc:
+            failure = exc
+        finally:
+            coord.link.forget_prefill(rid)
+        end = coord.clock()
+        if failure is not None:
+            self._failed(started, req, failure, end)
+            return
+        finished = policy.finish(worker_id, end)
+        logits = done[ranks[0]].logits
+        assert logits is not None
+        result = PrefillResult(
+            request_id=rid,
+            first_token=int(logits[-1].argmax()),
+            cached_tokens=cmd.prefix_len,
+            computed_tokens=int(cmd.token_ids.numel()),
+            worker=worker_id,
+            cp_degree=len(ranks),
+            queue_s=start - req.arrival_s,
+            prefill_s=end - start,
+            ttft_s=end - req.arrival_s,
+            rank_compute_s=max(d.compute_s for d in done.values()),
+            logits=logits[-1],
+        )
+        coord.metrics.request(result)
+        log.info(
+            "prefill",
+            request_id=rid,
+            worker=worker_id,
+            cp_degree=len(ranks),
+            input_tokens=len(req.tokens),
+            cached_tokens=result.cached_tokens,
+            queue_s=round(result.queue_s, 6),
+            prefill_s=round(result.prefill_s, 6),
+            ttft_s=round(result.ttft_s, 6),
+        )
+        if not req.future.done():
+            req.future.set_result(result)
+        coord.apply(finished.actions)
+
+    def _failed(self, started: Started, req: _Request, error: Exception, now: float) -> None:
+        coord, policy = self.coord, self.coord.policy
+        worker_id = started.worker_id
+        if isinstance(error, RankPoolError):  # the worker's group is out of step now
+            coord.recovery.rank_down(
+                started.first_device, f"prefill failed: {error}", whole_worker=True
+            )
+        coord.apply(policy.finish(worker_id, now, ok=False).actions)
+        lost = isinstance(error, WorkerLost | RankPoolError) or coord.recovery.recovering(worker_id)
+        if lost and req.attempts < MAX_ATTEMPTS and not req.future.done():
+            log.warning("replaced", request_id=req.request_id, worker=worker_id, error=str(error))
+            coord.apply(policy.replace(req.request_id, now))
+            return
+        policy.drop(req.request_id)
+        if not req.future.done():
+            req.future.set_exception(Unavailable(f"worker {worker_id} failed: {error}"))

@@ -1,0 +1,100 @@
+"""How long things take in a simulated pool: the simulator's only model of time.
+
+    a prefill      the policy's E_C(L - P, P) from the profile, at the prefix P the
+                   worker really reused, plus ``dispatch_s`` (the serving path's own
+                   time around the ranks' compute, which keeps the worker busy: 0 for
+                   GPU studies; the CPU server measures about 1.6 ms), times a
+                   log-normal factor of mean 1 when ``noise_cv`` > 0
+    a KV copy      ``transfer_latency_s`` + each block moved between devices,
+                   block_tokens * kv_bytes_per_token bytes at NVLink speed within a
+                   host of ``devices_per_host`` and network speed between hosts (a
+                   move within one device is free); copies do not slow prefills
+    a switch       ``switch_s`` from the commit of a reshape's epoch until every rank
+                   of its new workers acknowledged (0.5 s: the paper's "under one
+                   second"; the CPU server switches in about 10 ms)
+
+``SimSettings`` holds these knobs and the run's own (seed, SLO, where t = 0 falls in
+the controller's window). Every policy knob is ``PolicyConfig``'s. The parity test's
+fake ranks take their service times from here too, so the simulator and the
+coordinator run on one clock model. Pure Python.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from vertumnus.slo import DEFAULT_TTFT_SLO, TtftSlo
+
+
+class SimulationError(ValueError):
+    """Settings or a workload the simulator cannot run."""
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    seed: int = 0
+    kv_bytes_per_token: int = 98_304  # Qwen3-30B-A3B: 48 layers x K,V x 4 heads x 128 x 2 B
+    # The copy model's host size, unless [pool] devices_per_host gives the lattice one.
+    devices_per_host: int = 8
+    intra_host_bytes_s: float = 300e9
+    inter_host_bytes_s: float = 50e9
+    transfer_latency_s: float = 1e-3
+    switch_s: float = 0.5
+    dispatch_s: float = 0.0
+    noise_cv: float = 0.0
+    # Where t = 0 falls in the controller's first window (seconds into it): to line
+    # the windows up with a real server's, whose windows run from when it started.
+    window_phase_s: float = 0.0
+    slo: TtftSlo = field(default_factory=lambda: DEFAULT_TTFT_SLO)
+
+    def __post_init__(self) -> None:
+        if self.kv_bytes_per_token < 1 or self.devices_per_host < 1:
+            raise SimulationError("kv_bytes_per_token and devices_per_host must be >= 1")
+        if not (
+            self.switch_s >= 0
+            and self.noise_cv >= 0
+            and self.dispatch_s >= 0
+            and self.transfer_latency_s >= 0
+            and self.intra_host_bytes_s > 0
+            and self.inter_host_bytes_s > 0
+        ):
+            raise SimulationError(
+                "need switch_s >= 0, noise_cv >= 0, dispatch_s >= 0, transfer_latency_s >= 0 "
+                "and positive bandwidths"
+            )
+
+
+class TimeModel:
+    def __init__(self, settings: SimSettings, block_tokens: int) -> None:
+        self.s = settings
+        self.block_bytes = block_tokens * settings.kv_bytes_per_token
+        self._rng = random.Random(settings.seed)
+        self._sigma = math.sqrt(math.log1p(settings.noise_cv**2)) if settings.noise_cv else 0.0
+
+    def prefill_s(self, exec_s: float) -> float:
+        """Seconds a prefill keeps its worker busy, from the predicted E."""
+        seconds = exec_s + self.s.dispatch_s
+        if self._sigma:
+            sigma = self._sigma
+            seconds *= self._rng.lognormvariate(-sigma * sigma / 2, sigma)
+        return seconds
+
+    def copy_s(self, moves: Iterable[tuple[int, int, int, int]]) -> float:
+        """Seconds a KV copy takes: (src device, src slot, dst device, dst slot) moves."""
+        seconds = self.s.transfer_latency_s
+        host = self.s.devices_per_host
+        for src, _, dst, _ in moves:
+            if src == dst:
+                continue
+            same_host = src // host == dst // host
+            seconds += self.block_bytes / (
+                self.s.intra_host_bytes_s if same_host else self.s.inter_host_bytes_s
+            )
+        return seconds
+
+    @property
+    def switch_s(self) -> float:
+        return self.s.switch_s

@@ -1,0 +1,56 @@
+"""Factories of plain values that many tests need: seeded token ids, the engine
+settings of every test that runs ranks on CPU, and hand-written profiles. No torch
+and no processes: any test may import this."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+from vertumnus.config import PRESETS, EngineConfig, ModelConfig
+from vertumnus.perfmodel import DegreeCoeffs, Profile
+
+# The preset most tests run: seeded random weights, built in every rank process.
+TINY: ModelConfig = PRESETS["tiny"]
+BLOCK_SIZE = 16  # tokens per KV block, EngineConfig's default
+# Rank start-up and per-step deadline: spawned ranks import torch and rendezvous,
+# which takes seconds on 2 shared cores; a hung step fails after this long.
+RANK_TIMEOUT_S = 60.0
+
+
+def make_tokens(n: int, seed: int, vocab: int = TINY.vocab_size) -> list[int]:
+    """``n`` token ids in [0, vocab), the same for the same (n, seed, vocab)."""
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def engine_config(**overrides: Any) -> EngineConfig:
+    """CPU, fp32, ``BLOCK_SIZE``-token blocks, one intra-op thread per rank (ranks
+    outnumber the cores here) and ``RANK_TIMEOUT_S``; ``overrides`` on top."""
+    base: dict[str, Any] = dict(
+        block_size=BLOCK_SIZE,
+        device="cpu",
+        dtype="float32",
+        threads_per_rank=1,
+        rank_timeout_s=RANK_TIMEOUT_S,
+    )
+    base.update(overrides)
+    return EngineConfig(**base)
+
+
+def make_profile(
+    coeffs: Mapping[int, DegreeCoeffs],
+    kappa_s: Mapping[int, float] | None = None,
+    *,
+    model: str = "m",
+    hardware: str = "h",
+    block_size: int = BLOCK_SIZE,
+    provenance: Mapping[str, Any] | None = None,
+) -> Profile:
+    """A profile of made-up coefficients per degree; ``kappa_s`` (per degree, the
+    capacity the controller reads) fills ``capacity`` as ``{"kappa_s": ...}``."""
+    profile = Profile(model, hardware, block_size, dict(coeffs), provenance=dict(provenance or {}))
+    if kappa_s is not None:
+        profile.capacity = {c: {"kappa_s": k} for c, k in kappa_s.items()}
+    return profile

@@ -1,0 +1,127 @@
+"""Helpers for tests that run ``python -m vertumnus serve``: its config file, an HTTP
+caller, and the server's start and its clean stop (no rank process left)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from support.processes import children_of, is_running
+
+START_TIMEOUT_S = 90.0
+ADMIN_TOKEN = "test-admin-token-0123456789"
+# What every served test runs with: the controller off (tests reshape by hand, at
+# known moments) and one intra-op thread per rank (ranks outnumber the cores here).
+SERVE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "controller": {"enabled": False},
+    "engine": {"threads_per_rank": 1},
+}
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string, for the strings used here
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def write_serve_config(path: Path, **sections: Mapping[str, Any]) -> Path:
+    """Write a ``serve`` config to ``path``: ``SERVE_DEFAULTS`` with ``sections``
+    (table name -> settings) merged over it; returns ``path``."""
+    tables: dict[str, dict[str, Any]] = {k: dict(v) for k, v in SERVE_DEFAULTS.items()}
+    for name, settings in sections.items():
+        tables.setdefault(name, {}).update(settings)
+    lines = []
+    for name, settings in tables.items():
+        lines.append(f"[{name}]")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in settings.items())
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen[str], url: str) -> None:
+        self.proc, self.url = proc, url
+
+    def call(self, method: str, path: str, *args: Any, **kwargs: Any) -> tuple[int, Any]:
+        """(status, JSON or text body): ``call_full`` without the headers."""
+        status, payload, _ = self.call_full(method, path, *args, **kwargs)
+        return status, payload
+
+    def call_full(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        raw: bytes | None = None,
+        content_type: str = "application/json",
+    ) -> tuple[int, Any, dict[str, str]]:
+        """(status, JSON or text body, headers)."""
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", content_type)
+        if path.startswith("/v1/admin/"):
+            req.add_header("Authorization", f"Bearer {ADMIN_TOKEN}")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                payload, status, headers = resp.read(), resp.status, dict(resp.headers)
+        except urllib.error.HTTPError as err:
+            payload, status, headers = err.read(), err.code, dict(err.headers)
+        ctype = headers.get("Content-Type", "")
+        return status, json.loads(payload) if "json" in ctype else payload.decode(), headers
+
+
+@contextmanager
+def running_server(config: Path) -> Iterator[Server]:
+    """Start the server on ``config`` (a free port), wait until ready; on exit,
+    SIGTERM, and check it exited 0 with none of its rank processes left. Its logs go
+    to ``server.log`` beside the config (a pipe nobody reads would fill and block it)."""
+    log = (config.parent / "server.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vertumnus", "serve", "--config", str(config), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("vertumnus listening on "), (
+            line,
+            (config.parent / "server.log").read_text()[-2000:],
+        )
+        srv = Server(proc, line.split()[-1])
+        while time.monotonic() < deadline and srv.call("GET", "/ready")[0] != 200:
+            time.sleep(0.2)
+        yield srv
+    finally:
+        ranks = children_of(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        time.sleep(0.5)
+        log.close()
+        alive = [p for p in ranks if is_running(p)]
+        assert proc.returncode == 0 and not alive, (proc.returncode, alive)
