@@ -84,3 +84,16 @@ def test_bad_slo_is_a_usage_error(profile_path: Path, capsys: pytest.CaptureFixt
 def test_missing_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["capacity", "--profile", str(tmp_path / "none.json")]) == 2
     assert "none.json" in capsys.readouterr().err
+
+
+def test_a_shipped_profile_is_read_not_overwritten(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["capacity", "--profile", "tiny-cpu", "--degrees", "1"]) == 2
+    assert "is a shipped profile: give --out FILE" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    out = tmp_path / "mine.json"
+    args = ["capacity", "--profile", "tiny-cpu", "--degrees", "1", "--length-scale", "0.0625"]
+    assert main([*args, "--out", str(out)]) == 0
+    assert set(json.loads(out.read_text())["capacity"]) >= {"1"}

@@ -157,3 +157,23 @@ def test_the_server_says_what_is_wrong_in_one_line(
     assert main(["serve", "--config", str(path), "--port", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("vertumnus serve: error: [pool] ")
+
+
+def test_a_workload_must_come_in_the_pools_blocks(tmp_path: Path) -> None:
+    """A served file (16-token blocks) replayed on a Mooncake trace (512-token blocks)
+    would price every reuse 32 times too low: refused, with the fix."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 1500, "hash_ids": [0, 1, 2]}\n')
+    path = tmp_path / "served.toml"
+    path.write_text(f'[engine]\nblock_size = 16\n[workload]\ntrace = "{trace}"\n')
+    with pytest.raises(ConfigError, match="prefix blocks are 512 tokens but \\[engine\\] block"):
+        sim_config.load(path, {})
+    path.write_text(f'[engine]\nblock_size = 512\n[workload]\ntrace = "{trace}"\n')
+    assert sim_config.load(path, {}).spec.block_tokens == 512
+
+
+def test_an_experiment_file_is_not_a_simulate_configuration(tmp_path: Path) -> None:
+    path = tmp_path / "experiment.toml"
+    path.write_text('[experiment]\nvariants = [{ label = "a", policy = "fixed" }]\n')
+    with pytest.raises(ConfigError, match=r"run it with `python tools/sim_experiment\.py"):
+        sim_config.load(path, {})

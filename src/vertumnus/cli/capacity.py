@@ -35,7 +35,9 @@ def _slo(text: str) -> TtftSlo:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", type=Path, required=True, metavar="PROFILE.json")
+    p.add_argument(
+        "--profile", type=Path, required=True, metavar="PROFILE", help="a file or a shipped name"
+    )
     p.add_argument(
         "--out", type=Path, default=None, metavar="PROFILE.json", help="default: update --profile"
     )
@@ -78,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
     missing = sorted(set(degrees) - set(profile.degrees))
     if missing:
         raise ConfigError(f"{args.profile} has no degree(s) {missing} (has {profile.degrees})")
+    if args.out is None and not args.profile.is_file():
+        raise ConfigError(
+            f"--profile {args.profile} is a shipped profile: give --out FILE for the result"
+        )
     out = args.out or args.profile
     if not out.parent.is_dir():
         raise ConfigError(f"--out {out}: no directory {out.parent}")

@@ -4,7 +4,8 @@ The tables both commands read, with the same keys::
 
     [pool]        degrees, layout or composition, ranks, min_workers, max_workers,
                   devices_per_host (``config/pool.py``)
-    [profile]     path = "tiny-cpu"       a profile file, or a shipped profile's name
+    [profile]     path                    a profile file, or a shipped profile's name
+                                          ("tiny-cpu", "qwen3-30b-a3b-h100")
     [scheduler]   policy = "vertumnus"    the router: the cost rule, or round-robin,
                                           least-load, cache-first, length-threshold
                   beta, gpu_penalty, max_tokens_per_rank
@@ -20,7 +21,8 @@ The tables both commands read, with the same keys::
 
 ``serve`` alone reads ``[model]``, ``[server]`` and ``[cluster]``; ``simulate`` alone
 ``[sim]`` and ``[workload]``. One file may hold both commands' tables: each reads its
-own and the shared ones, so a served pool can be simulated from its own file.
+own and the shared ones, so a served pool can be simulated from its own file (with
+a workload whose prefix blocks are the pool's ``block_size``: a mismatch is refused).
 
 ``--policy NAME`` (both commands) is a preset of the three choices, applied over
 the file (``policy/pool_config.py``: vertumnus, fixed, no-replication, or a
@@ -61,6 +63,11 @@ MOVED = {
 def check_tables(raw: Mapping[str, Any], where: str) -> None:
     """Refuse unknown tables and keys of earlier versions."""
     for name, value in raw.items():
+        if name == "experiment":
+            raise ConfigError(
+                f"{where}: [experiment] is an experiment file's table: run it with "
+                f"`python tools/sim_experiment.py {where}`"
+            )
         if name in MOVED:
             raise ConfigError(f"{where}: [{name}] is gone: write {MOVED[name]}")
         if name not in (*SHARED_TABLES, *SERVE_TABLES, *SIMULATE_TABLES):

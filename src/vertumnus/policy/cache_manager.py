@@ -1,4 +1,5 @@
-"""The prefix-cache manager, the drivers' one entry: per-request statistics (Algorithm 1).
+"""The prefix-cache manager, the policy stack's one entry: per-request statistics
+(Algorithm 1).
 
 DESIGN.md §7 and the paper's Algorithm 1, over the ``PrefixTrie``.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from vertumnus.blocks import max_reuse_blocks
 from vertumnus.perfmodel import DegreeCoeffs
 from vertumnus.policy import cache_handover
 from vertumnus.policy.cache_index import CacheReport
@@ -92,8 +94,8 @@ class PrefixCacheManager:
     # -- per request -----------------------------------------------------------------
 
     def usable_blocks(self, num_blocks: int, input_tokens: int) -> int:
-        """Whole blocks a request may reuse: at least one token is always computed."""
-        return min(num_blocks, (input_tokens - 1) // self.trie.block_tokens)
+        """Whole blocks a request may reuse (``blocks.max_reuse_blocks``)."""
+        return min(num_blocks, max_reuse_blocks(input_tokens, self.trie.block_tokens))
 
     def lookup(self, block_ids: Sequence[int], input_tokens: int) -> PrefixLookup:
         """MatchedPath and P_iw of every worker holding part of it (confirmed replicas

@@ -1,6 +1,7 @@
 """The window controller: when to split or merge, and which worker (DESIGN.md §6).
 
-Windows of H seconds. In window k, demand D_k = the sum over arriving requests of
+Windows of H seconds. In window k, demand D_k = the sum over the requests first placed
+in it (once each: not again when a drain or a failure places them anew) of
 E_{C_w}(R, P) at the worker each was placed on, and f_k = the fraction of them longer
 than ``long_tokens``. The capacity of the composition is the sum of kappa_C over its
 workers, counting the outcome of reshapes already under way and nothing for an
@@ -131,7 +132,8 @@ class Controller:
     # -- inputs ----------------------------------------------------------------------
 
     def record(self, exec_s: float, input_tokens: int) -> None:
-        """One arrival of this window, with E at the worker it was placed on."""
+        """A request placed for the first time in this window (the policy stack
+        calls this once per request), with E at the worker it was placed on."""
         self._demand_s += exec_s
         self._requests += 1
         self._long += input_tokens > self.config.long_tokens

@@ -224,7 +224,8 @@ class RequestPath:
             )
         coord.apply(policy.finish(worker_id, now, ok=False).actions)
         lost = isinstance(error, WorkerLost | RankPoolError) or coord.recovery.recovering(worker_id)
-        if lost and req.attempts < MAX_ATTEMPTS and not req.future.done():
+        wanted = req.request_id in self.open and not req.future.done()  # (not timed out)
+        if lost and req.attempts < MAX_ATTEMPTS and wanted:
             log.warning("replaced", request_id=req.request_id, worker=worker_id, error=str(error))
             coord.apply(policy.replace(req.request_id, now))
             return

@@ -42,7 +42,9 @@ class Reshaping:
         transition, actions = coord.policy.begin_reshape(op, coord.clock())
         done = asyncio.get_running_loop().create_future()
         self._waits[id(transition)] = done
-        log.info("reshape_begin", kind=op.kind, sources=list(op.sources))
+        log.info(
+            "reshape_begin", kind=op.kind, sources=list(op.sources), requeued=len(actions.placed)
+        )
         coord.apply(actions)
         return done
 

@@ -9,15 +9,17 @@ The pool, profile, scheduler, controller, cache and engine tables are the ones
                   unless [pool] devices_per_host gives the lattice one),
                   intra_host_bytes_s, inter_host_bytes_s, transfer_latency_s
                   (``sim/time_model.py``)
-    [workload]    trace = "../shared/traces/conversation_trace.jsonl",
-                  rate_scale, time_scale, max_requests, seed, long_tokens
+    [workload]    trace (a Mooncake JSONL or Azure CSV file; required unless phases
+                  are given), rate_scale, time_scale, max_requests, seed, long_tokens
                   [[workload.phases]] duration_s, rate, long_fraction, burstiness
                   [workload.lengths] the fields of ``LengthDistribution``
 
 Its embedded default (no file): 40 GPUs at degrees {4, 8} starting as 4CP4/3CP8,
 the shipped Qwen3-30B-A3B / H100 profile, KV blocks of 512 tokens (the traces'
 block) and 293 of them per rank (about 150K tokens of that model's KV on an 80 GB
-GPU), and the preset ``vertumnus``. Paths are relative to the working directory.
+GPU), and the preset ``vertumnus``. A workload's prefix blocks must be
+``[engine] block_size`` tokens (Mooncake's are 512), or every reuse would be
+mispriced: a mismatch is an error. Paths are relative to the working directory.
 With phases, the trace (if any) is the pool the phases draw from; without, the
 trace is replayed as it is.
 """
@@ -124,15 +126,26 @@ def load(
         sim["slo"] = TtftSlo.parse(str(sim["slo"]))
     settings: SimSettings = build_table(SimSettings, sim, "sim")
     workload = dict(merged.get("workload", {}))
-    requests, bounds = _workload(workload, settings.seed, policy.controller.long_tokens)
+    requests, bounds, block_tokens = _workload(
+        workload, settings.seed, policy.controller.long_tokens, engine.block_size
+    )
+    if block_tokens is not None and block_tokens != engine.block_size:
+        raise ConfigError(
+            f"the workload's prefix blocks are {block_tokens} tokens but [engine] block_size "
+            f"is {engine.block_size}: the policy would misprice every reuse; set "
+            f"[engine] block_size = {block_tokens}"
+        )
     return SimConfig(
         settings, policy, pool, engine, profile, profile_path, requests, bounds, merged
     )
 
 
 def _workload(
-    table: dict[str, Any], default_seed: int, default_long_tokens: int
-) -> tuple[list[SimRequest], list[tuple[float, float]]]:
+    table: dict[str, Any], default_seed: int, default_long_tokens: int, block_size: int
+) -> tuple[list[SimRequest], list[tuple[float, float]], int | None]:
+    """(requests, phase bounds, tokens per prefix block of the requests; None: they
+    carry no prefix blocks). Generated lengths come in ``block_size`` blocks unless
+    ``[workload.lengths] block_tokens`` says otherwise."""
     trace_path = table.pop("trace", None)
     rate_scale = float(table.pop("rate_scale", 1.0))
     time_scale = float(table.pop("time_scale", 1.0))
@@ -144,8 +157,11 @@ def _workload(
     if table:
         raise ConfigError(f"[workload] unknown keys {sorted(table)}")
     pool = None
+    block_tokens: int | None = None
     if trace_path is not None:
-        pool = from_trace(load_trace(Path(trace_path)))
+        trace = load_trace(Path(trace_path))
+        pool = from_trace(trace)
+        block_tokens = trace.block_tokens
     if phases:
         # Generated phases keep their durations (times time_scale); rate_scale
         # multiplies each phase's rate.
@@ -153,8 +169,12 @@ def _workload(
             dataclasses.replace(p, rate=p.rate * rate_scale, duration_s=p.duration_s * time_scale)
             for p in phases
         ]
-        dist = build_table(LengthDistribution, lengths, "workload.lengths") if lengths else None
+        dist = build_table(
+            LengthDistribution, {"block_tokens": block_size, **(lengths or {})}, "workload.lengths"
+        )
         requests = transform(phased(phases, seed, long_tokens, pool, dist), 1.0, 1.0, max_requests)
+        if pool is None:
+            block_tokens = dist.block_tokens
         starts = [sum(p.duration_s for p in phases[:i]) for i in range(len(phases) + 1)]
         bounds = list(itertools.pairwise(starts))
     elif pool is not None:
@@ -164,4 +184,6 @@ def _workload(
         raise ConfigError("no workload: give --trace, or [workload] trace or phases")
     if not requests:
         raise ConfigError("the workload has no requests")
-    return requests, bounds
+    if not any(r.block_ids for r in requests):
+        block_tokens = None
+    return requests, bounds, block_tokens

@@ -176,6 +176,7 @@ class Simulation:
         self._events: list[tuple[float, int, int, Event]] = []
         self._seq = 0
         self._window_arrivals = 0
+        self._window_start_s = 0.0  # the first window starts with the run
         self.windows: list[WindowRow] = []
         self.reshapes: list[ReshapeRecord] = []
         self._reshape_of: dict[int, ReshapeRecord] = {}
@@ -310,7 +311,7 @@ class Simulation:
         self.windows.append(
             WindowRow(
                 decision.window,
-                decision.window * h,
+                self._window_start_s,
                 now,
                 self._window_arrivals,
                 decision.demand_s,
@@ -320,6 +321,7 @@ class Simulation:
                 rule,
             )
         )
+        self._window_start_s = now
         if final:
             return
         self._idle_windows = self._idle_windows + 1 if self._window_arrivals == 0 else 0
