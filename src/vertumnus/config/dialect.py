@@ -147,9 +147,8 @@ def read_policy(raw: Mapping[str, Any], base: PolicyConfig) -> PolicyConfig:
             **parts,
         )
     except PolicyError as exc:
-        table = {"router": "[scheduler] policy", "scan_interval_s": "[cache]"}
-        where = next((t for k, t in table.items() if k in str(exc)), "[scheduler]")
-        raise ConfigError(f"{where}: {exc}") from exc
+        where = {"router": "[scheduler] policy", "scan_interval_s": "[cache]"}
+        raise ConfigError(f"{where.get(exc.field or '', '[scheduler]')}: {exc}") from exc
 
 
 def read_engine(raw: Mapping[str, Any], base: EngineConfig) -> EngineConfig:

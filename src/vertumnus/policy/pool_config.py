@@ -34,7 +34,12 @@ from vertumnus.policy.lattice import LatticeConfig
 
 
 class PolicyError(ValueError):
-    """A policy configuration, pool or profile the policy stack cannot run."""
+    """A policy configuration, pool or profile the policy stack cannot run;
+    ``field``: the ``PolicyConfig`` field at fault, if one is."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -53,15 +58,17 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
             raise PolicyError(
-                f"unknown router {self.router!r}; choose one of {', '.join(sorted(ROUTERS))}"
+                f"unknown router {self.router!r}; choose one of {', '.join(sorted(ROUTERS))}",
+                "router",
             )
         if not self.scan_interval_s > 0:
             raise PolicyError(
                 f"scan_interval_s must be > 0, got {self.scan_interval_s} "
-                "(turn the scans off with replication = false)"
+                "(turn the scans off with replication = false)",
+                "scan_interval_s",
             )
         if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
-            raise PolicyError("max_tokens_per_rank must be >= 1")
+            raise PolicyError("max_tokens_per_rank must be >= 1", "max_tokens_per_rank")
 
     @property
     def name(self) -> str:

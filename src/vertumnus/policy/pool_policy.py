@@ -234,10 +234,6 @@ class PoolPolicy:
         exec_s = self.curves[w.cp_degree].time_s(request.input_tokens, cached)
         return Started(request_id, worker_id, w.cp_degree, w.first_device, lease, cached, exec_s)
 
-    def running(self, worker_id: int) -> int | None:
-        run = self._running.get(worker_id)
-        return None if run is None else run.request_id
-
     def finish(self, worker_id: int, now: float, ok: bool = True) -> Finished:
         """The worker's prefill ended. ``ok``: its new blocks are written (they become
         visible); else they are given back, and the request stays open for

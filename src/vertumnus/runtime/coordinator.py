@@ -46,11 +46,10 @@ from vertumnus.policy.transition import Transition
 from vertumnus.runtime import views
 from vertumnus.runtime.kv_copies import KVCopier
 from vertumnus.runtime.metrics import Metrics
-from vertumnus.runtime.pool import RankPool, RankPoolError, Ranks
-from vertumnus.runtime.rank_link import RankLink, WorkerLost
+from vertumnus.runtime.pool import RankPool, Ranks
+from vertumnus.runtime.rank_link import RankLink
 from vertumnus.runtime.recovery import Recovery
 from vertumnus.runtime.request_path import (
-    MAX_ATTEMPTS,
     Overloaded,
     PrefillResult,
     RequestPath,
@@ -61,14 +60,7 @@ from vertumnus.runtime.serve_config import ServeConfig
 
 log = structlog.get_logger("vertumnus")
 
-__all__ = [
-    "MAX_ATTEMPTS",
-    "Coordinator",
-    "Overloaded",
-    "PrefillResult",
-    "Unavailable",
-    "WorkerLost",
-]
+__all__ = ["Coordinator", "Overloaded", "PrefillResult", "Unavailable"]
 
 
 class Coordinator:
@@ -347,9 +339,6 @@ class Coordinator:
         log.error("rank_failure", error=error)
         self.link.fail_all(error)
 
-    def rank_down(self, rank: int, reason: str, whole_worker: bool = False) -> None:
-        self.recovery.rank_down(rank, reason, whole_worker)
-
     # -- the API's entry points -------------------------------------------------------
 
     async def prefill(self, tokens: Sequence[int]) -> PrefillResult:
@@ -381,6 +370,3 @@ class Coordinator:
         if self._windows_started_s is None:
             return None
         return (self.clock() - self._windows_started_s) % self.cfg.policy.controller.window_s
-
-
-__all__ += ["RankPoolError"]

@@ -23,7 +23,6 @@ import structlog
 
 from vertumnus.engine.messages import RebuildGroups
 from vertumnus.policy.lattice import LatticeWorker, WorkerState
-from vertumnus.runtime.pool import RankPoolError
 from vertumnus.runtime.rank_link import WorkerLost
 
 if TYPE_CHECKING:
@@ -185,6 +184,3 @@ class Recovery:
                 self._recovering.discard(worker_id)
                 coord.requests.wake(worker_id)
             link.forget_restart(ranks)
-
-
-__all__ = ["RankPoolError", "Recovery"]

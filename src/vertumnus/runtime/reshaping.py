@@ -86,7 +86,7 @@ class Reshaping:
                 switch_s=transition.switch_s,
                 adopted_blocks=switch.adopted_blocks,
                 reserved_blocks=switch.reserved_blocks,
-                composition=coord.policy.composition_name(coord.ACTIVE),
+                composition=coord.composition_name(),
             )
         except Exception as exc:  # the pool failed mid-switch
             log.error("reshape_failed", error=str(exc))

@@ -7,12 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vertumnus.policy.lattice import WorkerState
-
 if TYPE_CHECKING:
     from vertumnus.runtime.coordinator import Coordinator
-
-ACTIVE = (WorkerState.ACTIVE,)
 
 
 def workers_view(coord: Coordinator) -> list[dict[str, Any]]:
@@ -47,7 +43,7 @@ def workers_view(coord: Coordinator) -> list[dict[str, Any]]:
 def composition_view(coord: Coordinator) -> dict[str, Any]:
     lattice = coord.policy.lattice
     return {
-        "composition": coord.policy.composition_name(ACTIVE),
+        "composition": coord.composition_name(),
         "epoch": lattice.epoch,
         "devices": lattice.config.num_devices,
         "degrees": list(lattice.config.degrees),

@@ -32,7 +32,6 @@ from typing import ClassVar
 from vertumnus.perfmodel import Profile
 from vertumnus.policy.controller import Decision
 from vertumnus.policy.kv_ledger import CopyJob
-from vertumnus.policy.lattice import composition_name
 from vertumnus.policy.pool_config import PolicyConfig, PolicyError, PoolSpec
 from vertumnus.policy.pool_policy import PoolPolicy
 from vertumnus.policy.pool_results import Actions, Switch
@@ -41,7 +40,7 @@ from vertumnus.sim.time_model import SimSettings, SimulationError, TimeModel
 from vertumnus.sim.workload import SimRequest
 from vertumnus.stats import progress
 
-__all__ = ["SimResult", "SimSettings", "Simulation", "SimulationError", "composition_name"]
+__all__ = ["SimResult", "SimSettings", "Simulation", "SimulationError"]
 
 
 # -- events ----------------------------------------------------------------------------
