@@ -19,6 +19,7 @@ from vertumnus.policy.lattice import LatticeConfig, WorkerState
 from vertumnus.policy.pool_config import PolicyConfig, PolicyError, PoolSpec, preset
 from vertumnus.policy.pool_policy import PoolPolicy
 from vertumnus.policy.scheduler import PlacementRequest
+from vertumnus.policy.whatif import WhatIfController
 
 
 def make_policy(
@@ -43,7 +44,9 @@ def serve(policy: PoolPolicy, worker: int, now: float) -> int:
 def test_the_controller_breaks_ties_by_reconciliation_traffic() -> None:
     # Worker 0 (devices 0-1) holds a prefix, worker 1 (devices 2-3) holds nothing:
     # both are idle (the same drain time), so a split of worker 1 moves no KV.
-    policy = make_policy(controller=ControllerConfig(window_s=1.0, max_splits_per_window=1))
+    policy = make_policy(
+        controller=ControllerConfig(mode="rules", window_s=1.0, max_splits_per_window=1)
+    )
     policy.arrive(request(1, 200), 0.0)
     assert policy.scheduler.head(0) == 1
     serve(policy, 0, 0.0)
@@ -99,8 +102,8 @@ def test_requests_wait_while_a_reshape_runs_and_are_counted_when_placed() -> Non
 def test_a_request_no_worker_can_ever_take_is_refused() -> None:
     policy = make_policy(layout=(1, 1))
     for w in (0, 1):
-        policy.worker_failed(w, 0.0)
-        policy.worker_abandoned(w, 0.0)  # its restart was given up
+        policy.outages.failed(w, 0.0)
+        policy.outages.abandoned(w, 0.0)  # its restart was given up
     assert policy.arrive(request(1, 10), 0.0).refused == [1]
     assert policy.open_requests == 0
 
@@ -194,7 +197,11 @@ def test_the_profile_must_cover_the_pool() -> None:
     with pytest.raises(PolicyError, match="no degrees \\[4\\]"):
         PoolPolicy.build(make_profile(COEFFS, KAPPA_S), pool, PolicyConfig())
     pool = PoolSpec(LatticeConfig(2, (1, 2)), (1, 1), BLOCK_SIZE, 8)
+    rules = PolicyConfig(controller=ControllerConfig(mode="rules"))
     with pytest.raises(PolicyError, match="no capacity kappa for degrees \\[1, 2\\]"):
-        PoolPolicy.build(make_profile(COEFFS), pool, PolicyConfig())
+        PoolPolicy.build(make_profile(COEFFS), pool, rules)
+    # The what-if controller predicts from the coefficients: it needs no kappa.
+    assert isinstance(PoolPolicy.build(make_profile(COEFFS), pool, PolicyConfig()).controller,
+                      WhatIfController)  # fmt: skip
     fixed = PoolPolicy.build(make_profile(COEFFS), pool, PolicyConfig(adaptive=False))
     assert fixed.lattice.composition((WorkerState.ACTIVE,)) == {1: 2}

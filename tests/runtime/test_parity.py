@@ -42,8 +42,8 @@ LENGTH_SCALE = 0.5  # a 512-token trace block is 256 tokens, 16 engine blocks
 OFFSET_S = 3e-4
 
 
-def write_trace(path: Path, seed: int = 5) -> None:
-    """A burst (10 s at 30 req/s) then a quiet spell (40 s at 2 req/s) of turns of 40
+def write_trace(path: Path, seed: int = 5, burst_rate: float = 30.0) -> None:
+    """A burst (10 s at ``burst_rate`` req/s) then a quiet spell (40 s at 2 req/s) of turns of 40
     conversations; every request starts with the shared block 0, then its
     conversation so far (every earlier turn), then its own new blocks (512 tokens
     each, as Mooncake)."""
@@ -52,7 +52,7 @@ def write_trace(path: Path, seed: int = 5) -> None:
     weights = [1.0 / (k + 1) for k in range(len(sessions))]
     next_block = 1
     t, lines = 0.0, []
-    for duration, rate in ((10.0, 30.0), (40.0, 2.0)):
+    for duration, rate in ((10.0, burst_rate), (40.0, 2.0)):
         end = t + duration
         while True:
             t += rng.expovariate(rate)
@@ -80,7 +80,13 @@ def write_trace(path: Path, seed: int = 5) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def serve_config(tmp_path: Path) -> ServeConfig:
+# The what-if controller, on this short slice: decisions as often as the rules'
+# windows, no warm-up, a forecast of the last 5 s.
+WHATIF = ControllerConfig(decision_s=2.5, warmup_s=0.0, horizon_s=5.0, min_requests=40)
+RULES = ControllerConfig(mode="rules", window_s=2.5)
+
+
+def serve_config(tmp_path: Path, controller: ControllerConfig) -> ServeConfig:
     profile = Profile(
         "tiny",
         "fake",
@@ -98,7 +104,7 @@ def serve_config(tmp_path: Path) -> ServeConfig:
         engine=EngineConfig(block_size=BLOCK, kv_blocks_per_rank=256),
         profile=str(path),
         policy=PolicyConfig(
-            controller=ControllerConfig(window_s=2.5),
+            controller=controller,
             scan_interval_s=1.25,
             cache=CacheManagerConfig(theta_intra=3.0, theta_reclaim=0.5, theta_inter_s=0.05),
         ),
@@ -126,7 +132,7 @@ def run_coordinator(
         loop = asyncio.get_running_loop()
         curves = reuse_curves(Profile.load(cfg.profile).coeffs)
         fake = FakeRanks(cfg.ranks, curves, TimeModel(SETTINGS, BLOCK))
-        coord = Coordinator(cfg, pool=fake, clock=loop.time)
+        coord = Coordinator(cfg, pool=fake, clock=loop.time, offload_decisions=False)
         fake.deliver = coord.link.on_message
         await coord.start()
         assert loop.time() == 0.0, "the windows start where the simulator's do"
@@ -158,19 +164,37 @@ def decisions_of(history: list[Decision]) -> list[tuple[object, ...]]:
             d.demand_s,
             d.capacity_s,
             d.long_fraction,
+            # the what-if controller's candidates and predictions (to 9 digits: the
+            # two clocks subtract their times in different orders)
+            rounded(d.inputs),
         )
         for d in history
     ]
 
 
+def rounded(value: object) -> object:
+    if isinstance(value, float):
+        return float(f"{value:.9g}") if abs(value) > 1e-12 else 0.0
+    if isinstance(value, dict):
+        return tuple(sorted((k, rounded(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return tuple(rounded(v) for v in value)
+    return value
+
+
 @pytest.mark.timeout(120)
-def test_simulator_and_coordinator_place_and_decide_alike(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("controller", "burst_rate"), [(WHATIF, 70.0), (RULES, 30.0)], ids=["whatif", "rules"]
+)
+def test_simulator_and_coordinator_place_and_decide_alike(
+    tmp_path: Path, controller: ControllerConfig, burst_rate: float
+) -> None:
     trace_path = tmp_path / "slice.jsonl"
-    write_trace(trace_path)
+    write_trace(trace_path, burst_rate=burst_rate)
     requests = loadgen.from_trace(load_trace(trace_path), LENGTH_SCALE, vocab=256)
     requests = [loadgen.LoadRequest(r.index, r.arrival_s + OFFSET_S, r.token_ids) for r in requests]
-    assert 300 <= len(requests) <= 500
-    cfg = serve_config(tmp_path)
+    assert 300 <= len(requests) <= 1000
+    cfg = serve_config(tmp_path, controller)
 
     sim = run_simulator(cfg, requests)
     results, coord_history, coord = run_coordinator(cfg, requests)

@@ -4,6 +4,7 @@ conservation through reshapes, baseline routers, and the ``simulate`` command.""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,6 +15,7 @@ from support.factories import make_profile
 from vertumnus.__main__ import main
 from vertumnus.config import ConfigError
 from vertumnus.perfmodel import DegreeCoeffs, Profile
+from vertumnus.policy.controller import ControllerConfig
 from vertumnus.policy.lattice import LatticeConfig
 from vertumnus.policy.pool_config import PolicyConfig, PoolSpec, preset
 from vertumnus.sim.report import percentile, summarize
@@ -38,9 +40,12 @@ def run(
     layout: list[int],
     prof: Profile | None = None,
     policy: str = "vertumnus",
+    controller: ControllerConfig | None = None,
     **settings: object,
 ) -> Simulation:
     config = PolicyConfig(**preset(policy))
+    if controller is not None:
+        config = dataclasses.replace(config, controller=controller)
     sim = Simulation(SimSettings(**settings), prof or profile(), pool(layout), config, requests)  # type: ignore[arg-type]
     sim.result = sim.run()  # type: ignore[attr-defined]
     return sim
@@ -100,7 +105,8 @@ def test_reshapes_keep_every_device_and_answer_everyone() -> None:
     # A burst far over capacity, then quiet: splits, then merges.
     reqs = phased([Phase(300, 40.0, 0.0), Phase(900, 0.2, 0.5)], seed=1, long_tokens=32_768)
     prof = profile(d4=0.2, c4=1e-5, d8=0.25, c8=1e-5)
-    sim = run(reqs, [8, 8], prof, policy="vertumnus", switch_s=0.5)
+    rules = ControllerConfig(mode="rules")  # (two splits in one window)
+    sim = run(reqs, [8, 8], prof, policy="vertumnus", controller=rules, switch_s=0.5)
     result = sim.result  # type: ignore[attr-defined]
     kinds = [r.kind for r in result.reshapes]
     assert "split" in kinds and "merge" in kinds

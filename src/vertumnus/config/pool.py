@@ -138,6 +138,12 @@ class PoolConfig:
             **bounds,
             "devices_per_host": None if hosts is None else int(hosts),
         }
+        if composition == "auto":
+            raise ConfigError(
+                '[pool] composition = "auto" is the simulator\'s (it chooses from the '
+                "workload's first minute); a server starts from the composition given, "
+                "and its what-if controller moves from there"
+            )
         if composition is not None:
             counts = parse_composition(str(composition))
             outside = sorted(set(counts) - set(degrees))

@@ -20,7 +20,7 @@ worker and the KV ledger. A driver calls it with the time and does what it retur
                                   copies queue
     copy_done(job, ok, now)       a KV copy ended
     acknowledge(t, w, rank, now)  a rank of a new worker adopted the epoch
-    worker_failed / worker_reset / worker_restored / worker_abandoned   rank failures
+    outages.failed / reset / restored / abandoned   rank failures (``outages``)
     expire(now)                   slots a reshape reserved whose time is up
 
 Every call that changes what the pool must do returns ``Actions``: placements
@@ -37,37 +37,35 @@ anything, processes (the drivers).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from vertumnus.blocks import max_reuse_blocks
 from vertumnus.perfmodel import Profile
 from vertumnus.policy.baselines import ROUTERS
-from vertumnus.policy.cache_index import PrefillLease, WorkerCacheIndex
+from vertumnus.policy.cache_index import WorkerCacheIndex
 from vertumnus.policy.cache_manager import PrefixCacheManager
 from vertumnus.policy.cache_plans import CopyPlan
 from vertumnus.policy.channel import Channel
 from vertumnus.policy.controller import Controller
 from vertumnus.policy.costs import reuse_curves
+from vertumnus.policy.forecast import ArrivalSample
 from vertumnus.policy.kv_ledger import CopyJob, KVLedger
 from vertumnus.policy.lattice import Lattice, Reshape, WorkerState, composition_name
+from vertumnus.policy.outages import Outages
 from vertumnus.policy.pool_config import PolicyConfig, PolicyError, PoolSpec
 from vertumnus.policy.pool_results import (
     Actions,
     Finished,
+    Running,
     ScanOutcome,
     Started,
     Switch,
     WindowOutcome,
+    WindowPlan,
 )
 from vertumnus.policy.scheduler import PlacementRequest, SchedulerConfig
 from vertumnus.policy.transition import Phase, Reconfigurer, Transition, operator_reshape
-
-
-@dataclass
-class _Run:
-    request_id: int
-    lease: PrefillLease
-    index: WorkerCacheIndex  # the index the lease is on (a reset worker gets a new one)
+from vertumnus.policy.whatif import WhatIfController
+from vertumnus.policy.whatif_candidates import PoolInputs
 
 
 class PoolPolicy:
@@ -80,7 +78,7 @@ class PoolPolicy:
                 "(`python -m vertumnus profile`) or change [pool] degrees"
             )
         no_kappa = [c for c in degrees if "kappa_s" not in profile.capacity.get(c, {})]
-        if config.adaptive and no_kappa:
+        if config.adaptive and config.controller.mode == "rules" and no_kappa:
             raise PolicyError(
                 f"the profile has no capacity kappa for degrees {no_kappa}: run "
                 "`python -m vertumnus capacity` on it, or keep the composition fixed"
@@ -100,7 +98,13 @@ class PoolPolicy:
         # Without a capacity (a fixed composition may lack one) the decisions, only
         # noted, price every worker at one second per window.
         kappa = {c: float(profile.capacity.get(c, {}).get("kappa_s", 1.0)) for c in degrees}
-        self.controller = Controller(config.controller, self.lattice, kappa, self._traffic)
+        self.controller: Controller
+        if config.controller.mode == "whatif":
+            self.controller = WhatIfController(
+                config.controller, self.lattice, kappa, self.curves, config.weights, self._traffic
+            )
+        else:
+            self.controller = Controller(config.controller, self.lattice, kappa, self._traffic)
         self.reconf = Reconfigurer(
             self.lattice, self.scheduler, self.cache, self.controller, pool.blocks_per_rank
         )
@@ -109,13 +113,14 @@ class PoolPolicy:
             self.lattice, self.indexes, self.cache, pool.blocks_per_rank, config.retention
         )
         for w in self.lattice.workers.values():
-            self._add_worker(w.worker_id)
+            self.add_worker(w.worker_id)
         self._requests: dict[int, PlacementRequest] = {}  # open: arrived, not answered
         self._recorded: set[int] = set()  # requests whose demand the controller counted
+        self._arrived_s: dict[int, float] = {}  # open requests' arrival times
         self._waiting: list[int] = []  # no candidate when placed
-        self._running: dict[int, _Run] = {}  # worker -> its prefill
+        self._running: dict[int, Running] = {}  # worker -> its prefill
         self.transitions: list[Transition] = []  # under way
-        self._down: set[int] = set()  # devices of failed workers that are coming back
+        self.outages = Outages(self)  # rank failures: workers out, reset, back
         self.channel = Channel(self.ledger, self._commit)
 
     @classmethod
@@ -126,7 +131,7 @@ class PoolPolicy:
     def _traffic(self, op: Reshape) -> float:
         return self.cache.reconciliation_traffic(op.sources, op.target_degree, op.target_firsts)
 
-    def _add_worker(self, worker_id: int) -> None:
+    def add_worker(self, worker_id: int) -> None:
         w = self.lattice.workers[worker_id]
         self.indexes[worker_id] = WorkerCacheIndex(
             w.cp_degree, self.pool.blocks_per_rank, worker_id
@@ -155,16 +160,18 @@ class PoolPolicy:
         if request.request_id in self._requests:
             raise PolicyError(f"request {request.request_id} arrived twice")
         self._requests[request.request_id] = request
-        return self._place(request.request_id, now)
+        self._arrived_s[request.request_id] = now
+        return self.place(request.request_id, now)
 
     def replace(self, request_id: int, now: float) -> Actions:
         """Place an open request again (its prefill failed); its demand was counted."""
-        return self._place(request_id, now)
+        return self.place(request_id, now)
 
     def drop(self, request_id: int) -> None:
         """The driver answered an open request (with an error): forget it."""
         self._requests.pop(request_id, None)
         self._recorded.discard(request_id)
+        self._arrived_s.pop(request_id, None)
 
     def abandon(self, request_id: int, now: float) -> None:
         """The client gave up: a waiting or queued request leaves (its reservation is
@@ -179,7 +186,7 @@ class PoolPolicy:
             return  # ``finish`` forgets it
         self.drop(request_id)
 
-    def _place(self, request_id: int, now: float) -> Actions:
+    def place(self, request_id: int, now: float) -> Actions:
         request = self._requests[request_id]
         placed = self.scheduler.place(request, now)
         if placed is None:
@@ -191,6 +198,16 @@ class PoolPolicy:
         if request_id not in self._recorded:
             self._recorded.add(request_id)
             self.controller.record(placed.exec_s, request.input_tokens)
+            deepest = max((p for _, p in placed.holders), default=0) // self.block_tokens
+            self.controller.sample(
+                ArrivalSample(
+                    request_id,
+                    self._arrived_s.get(request_id, now),
+                    request.input_tokens,
+                    placed.holders,
+                    request.block_ids[deepest - 1] if deepest else 0,
+                )
+            )
         actions = Actions(placed=[placed])
         if placed.update is not None and placed.update.fetch is not None:
             self.channel.queue_copy(placed.update.fetch)
@@ -199,16 +216,16 @@ class PoolPolicy:
 
     def _someone_coming(self) -> bool:
         """A worker will become a candidate: a reshape or a restart is under way."""
-        return bool(self._down) or any(
+        return bool(self.outages.down) or any(
             w.state in (WorkerState.DRAINING, WorkerState.SWITCHING)
             for w in self.lattice.workers.values()
         )
 
-    def _retry_waiting(self, now: float) -> Actions:
+    def retry_waiting(self, now: float) -> Actions:
         actions = Actions()
         waiting, self._waiting = self._waiting, []
         for request_id in waiting:
-            actions.add(self._place(request_id, now))
+            actions.add(self.place(request_id, now))
         return actions
 
     # -- a worker's prefills ---------------------------------------------------------
@@ -230,16 +247,29 @@ class PoolPolicy:
             request.block_ids, max_reuse_blocks(request.input_tokens, self.block_tokens)
         )
         cached = lease.num_reused_blocks * self.block_tokens
-        self._running[worker_id] = _Run(request_id, lease, index)
         exec_s = self.curves[w.cp_degree].time_s(request.input_tokens, cached)
+        self._running[worker_id] = Running(
+            request_id, lease, index, now, exec_s, w.cp_degree, request.input_tokens
+        )
         return Started(request_id, worker_id, w.cp_degree, w.first_device, lease, cached, exec_s)
 
-    def finish(self, worker_id: int, now: float, ok: bool = True) -> Finished:
+    def finish(
+        self, worker_id: int, now: float, ok: bool = True, compute_s: float | None = None
+    ) -> Finished:
         """The worker's prefill ended. ``ok``: its new blocks are written (they become
         visible); else they are given back, and the request stays open for
-        ``replace`` or ``drop``. A participant of a reshape may park now, and a
-        reshape whose participants have all parked switches (or waits its turn)."""
+        ``replace`` or ``drop``. ``compute_s``: the ranks' own time for it, where the
+        driver has it (it calibrates the controller's model; else the time since
+        ``start`` does). A participant of a reshape may park now, and a reshape whose
+        participants have all parked switches (or waits its turn)."""
         run = self._running.pop(worker_id)
+        if ok:
+            self.controller.prefill_done(
+                run.cp_degree, run.input_tokens, run.exec_s, now - run.started_s, compute_s
+            )
+            arrived = self._arrived_s.get(run.request_id)
+            if arrived is not None:
+                self.controller.completed(run.request_id, now - arrived)
         if self.indexes.get(worker_id) is run.index:  # (a reset worker's is gone)
             report = run.index.commit(run.lease) if ok else run.index.abort(run.lease)
             self.cache.apply_report(report)
@@ -254,10 +284,30 @@ class PoolPolicy:
     # -- the controller and reshapes -------------------------------------------------
 
     def end_window(self, now: float, final: bool = False) -> WindowOutcome:
-        """Close the controller's window. Adaptive: its reshapes begin (participants
+        """The controller's decision, at once (``prepare_window``, its ``evaluate``,
+        ``finish_window``)."""
+        plan = self.prepare_window(now)
+        return self.finish_window(plan, plan.evaluate(), now, final)
+
+    def prepare_window(self, now: float) -> WindowPlan:
+        """What the controller needs of the pool now (on the driver's loop)."""
+        sched = self.scheduler
+        loads = sched.loads(now)
+        inputs = PoolInputs(
+            now,
+            loads,
+            {w: max(0.0, load - sched.queued_s(w)) for w, load in loads.items()},
+            {w: tuple(sched.queued(w)) for w in loads},
+        )
+        return WindowPlan(self.controller, self.controller.prepare(inputs))
+
+    def finish_window(
+        self, plan: WindowPlan, evaluation: object, now: float, final: bool = False
+    ) -> WindowOutcome:
+        """Close the controller's period. Adaptive: its reshapes begin (participants
         drain, their queued requests are placed again). Fixed, or ``final`` (the run
         ended inside the window): the decision is noted, nothing runs."""
-        decision = self.controller.end_window(self.scheduler.loads(now))
+        decision = self.controller.conclude(plan.plan, evaluation)
         actions = Actions()
         begun: list[Transition] = []
         if final or not self.config.adaptive:
@@ -276,7 +326,7 @@ class PoolPolicy:
         self.transitions.append(transition)
         actions = Actions()
         for request in requeue:
-            actions.add(self._place(request.request_id, now))
+            actions.add(self.place(request.request_id, now))
         if transition.phase is Phase.SWITCHING:  # every participant was idle
             self.channel.queue_switch(transition)
             actions.add(self.channel.pump(now))
@@ -297,8 +347,10 @@ class PoolPolicy:
             return Actions()
         self.transitions.remove(transition)
         self.channel.release(transition)
+        if transition.switch_s is not None:
+            self.controller.switch_done(transition.switch_s)
         actions = Actions(activated=[transition])
-        actions.add(self._retry_waiting(now))
+        actions.add(self.retry_waiting(now))
         return actions.add(self.channel.pump(now))
 
     def switch_failed(self, transition: Transition, now: float) -> Actions:
@@ -316,7 +368,7 @@ class PoolPolicy:
             assert s not in self._running, "a parked worker runs a prefill"
             del self.indexes[s]
         for w in transition.new_workers:
-            self._add_worker(w)
+            self.add_worker(w)
         adopted, reserved = self.ledger.after_switch(transition.new_workers, retained, adopt, now)
         workers = tuple((w, tuple(self.lattice.workers[w].devices)) for w in transition.new_workers)
         expire = now + self.config.retention.retain_s if reserved else None
@@ -359,55 +411,3 @@ class PoolPolicy:
     def expire(self, now: float) -> int:
         """Give back the reserved slots whose time is up; returns how many."""
         return self.ledger.expire(now)
-
-    # -- failures --------------------------------------------------------------------
-
-    def worker_failed(self, worker_id: int, now: float) -> Actions:
-        """A rank of the worker died or hung. An active worker leaves the candidate
-        set now and its queued requests are placed again; one in a reshape finishes
-        the reshape first (the driver resets it after). Requests that find no worker
-        wait while it is coming back."""
-        w = self.lattice.workers[worker_id]
-        self._down.update(w.devices)
-        if w.state is not WorkerState.ACTIVE:
-            return Actions()
-        self.lattice.fail(worker_id)
-        return self._requeue(worker_id, now)
-
-    def worker_reset(self, worker_id: int, now: float) -> Actions:
-        """The failed worker's ranks restart: its cache is gone (the trie forgets what
-        it held, the ledger what was retained on its ranks), its queue is placed
-        again. Its running prefill, if any, still ends with ``finish``."""
-        w = self.lattice.workers[worker_id]
-        self._down.update(w.devices)
-        if w.state is not WorkerState.UNAVAILABLE:
-            self.lattice.fail(worker_id)
-        actions = self._requeue(worker_id, now)
-        if worker_id in self.cache.trie.workers:
-            self.cache.remove_worker(worker_id)
-        self.ledger.drop_ranks(w.devices)
-        self.indexes.pop(worker_id, None)
-        return actions
-
-    def worker_restored(self, worker_id: int, now: float) -> Actions:
-        """The worker's ranks are back, its cache empty: it serves again."""
-        w = self.lattice.workers[worker_id]
-        if worker_id not in self.indexes:
-            self._add_worker(worker_id)
-        self.lattice.restore(worker_id)
-        self._down.difference_update(w.devices)
-        return self._retry_waiting(now)
-
-    def worker_abandoned(self, worker_id: int, now: float) -> Actions:
-        """The driver gave up restarting the worker: it stays out, and requests
-        waiting only for it are refused."""
-        w = self.lattice.workers.get(worker_id)
-        if w is not None:
-            self._down.difference_update(w.devices)
-        return self._retry_waiting(now)
-
-    def _requeue(self, worker_id: int, now: float) -> Actions:
-        actions = Actions()
-        for request in self.scheduler.drain(worker_id):
-            actions.add(self._place(request.request_id, now))
-        return actions

@@ -7,6 +7,8 @@
     Finished       a prefill's end, and the actions it causes
     WindowOutcome  the controller's decision, the reshapes it began, their actions
     ScanOutcome    the cache manager's scan, what it reclaimed, its actions
+    WindowPlan     a decision in the making (its replays may run off the loop)
+    Running        the stack's record of a prefill under way
 
 Plain dataclasses: the simulator reads them with its clock, the coordinator with
 its ranks.
@@ -16,9 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vertumnus.policy.cache_index import PrefillLease
+from vertumnus.policy.cache_index import PrefillLease, WorkerCacheIndex
 from vertumnus.policy.cache_plans import ScanResult
-from vertumnus.policy.controller import Decision
+from vertumnus.policy.controller import Controller, Decision
 from vertumnus.policy.kv_ledger import CopyJob
 from vertumnus.policy.scheduler import Placement
 from vertumnus.policy.transition import Transition
@@ -97,3 +99,28 @@ class ScanOutcome:
     result: ScanResult
     reclaimed: int  # replicas deleted
     actions: Actions
+
+
+@dataclass
+class Running:
+    """A worker's prefill under way (the stack's own record)."""
+
+    request_id: int
+    lease: PrefillLease
+    index: WorkerCacheIndex  # the index the lease is on (a reset worker gets a new one)
+    started_s: float
+    exec_s: float  # predicted
+    cp_degree: int
+    input_tokens: int
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """A decision in the making: ``evaluate`` (the controller's replays; pure, safe
+    off the event loop), then ``PoolPolicy.finish_window``."""
+
+    controller: Controller
+    plan: object
+
+    def evaluate(self) -> object:
+        return self.controller.evaluate(self.plan)

@@ -70,6 +70,8 @@ class Placement:
     cost: float
     num_candidates: int
     update: RequestUpdate | None  # the cache manager's per-request result
+    # (worker, reusable tokens > 0) of every worker that could serve a prefix
+    holders: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -107,6 +109,10 @@ class Scheduler:
         run = self._running.get(worker_id)
         left = max(0.0, run.exec_s - (now - run.start_s)) if run is not None else 0.0
         return self._queued_s.get(worker_id, 0.0) + left
+
+    def queued_s(self, worker_id: int) -> float:
+        """Predicted seconds of the worker's queued (not started) requests."""
+        return self._queued_s.get(worker_id, 0.0)
 
     def loads(self, now: float) -> dict[int, float]:
         return {w: self.outstanding_s(w, now) for w in self.lattice.workers}
@@ -155,8 +161,18 @@ class Scheduler:
         update = None
         if self.cache is not None and request.block_ids:
             update = self.cache.on_request(request.block_ids, n, worker_id, lookup)
+        holders = tuple((w, p) for w, p in reuse.items() if p > 0)
         return Placement(
-            request.request_id, worker_id, c, reused, exec_s, q, cost, len(candidates), update
+            request.request_id,
+            worker_id,
+            c,
+            reused,
+            exec_s,
+            q,
+            cost,
+            len(candidates),
+            update,
+            holders,
         )
 
     def _choose(

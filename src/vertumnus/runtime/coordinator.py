@@ -27,6 +27,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
@@ -40,7 +41,7 @@ from vertumnus.policy.kv_ledger import CopyJob
 from vertumnus.policy.lattice import Lattice, LatticeError, Reshape, WorkerState
 from vertumnus.policy.pool_config import PolicyError
 from vertumnus.policy.pool_policy import PoolPolicy
-from vertumnus.policy.pool_results import Actions, ScanOutcome
+from vertumnus.policy.pool_results import Actions, ScanOutcome, WindowPlan
 from vertumnus.policy.scheduler import Scheduler
 from vertumnus.policy.transition import Transition
 from vertumnus.runtime import views
@@ -71,10 +72,12 @@ class Coordinator:
         cfg: ServeConfig,
         pool: Ranks | None = None,
         clock: Callable[[], float] = time.monotonic,
+        offload_decisions: bool = True,
     ) -> None:
         """``pool``: the ranks, when they are not this process's children (a
         ``ClusterPool`` of node agents, already gathered; an in-process fake in
-        tests); None: a ``RankPool``."""
+        tests); None: a ``RankPool``. ``offload_decisions``: the controller's
+        replays run on their own thread (off: inline, as the simulator runs them)."""
         self.cfg = cfg
         self.clock = clock
         self._given_pool = pool
@@ -98,6 +101,10 @@ class Coordinator:
         self._tick: asyncio.TimerHandle | None = None
         self._next_window = self._next_scan = math.inf
         self._windows_started_s: float | None = None
+        self.offload_decisions = offload_decisions
+        self._decider = ThreadPoolExecutor(1, thread_name_prefix="vertumnus-decide")
+        self._deciding = False
+        self.decision_s: list[float] = []  # wall time of recent decisions' replays
         self.ready = False
         self.started_s = time.monotonic()
         self.rank_error: str | None = None
@@ -175,6 +182,7 @@ class Coordinator:
         self.requests.cancel_all()
         self.requests.fail_all(Unavailable("the server is shutting down"))
         self.link.unwatch()
+        self._decider.shutdown(wait=False, cancel_futures=True)
         if self.pool is not None:
             assert self._loop is not None
             await self._loop.run_in_executor(None, self.pool.close)
@@ -214,7 +222,7 @@ class Coordinator:
     def _start_ticks(self) -> None:
         now = self.clock()
         self._windows_started_s = now
-        self._next_window = now + self.cfg.policy.controller.window_s
+        self._next_window = now + self.cfg.policy.controller.period_s
         if self.cfg.policy.replication:
             self._next_scan = now + self.cfg.policy.scan_interval_s
         self._schedule_tick()
@@ -236,7 +244,7 @@ class Coordinator:
         self._tick = None
         now = self.clock()
         if now >= self._next_window:
-            self._next_window += self.cfg.policy.controller.window_s
+            self._next_window += self.cfg.policy.controller.period_s
             self._end_window(now)
         if now >= self._next_scan:
             self._next_scan += self.cfg.policy.scan_interval_s
@@ -250,9 +258,36 @@ class Coordinator:
             self._schedule_tick()
 
     def _end_window(self, now: float) -> None:
-        outcome = self.policy.end_window(now)
+        """The controller's decision: the pool is read now, the replays run on the
+        decision thread (off the event loop) unless ``offload_decisions`` is off, and
+        the decision is applied when they are done. A period whose decision is still
+        being computed when the next is due is skipped."""
+        if self._deciding:
+            log.warning("decision_skipped", reason="the previous decision is still computing")
+            return
+        plan = self.policy.prepare_window(now)
+        if not self.offload_decisions:
+            self._conclude(plan, plan.evaluate(), now)
+            return
+        self._deciding = True
+        self.spawn(self._decide(plan))
+
+    async def _decide(self, plan: WindowPlan) -> None:
+        assert self._loop is not None
+        try:
+            started = time.perf_counter()
+            evaluation = await self._loop.run_in_executor(self._decider, plan.evaluate)
+            self.decision_s.append(time.perf_counter() - started)
+            del self.decision_s[:-1000]
+            if not self.stopping:
+                self._conclude(plan, evaluation, self.clock())
+        finally:
+            self._deciding = False
+
+    def _conclude(self, plan: WindowPlan, evaluation: object, now: float) -> None:
+        outcome = self.policy.finish_window(plan, evaluation, now)
         decision = outcome.decision
-        if decision.ops and self.cfg.policy.adaptive:
+        if self.cfg.policy.adaptive and (decision.ops or "candidates" in decision.inputs):
             log.info("decision", **decision.to_json())
         for transition in outcome.begun:
             log.info("reshape_begin", kind=transition.op.kind, sources=list(transition.op.sources))
@@ -369,4 +404,4 @@ class Coordinator:
         """How far into its current window the controller is."""
         if self._windows_started_s is None:
             return None
-        return (self.clock() - self._windows_started_s) % self.cfg.policy.controller.window_s
+        return (self.clock() - self._windows_started_s) % self.cfg.policy.controller.period_s

@@ -64,7 +64,7 @@ class Recovery:
             return
         first_failure = not (set(worker.devices) & self.dead_ranks)
         self._mark_dead(fresh, WorkerLost(f"worker {worker.worker_id} failed: {reason}"))
-        coord.apply(coord.policy.worker_failed(worker.worker_id, coord.clock()))
+        coord.apply(coord.policy.outages.failed(worker.worker_id, coord.clock()))
         log.error("worker_failed", worker=worker.worker_id, ranks=sorted(fresh), reason=reason)
         if first_failure:
             coord.spawn(self._recover(rank, reason))
@@ -86,7 +86,7 @@ class Recovery:
         for w in workers:
             lw = coord.policy.lattice.workers.get(w)
             if lw is not None and set(lw.devices) & self.dead_ranks:
-                coord.apply(coord.policy.worker_failed(w, coord.clock()))
+                coord.apply(coord.policy.outages.failed(w, coord.clock()))
 
     def _mark_dead(self, ranks: set[int], lost: WorkerLost) -> None:
         """Kill ``ranks`` (a hung rank is dead from now on) and release what waits on
@@ -131,7 +131,7 @@ class Recovery:
                 self._recovering.add(worker_id)
                 # The whole worker restarts: its other ranks too; its cache is gone.
                 self._mark_dead(set(ranks), WorkerLost(f"worker {worker_id} failed: {reason}"))
-                coord.apply(policy.worker_reset(worker_id, coord.clock()))
+                coord.apply(policy.outages.reset(worker_id, coord.clock()))
                 link.unwatch(ranks)
                 rebuild = await loop.run_in_executor(None, pool.restart, ranks)
                 token = next(self._tokens)
@@ -144,7 +144,7 @@ class Recovery:
                     pool.send(r, RebuildGroups(token, mine))
                 await asyncio.wait_for(asyncio.gather(*waits), coord.cfg.engine.rank_timeout_s)
                 self.dead_ranks -= set(ranks)
-                coord.apply(policy.worker_restored(worker_id, coord.clock()))
+                coord.apply(policy.outages.restored(worker_id, coord.clock()))
                 if coord.rank_error and coord.rank_error.startswith(
                     f"worker {worker_id} could not"
                 ):
@@ -178,7 +178,7 @@ class Recovery:
                 )
                 self.dead_ranks -= set(ranks)
                 if worker_id is not None:
-                    coord.apply(policy.worker_abandoned(worker_id, coord.clock()))
+                    coord.apply(policy.outages.abandoned(worker_id, coord.clock()))
         finally:
             if worker_id is not None:
                 self._recovering.discard(worker_id)

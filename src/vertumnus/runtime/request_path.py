@@ -183,7 +183,8 @@ class RequestPath:
         if failure is not None:
             self._failed(started, req, failure, end)
             return
-        finished = policy.finish(worker_id, end)
+        compute_s = max(d.compute_s for d in done.values())
+        finished = policy.finish(worker_id, end, compute_s=compute_s)
         logits = done[ranks[0]].logits
         assert logits is not None
         result = PrefillResult(
@@ -196,7 +197,7 @@ class RequestPath:
             queue_s=start - req.arrival_s,
             prefill_s=end - start,
             ttft_s=end - req.arrival_s,
-            rank_compute_s=max(d.compute_s for d in done.values()),
+            rank_compute_s=compute_s,
             logits=logits[-1],
         )
         coord.metrics.request(result)

@@ -47,6 +47,7 @@ from vertumnus.perfmodel import Profile
 from vertumnus.policy.composition import layout_for
 from vertumnus.policy.lattice import LatticeConfig
 from vertumnus.policy.pool_config import PolicyConfig, PoolSpec
+from vertumnus.sim.start import choose_start
 from vertumnus.sim.time_model import SimSettings
 from vertumnus.sim.traces import load_trace
 from vertumnus.sim.workload import (
@@ -109,7 +110,15 @@ def load(
     check_tables(source, where)
     merged = apply_preset(with_overrides(source, overrides), preset)
     merged = with_overrides(merged, choices or {})
-    pool = PoolConfig.from_table(merged.get("pool", {}), DEFAULT_POOL)
+    pool_table = dict(merged.get("pool", {}))
+    auto_start = pool_table.get("composition") == "auto"
+    if auto_start:
+        del pool_table["composition"]
+        if "ranks" not in pool_table:
+            raise ConfigError(
+                '[pool] composition = "auto" needs [pool] ranks (how many devices to compose)'
+            )
+    pool = PoolConfig.from_table(pool_table, DEFAULT_POOL)
     engine = read_engine(merged, DEFAULT_ENGINE)
     policy = read_policy(merged, DEFAULT_POLICY)
     profile_path = read_profile(merged, DEFAULT_PROFILE)
@@ -135,6 +144,12 @@ def load(
             f"is {engine.block_size}: the policy would misprice every reuse; set "
             f"[engine] block_size = {block_tokens}"
         )
+    if auto_start:
+        missing = sorted(set(pool.degrees) - set(profile.coeffs))
+        if missing:
+            raise ConfigError(f"the profile has no degrees {missing} to choose a start from")
+        layout, _ = choose_start(pool.lattice, profile, policy, requests, engine.block_size)
+        pool = dataclasses.replace(pool, layout=tuple(layout))
     return SimConfig(
         settings, policy, pool, engine, profile, profile_path, requests, bounds, merged
     )

@@ -114,7 +114,7 @@ def write(result: SimResult, cfg: SimConfig, out: Path) -> dict[str, Any]:
                 + b"\n"
             )
     by_window: dict[int, list[float]] = {}
-    h = cfg.policy.controller.window_s
+    h = cfg.policy.controller.period_s
     for r in result.records:
         if r.end_s is not None:
             by_window.setdefault(int(r.arrival_s // h), []).append(r.end_s - r.arrival_s)
@@ -171,7 +171,7 @@ def plot(result: SimResult, cfg: SimConfig, by_window: dict[int, list[float]], p
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    h = cfg.policy.controller.window_s
+    h = cfg.policy.controller.period_s
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
     xs = [(k + 0.5) * h / 60 for k in sorted(by_window)]
     top.plot(xs, [sum(v) / len(v) for _, v in sorted(by_window.items())], label="mean TTFT")
@@ -208,7 +208,7 @@ Series = tuple[list[float], list[float], list[str]]  # minutes, mean TTFT, compo
 
 def window_series(result: SimResult, cfg: SimConfig) -> Series:
     """Per window: its middle (minutes), the mean TTFT of its arrivals, the composition."""
-    h = cfg.policy.controller.window_s
+    h = cfg.policy.controller.period_s
     sums: dict[int, list[float]] = {}
     for r in result.records:
         if r.end_s is not None:

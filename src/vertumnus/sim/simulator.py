@@ -182,6 +182,7 @@ class Simulation:
         self._idle_windows = 0
         self.copies = self.blocks_copied = self.reclaims = 0
         self._done = 0
+        self._compute_s: dict[int, float] = {}  # worker -> its running prefill's compute
 
     def _push(self, t: float, event: Event) -> None:
         self._seq += 1
@@ -191,7 +192,7 @@ class Simulation:
         wall = time.perf_counter()
         for r in self.requests:
             self._push(r.arrival_s, Arrival(r.request_id))
-        h = self.config.controller.window_s
+        h = self.config.controller.period_s
         self._push(h - self.s.window_phase_s % h, WindowDue())
         if self.config.replication:
             self._push(self.config.scan_interval_s, ScanDue())
@@ -275,10 +276,14 @@ class Simulation:
             started.cp_degree,
             now,
         )
-        self._push(now + self.time.prefill_s(started.exec_s), PrefillEnd(worker_id))
+        seconds = self.time.prefill_s(started.exec_s)
+        # The ranks' own compute: the busy time less the serving path's share.
+        compute_s = seconds * started.exec_s / (started.exec_s + self.s.dispatch_s)
+        self._compute_s[worker_id] = compute_s
+        self._push(now + seconds, PrefillEnd(worker_id))
 
     def _prefill_end(self, worker_id: int, now: float) -> None:
-        finished = self.policy.finish(worker_id, now)
+        finished = self.policy.finish(worker_id, now, compute_s=self._compute_s.pop(worker_id))
         self.records[finished.request_id].end_s = now
         self._done += 1
         self._apply(finished.actions, now)
@@ -294,7 +299,7 @@ class Simulation:
     def _window(self, now: float, final: bool = False) -> None:
         """A window ends (``final``: the run ended inside it; its row is recorded but
         nothing is decided)."""
-        h = self.config.controller.window_s
+        h = self.config.controller.period_s
         outcome = self.policy.end_window(now, final)
         decision = outcome.decision
         rule = decision.rule
