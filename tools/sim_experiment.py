@@ -8,35 +8,48 @@ The file is a ``simulate`` configuration (see ``vertumnus.sim.config``) plus an
     [experiment]
     out = "results/sim/time-varying"        # default output folder
     rate_scales = [2, 4, 6]                 # optional: every variant at each
+    sweep_fixed = true                      # optional: every composition, fixed
     variants = [
-      { label = "vertumnus", policy = "vertumnus" },
+      { label = "vertumnus", policy = "vertumnus", pool = { composition = "auto", ranks = 40 } },
       { label = "fixed 4CP4/3CP8", policy = "fixed", composition = "4CP4/3CP8" },
       { label = "no scans", policy = "fixed", cache = { replication = false } },
     ]
 
-A variant's ``policy`` is a preset (``--policy``); its tables override the file's.
+A variant's ``policy`` is a preset (``--policy``); its tables override the file's,
+key by key (``composition = X`` is ``pool = { composition = X }``).
+
+``sweep_fixed = true`` adds a variant ``{ label = "fixed 6CP4-2CP8", policy = "fixed",
+composition = "6CP4/2CP8" }`` for every composition the lattice allows (its bounds
+kept) that no ``fixed`` variant already runs. The lattice is the file's ``[pool]``
+with the first variant's ``pool`` over it (the devices, degrees and bounds).
 
 Each run writes the usual files under ``OUT/<label>[@<rate>]/``. The tool then
-writes ``OUT/comparison.json`` and ``OUT/comparison.md``: one row per run, with
-per-phase rows when the workload has phases. It also writes ``OUT/comparison.png``,
-which shows TTFT over time for each variant, or TTFT and hit rate against the rate
-for a sweep.
+writes ``OUT/comparison.json`` (``runs``: one row per run, with per-phase rows when
+the workload has phases; ``against_best_fixed``: per rate, and per phase, the fixed
+variant of least mean TTFT and every other variant's gap to it in %) and
+``OUT/comparison.md`` (the same as tables). It also writes ``OUT/comparison.png``,
+which shows TTFT over time for each variant (the adaptive ones' moves marked), or
+TTFT and hit rate against the rate for a sweep.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import math
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 from vertumnus.config import read_toml
+from vertumnus.config.pool import PoolConfig, parse_composition
+from vertumnus.policy.lattice import LatticeConfig, composition_name, reachable_compositions
 from vertumnus.sim import config as sim_config
-from vertumnus.sim import report
+from vertumnus.sim import plots, report
 from vertumnus.sim.simulator import Simulation
 
 
@@ -44,57 +57,215 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
-    parser.add_argument("config", type=Path)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    raw = read_toml(args.config)
+def variant_overrides(variant: dict[str, Any], rate: float | None) -> dict[str, dict[str, Any]]:
+    """The variant's tables as ``sim_config.load`` overrides, merged key by key:
+    ``composition`` goes into ``pool`` and the rate scale into ``workload``."""
+    overrides: dict[str, dict[str, Any]] = {
+        k: dict(v) for k, v in variant.items() if isinstance(v, dict)
+    }
+    if variant.get("composition") is not None:
+        pool = overrides.setdefault("pool", {})
+        given = pool.get("composition")
+        if given is not None and given != variant["composition"]:
+            raise SystemExit(
+                f"variant {variant['label']!r}: composition {variant['composition']!r} and "
+                f"pool.composition {given!r} differ"
+            )
+        pool["composition"] = variant["composition"]
+    if rate is not None:
+        overrides.setdefault("workload", {})["rate_scale"] = rate
+    return overrides
+
+
+def _pool_table(raw: dict[str, Any], variant: dict[str, Any] | None) -> dict[str, Any]:
+    table = dict(raw.get("pool", {}))
+    if variant is not None:
+        table.update(variant_overrides(variant, None).get("pool", {}))
+    return table
+
+
+def experiment_lattice(raw: dict[str, Any], variants: list[dict[str, Any]]) -> LatticeConfig:
+    """The file's pool with the first variant's ``pool`` over it, as a lattice (devices,
+    degrees, bounds, hosts); no workload is read."""
+    table = _pool_table(raw, variants[0] if variants else None)
+    if table.get("composition") == "auto":
+        del table["composition"]
+    return PoolConfig.from_table(table, sim_config.DEFAULT_POOL).lattice
+
+
+def start_composition(raw: dict[str, Any], variant: dict[str, Any]) -> dict[int, int] | None:
+    """The composition a variant starts from (None: "auto", or not given)."""
+    table = _pool_table(raw, variant)
+    if table.get("layout") is not None:
+        return dict(Counter(int(c) for c in table["layout"]))
+    composition = table.get("composition")
+    if composition is None or composition == "auto":
+        return None
+    return parse_composition(str(composition))
+
+
+def sweep_variants(raw: dict[str, Any], variants: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A ``fixed`` variant for every composition of the lattice that no plain ``fixed``
+    variant (no table but ``pool``) already runs."""
+    present = [
+        start_composition(raw, v)
+        for v in variants
+        if v.get("policy") == "fixed"
+        and all(k == "pool" for k, val in v.items() if isinstance(val, dict))
+    ]
+    added = []
+    for counts in reachable_compositions(experiment_lattice(raw, variants)):
+        if counts in present:
+            continue
+        name = composition_name(counts)
+        added.append(
+            {"label": f"fixed {name.replace('/', '-')}", "policy": "fixed", "composition": name}
+        )
+    return added
+
+
+def run_experiment(config: Path, out: Path | None = None, echo: bool = True) -> Path:
+    """Every variant at every rate of ``config``; the runs' files and the comparison
+    under ``out`` (default: the file's ``[experiment] out``). Returns the folder."""
+    raw = read_toml(config)
     experiment = raw.pop("experiment")
-    out = args.out or Path(experiment.get("out", f"results/sim/{args.config.stem}"))
+    out = out or Path(experiment.get("out", f"results/sim/{config.stem}"))
     out.mkdir(parents=True, exist_ok=True)
+    variants = [dict(v) for v in experiment["variants"]]
+    if experiment.get("sweep_fixed", False):
+        variants += sweep_variants(raw, variants)
+    labels = [v["label"] for v in variants]
+    if len(set(labels)) != len(labels):
+        raise SystemExit(f"variant labels repeat: {sorted(labels)}")
     rates = experiment.get("rate_scales", [None])
     rows: list[dict[str, Any]] = []
-    timelines: dict[str, report.Series] = {}
+    timelines: dict[str, plots.Series] = {}
     for rate in rates:
-        for variant in experiment["variants"]:
+        for variant in variants:
             label = variant["label"]
             name = slug(label) + (f"@{rate:g}" if rate is not None else "")
-            overrides = {
-                "pool": {"composition": variant.get("composition")},
-                "workload": {"rate_scale": rate},
-                **{k: v for k, v in variant.items() if isinstance(v, dict)},
-            }
             cfg = sim_config.load(
-                None, overrides, raw=copy.deepcopy(raw), preset=variant.get("policy")
+                None,
+                variant_overrides(variant, rate),
+                raw=copy.deepcopy(raw),
+                preset=variant.get("policy"),
             )
             result = Simulation(cfg.settings, cfg.profile, cfg.spec, cfg.policy, cfg.requests).run()
             summary = report.write(result, cfg, out / name)
-            row = {"label": label, "rate_scale": rate, "run": name, **summary}
+            row = {
+                "label": label,
+                "rate_scale": rate,
+                "run": name,
+                "adaptive": cfg.policy.adaptive,
+                **summary,
+            }
             rows.append(row)
-            timelines[name] = report.window_series(result, cfg)
-            print(
-                f"{name:<28} mean {summary['mean_ttft_s']:.3f} s"
-                f"  P90 {summary['p90_ttft_s']:.3f} s"
-                f"  attain {summary['token_slo_attainment']:.3f}"
-                f"  hit {summary['token_hit_rate']:.3f}"
-                f"  {summary['composition_start']} -> {summary['composition_end']}"
-                f"  ({summary['wall_s']:.1f} s)",
-                file=sys.stderr,
+            timelines[name] = plots.window_series(result, cfg)
+            if echo:
+                print(
+                    f"{name:<28} mean {summary['mean_ttft_s']:.3f} s"
+                    f"  P90 {summary['p90_ttft_s']:.3f} s"
+                    f"  attain {summary['token_slo_attainment']:.3f}"
+                    f"  hit {summary['token_hit_rate']:.3f}"
+                    f"  {summary['composition_start']} -> {summary['composition_end']}"
+                    f"  ({summary['reshapes']} reshapes, {summary['wall_s']:.1f} s)",
+                    file=sys.stderr,
+                )
+    best = against_best_fixed(rows)
+    comparison = {"runs": rows, "against_best_fixed": best}
+    (out / "comparison.json").write_bytes(orjson.dumps(comparison, option=orjson.OPT_INDENT_2))
+    text = markdown(rows, best)
+    (out / "comparison.md").write_text(text)
+    plots.plot_comparison(rows, timelines, out / "comparison.png", sweep=rates != [None])
+    if echo:
+        print(text)
+        print(f"results in {out}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
+    parser.add_argument("config", type=Path)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    run_experiment(args.config, args.out)
+
+
+def _mean(row: dict[str, Any], phase: int | None) -> float:
+    value = row["mean_ttft_s"] if phase is None else row["phases"][phase]["mean_ttft_s"]
+    return float(value) if value is not None else math.nan
+
+
+def against_best_fixed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per rate scale (and per phase, when the workload has more than one): the fixed
+    variant (preset ``fixed``) of least mean TTFT, and every other variant's mean TTFT
+    and its gap to it, (mean - best) / best in %. Empty without fixed variants. Each
+    run row also gets its whole-run gap, ``gap_vs_best_fixed_pct``."""
+    out = []
+    for rate in dict.fromkeys(r["rate_scale"] for r in rows):
+        mine = [r for r in rows if r["rate_scale"] == rate]
+        fixed = [r for r in mine if r.get("policy") == "fixed"]
+        if not fixed:
+            continue
+        phases = mine[0].get("phases", [])
+        scopes: list[int | None] = [None]
+        if len(phases) > 1:
+            scopes += [ph["phase"] for ph in phases]
+        for phase in scopes:
+            ranked = [r for r in fixed if not math.isnan(_mean(r, phase))]
+            if not ranked:
+                continue
+            top = min(ranked, key=lambda r: _mean(r, phase))
+            best_s = _mean(top, phase)
+            others = []
+            for r in mine:
+                if r.get("policy") == "fixed":
+                    continue
+                mean = _mean(r, phase)
+                gap = 100 * (mean - best_s) / best_s if best_s > 0 else math.nan
+                others.append(
+                    {
+                        "label": r["label"],
+                        "run": r["run"],
+                        "policy": r.get("policy"),
+                        "adaptive": r.get("adaptive"),
+                        "mean_ttft_s": mean,
+                        "gap_pct": gap,
+                    }
+                )
+                if phase is None:
+                    r["gap_vs_best_fixed_pct"] = gap
+            out.append(
+                {
+                    "rate_scale": rate,
+                    "phase": phase,
+                    "start_s": None if phase is None else phases[phase]["start_s"],
+                    "end_s": None if phase is None else phases[phase]["end_s"],
+                    "best_fixed": {"label": top["label"], "run": top["run"], "mean_ttft_s": best_s},
+                    "fixed": [{"label": r["label"], "mean_ttft_s": _mean(r, phase)} for r in fixed],
+                    "variants": others,
+                }
             )
-    (out / "comparison.json").write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2))
-    (out / "comparison.md").write_text(markdown(rows))
-    report.plot_comparison(rows, timelines, out / "comparison.png", sweep=rates != [None])
-    print(markdown(rows))
-    print(f"results in {out}")
+    return out
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
+def _scope(entry: dict[str, Any]) -> str:
+    rate = entry["rate_scale"]
+    parts = [] if rate is None else [f"×{rate:g}"]
+    if entry["phase"] is None:
+        parts.append("whole run")
+    else:
+        start, end = entry["start_s"] / 60, entry["end_s"] / 60
+        parts.append(f"phase {entry['phase']} ({start:.0f}–{end:.0f} min)")
+    return ", ".join(parts)
+
+
+def markdown(rows: list[dict[str, Any]], best: list[dict[str, Any]] | None = None) -> str:
     head = (
         "| run | mean TTFT (s) | P50 | P90 | P99 | token SLO attainment | token hit rate"
-        " | compositions | splits / merges |\n"
+        " | compositions | splits / merges | reshapes |\n"
     )
-    head += "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |\n"
+    head += "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |\n"
     lines = []
     for r in rows:
         comps = f"{r['composition_start']} → {r['composition_end']}"
@@ -102,16 +273,47 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"| {r['run']} | {r['mean_ttft_s']:.3f} | {r['p50_ttft_s']:.3f}"
             f" | {r['p90_ttft_s']:.3f}"
             f" | {r['p99_ttft_s']:.3f} | {r['token_slo_attainment']:.3f}"
-            f" | {r['token_hit_rate']:.3f} | {comps} | {r['splits']} / {r['merges']} |"
+            f" | {r['token_hit_rate']:.3f} | {comps} | {r['splits']} / {r['merges']}"
+            f" | {r['reshapes']} |"
         )
         for ph in r.get("phases", []):
             lines.append(
                 f"| · phase {ph['phase']} ({ph['start_s'] / 60:.0f}–{ph['end_s'] / 60:.0f} min) "
                 f"| {ph['mean_ttft_s']:.3f} | {ph['p50_ttft_s']:.3f} | {ph['p90_ttft_s']:.3f}"
                 f" | {ph['p99_ttft_s']:.3f} | {ph['token_slo_attainment']:.3f}"
-                f" | {ph['token_hit_rate']:.3f} | {ph['composition']} | |"
+                f" | {ph['token_hit_rate']:.3f} | {ph['composition']} | | |"
             )
-    return head + "\n".join(lines) + "\n"
+    text = head + "\n".join(lines) + "\n"
+    if best:
+        text += "\n" + best_fixed_markdown(best)
+    return text
+
+
+def best_fixed_markdown(best: list[dict[str, Any]]) -> str:
+    """The section "Against the best fixed composition": the adaptive variants' mean
+    TTFT and gap (negative: faster than the best fixed composition)."""
+    adaptive = list(
+        dict.fromkeys(v["label"] for e in best for v in e["variants"] if v.get("adaptive"))
+    )
+    text = (
+        "## Against the best fixed composition\n\n"
+        "Per rate and phase, the fixed composition of least mean TTFT (chosen after the "
+        "fact), and each adaptive variant's mean TTFT with its gap to it (negative: "
+        "faster).\n\n"
+    )
+    text += "| rate / phase | best fixed | mean (s) |" + "".join(f" {a} |" for a in adaptive)
+    text += "\n| --- | --- | ---: |" + " ---: |" * len(adaptive) + "\n"
+    for e in best:
+        cells = []
+        for label in adaptive:
+            v = next((v for v in e["variants"] if v["label"] == label), None)
+            cells.append("–" if v is None else f"{v['mean_ttft_s']:.3f} ({v['gap_pct']:+.1f} %)")
+        text += (
+            f"| {_scope(e)} | {e['best_fixed']['label']} | {e['best_fixed']['mean_ttft_s']:.3f} |"
+            + "".join(f" {c} |" for c in cells)
+            + "\n"
+        )
+    return text
 
 
 if __name__ == "__main__":

@@ -103,6 +103,12 @@ def split(
 def reconciliation_traffic(
     trie: PrefixTrie, sources: Sequence[int], target_degree: int, target_firsts: Sequence[int]
 ) -> float:
+    return reconciliation(trie, sources, target_degree, target_firsts)[0]
+
+
+def reconciliation(
+    trie: PrefixTrie, sources: Sequence[int], target_degree: int, target_firsts: Sequence[int]
+) -> tuple[float, float]:
     """Expected KV reconciliation after reshaping ``sources`` into workers of
     ``target_degree`` at ``target_firsts``: the blocks they retain that are not
     where the new geometry wants them, each weighted by 1 + its recent accesses.
@@ -112,19 +118,23 @@ def reconciliation_traffic(
         sum over retained z with wrong(z) > 0 of
             (1 + sum_C access[z, C]) * wrong(z) / |targets|,
         wrong(z) = #{targets f : device f + depth(z) % target_degree holds no copy of z}
+
+    Returns (that traffic, the same sum with wrong(z) / |targets| taken as 1): their
+    ratio is the share of the retained prefix weight a reshape disturbs.
     """
     devices: dict[Node, set[int]] = {}
     for s in sources:
         for node, device in _retained(trie, trie.worker(s)):
             if device is not None:
                 devices.setdefault(node, set()).add(device)
-    total = 0.0
+    total = whole = 0.0
     for node, held_on in devices.items():
         wrong = sum(first + node.depth % target_degree not in held_on for first in target_firsts)
+        weight = 1.0 + (sum(node.access) if node.access is not None else 0.0)
+        whole += weight
         if wrong:
-            weight = 1.0 + (sum(node.access) if node.access is not None else 0.0)
             total += weight * wrong / len(target_firsts)
-    return total
+    return total, whole
 
 
 def _retained(trie: PrefixTrie, info: WorkerInfo) -> list[tuple[Node, int | None]]:

@@ -289,6 +289,16 @@ class PrefixCacheManager:
             self.trie, sources, target_degree, target_firsts
         )
 
+    def reconciliation_share(
+        self, sources: Sequence[int], target_degree: int, target_firsts: Sequence[int]
+    ) -> float:
+        """The share (0 to 1) of the sources' retained prefix weight that a reshape
+        leaves out of place: reuse its new workers lack until fetched or recomputed."""
+        traffic, whole = cache_handover.reconciliation(
+            self.trie, sources, target_degree, target_firsts
+        )
+        return traffic / whole if whole > 0 else 0.0
+
     # -- invariants ------------------------------------------------------------------
 
     def check_invariants(self, views: Mapping[int, WorkerCacheView]) -> None:

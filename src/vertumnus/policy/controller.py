@@ -203,8 +203,8 @@ class Controller:
 
     # Hooks the what-if controller uses (the rules need none of them).
 
-    def sample(self, sample: Any) -> None:
-        """A request placed for the first time (``forecast.ArrivalSample``)."""
+    def placed(self, request: Any, placement: Any, arrival_s: float, block_tokens: int) -> None:
+        """A request (``PlacementRequest``) placed for the first time (``Placement``)."""
 
     def completed(self, request_id: int, ttft_s: float) -> None:
         """A request's prefill ended, ``ttft_s`` after it arrived."""

@@ -19,13 +19,14 @@ forecast (``replay``), the decision (``whatif``).
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections import deque
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-# A holder that stands for every worker (a representative workload whose reuse is
-# known only as "cached somewhere": the start choice).
-ANY_WORKER = -1
+# The holders a sample keeps (the longest reuse first): a prefix cached on many
+# workers is reusable nearly anywhere, and the replay's cost grows with holders.
+MAX_HOLDERS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +34,46 @@ class ArrivalSample:
     request_id: int
     arrival_s: float
     input_tokens: int
-    holders: tuple[tuple[int, int], ...]  # (worker id, reusable tokens > 0) at arrival
+    # (worker id, reusable tokens > floor_tokens) at arrival, longest first
+    holders: tuple[tuple[int, int], ...] = ()
     # The id of the last block of its longest reusable prefix (0: none): which child
     # of a split inherits that prefix, the same in every driver.
     prefix_key: int = 0
+    floor_tokens: int = 0  # reusable at every worker (a prefix every worker holds)
+    # A fixed pseudo-random draw in [0, 1) (the replay thins by it)
+    draw: float = field(init=False, default=0.0)
+
+    def __post_init__(self) -> None:
+        # From what both drivers see alike: length, prefix and the arrival millisecond.
+        mix = self.prefix_key ^ round(self.arrival_s * 1000.0)
+        object.__setattr__(self, "draw", unit(self.input_tokens, mix))
+
+
+def make_sample(
+    request_id: int,
+    arrival_s: float,
+    input_tokens: int,
+    reusable: Sequence[tuple[int, int]],
+    num_workers: int,
+    prefix_key: int,
+) -> ArrivalSample:
+    """A sample from the trie's lookup: ``reusable`` (worker, tokens > 0) over the
+    ``num_workers`` serving workers. What all of them hold becomes the floor; the
+    ``MAX_HOLDERS`` longest of the rest are kept."""
+    floor = min(p for _, p in reusable) if reusable and len(reusable) >= num_workers else 0
+    above = sorted(((w, p) for w, p in reusable if p > floor), key=lambda h: (-h[1], h[0]))
+    return ArrivalSample(
+        request_id, arrival_s, input_tokens, tuple(above[:MAX_HOLDERS]), prefix_key, floor
+    )
+
+
+def unit(a: int, b: int) -> float:
+    """A fixed pseudo-random number in [0, 1) per pair of integers (splitmix64)."""
+    x = (a * 0x9E3779B97F4A7C15 + b) & 0xFFFFFFFFFFFFFFFF
+    x ^= x >> 31
+    x = (x * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x ^= x >> 29
+    return x / 2.0**64
 
 
 @dataclass(frozen=True)
@@ -72,47 +109,60 @@ class ForecastWindow:
 
 
 class Forecast:
+    """The samples in arrival order, indexed by a running maximum of their arrival
+    times (a request placed late, after waiting, keeps its place in that order), so
+    the window and the rate test are two binary searches."""
+
     def __init__(self, config: ForecastConfig | None = None) -> None:
         self.config = config or ForecastConfig()
-        self._samples: deque[ArrivalSample] = deque()
+        self._samples: list[ArrivalSample] = []
+        self._keys: list[float] = []  # running maximum of the arrival times
+        self._head = 0  # samples before it are trimmed
         self._floor_s = -math.inf  # arrivals before this are out (a rate change)
         self.first_arrival_s: float | None = None
         self.by_id: dict[int, ArrivalSample] = {}
 
     def __len__(self) -> int:
-        return len(self._samples)
+        return len(self._samples) - self._head
 
     def record(self, sample: ArrivalSample) -> None:
         if self.first_arrival_s is None:
             self.first_arrival_s = sample.arrival_s
+        key = max(sample.arrival_s, self._keys[-1]) if self._keys else sample.arrival_s
         self._samples.append(sample)
+        self._keys.append(key)
         self.by_id[sample.request_id] = sample
+
+    def _index(self, t: float) -> int:
+        return bisect.bisect_left(self._keys, t, lo=self._head)
 
     def _trim(self, now: float) -> None:
         keep_from = max(now - self.config.max_horizon_s, self._floor_s)
-        samples = self._samples
-        while samples and samples[0].arrival_s < keep_from:
-            gone = samples.popleft()
+        cut = self._index(keep_from)
+        for gone in self._samples[self._head : cut]:
             self.by_id.pop(gone.request_id, None)
+        self._head = cut
+        if self._head > 4096 and self._head * 2 > len(self._samples):
+            del self._samples[: self._head], self._keys[: self._head]
+            self._head = 0
 
     def window(self, now: float) -> ForecastWindow:
         """The forecast at ``now`` (applies the rate-change test)."""
         cfg = self.config
         self._trim(now)
-        samples = self._samples
         origin = self.first_arrival_s if self.first_arrival_s is not None else now
         changed = self._rate_changed(now, origin)
         if changed:
             self._floor_s = now - cfg.recent_s
             self._trim(now)
         start = max(now - cfg.horizon_s, self._floor_s, min(origin, now))
-        n_in = sum(1 for _ in _since(samples, start))
-        if n_in < cfg.min_requests and len(samples) > n_in:
-            # Extend back to min_requests (the deque holds max_horizon_s at most).
-            k = min(len(samples), cfg.min_requests)
-            start = min(start, samples[len(samples) - k].arrival_s)
-        chosen = tuple(_since(samples, start))
-        return ForecastWindow(chosen, start, now, changed)
+        first = self._index(start)
+        if len(self._samples) - first < cfg.min_requests:
+            # Extend back to min_requests (what is kept spans max_horizon_s at most).
+            first = max(self._head, len(self._samples) - cfg.min_requests)
+            if first < len(self._samples):
+                start = min(start, self._keys[first])
+        return ForecastWindow(tuple(self._samples[first:]), start, now, changed)
 
     def _rate_changed(self, now: float, origin: float) -> bool:
         cfg = self.config
@@ -121,24 +171,11 @@ class Forecast:
         older_span = recent_from - older_from
         if older_span < cfg.recent_s:  # too little history to compare with
             return False
-        n_recent = n_older = 0
-        for s in self._samples:
-            if s.arrival_s >= recent_from:
-                n_recent += 1
-            elif s.arrival_s >= older_from:
-                n_older += 1
+        recent = self._index(recent_from)
+        n_recent = len(self._samples) - recent
+        n_older = recent - self._index(older_from)
         expected = n_older * cfg.recent_s / older_span
         gap = abs(n_recent - expected)
         return gap > cfg.change_sigma * math.sqrt(max(expected, 1.0)) and (
             gap > cfg.change_fraction * expected
         )
-
-
-def _since(samples: deque[ArrivalSample], start_s: float) -> list[ArrivalSample]:
-    out: list[ArrivalSample] = []
-    for s in reversed(samples):
-        if s.arrival_s < start_s:
-            break
-        out.append(s)
-    out.reverse()
-    return out

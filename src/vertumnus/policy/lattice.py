@@ -25,6 +25,7 @@ requests and queues (``scheduler``), the driver that drains and switches.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import itertools
 from collections import Counter
@@ -162,6 +163,7 @@ class Lattice:
         one worker of its size)."""
         self.config = config
         self.blocks = top_blocks(config.num_devices, config.degrees)
+        self._block_starts = [start for start, _ in self.blocks]
         self.epoch = 0
         self.workers: dict[int, LatticeWorker] = {}
         self._next_id = 0
@@ -192,13 +194,18 @@ class Lattice:
         return [w.cp_degree for w in sorted(self.workers.values(), key=lambda w: w.first_device)]
 
     def _block_of(self, first: int) -> tuple[int, int]:
-        for start, size in self.blocks:
-            if start <= first < start + size:
+        k = bisect.bisect_right(self._block_starts, first) - 1
+        if k >= 0:
+            start, size = self.blocks[k]
+            if first < start + size:
                 return start, size
         raise LatticeError(f"device {first} outside the pool")
 
-    def buddy(self, worker_id: int) -> int | None:
-        """The sibling that ``worker_id`` could merge with, if it exists as one worker."""
+    def buddy(
+        self, worker_id: int, slots: Mapping[tuple[int, int], int] | None = None
+    ) -> int | None:
+        """The sibling that ``worker_id`` could merge with, if it exists as one worker
+        (``slots``: (first device, degree) -> worker, to look it up in a large pool)."""
         w = self.workers[worker_id]
         parent = 2 * w.cp_degree
         start, size = self._block_of(w.first_device)
@@ -208,6 +215,8 @@ class Lattice:
         sibling_first = (
             parent_first + w.cp_degree if w.first_device == parent_first else parent_first
         )
+        if slots is not None:
+            return slots.get((sibling_first, w.cp_degree))
         for other in self.workers.values():
             if other.first_device == sibling_first and other.cp_degree == w.cp_degree:
                 return other.worker_id
@@ -231,8 +240,9 @@ class Lattice:
     def merge_options(self) -> list[Reshape]:
         """Every merge of two ACTIVE buddies that keeps the bounds."""
         counts, out = self.composition(), []
+        slots = {(w.first_device, w.cp_degree): w.worker_id for w in self.workers.values()}
         for w in sorted(self.workers.values(), key=lambda w: w.first_device):
-            other = self.buddy(w.worker_id)
+            other = self.buddy(w.worker_id, slots)
             if other is None or w.state is not WorkerState.ACTIVE:
                 continue
             b = self.workers[other]

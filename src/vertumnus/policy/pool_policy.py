@@ -47,7 +47,6 @@ from vertumnus.policy.cache_plans import CopyPlan
 from vertumnus.policy.channel import Channel
 from vertumnus.policy.controller import Controller
 from vertumnus.policy.costs import reuse_curves
-from vertumnus.policy.forecast import ArrivalSample
 from vertumnus.policy.kv_ledger import CopyJob, KVLedger
 from vertumnus.policy.lattice import Lattice, Reshape, WorkerState, composition_name
 from vertumnus.policy.outages import Outages
@@ -101,7 +100,20 @@ class PoolPolicy:
         self.controller: Controller
         if config.controller.mode == "whatif":
             self.controller = WhatIfController(
-                config.controller, self.lattice, kappa, self.curves, config.weights, self._traffic
+                config.controller,
+                self.lattice,
+                kappa,
+                self.curves,
+                config.weights,
+                self._traffic,
+                lambda op: self.cache.reconciliation_share(
+                    op.sources, op.target_degree, op.target_firsts
+                ),
+                lambda w: (
+                    len(self.cache.trie.worker_nodes.get(w, ()))
+                    + len(self.cache.trie.worker_pending.get(w, ()))
+                ),
+                config.max_tokens_per_rank,
             )
         else:
             self.controller = Controller(config.controller, self.lattice, kappa, self._traffic)
@@ -198,16 +210,8 @@ class PoolPolicy:
         if request_id not in self._recorded:
             self._recorded.add(request_id)
             self.controller.record(placed.exec_s, request.input_tokens)
-            deepest = max((p for _, p in placed.holders), default=0) // self.block_tokens
-            self.controller.sample(
-                ArrivalSample(
-                    request_id,
-                    self._arrived_s.get(request_id, now),
-                    request.input_tokens,
-                    placed.holders,
-                    request.block_ids[deepest - 1] if deepest else 0,
-                )
-            )
+            arrived = self._arrived_s.get(request_id, now)
+            self.controller.placed(request, placed, arrived, self.block_tokens)
         actions = Actions(placed=[placed])
         if placed.update is not None and placed.update.fetch is not None:
             self.channel.queue_copy(placed.update.fetch)

@@ -29,22 +29,21 @@ decision (``whatif``).
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from vertumnus.policy.costs import CostWeights, ReuseCurve
-from vertumnus.policy.forecast import ANY_WORKER, ArrivalSample
+from vertumnus.policy.forecast import ArrivalSample, unit
 
 # Input-length buckets of the calibration: [0, 2K), [2K, 8K), [8K, 32K), [32K, inf).
 BUCKET_EDGES: tuple[int, ...] = (2048, 8192, 32768)
 
 
 def bucket_of(input_tokens: int) -> int:
-    for k, edge in enumerate(BUCKET_EDGES):
-        if input_tokens < edge:
-            return k
-    return len(BUCKET_EDGES)
+    return bisect.bisect_right(BUCKET_EDGES, input_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,17 +61,22 @@ class ReplayResult:
     span_s: float  # arrival span of the replayed requests, real seconds
 
 
+# Per request, uncalibrated and undilated: (input bucket, E per degree at its floor
+# reuse, ((holder, E per degree at its reuse there), ...)). inf: cannot hold it.
+Times = tuple[int, tuple[float, ...], tuple[tuple[int, tuple[float, ...]], ...]]
+
+
 @dataclass(frozen=True)
 class PreparedForecast:
-    """Per request: offset, id, length, predicted and actual E per degree (no reuse),
-    holders. Durations are already dilated."""
+    """Per request: offset, prefix key, input bucket, predicted E per degree (no
+    reuse beyond the floor), holders with E at their reuse. E is the profile's,
+    undilated and uncalibrated: ``run`` applies both."""
 
     offsets: tuple[float, ...]
     keys: tuple[int, ...]  # prefix keys (which split child inherits the prefix)
-    tokens: tuple[int, ...]
+    buckets: tuple[int, ...]
     e_pred: tuple[tuple[float, ...], ...]  # [request][degree index]
-    e_act: tuple[tuple[float, ...], ...]
-    holders: tuple[tuple[tuple[int, int], ...], ...]
+    holders: tuple[tuple[tuple[int, tuple[float, ...]], ...], ...]
     dilation: float
     span_s: float
 
@@ -87,13 +91,14 @@ class ReplayModel:
         weights: CostWeights,
         scale: Mapping[int, Sequence[float]] | None = None,
         overhead_s: float = 0.0,
+        max_tokens_per_rank: int | None = None,
     ) -> None:
         self.degrees = tuple(sorted(degrees))
         self.curves = {c: curves[c] for c in self.degrees}
         nb = len(BUCKET_EDGES) + 1
         self.scale = {c: tuple((scale or {}).get(c, (1.0,) * nb)) for c in self.degrees}
-        c_min = self.degrees[0]
-        self.factor = {c: weights.factor(c, c_min) for c in self.degrees}
+        self.weights = weights
+        self.max_tokens_per_rank = max_tokens_per_rank
         self.overhead_s = overhead_s
 
     def prepare(
@@ -102,42 +107,59 @@ class ReplayModel:
         origin_s: float,
         dilation: float = 1.0,
         span_s: float | None = None,
+        cache: dict[int, Times] | None = None,
     ) -> PreparedForecast:
         """The samples as replay input, offsets from ``origin_s``; with ``dilation``
-        m > 1 a deterministic 1/m of them."""
+        m > 1 a deterministic 1/m of them. ``cache``: each request's times by id,
+        kept from one decision to the next (they depend on the profile only)."""
         if dilation > 1.0:
             keep = 1.0 / dilation
-            # By length and prefix, not request id: the drivers number requests apart.
-            samples = [s for s in samples if _unit(s.input_tokens, s.prefix_key) < keep]
-        offsets, keys, tokens, e_pred, e_act, holders = [], [], [], [], [], []
+            # By length, prefix and arrival, not request id: the drivers number
+            # requests apart.
+            samples = [s for s in samples if s.draw < keep]
+        offsets: list[float] = []
+        keys: list[int] = []
+        buckets: list[int] = []
+        e_pred: list[tuple[float, ...]] = []
+        holders: list[tuple[tuple[int, tuple[float, ...]], ...]] = []
         for s in samples:
-            n, b = s.input_tokens, bucket_of(s.input_tokens)
-            held = s.holders
-            anywhere = 0
-            if held and held[0][0] == ANY_WORKER:
-                anywhere, held = held[0][1], ()
-            pred = tuple(self.curves[c].time_s(n, anywhere) * dilation for c in self.degrees)
+            times = cache.get(s.request_id) if cache is not None else None
+            if times is None:
+                times = self.times(s)
+                if cache is not None:
+                    cache[s.request_id] = times
             offsets.append(s.arrival_s - origin_s)
             keys.append(s.prefix_key)
-            tokens.append(n)
-            e_pred.append(pred)
-            e_act.append(
-                tuple(
-                    p * self.scale[c][b] + self.overhead_s * dilation
-                    for c, p in zip(self.degrees, pred, strict=True)
-                )
-            )
-            holders.append(held)
+            buckets.append(times[0])
+            e_pred.append(times[1])
+            holders.append(times[2])
         span = span_s if span_s is not None else (max(offsets) if offsets else 0.0)
         return PreparedForecast(
             tuple(offsets),
             tuple(keys),
-            tuple(tokens),
+            tuple(buckets),
             tuple(e_pred),
-            tuple(e_act),
             tuple(holders),
             dilation,
             span,
+        )
+
+    def times(self, sample: ArrivalSample) -> Times:
+        """The request's E per degree at its floor and at each holder's reuse."""
+        n = sample.input_tokens
+        return (
+            bucket_of(n),
+            self._per_degree_s(n, sample.floor_tokens),
+            tuple((w, self._per_degree_s(n, p)) for w, p in sample.holders),
+        )
+
+    def _per_degree_s(self, input_tokens: int, reused_tokens: int) -> tuple[float, ...]:
+        limit = self.max_tokens_per_rank
+        return tuple(
+            math.inf  # its ranks cannot hold the request
+            if limit is not None and -(-input_tokens // c) > limit
+            else self.curves[c].time_s(input_tokens, reused_tokens)
+            for c in self.degrees
         )
 
     def run(
@@ -145,11 +167,14 @@ class ReplayModel:
         forecast: PreparedForecast,
         workers: Sequence[ReplayWorker],
         remap: Mapping[int, tuple[int, ...]] | None = None,
+        lost: Mapping[int, float] | None = None,
     ) -> ReplayResult:
         """Mean TTFT of ``forecast`` on ``workers``. A holder id found in ``remap``
         stands for the workers it maps to (a reshape's targets: a request's prefix
         goes to one of them, by its prefix key); one neither there nor among
-        ``workers`` holds nothing now."""
+        ``workers`` holds nothing now. ``lost``: per remapped holder, the share of
+        its prefixes the reshape leaves out of place (a prefix is lost or kept by
+        its key); the first request of a lost prefix misses, the ones after it hit."""
         m = forecast.dilation
         degrees = self.degrees
         index = {c: k for k, c in enumerate(degrees)}
@@ -165,21 +190,24 @@ class ReplayModel:
         present = [k for k, h in enumerate(heaps) if h]
         if not present:
             raise ValueError("a replay needs at least one worker")
-        factor = [self.factor[c] for c in degrees]
-        # The scheduler sees predicted work: q in its units is q / (mean scale).
-        inv_scale = [len(self.scale[c]) / sum(self.scale[c]) for c in degrees]
-        curves = [self.curves[c] for c in degrees]
         scales = [self.scale[c] for c in degrees]
         overhead = self.overhead_s * m
+        # The scheduler's beta + lambda (C / C_min - 1), C_min among the workers here.
+        c_min = degrees[present[0]]
+        factor = [self.weights.factor(c, c_min) for c in degrees]
+        # The scheduler sees predicted work: q in its units is q / (mean scale).
+        inv_scale = [len(self.scale[c]) / sum(self.scale[c]) for c in degrees]
         remap = remap or {}
+        lost = lost or {}
+        restored: set[int] = set()
         heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
         total = busy = 0.0
-        for t, key, n, pred, act, held in zip(
+        skipped = 0
+        for t, key, b, pred, held in zip(
             forecast.offsets,
             forecast.keys,
-            forecast.tokens,
+            forecast.buckets,
             forecast.e_pred,
-            forecast.e_act,
             forecast.holders,
             strict=True,
         ):
@@ -193,25 +221,37 @@ class ReplayModel:
                     heappop(h)
                     fa, w = h[0]
                 q = fa - t if fa > t else 0.0
-                cost = q * inv_scale[k] + factor[k] * pred[k]
+                e = pred[k] * m
+                cost = q * inv_scale[k] + factor[k] * e
                 if cost < best_cost or (cost == best_cost and (q, k, w) < (best_q, best_k, best_w)):
-                    best_cost, best_q, best_k, best_w, best_e = cost, q, k, w, act[k]
-            for holder, p in held:
-                targets = remap.get(holder)
-                if targets is not None:
-                    holder = targets[key % len(targets)] if targets else -1
+                    best_cost, best_q, best_k, best_w, best_e = cost, q, k, w, e
+            missed = False
+            for holder, h_pred in held:
+                if remap:
+                    targets = remap.get(holder)
+                    if targets is not None:
+                        share = lost.get(holder, 0.0)
+                        if share > 0 and key not in restored and unit(key, holder) < share:
+                            missed = True
+                            continue
+                        holder = targets[key % len(targets)] if targets else -1
                 held_free = free.get(holder)
                 if held_free is None:
                     continue
                 k = degree_of[holder]
-                e = curves[k].time_s(n, p) * m
                 q = held_free - t if held_free > t else 0.0
+                e = h_pred[k] * m
                 cost = q * inv_scale[k] + factor[k] * e
                 if cost < best_cost or (
                     cost == best_cost and (q, k, holder) < (best_q, best_k, best_w)
                 ):
-                    best_cost, best_q, best_k, best_w = cost, q, k, holder
-                    best_e = e * scales[k][bucket_of(n)] + overhead
+                    best_cost, best_q, best_k, best_w, best_e = cost, q, k, holder, e
+            if best_w < 0:
+                skipped += 1  # no worker here can hold it (the scheduler refuses it)
+                continue
+            if missed:
+                restored.add(key)  # computed (or fetched) now: the next one hits
+            best_e = best_e * scales[best_k][b] + overhead  # what it really takes
             end = t + best_q + best_e
             free[best_w] = end
             h = heaps[best_k]
@@ -221,16 +261,7 @@ class ReplayModel:
                 heappush(h, (end, best_w))
             total += best_q + best_e
             busy += best_e
-        n_req = len(forecast.offsets)
+        n_req = len(forecast.offsets) - skipped
         # busy: the thinned requests' dilated service time, which is the whole
         # forecast's service time in real seconds.
         return ReplayResult(total / n_req / m if n_req else 0.0, n_req, busy, forecast.span_s)
-
-
-def _unit(input_tokens: int, prefix_key: int) -> float:
-    """A fixed pseudo-random number in [0, 1) per request (for thinning)."""
-    x = (input_tokens * 0x9E3779B97F4A7C15 + prefix_key) & 0xFFFFFFFFFFFFFFFF
-    x ^= x >> 31
-    x = (x * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x ^= x >> 29
-    return x / 2.0**64

@@ -20,10 +20,13 @@ Every ``decision_s`` seconds (10 s by default, apart from the capacity window):
      the margin (``margin`` plus ``audit_weight`` times the audit's error). A gain of
      ``urgent_gain`` or more acts at once; a smaller one must win
      ``confirm_decisions`` decisions in a row with the same kind of move (direction
-     and level). While a reshape is under way only an urgent move starts another;
-     in the cold-cache warm-up (``warmup_s`` after the first arrival) only an urgent
-     move under overload (the predicted busy fraction of holding at least
-     ``overload_utilisation``).
+     and level), their mean gain above the margin. Urgent means the load moved: the
+     pool is overloaded (the predicted busy fraction of holding at least
+     ``overload_utilisation``) or the forecast just saw the rate change; a large gain
+     elsewhere is confirmed like a small one. While a reshape is under way only an
+     urgent move starts another; in the cold-cache warm-up (``warmup_s`` after the
+     first arrival) only an urgent move with the pool past saturation (busy
+     fraction 1 or more: a cold cache alone looks like overload).
 
 The decision is cut in three so that a server computes the replays off its event
 loop: ``prepare`` (reads the pool: on the loop), ``evaluate`` (the replays: pure,
@@ -40,17 +43,24 @@ Pure Python, clock-free. Not owned here: executing reshapes (``transition``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from vertumnus.policy.calibration import Calibration
 from vertumnus.policy.controller import Controller, ControllerConfig, Decision, TrafficFn
 from vertumnus.policy.costs import CostWeights, ReuseCurve
-from vertumnus.policy.forecast import ArrivalSample, Forecast, ForecastConfig
+from vertumnus.policy.forecast import ArrivalSample, Forecast, ForecastConfig, make_sample
 from vertumnus.policy.lattice import Lattice, Reshape, WorkerState
-from vertumnus.policy.replay import PreparedForecast, ReplayModel, ReplayResult, ReplayWorker
+from vertumnus.policy.replay import (
+    ReplayModel,
+    ReplayWorker,
+    Times,
+)
+from vertumnus.policy.scheduler import Placement, PlacementRequest
 from vertumnus.policy.whatif_candidates import Candidate, PoolInputs, candidates
+from vertumnus.policy.whatif_search import Evaluation, WhatIfPlan, evaluate
 
 
 @dataclass
@@ -65,24 +75,6 @@ class _Period:
     ttft_s: dict[int, float] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class WhatIfPlan:
-    now: float
-    model: ReplayModel
-    forecast: PreparedForecast
-    candidates: tuple[Candidate, ...]
-    audits: tuple[tuple[int, PreparedForecast, tuple[ReplayWorker, ...], float], ...]
-    forecast_requests: int
-    rate_changed: bool
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    next: tuple[ReplayResult, ...]
-    steady: tuple[ReplayResult, ...]
-    audits: tuple[tuple[int, float, float], ...]  # (period, predicted, measured)
-
-
 class WhatIfController(Controller):
     def __init__(
         self,
@@ -92,8 +84,18 @@ class WhatIfController(Controller):
         curves: Mapping[int, ReuseCurve],
         weights: CostWeights,
         traffic: TrafficFn | None = None,
+        disturbed: TrafficFn | None = None,
+        held_blocks: Callable[[int], int] | None = None,
+        max_tokens_per_rank: int | None = None,
     ) -> None:
+        """``disturbed``: the share of a reshape's cache it leaves out of place (the
+        trie's reconciliation, ``cache_manager.reconciliation_share``);
+        ``held_blocks``: the blocks a worker caches (the cheap stand-in for the
+        reconciliation traffic when ordering many options)."""
         super().__init__(config, lattice, kappa_s, traffic)
+        self.disturbed = disturbed or (lambda op: 0.0)
+        self.held_blocks = held_blocks or (lambda worker_id: 0)
+        self.max_tokens_per_rank = max_tokens_per_rank  # the scheduler's KV limit
         self.curves = curves
         self.weights = weights
         self.forecast = Forecast(
@@ -109,11 +111,24 @@ class WhatIfController(Controller):
         self._period: _Period | None = None
         self._periods: dict[int, _Period] = {}  # closed, waiting for their requests
         self._period_of: dict[int, int] = {}  # request -> the period it arrived in
+        self._shares: dict[Reshape, tuple[float, float]] = {}  # op -> (when, share)
+        self._times: dict[int, Times] = {}  # request -> its E per degree (the replay's)
 
     # -- inputs ------------------------------------------------------------------------
 
-    def sample(self, sample: ArrivalSample) -> None:
+    def placed(
+        self, request: PlacementRequest, placement: Placement, arrival_s: float, block_tokens: int
+    ) -> None:
         """A request placed for the first time: its arrival, length and holders."""
+        deepest = max((p for _, p in placement.holders), default=0) // block_tokens
+        sample = make_sample(
+            request.request_id,
+            arrival_s,
+            request.input_tokens,
+            placement.holders,
+            placement.num_candidates,
+            request.block_ids[deepest - 1] if deepest else 0,
+        )
         self.forecast.record(sample)
         if self._period is None:  # the first period starts with the first arrival
             workers = tuple(
@@ -151,16 +166,47 @@ class WhatIfController(Controller):
         cfg, cal = self.config, self.calibration
         now = inputs.now
         scales = cal.scales()
-        model = ReplayModel(self.curves, self.lattice.config.degrees, self.weights, scales,
-                            cal.overhead_s)  # fmt: skip
+        model = ReplayModel(
+            self.curves,
+            self.lattice.config.degrees,
+            self.weights,
+            scales,
+            cal.overhead_s,
+            self.max_tokens_per_rank,
+        )
         window = self.forecast.window(now)
+        if len(self._times) > 2 * len(self.forecast) + 1000:  # forget the requests gone
+            self._times = {r: t for r, t in self._times.items() if r in self.forecast.by_id}
         n = len(window.samples)
         dilation = max(1.0, n / cfg.replay_requests)
-        forecast = model.prepare(window.samples, window.start_s, dilation, window.span_s)
+        forecast = model.prepare(
+            window.samples, window.start_s, dilation, window.span_s, self._times
+        )
         backlog_scale = {c: sum(s) / len(s) for c, s in scales.items()}
         active = [w for w in self.lattice.workers.values() if w.state is WorkerState.ACTIVE]
         max_moves = max(1, int(cfg.max_moves_fraction * len(active)))
         loads = inputs.loads
+        fresh = [0]
+
+        def order(op: Reshape) -> tuple[float, float, int]:
+            # least drain, then least cached KV to reconcile, then device
+            drain = max(loads.get(s, 0.0) for s in op.sources)
+            return (drain, float(sum(map(self.held_blocks, op.sources))), min(op.target_firsts))
+
+        def disturbed(op: Reshape) -> float:
+            # A walk of the sources' cache in the trie: kept for a minute, and at
+            # most 2 new walks a decision (in a large pool the rest take the mean
+            # of those known).
+            known = self._shares.get(op)
+            if known is not None and now - known[0] < 60.0:
+                return known[1]
+            if fresh[0] < 2 or not self._shares:
+                fresh[0] += 1
+                share = self.disturbed(op)
+                self._shares[op] = (now, share)
+                return share
+            return sum(v for _, v in self._shares.values()) / len(self._shares)
+
         cands = candidates(
             self.lattice,
             inputs,
@@ -168,69 +214,54 @@ class WhatIfController(Controller):
             max_moves,
             backlog_scale,
             cal.switch_s,
-            lambda op: self._score(op, loads),
+            order,
             self.forecast.by_id.get,
+            disturbed,
         )
+        for op in [op for op, (t, _) in self._shares.items() if now - t >= 60.0]:
+            del self._shares[op]
         audits = []
-        for index, period in sorted(self._periods.items()):
-            if len(period.ttft_s) < len(period.samples):
-                continue
-            del self._periods[index]
-            if not period.undisturbed or not period.samples:
+        done = [i for i, p in sorted(self._periods.items()) if len(p.ttft_s) >= len(p.samples)]
+        for index in done:
+            period = self._periods.pop(index)
+            # One audit a decision (the latest): it is a replay of its own.
+            if index != done[-1] or not period.undisturbed or not period.samples:
                 continue
             measured = sum(period.ttft_s.values()) / len(period.ttft_s)
-            d = max(1.0, len(period.samples) / cfg.replay_requests)
-            replayed = model.prepare(period.samples, period.start_s, d)
+            d = max(1.0, 3 * len(period.samples) / cfg.replay_requests)  # (a third as many)
+            replayed = model.prepare(period.samples, period.start_s, d, cache=self._times)
             audits.append((index, replayed, period.workers, measured))
         for index in [i for i in self._periods if i < self.window - 6]:
             del self._periods[index]  # requests never answered (abandoned): no audit
         return WhatIfPlan(now, model, forecast, tuple(cands), tuple(audits), n,
-                          window.rate_changed)  # fmt: skip
+                          window.rate_changed, cfg.next_weight, cfg.op_cost)  # fmt: skip
 
     @staticmethod
     def evaluate(plan: WhatIfPlan) -> Evaluation:
-        """The replays: a pure function of the plan (safe off the event loop)."""
-        model, forecast = plan.model, plan.forecast
-        nexts, steadies = [], []
-        for cand in plan.candidates:
-            head = model.prepare(
-                [
-                    ArrivalSample(s.request_id, 0.0, s.input_tokens, s.holders, s.prefix_key)
-                    for s in cand.requeued
-                ],
-                0.0,
-                forecast.dilation,
-            )
-            combined = _concat(head, forecast) if head.offsets else forecast
-            if forecast.offsets or head.offsets:
-                nexts.append(model.run(combined, cand.next_workers, cand.remap))
-                steadies.append(model.run(forecast, cand.steady_workers, cand.remap))
-            else:
-                nexts.append(ReplayResult(0.0, 0, 0.0, 0.0))
-                steadies.append(ReplayResult(0.0, 0, 0.0, 0.0))
-        audits = tuple(
-            (index, model.run(replayed, workers).mean_ttft_s, measured)
-            for index, replayed, workers, measured in plan.audits
-        )
-        return Evaluation(tuple(nexts), tuple(steadies), audits)
+        """The replays (``whatif_search.evaluate``): pure, safe off the event loop."""
+        return evaluate(plan)
 
     def conclude(self, plan: WhatIfPlan, evaluation: Evaluation) -> Decision:
         cfg, cal = self.config, self.calibration
         for index, predicted, measured in evaluation.audits:
             cal.audit(index, predicted, measured)
-        w = cfg.next_weight
-        scores = [
-            (w * nx.mean_ttft_s + (1 - w) * st.mean_ttft_s) * (1 + cfg.op_cost * len(c.ops))
-            for c, nx, st in zip(plan.candidates, evaluation.next, evaluation.steady, strict=True)
-        ]
+        scores = [math.inf if s is None else s for s in evaluation.scores]
         hold = scores[0]
         best = min(range(len(scores)), key=lambda k: (scores[k], k))
-        gain = (hold - scores[best]) / hold if hold > 0 else 0.0
+        gain = (hold - scores[best]) / hold if 0 < hold < math.inf else 0.0
         margin = min(cfg.urgent_gain, cfg.margin + cfg.audit_weight * cal.error)
         steady_hold = evaluation.steady[0]
         n_hold = len(plan.candidates[0].steady_workers)
-        busy = steady_hold.busy_s / (n_hold * steady_hold.span_s) if steady_hold.span_s else 0.0
-        urgent = gain >= cfg.urgent_gain
+        busy = (
+            steady_hold.busy_s / (n_hold * steady_hold.span_s)
+            if steady_hold is not None and steady_hold.span_s
+            else 0.0
+        )
+        # A large gain acts at once only where the load moved: overload, or a rate
+        # change the forecast just saw. Elsewhere it is confirmed like a small one
+        # (a single forecast can flatter a candidate by chance).
+        overloaded = busy >= cfg.overload_utilisation
+        urgent = gain >= cfg.urgent_gain and (overloaded or plan.rate_changed)
         first = self.forecast.first_arrival_s
         warming = first is None or plan.now - first < cfg.warmup_s
         chosen = plan.candidates[best]
@@ -241,7 +272,7 @@ class WhatIfController(Controller):
         if plan.forecast_requests == 0 or best == 0:
             self._streak = None
         elif self._streak is not None and self._streak[0] == key:
-            self._streak = (key, [*self._streak[1][1 - cfg.confirm_decisions :], gain])
+            self._streak = (key, [*self._streak[1], gain][-cfg.confirm_decisions :])
         else:
             self._streak = (key, [gain])
         gains = self._streak[1] if self._streak is not None else []
@@ -251,7 +282,9 @@ class WhatIfController(Controller):
         )
         if plan.forecast_requests == 0 or best == 0 or (gain < margin and not confirmed):
             rule = "hold"
-        elif warming and not (urgent and busy >= cfg.overload_utilisation):
+        elif warming and not (urgent and busy >= max(1.0, cfg.overload_utilisation)):
+            # A cold cache looks like overload: in the warm-up only arrivals beyond
+            # what the pool can serve at all (busy fraction 1 or more) move it.
             rule = "hold:warm-up"
         elif self.in_flight and not urgent:
             rule = "hold:reshapes-in-flight"
@@ -278,13 +311,18 @@ class WhatIfController(Controller):
                     "composition": c.name,
                     "move": c.kind if not c.ops else f"{len(c.ops)} {c.kind}",
                     "level": c.level,
-                    "next_s": nx.mean_ttft_s,
+                    "next_s": None if nx is None else nx.mean_ttft_s,
                     "steady_s": st.mean_ttft_s,
                     "score_s": score,
                 }
                 for c, nx, st, score in zip(
-                    plan.candidates, evaluation.next, evaluation.steady, scores, strict=True
+                    plan.candidates,
+                    evaluation.next,
+                    evaluation.steady,
+                    evaluation.scores,
+                    strict=True,
                 )
+                if st is not None  # (not replayed: past where its kind stopped improving)
             ],
             "calibration": cal.to_json(),
         }
@@ -328,16 +366,3 @@ class WhatIfController(Controller):
         return not self.in_flight and all(
             w.state is WorkerState.ACTIVE for w in self.lattice.workers.values()
         )
-
-
-def _concat(head: PreparedForecast, tail: PreparedForecast) -> PreparedForecast:
-    return PreparedForecast(
-        head.offsets + tail.offsets,
-        head.keys + tail.keys,
-        head.tokens + tail.tokens,
-        head.e_pred + tail.e_pred,
-        head.e_act + tail.e_act,
-        head.holders + tail.holders,
-        tail.dilation,
-        tail.span_s,
-    )

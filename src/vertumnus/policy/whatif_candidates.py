@@ -61,6 +61,8 @@ class Candidate:
     next_workers: tuple[ReplayWorker, ...]
     steady_workers: tuple[ReplayWorker, ...]
     remap: Mapping[int, tuple[int, ...]]
+    # per reshaped worker: the share of its cache left out of place (``next`` only)
+    lost: Mapping[int, float]
     requeued: tuple[ArrivalSample, ...] = field(default=())
 
     @property
@@ -87,10 +89,12 @@ def candidates(
     switch_s: float,
     score: Callable[[Reshape], tuple[float, float, int]],
     sample_of: Callable[[int], ArrivalSample | None],
+    disturbed: Callable[[Reshape], float],
 ) -> list[Candidate]:
     """Hold first, then every k-split and k-merge candidate (see the module doc).
     ``backlog_scale``: measured over predicted service per degree (turns predicted
-    backlog into seconds); ``score``: the order of the options."""
+    backlog into seconds); ``score``: the order of the options; ``disturbed``: the
+    share of a reshape's cache it leaves out of place."""
     workers = lattice.workers
     next_id = [max(workers, default=0) + 1]
 
@@ -109,6 +113,7 @@ def candidates(
     base_next: list[ReplayWorker] = []
     base_steady: list[ReplayWorker] = []
     base_remap: dict[int, tuple[int, ...]] = {}
+    base_lost: dict[int, float] = {}
     pending_sources: set[int] = set()
     for op in in_flight:
         present = [s for s in op.sources if s in workers]
@@ -117,8 +122,10 @@ def candidates(
         pending_sources.update(op.sources)
         ready = drain_s(op) + switch_s
         made = tuple(new_id() for _ in op.target_firsts)
+        share = disturbed(op)
         for s in op.sources:
             base_remap[s] = made
+            base_lost[s] = share
         for made_id in made:
             base_next.append(ReplayWorker(made_id, op.target_degree, ready))
             base_steady.append(ReplayWorker(made_id, op.target_degree, 0.0))
@@ -134,7 +141,14 @@ def candidates(
     counts: Counter[int] = Counter(w.cp_degree for w in base_steady)
     out = [
         Candidate(
-            "hold", 0, (), dict(counts), tuple(base_next), tuple(base_steady), dict(base_remap)
+            "hold",
+            0,
+            (),
+            dict(counts),
+            tuple(base_next),
+            tuple(base_steady),
+            dict(base_remap),
+            dict(base_lost),
         )
     ]
     busy = pending_sources | {s for op in in_flight for s in op.sources}
@@ -161,7 +175,8 @@ def candidates(
             for k in ladder(len(chosen)):
                 out.append(
                     _candidate(kind, hi, chosen[:k], base_next, base_steady, base_remap,
-                               inputs, drain_s, switch_s, new_id, sample_of)
+                               base_lost, inputs, drain_s, switch_s, new_id, sample_of,
+                               disturbed)
                 )  # fmt: skip
     return out
 
@@ -173,22 +188,27 @@ def _candidate(
     base_next: Sequence[ReplayWorker],
     base_steady: Sequence[ReplayWorker],
     base_remap: Mapping[int, tuple[int, ...]],
+    base_lost: Mapping[int, float],
     inputs: PoolInputs,
     drain_s: Callable[[Reshape], float],
     switch_s: float,
     new_id: Callable[[], int],
     sample_of: Callable[[int], ArrivalSample | None],
+    disturbed: Callable[[Reshape], float],
 ) -> Candidate:
     gone = {s for op in ops for s in op.sources}
     nxt = [w for w in base_next if w.worker_id not in gone]
     steady = [w for w in base_steady if w.worker_id not in gone]
     remap = dict(base_remap)
+    lost = dict(base_lost)
     requeued: list[ArrivalSample] = []
     for op in ops:
         ready = drain_s(op) + switch_s
         made = tuple(new_id() for _ in op.target_firsts)
+        share = disturbed(op)
         for s in op.sources:
             remap[s] = made
+            lost[s] = share
             for rid in inputs.queued.get(s, ()):
                 sample = sample_of(rid)
                 if sample is not None:
@@ -198,8 +218,9 @@ def _candidate(
             steady.append(ReplayWorker(w, op.target_degree, 0.0))
     counts = Counter(w.cp_degree for w in steady)
     return Candidate(
-        kind, level, tuple(ops), dict(counts), tuple(nxt), tuple(steady), remap, tuple(requeued)
-    )
+        kind, level, tuple(ops), dict(counts), tuple(nxt), tuple(steady), remap, lost,
+        tuple(requeued),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -218,7 +239,7 @@ def best_start(
     origin = samples[0].arrival_s
     forecast = model.prepare(samples, origin)
     table: dict[str, float] = {}
-    best: tuple[float, dict[int, int]] | None = None
+    best: tuple[float, int, dict[int, int]] | None = None
     for comp in reachable_compositions(config):
         workers, k = [], 0
         for c, n in sorted(comp.items()):
@@ -227,7 +248,8 @@ def best_start(
                 k += 1
         mean = model.run(forecast, workers).mean_ttft_s
         table[composition_name(comp)] = mean
-        if best is None or mean < best[0] * (1 - 1e-9):
-            best = (mean, dict(comp))
+        workers_n = sum(comp.values())
+        if best is None or (mean, -workers_n) < (best[0], -best[1]):
+            best = (mean, workers_n, dict(comp))
     assert best is not None
-    return StartChoice(best[1], table)
+    return StartChoice(best[2], table)

@@ -248,7 +248,10 @@ class Coordinator:
             self._end_window(now)
         if now >= self._next_scan:
             self._next_scan += self.cfg.policy.scan_interval_s
-            self._scan(now)
+            # After the workers this tick's decision woke have started their
+            # prefills (their tasks run first), as the simulator orders it.
+            assert self._loop is not None
+            self._loop.call_soon(self._scan, now)
         expiry = self.policy.ledger.next_deadline()
         if expiry is not None and now >= expiry:
             released = self.policy.expire(now)

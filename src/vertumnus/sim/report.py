@@ -9,16 +9,24 @@
 ``DIR/timeline.csv``   one row per controller window: arrivals and rate, demand,
                        capacity, composition, long fraction, mean and p90 TTFT of
                        the window's arrivals, the decision's rule
-``DIR/ttft_composition.png``  TTFT and composition over time (the paper's Fig. 13)
+``DIR/decisions.jsonl`` one line per controller decision: ``Decision.to_json()``
+                       (rule, ops, demand, capacity and the controller's inputs, e.g.
+                       the what-if candidates), its window's end time ``end_s`` and
+                       the window's rule as run (``window_rule``: "fixed" for a
+                       decision only noted, "end" for the run's last window)
+``DIR/ttft_composition.png``  TTFT and composition over time (the paper's Fig. 13), the
+                       decisions that moved the composition marked (split ▲, merge ▼)
 ``DIR/config.json``    the configuration the run used
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
+import enum
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +34,7 @@ import orjson
 
 from vertumnus.policy.lattice import composition_name
 from vertumnus.sim.config import SimConfig
+from vertumnus.sim.plots import plot
 from vertumnus.sim.simulator import RequestRecord, SimResult
 from vertumnus.stats import percentile
 
@@ -57,6 +66,7 @@ def summarize(result: SimResult, cfg: SimConfig) -> dict[str, Any]:
         **ttft_stats(records),
         "splits": sum(r.kind == "split" for r in result.reshapes),
         "merges": sum(r.kind == "merge" for r in result.reshapes),
+        "reshapes": len(result.reshapes),
         "mean_drain_s": sum(drains) / len(drains) if drains else None,
         "mean_switch_s": sum(switches) / len(switches) if switches else None,
         "copies": result.copies,
@@ -161,112 +171,42 @@ def write(result: SimResult, cfg: SimConfig, out: Path) -> dict[str, Any]:
             default=str,
         )
     )
+    write_decisions(result, out / "decisions.jsonl")
     plot(result, cfg, by_window, out / "ttft_composition.png")
     return summary
 
 
-def plot(result: SimResult, cfg: SimConfig, by_window: dict[int, list[float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    h = cfg.policy.controller.period_s
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
-    xs = [(k + 0.5) * h / 60 for k in sorted(by_window)]
-    top.plot(xs, [sum(v) / len(v) for _, v in sorted(by_window.items())], label="mean TTFT")
-    top.plot(
-        xs, [percentile(v, 90) for _, v in sorted(by_window.items())], label="P90 TTFT", alpha=0.6
-    )
-    top.set(ylabel="TTFT (s)", yscale="log", title=f"{cfg.policy.name}: TTFT by arrival window")
-    top.legend(loc="upper left")
-    for start, _ in cfg.phase_bounds[1:]:
-        top.axvline(start / 60, color="grey", linewidth=0.8, linestyle=":")
-        bottom.axvline(start / 60, color="grey", linewidth=0.8, linestyle=":")
-    degrees = cfg.lattice.degrees
-    times = [w.end_s / 60 for w in result.windows]
-    counts = {c: [] for c in degrees}  # type: dict[int, list[int]]
-    for w in result.windows:
-        parsed = {
-            int(p.split("CP")[1]): int(p.split("CP")[0])
-            for p in w.composition.split("/")
-            if "CP" in p
-        }
-        for c in degrees:
-            counts[c].append(parsed.get(c, 0))
-    for c in degrees:
-        bottom.step(times, counts[c], where="post", label=f"CP{c} workers")
-    bottom.set(xlabel="time (min)", ylabel="workers")
-    bottom.legend(loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def plain(value: Any) -> Any:
+    """``value`` as JSON-ready data: mappings (string keys), lists, str, int, float, bool
+    and None; tuples and sets become lists, dataclasses mappings, enums their value,
+    numpy scalars Python numbers, anything else its ``str``."""
+    if value is None or isinstance(value, str | bool | int | float):
+        return value
+    if isinstance(value, enum.Enum):
+        return plain(value.value)
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return plain(dataclasses.asdict(value))
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if isinstance(value, set | frozenset):
+        return sorted((plain(v) for v in value), key=repr)
+    item = getattr(value, "item", None)  # numpy scalars
+    if callable(item):
+        return plain(item())
+    return str(value)
 
 
-Series = tuple[list[float], list[float], list[str]]  # minutes, mean TTFT, composition
-
-
-def window_series(result: SimResult, cfg: SimConfig) -> Series:
-    """Per window: its middle (minutes), the mean TTFT of its arrivals, the composition."""
-    h = cfg.policy.controller.period_s
-    sums: dict[int, list[float]] = {}
-    for r in result.records:
-        if r.end_s is not None:
-            sums.setdefault(int(r.arrival_s // h), []).append(r.end_s - r.arrival_s)
-    comps = {w.window: w.composition for w in result.windows}
-    keys = sorted(sums)
-    return (
-        [(k + 0.5) * h / 60 for k in keys],
-        [sum(sums[k]) / len(sums[k]) for k in keys],
-        [comps.get(k, "") for k in keys],
-    )
-
-
-def plot_comparison(
-    rows: Sequence[dict[str, Any]], series: dict[str, Series], path: Path, sweep: bool
-) -> None:
-    """Variants side by side: TTFT over time (one run each), or against the rate."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if sweep:
-        fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-        labels = sorted({r["label"] for r in rows}, key=[r["label"] for r in rows].index)
-        for label in labels:
-            mine = [r for r in rows if r["label"] == label]
-            xs = [r["rate_scale"] for r in mine]
-            axes[0].plot(xs, [r["mean_ttft_s"] for r in mine], marker="o", label=label)
-            axes[1].plot(xs, [r["p90_ttft_s"] for r in mine], marker="o", label=label)
-            axes[2].plot(xs, [r["token_hit_rate"] for r in mine], marker="o", label=label)
-        for ax, name in zip(axes, ("mean TTFT (s)", "P90 TTFT (s)", "token hit rate"), strict=True):
-            ax.set(xlabel="rate scale", ylabel=name)
-        axes[0].set_yscale("log")
-        axes[1].set_yscale("log")
-        axes[0].legend(fontsize=8)
-    else:
-        fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
-        for r in rows:
-            xs, ys, _ = series[r["run"]]
-            top.plot(xs, ys, label=r["label"], linewidth=1.2)
-        top.set(ylabel="mean TTFT (s)", yscale="log")
-        top.legend(fontsize=8)
-        first = rows[0]
-        xs, _, comps = series[first["run"]]
-        degrees = sorted({int(p.split("CP")[1]) for c in comps for p in c.split("/") if "CP" in p})
-        for c in degrees:
-            counts = []
-            for comp in comps:
-                parsed = {
-                    int(p.split("CP")[1]): int(p.split("CP")[0])
-                    for p in comp.split("/")
-                    if "CP" in p
-                }
-                counts.append(parsed.get(c, 0))
-            bottom.step(xs, counts, where="mid", label=f"CP{c} workers ({first['label']})")
-        bottom.set(xlabel="time (min)", ylabel="workers")
-        bottom.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def write_decisions(result: SimResult, path: Path) -> None:
+    """One JSON line per decision, with its window's end time and rule as run."""
+    rows = {w.window: w for w in result.windows}
+    with path.open("wb") as f:
+        for d in result.decisions:
+            row = rows.get(d.window)
+            line = {
+                **plain(d.to_json()),
+                "end_s": row.end_s if row is not None else None,
+                "window_rule": row.rule if row is not None else None,
+            }
+            f.write(orjson.dumps(line) + b"\n")

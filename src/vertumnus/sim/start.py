@@ -16,7 +16,7 @@ from vertumnus.blocks import max_reuse_blocks
 from vertumnus.perfmodel import Profile
 from vertumnus.policy.composition import layout_for
 from vertumnus.policy.costs import reuse_curves
-from vertumnus.policy.forecast import ANY_WORKER, ArrivalSample
+from vertumnus.policy.forecast import ArrivalSample
 from vertumnus.policy.lattice import LatticeConfig
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.policy.replay import ReplayModel
@@ -41,8 +41,11 @@ def start_samples(
         while reused < limit and r.block_ids[reused] in seen:
             reused += 1
         seen.update(r.block_ids)
-        holders = ((ANY_WORKER, reused * block_tokens),) if reused else ()
-        out.append(ArrivalSample(r.request_id, r.arrival_s, r.input_tokens, holders))
+        out.append(
+            ArrivalSample(
+                r.request_id, r.arrival_s, r.input_tokens, floor_tokens=reused * block_tokens
+            )
+        )
     return out
 
 
@@ -56,6 +59,8 @@ def choose_start(
 ) -> tuple[list[int], StartChoice]:
     """(layout, the choice with every composition's prediction)."""
     curves = reuse_curves({c: profile.coeffs[c] for c in lattice.degrees})
-    model = ReplayModel(curves, lattice.degrees, policy.weights)
+    model = ReplayModel(
+        curves, lattice.degrees, policy.weights, max_tokens_per_rank=policy.max_tokens_per_rank
+    )
     choice = best_start(lattice, model, start_samples(requests, span_s, block_tokens))
     return layout_for(lattice, choice.composition), choice

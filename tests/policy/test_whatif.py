@@ -1,0 +1,597 @@
+"""The what-if controller (``policy/whatif.py``) through the policy stack: its rules
+(hold, urgent, confirming, warm-up, reshapes in flight), the three-step decision and
+its purity, the audit; and its candidates and start choice
+(``policy/whatif_candidates.py``).
+
+A small driver serves every placement FIFO for exactly its predicted time, so the
+pool does what the replay predicts. Requests carry no blocks (no cache reuse). With
+
+    E_1(L) = 0.01 + L / 1000 s        E_2(L) = 0.03 + L / 2000 s
+
+short requests (under 40 tokens) are faster at degree 1: 16 tokens take 26 ms there
+and 38 ms at degree 2, so a pool of degree-2 workers flooded with them gains by
+splitting."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from support.factories import BLOCK_SIZE, make_profile
+from vertumnus.perfmodel import DegreeCoeffs
+from vertumnus.policy.controller import ControllerConfig, Decision
+from vertumnus.policy.costs import CostWeights, reuse_curves
+from vertumnus.policy.forecast import ArrivalSample
+from vertumnus.policy.lattice import Lattice, LatticeConfig, Reshape, WorkerState
+from vertumnus.policy.pool_config import PolicyConfig, PoolSpec
+from vertumnus.policy.pool_policy import PoolPolicy
+from vertumnus.policy.replay import ReplayModel
+from vertumnus.policy.scheduler import PlacementRequest
+from vertumnus.policy.whatif import WhatIfController
+from vertumnus.policy.whatif_candidates import (
+    Candidate,
+    PoolInputs,
+    best_start,
+    candidates,
+    ladder,
+)
+
+COEFFS = {1: DegreeCoeffs(d=0.01, c=1e-3), 2: DegreeCoeffs(d=0.03, c=1e-3)}
+CURVES = reuse_curves(COEFFS)
+E1_SHORT, E2_SHORT = CURVES[1].time_s(16, 0), CURVES[2].time_s(16, 0)
+
+
+def make_policy(
+    layout: tuple[int, ...] = (2, 2),
+    adaptive: bool = True,
+    max_tokens_per_rank: int | None = None,
+    **controller: Any,
+) -> PoolPolicy:
+    settings_: dict[str, Any] = dict(
+        mode="whatif", decision_s=1.0, horizon_s=1.0, min_requests=10, warmup_s=0.0
+    )
+    settings_.update(controller)
+    pool = PoolSpec(LatticeConfig(sum(layout), (1, 2)), layout, BLOCK_SIZE, 64)
+    config = PolicyConfig(
+        adaptive=adaptive,
+        max_tokens_per_rank=max_tokens_per_rank,
+        controller=ControllerConfig(**settings_),
+    )
+    return PoolPolicy.build(make_profile(COEFFS), pool, config)
+
+
+class Driver:
+    """Runs each worker's queue FIFO, each prefill for exactly its predicted time;
+    reshapes begin (their sources drain) but never switch: no acknowledgements."""
+
+    def __init__(self, policy: PoolPolicy) -> None:
+        self.policy = policy
+        self.ends: dict[int, float] = {}  # worker -> end of its running prefill
+        self.next_id = 0
+
+    def until(self, now: float) -> None:
+        while True:
+            due = [(end, w) for w, end in self.ends.items() if end <= now]
+            if not due:
+                return
+            end, w = min(due)
+            del self.ends[w]
+            self.policy.finish(w, end)
+            self.start(w, end)
+
+    def start(self, worker: int, now: float) -> None:
+        if worker not in self.ends:
+            started = self.policy.start(worker, now)
+            if started is not None:
+                self.ends[worker] = now + started.exec_s
+
+    def arrive(self, tokens: int, now: float) -> None:
+        self.until(now)
+        actions = self.policy.arrive(PlacementRequest(self.next_id, tokens), now)
+        self.next_id += 1
+        for placed in actions.placed:
+            self.start(placed.worker_id, now)
+
+    def steady(self, start_s: float, rate: float, tokens: int = 16) -> None:
+        """One second of evenly spaced arrivals."""
+        for k in range(round(rate)):
+            self.arrive(tokens, start_s + k / rate)
+
+    def decide(self, now: float, three_step: bool = False) -> Decision:
+        self.until(now)
+        policy = self.policy
+        if three_step:
+            plan = policy.prepare_window(now)
+            outcome = policy.finish_window(plan, plan.evaluate(), now)
+        else:
+            outcome = policy.end_window(now)
+        for placed in outcome.actions.placed:
+            self.start(placed.worker_id, now)
+        return outcome.decision
+
+
+def run_periods(policy: PoolPolicy, rates: list[float], three_step: bool = False) -> list[str]:
+    driver = Driver(policy)
+    rules = []
+    for k, rate in enumerate(rates):
+        driver.steady(float(k), rate)
+        rules.append(driver.decide(k + 1.0, three_step).rule)
+    return rules
+
+
+# -- the rules ------------------------------------------------------------------------------
+
+
+def test_nothing_arrived_holds() -> None:
+    policy = make_policy()
+    decision = policy.end_window(1.0).decision
+    assert (decision.rule, decision.ops) == ("hold", ())
+    assert decision.inputs["forecast_requests"] == 0 and decision.inputs["gain"] == 0.0
+    assert decision.inputs["chosen"] == "2CP2" and decision.inputs["urgent"] is False
+    assert policy.lattice.composition() == {2: 2} and policy.controller.in_flight == []
+    assert [d.rule for d in policy.controller.history] == ["hold"]
+
+
+def test_an_overload_of_short_requests_splits_at_once() -> None:
+    # 150 short requests a second on four degree-2 workers: 150 * 38 ms = 5.7 s of
+    # work a second for 4 workers, a busy fraction of 1.425.
+    policy = make_policy(layout=(2, 2, 2, 2))
+    driver = Driver(policy)
+    driver.steady(0.0, 150)
+    driver.until(1.0)
+    loads = policy.scheduler.loads(1.0)
+    decision = driver.decide(1.0)
+    inputs = decision.inputs
+    assert decision.rule == "split:urgent"
+    assert inputs["urgent"] is True and inputs["rate_changed"] is False
+    assert inputs["busy_fraction"] == pytest.approx(150 * E2_SHORT / 4, rel=1e-9)
+    assert inputs["margin"] == 0.015  # nothing audited yet
+    cands = inputs["candidates"]
+    # At most half the workers move at once: 1 or 2 splits.
+    assert [(c["composition"], c["move"], c["level"]) for c in cands] == [
+        ("4CP2", "hold", 0),
+        ("2CP1/3CP2", "1 split", 2),
+        ("4CP1/2CP2", "2 split", 2),
+    ]
+    # Four degree-1 workers take one request in four, 26.7 ms apart: no queue.
+    assert cands[2]["steady_s"] == pytest.approx(E1_SHORT, rel=1e-9)
+    # Every one could beat holding (its steady state alone does): all fully replayed.
+    for c, ops in zip(cands, (0, 1, 2), strict=True):
+        blend = 0.25 * c["next_s"] + 0.75 * c["steady_s"]
+        assert c["score_s"] == pytest.approx(blend * (1 + 0.005 * ops), rel=1e-12)
+    best = min(range(3), key=lambda k: cands[k]["score_s"])
+    assert best > 0 and inputs["chosen"] == cands[best]["composition"]
+    hold = cands[0]["score_s"]
+    assert inputs["gain"] == pytest.approx((hold - cands[best]["score_s"]) / hold, rel=1e-12)
+    assert inputs["gain"] >= 0.08
+    # The splits go to the workers that drain first (least outstanding work).
+    least = sorted(loads, key=lambda w: (loads[w], w))[:best]
+    assert [op.sources for op in decision.ops] == [(w,) for w in least]
+    assert all(op.kind == "split" and op.target_degree == 1 for op in decision.ops)
+    assert policy.controller.in_flight == list(decision.ops)
+    assert all(policy.lattice.workers[w].state is not WorkerState.ACTIVE for w in least)
+
+
+def test_a_gain_under_urgent_must_be_confirmed() -> None:
+    policy = make_policy(layout=(2, 2, 2, 2), urgent_gain=0.99, confirm_decisions=3)
+    rules = run_periods(policy, [150, 150, 150])
+    assert rules == ["hold:confirming", "hold:confirming", "split:whatif"]
+    history = policy.controller.history
+    assert [len(d.ops) for d in history] == [0, 0, len(history[2].ops)]
+    assert history[2].ops and all(d.inputs["gain"] >= 0.015 for d in history)
+    assert all(d.inputs["urgent"] is False for d in history)
+
+
+def test_a_large_gain_without_overload_is_confirmed_like_a_small_one() -> None:
+    # 30 requests a second on two degree-2 workers: busy 0.57. Judged on the steady
+    # state alone (next_weight 0) a split gains 31 %, over urgent_gain, yet the load
+    # did not move: it must win three decisions.
+    policy = make_policy(next_weight=0.0)
+    rules = run_periods(policy, [30, 30, 30])
+    assert rules == ["hold:confirming", "hold:confirming", "split:whatif"]
+    first = policy.controller.history[0].inputs
+    assert first["busy_fraction"] == pytest.approx(30 * E2_SHORT / 2, rel=1e-9)
+    # no queue either way: the gain is E_1 / E_2, less the split's op_cost
+    assert first["gain"] == pytest.approx(1 - 1.005 * E1_SHORT / E2_SHORT, rel=1e-9)
+    assert first["urgent"] is False
+
+
+def test_the_warm_up_holds_unless_the_pool_is_past_saturation() -> None:
+    # Busy 0.57: a gain, not urgent: the warm-up holds it.
+    rules = run_periods(make_policy(next_weight=0.0, warmup_s=60.0), [30])
+    assert rules == ["hold:warm-up"]
+    # Busy 0.95: urgent (over overload_utilisation 0.9), but under saturation.
+    policy = make_policy(layout=(2, 2, 2, 2), next_weight=0.0, warmup_s=60.0)
+    assert run_periods(policy, [100]) == ["hold:warm-up"]
+    inputs = policy.controller.history[0].inputs
+    assert inputs["urgent"] is True and inputs["warming"] is True
+    assert inputs["busy_fraction"] == pytest.approx(0.95, rel=1e-9)
+    # ... which acts at once after the warm-up,
+    policy = make_policy(layout=(2, 2, 2, 2), next_weight=0.0)
+    assert run_periods(policy, [100]) == ["split:urgent"]
+    # ... and busy 1.9 (past saturation) acts in the warm-up too.
+    assert run_periods(make_policy(warmup_s=60.0), [100]) == ["split:urgent"]
+
+
+def test_while_a_reshape_runs_only_an_urgent_move_starts_another() -> None:
+    # One move at a time (max_moves_fraction 1/4 of 4 workers): the overload splits one
+    # worker. The split is committed but never acknowledged, so it stays in flight; the
+    # pool it heads for (2CP1/3CP2) is still a little overloaded and splitting another
+    # still gains, but less than urgent_gain.
+    policy = make_policy(layout=(2, 2, 2, 2), max_moves_fraction=0.25)
+    rules = run_periods(policy, [150, 150])
+    assert rules == ["split:urgent", "hold:reshapes-in-flight"]
+    history = policy.controller.history
+    assert len(policy.controller.in_flight) == 1 and history[1].ops == ()
+    second = history[1].inputs
+    assert 0.015 <= second["gain"] < 0.08 and second["urgent"] is False
+    # The candidates start from the pool the reshape under way makes.
+    assert [c["composition"] for c in second["candidates"]] == ["2CP1/3CP2", "4CP1/2CP2"]
+
+
+def test_the_audit_error_widens_the_margin_up_to_urgent_gain() -> None:
+    for error, margin in ((0.1, 0.015 + 0.25 * 0.1), (1.0, 0.08)):
+        policy = make_policy(layout=(2, 2, 2, 2))
+        ctl = policy.controller
+        assert isinstance(ctl, WhatIfController)
+        ctl.calibration.audit(0, 1.0 + error, 1.0)
+        driver = Driver(policy)
+        driver.steady(0.0, 30)
+        assert driver.decide(1.0).inputs["margin"] == pytest.approx(margin, rel=1e-12)
+
+
+def test_a_large_forecast_is_replayed_dilated() -> None:
+    policy = make_policy(layout=(2, 2, 2, 2), replay_requests=50)
+    driver = Driver(policy)
+    driver.steady(0.0, 150)
+    decision = driver.decide(1.0)
+    assert decision.inputs["forecast_requests"] == 150
+    assert decision.inputs["dilation"] == 3.0
+    assert decision.rule == "split:urgent"
+
+
+def test_a_move_the_pool_no_longer_allows_is_stale() -> None:
+    # Between prepare and finish (a server runs the replays off its loop) an operator
+    # begins a reshape of the worker the controller is about to split.
+    policy = make_policy(layout=(2, 2, 2, 2), max_moves_fraction=0.25)
+    driver = Driver(policy)
+    driver.steady(0.0, 150)
+    driver.until(1.0)
+    plan = policy.prepare_window(1.0)
+    evaluation = plan.evaluate()
+    split = plan.plan.candidates[1].ops[0]  # type: ignore[attr-defined]
+    policy.begin_reshape(split, 1.0)
+    decision = policy.finish_window(plan, evaluation, 1.0).decision
+    assert (decision.rule, decision.ops) == ("hold:stale", ())
+    assert policy.controller.in_flight == []
+
+
+def test_no_split_into_workers_too_small_for_the_requests() -> None:
+    # 30 tokens of KV room per rank: a degree-1 worker cannot hold a 35-token request,
+    # so the scheduler sends every one to degree 2 (47.5 ms each; 100 a second is a
+    # busy fraction of 1.19 on four workers). A split only takes capacity away.
+    policy = make_policy(layout=(2, 2, 2, 2), max_tokens_per_rank=30)
+    driver = Driver(policy)
+    for k in range(100):
+        driver.arrive(35, k / 100)
+    decision = driver.decide(1.0)
+    cands = decision.inputs["candidates"]
+    assert cands[0]["composition"] == "4CP2" and cands[1]["composition"] == "2CP1/3CP2"
+    assert all(c["steady_s"] > cands[0]["steady_s"] for c in cands[1:])
+    assert (decision.rule, decision.ops) == ("hold", ())
+
+
+# -- the three steps ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rates", [[150, 150, 150], [30, 30, 30]], ids=["overload", "moderate"])
+def test_three_steps_decide_as_one(rates: list[float]) -> None:
+    one = make_policy(layout=(2, 2, 2, 2), urgent_gain=0.3)
+    three = make_policy(layout=(2, 2, 2, 2), urgent_gain=0.3)
+    rules = run_periods(one, rates)
+    assert run_periods(three, rates, three_step=True) == rules
+    assert one.controller.history == three.controller.history
+    assert one.lattice.layout() == three.lattice.layout()
+    assert one.controller.in_flight == three.controller.in_flight
+
+
+def snapshot(policy: PoolPolicy, now: float) -> dict[str, Any]:
+    ctl = policy.controller
+    assert isinstance(ctl, WhatIfController)
+    return {
+        "workers": sorted(
+            (w.worker_id, w.cp_degree, w.first_device, w.state)
+            for w in policy.lattice.workers.values()
+        ),
+        "epoch": policy.lattice.epoch,
+        "loads": policy.scheduler.loads(now),
+        "queues": {w: policy.scheduler.queued(w) for w in policy.lattice.workers},
+        "window": ctl.window,
+        "in_flight": list(ctl.in_flight),
+        "history": list(ctl.history),
+        "forecast": sorted(ctl.forecast.by_id),
+        "calibration": ctl.calibration.to_json(),
+        "audit_log": list(ctl.calibration.audit_log),
+    }
+
+
+def test_evaluate_touches_nothing() -> None:
+    policy = make_policy(layout=(2, 2, 2, 2), max_moves_fraction=0.25)
+    driver = Driver(policy)
+    driver.steady(0.0, 150)
+    driver.decide(1.0)  # an urgent split: in flight from now on
+    driver.steady(1.0, 150)
+    driver.until(2.0)
+    plan = policy.prepare_window(2.0)
+    inner = plan.plan
+    candidates_before = list(inner.candidates)  # type: ignore[attr-defined]
+    forecast_before = inner.forecast  # type: ignore[attr-defined]
+    before = snapshot(policy, 2.0)
+    first, second = plan.evaluate(), plan.evaluate()
+    assert first == second
+    assert snapshot(policy, 2.0) == before
+    assert list(inner.candidates) == candidates_before  # type: ignore[attr-defined]
+    assert inner.forecast == forecast_before  # type: ignore[attr-defined]
+    decision = policy.finish_window(plan, first, 2.0).decision
+    assert decision.rule == "hold:reshapes-in-flight"
+
+
+# -- the audit ------------------------------------------------------------------------------
+
+
+def test_a_pool_served_as_predicted_is_predicted_exactly() -> None:
+    # Fixed composition, Poisson arrivals of random short lengths: each undisturbed
+    # period is replayed from its starting backlog once all its requests ended.
+    policy = make_policy(layout=(1, 1, 2), adaptive=False)
+    driver, rng, t = Driver(policy), random.Random(1), 0.0
+    for k in range(6):
+        while True:
+            t += rng.expovariate(40.0)
+            if t >= k + 1:
+                break
+            driver.arrive(rng.randrange(8, 64), t)
+        driver.decide(k + 1.0)
+    ctl = policy.controller
+    assert isinstance(ctl, WhatIfController)
+    log = ctl.calibration.audit_log
+    assert [a["period"] for a in log] == [0, 1, 2, 3, 4]
+    for audit in log:
+        assert audit["predicted_s"] == pytest.approx(audit["measured_s"], rel=1e-9)
+    assert ctl.calibration.error < 1e-9
+    assert ctl.calibration.scales() == {1: pytest.approx((1.0,) * 4), 2: pytest.approx((1.0,) * 4)}
+
+
+# -- the start choice ---------------------------------------------------------------------
+
+# Dyadic curves for exact hand checks: E_1 = L / 1024, E_2 = 1/4 + L / 2048.
+DYADIC = reuse_curves({1: DegreeCoeffs(c=2**-10), 2: DegreeCoeffs(d=0.25, c=2**-10)})
+
+
+def start_model() -> ReplayModel:
+    return ReplayModel(DYADIC, (1, 2), CostWeights())
+
+
+def test_long_requests_start_on_the_larger_degree() -> None:
+    # 4096 tokens every 10 s: never a queue; E_1 = 4, E_2 = 2.25.
+    samples = [ArrivalSample(k, 10.0 * k, 4096) for k in range(3)]
+    choice = best_start(LatticeConfig(2, (1, 2)), start_model(), samples)
+    assert choice.composition == {2: 1}
+    assert choice.predicted_s == {"1CP2": 2.25, "2CP1": 4.0}
+
+
+def test_many_short_requests_start_on_more_small_workers() -> None:
+    # Ten requests of 128 tokens at once. Two degree-1 workers (E = 1/8) take them in
+    # pairs: TTFTs 1/8, 1/8, 2/8, 2/8, ... 5/8: mean 3/8. One degree-2 worker (E =
+    # 5/16): 5/16 * (1 + ... + 10) / 10 = 55/32.
+    samples = [ArrivalSample(k, 0.0, 128) for k in range(10)]
+    choice = best_start(LatticeConfig(2, (1, 2)), start_model(), samples)
+    assert choice.composition == {1: 2}
+    assert choice.predicted_s == pytest.approx({"1CP2": 55 / 32, "2CP1": 3 / 8}, rel=1e-12)
+
+
+def test_the_start_choice_weighs_every_composition() -> None:
+    samples = [ArrivalSample(k, 0.0, 128) for k in range(10)]
+    choice = best_start(LatticeConfig(4, (1, 2)), start_model(), samples)
+    assert set(choice.predicted_s) == {"2CP2", "2CP1/1CP2", "4CP1"}
+    assert choice.composition == {1: 4}
+    bounded = LatticeConfig(4, (1, 2), max_workers={1: 2})
+    assert set(best_start(bounded, start_model(), samples).predicted_s) == {"2CP2", "2CP1/1CP2"}
+    with pytest.raises(ValueError):
+        best_start(LatticeConfig(2, (1, 2)), start_model(), [])
+
+
+def test_a_start_tie_goes_to_fewer_devices_per_worker() -> None:
+    # 512 tokens take 0.5 s at either degree: the same predicted TTFT.
+    samples = [ArrivalSample(0, 0.0, 512)]
+    choice = best_start(LatticeConfig(2, (1, 2)), start_model(), samples)
+    assert choice.predicted_s == {"1CP2": 0.5, "2CP1": 0.5}
+    assert choice.composition == {1: 2}
+
+
+# -- candidates -----------------------------------------------------------------------------
+
+
+def test_the_ladder() -> None:
+    assert [ladder(k) for k in range(5)] == [[], [1], [1, 2], [1, 2, 3], [1, 2, 3, 4]]
+    assert ladder(7) == [1, 2, 3, 4]
+    assert ladder(8) == [1, 2, 3, 4, 8]
+    assert ladder(31) == [1, 2, 3, 4, 8, 16]
+
+
+def inputs_for(lattice: Lattice, loads: dict[int, float], **kwargs: Any) -> PoolInputs:
+    return PoolInputs(
+        0.0,
+        loads,
+        kwargs.get("running_left", {w: 0.0 for w in lattice.workers}),
+        kwargs.get("queued", {w: () for w in lattice.workers}),
+    )
+
+
+def make_candidates(
+    lattice: Lattice,
+    max_moves: int,
+    loads: dict[int, float] | None = None,
+    in_flight: tuple[Reshape, ...] = (),
+    **kwargs: Any,
+) -> list[Candidate]:
+    loads = loads if loads is not None else {w: 0.0 for w in lattice.workers}
+    by_id = {rid: ArrivalSample(rid, 0.0, 16) for rid in range(100)}
+    return candidates(
+        lattice,
+        inputs_for(lattice, loads, **kwargs),
+        in_flight,
+        max_moves,
+        {c: 1.0 for c in lattice.config.degrees},
+        kwargs.get("switch_s", 1.0),
+        lambda op: (max(loads[s] for s in op.sources), 0.0, min(op.target_firsts)),
+        by_id.get,
+        lambda op: 0.25,
+    )
+
+
+def named(cands: list[Candidate]) -> list[tuple[str, int, str]]:
+    return [(c.kind, len(c.ops), c.name) for c in cands]
+
+
+def test_split_candidates_stop_at_the_bounds() -> None:
+    lattice = Lattice(LatticeConfig(8, (1, 2), max_workers={1: 4}), (2, 2, 2, 2))
+    loads = {0: 3.0, 1: 1.0, 2: 2.0, 3: 0.5}
+    cands = make_candidates(lattice, 4, loads)
+    assert named(cands) == [
+        ("hold", 0, "4CP2"),
+        ("split", 1, "2CP1/3CP2"),
+        ("split", 2, "4CP1/2CP2"),  # a third split would make 6 degree-1 workers
+    ]
+    # The least loaded first.
+    assert [op.sources for op in cands[2].ops] == [(3,), (1,)]
+    lower = Lattice(LatticeConfig(8, (1, 2), min_workers={2: 3}), (2, 2, 2, 2))
+    assert named(make_candidates(lower, 4)) == [("hold", 0, "4CP2"), ("split", 1, "2CP1/3CP2")]
+
+
+def test_merge_candidates_stop_at_the_bounds_and_the_moves_allowed() -> None:
+    ones = (1,) * 8
+    free = Lattice(LatticeConfig(8, (1, 2)), ones)
+    assert named(make_candidates(free, 8)) == [
+        ("hold", 0, "8CP1"),
+        ("merge", 1, "6CP1/1CP2"),
+        ("merge", 2, "4CP1/2CP2"),
+        ("merge", 3, "2CP1/3CP2"),
+        ("merge", 4, "4CP2"),
+    ]
+    assert [n for _, n, _ in named(make_candidates(free, 3))] == [0, 1, 2, 3]
+    capped = Lattice(LatticeConfig(8, (1, 2), max_workers={2: 2}), ones)
+    assert [n for _, n, _ in named(make_candidates(capped, 8))] == [0, 1, 2]
+    floored = Lattice(LatticeConfig(8, (1, 2), min_workers={1: 5}), ones)
+    assert [n for _, n, _ in named(make_candidates(floored, 8))] == [0, 1]
+
+
+def test_candidates_at_every_level() -> None:
+    lattice = Lattice(LatticeConfig(8, (1, 2, 4)), (4, 2, 2))
+    assert named(make_candidates(lattice, 4)) == [
+        ("hold", 0, "2CP2/1CP4"),
+        ("split", 1, "2CP1/1CP2/1CP4"),
+        ("split", 2, "4CP1/1CP4"),
+        ("split", 1, "4CP2"),  # level 4: the degree-4 worker in halves
+        ("merge", 1, "2CP4"),  # ... or the two degree-2 buddies into one
+    ]
+
+
+def test_a_candidate_as_replay_input() -> None:
+    lattice = Lattice(LatticeConfig(4, (1, 2)), (2, 2))
+    loads = {0: 0.5, 1: 0.25}
+    cands = make_candidates(
+        lattice,
+        2,
+        loads,
+        running_left={0: 0.125, 1: 0.0625},
+        queued={0: (7,), 1: (8, 9)},
+        switch_s=2.0,
+    )
+    hold, one = cands[0], cands[1]
+    assert [(w.worker_id, w.cp_degree, w.free_at_s) for w in hold.next_workers] == [
+        (0, 2, 0.5),
+        (1, 2, 0.25),
+    ]
+    assert hold.remap == {} and hold.requeued == ()
+    # Split worker 1 (the least loaded): it leaves now, its queued requests come back
+    # at t = 0, its halves (new ids) serve after its running prefill plus the switch.
+    assert [op.sources for op in one.ops] == [(1,)]
+    made = tuple(w.worker_id for w in one.next_workers if w.worker_id not in (0, 1))
+    assert len(made) == 2 and min(made) > 1
+    assert [(w.worker_id, w.cp_degree, w.free_at_s) for w in one.next_workers] == [
+        (0, 2, 0.5),
+        (made[0], 1, 2.0625),
+        (made[1], 1, 2.0625),
+    ]
+    assert [(w.worker_id, w.free_at_s) for w in one.steady_workers] == [
+        (0, 0.0),
+        (made[0], 0.0),
+        (made[1], 0.0),
+    ]
+    assert one.remap == {1: made} and one.lost == {1: 0.25}
+    assert [s.request_id for s in one.requeued] == [8, 9]
+
+
+def test_a_reshape_in_flight_is_counted_as_done() -> None:
+    lattice = Lattice(LatticeConfig(4, (1, 2)), (2, 2))
+    op = lattice.split_options()[0]  # worker 0, not yet committed
+    lattice.begin(op)
+    cands = make_candidates(lattice, 2, {0: 0.0, 1: 0.0}, in_flight=(op,))
+    hold = cands[0]
+    assert hold.composition == {1: 2, 2: 1}
+    assert {w.worker_id for w in hold.steady_workers} == {1, *hold.remap[0]}
+    assert hold.lost == {0: 0.25}
+    # Worker 0 is taken: the only option left splits worker 1.
+    assert named(cands) == [("hold", 0, "2CP1/1CP2"), ("split", 1, "4CP1")]
+
+
+@st.composite
+def pools(draw: st.DrawFn) -> tuple[Lattice, int]:
+    """A lattice state on 8 devices of degrees (1, 2, 4), bounds it satisfies, a
+    number of moves."""
+
+    def cut(size: int) -> list[int]:
+        if size > 1 and draw(st.booleans()):
+            return cut(size // 2) + cut(size // 2)
+        return [size]
+
+    layout = cut(4) + cut(4)
+    counts = Counter(layout)
+    low, high = {}, {}
+    for c in (1, 2, 4):
+        if draw(st.booleans()):
+            low[c] = draw(st.integers(0, counts[c]))
+        if draw(st.booleans()):
+            high[c] = draw(st.integers(counts[c], counts[c] + 4))
+    config = LatticeConfig(8, (1, 2, 4), min_workers=low, max_workers=high)
+    return Lattice(config, layout), draw(st.integers(1, 8))
+
+
+@settings(max_examples=150, deadline=None)
+@given(pools())
+def test_every_candidate_keeps_the_bounds_and_the_ladder(pool: tuple[Lattice, int]) -> None:
+    lattice, max_moves = pool
+    cands = make_candidates(lattice, max_moves)
+    hold, rest = cands[0], cands[1:]
+    assert hold.kind == "hold" and hold.ops == ()
+    assert hold.composition == dict(lattice.composition())
+    groups: dict[tuple[str, int], list[int]] = {}
+    for cand in rest:
+        assert lattice.config.within_bounds(cand.composition)
+        sources = [s for op in cand.ops for s in op.sources]
+        assert len(sources) == len(set(sources))  # one move per worker
+        assert all(op.kind == cand.kind for op in cand.ops)
+        expected = Counter(hold.composition)
+        for op in cand.ops:
+            expected[lattice.workers[op.sources[0]].cp_degree] -= len(op.sources)
+            expected[op.target_degree] += len(op.target_firsts)
+        assert {c: n for c, n in expected.items() if n} == cand.composition
+        assert Counter(w.cp_degree for w in cand.steady_workers) == Counter(cand.composition)
+        groups.setdefault((cand.kind, cand.level), []).append(len(cand.ops))
+    for sizes in groups.values():
+        assert sizes == ladder(sizes[-1]) and sizes[-1] <= max_moves

@@ -1,0 +1,133 @@
+"""``tools/sim_experiment.py``: the fixed sweep, the comparison against the best fixed
+composition, and the decisions each run writes (a tiny generated workload)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "sim_experiment.py"
+
+
+@pytest.fixture(scope="module")
+def tool() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("sim_experiment", TOOL)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("sim_experiment", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+CONFIG = """
+[experiment]
+sweep_fixed = true
+variants = [
+  { label = "vertumnus", policy = "vertumnus", pool = { composition = "auto", ranks = 16 } },
+  { label = "fixed (start)", policy = "fixed" },
+]
+
+[pool]
+composition = "4CP4"
+degrees = [4, 8]
+
+[workload]
+seed = 5
+phases = [
+  { duration_s = 40, rate = 6.0, long_fraction = 0.02 },
+  { duration_s = 40, rate = 2.0, long_fraction = 0.4 },
+]
+
+[sim]
+seed = 5
+"""
+
+
+def test_sweep_and_best_fixed_and_decisions(tool: ModuleType, tmp_path: Path) -> None:
+    path = tmp_path / "tiny.toml"
+    path.write_text(CONFIG)
+    out = tool.run_experiment(path, tmp_path / "out", echo=False)
+    comparison = json.loads((out / "comparison.json").read_text())
+    runs = comparison["runs"]
+    # The file's fixed variant already runs 4CP4: the sweep adds the other two, in the
+    # lattice's order, "/" written "-".
+    assert [r["label"] for r in runs] == [
+        "vertumnus",
+        "fixed (start)",
+        "fixed 2CP8",
+        "fixed 2CP4-1CP8",
+    ]
+    assert [r["composition_start"] for r in runs[1:]] == ["4CP4", "2CP8", "2CP4/1CP8"]
+    assert all(r["reshapes"] == r["splits"] + r["merges"] for r in runs)
+
+    best = comparison["against_best_fixed"]
+    assert [e["phase"] for e in best] == [None, 0, 1]
+    fixed = [r for r in runs if r["policy"] == "fixed"]
+    adaptive = runs[0]
+    for e in best:
+        phase = e["phase"]
+
+        def mean(r: dict[str, Any], phase: int | None = phase) -> float:
+            return float(r["mean_ttft_s"] if phase is None else r["phases"][phase]["mean_ttft_s"])
+
+        top = min(fixed, key=mean)
+        assert e["best_fixed"]["label"] == top["label"]
+        assert e["best_fixed"]["mean_ttft_s"] == pytest.approx(mean(top))
+        assert [v["label"] for v in e["variants"]] == ["vertumnus"]
+        gap = 100 * (mean(adaptive) - mean(top)) / mean(top)
+        assert e["variants"][0]["gap_pct"] == pytest.approx(gap)
+        assert math.isfinite(gap)
+    assert adaptive["gap_vs_best_fixed_pct"] == pytest.approx(best[0]["variants"][0]["gap_pct"])
+    text = (out / "comparison.md").read_text()
+    assert "## Against the best fixed composition" in text
+    assert f"| whole run | {best[0]['best_fixed']['label']} |" in text
+
+    for r in runs:
+        folder = out / r["run"]
+        with (folder / "timeline.csv").open() as f:
+            windows = list(csv.DictReader(f))
+        lines = [json.loads(x) for x in (folder / "decisions.jsonl").read_text().splitlines()]
+        assert len(lines) == len(windows) > 0
+        ends = [float(w["end_s"]) for w in windows]  # the timeline rounds to 1 ms
+        assert [d["end_s"] for d in lines] == pytest.approx(ends, abs=1e-3)
+        assert all({"rule", "ops", "window_rule"} <= d.keys() for d in lines)
+        assert (folder / "ttft_composition.png").read_bytes()[:4] == b"\x89PNG"
+    whatif = [
+        json.loads(x) for x in (out / "vertumnus" / "decisions.jsonl").read_text().splitlines()
+    ]
+    assert any(d.get("candidates") for d in whatif)
+    assert (out / "comparison.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_overrides_merge_and_the_sweep_keeps_the_bounds(tool: ModuleType) -> None:
+    variant = {"label": "v", "policy": "fixed", "composition": "6CP4/2CP8", "pool": {"ranks": 40}}
+    assert tool.variant_overrides(variant, 2.0) == {
+        "pool": {"ranks": 40, "composition": "6CP4/2CP8"},
+        "workload": {"rate_scale": 2.0},
+    }
+    raw = {
+        "pool": {
+            "degrees": [4, 8],
+            "min_workers": {"4": 2, "8": 1},
+            "max_workers": {"4": 8, "8": 4},
+        }
+    }
+    variants = [
+        {"label": "vertumnus", "policy": "vertumnus", "pool": {"composition": "auto", "ranks": 40}},
+        {"label": "fixed 4/3", "policy": "fixed", "composition": "4CP4/3CP8"},
+        # Not a plain fixed composition: it does not stand for 6CP4/2CP8.
+        {"label": "no scans", "policy": "fixed", "composition": "6CP4/2CP8", "cache": {}},
+    ]
+    added = tool.sweep_variants(raw, variants)
+    assert added == [
+        {"label": f"fixed {name}", "policy": "fixed", "composition": name.replace("-", "/")}
+        for name in ("2CP4-4CP8", "6CP4-2CP8", "8CP4-1CP8")
+    ]

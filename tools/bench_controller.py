@@ -1,0 +1,132 @@
+"""How long one what-if decision takes: forecast, candidates and replays, at 40 and
+1,024 GPUs (DESIGN.md §6b; targets: under 20 ms median at 40 GPUs, under 50 ms at
+1,024).
+
+    .venv/bin/python tools/bench_controller.py [--seconds 90]
+
+(The server computes ``evaluate`` on its decision thread, off the event loop.)
+
+Each size runs the simulator on a slice of its experiment (``configs/sim/
+all-policies.toml`` at x8 for 40 GPUs, ``configs/sim/scale-1024.toml`` for 1,024),
+and times every decision of the what-if controller there: ``prepare`` (on the
+server's event loop), ``evaluate`` (the replays: on the decision thread) and
+``conclude``. It prints the median and P90 of each part and of the whole, the
+forecast size and the replay dilation, and the ratio of the median to its target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from vertumnus.config import read_toml
+from vertumnus.policy.whatif import WhatIfController
+from vertumnus.sim import config as sim_config
+from vertumnus.sim.simulator import Simulation
+from vertumnus.stats import percentile
+
+CASES = [
+    # (name, config, overrides, target median s)
+    ("40 GPUs (all-policies x8)", "configs/sim/all-policies.toml", {"rate_scale": 8.0}, 0.020),
+    ("1,024 GPUs (scale-1024)", "configs/sim/scale-1024.toml", {}, 0.050),
+]
+
+
+class Timed:
+    """Wraps a WhatIfController's three steps with timers. The collector is paused
+    during each step (and runs between them): a full collection of the simulator's
+    heap (its trie holds millions of nodes) takes 0.1-0.7 s whenever allocation
+    triggers it, wherever that falls; those pauses are counted apart."""
+
+    def __init__(self, controller: WhatIfController) -> None:
+        self.parts: dict[str, list[float]] = {"prepare": [], "evaluate": [], "conclude": []}
+        self.gc_pauses: list[float] = []
+        started = [0.0]
+
+        def watch(phase: str, info: dict[str, int]) -> None:
+            if info["generation"] != 2:
+                return
+            if phase == "start":
+                started[0] = time.perf_counter()
+            else:
+                self.gc_pauses.append(time.perf_counter() - started[0])
+
+        gc.callbacks.append(watch)
+        self.sizes: list[tuple[int, float, int]] = []
+        for name in self.parts:
+            setattr(controller, name, self._wrap(name, getattr(controller, name)))
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        def timed(*args: Any) -> Any:
+            gc.disable()
+            try:
+                t = time.perf_counter()
+                out = fn(*args)
+                self.parts[name].append(time.perf_counter() - t)
+            finally:
+                gc.enable()
+            if name == "prepare":
+                self.sizes.append(
+                    (out.forecast_requests, out.forecast.dilation, len(out.candidates))
+                )
+            return out
+
+        return timed
+
+
+def run_case(path: str, workload: dict[str, Any], seconds: float) -> Timed:
+    raw = read_toml(Path(path))
+    raw.pop("experiment", None)
+    raw["pool"] = {**raw.get("pool", {})}
+    if "composition" not in raw["pool"]:
+        raw["pool"]["composition"] = "128CP4/64CP8"
+    cfg = sim_config.load(None, {"workload": workload}, raw=copy.deepcopy(raw), preset="vertumnus")
+    requests = [r for r in cfg.requests if r.arrival_s <= seconds]
+    sim = Simulation(cfg.settings, cfg.profile, cfg.spec, cfg.policy, requests)
+    controller = sim.policy.controller
+    assert isinstance(controller, WhatIfController)
+    timed = Timed(controller)
+    sim.run()
+    return timed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
+    parser.add_argument("--seconds", type=float, default=90.0, help="simulated seconds per case")
+    args = parser.parse_args()
+    for name, path, workload, target in CASES:
+        timed = run_case(path, workload, args.seconds)
+        whole = [sum(p) for p in zip(*timed.parts.values(), strict=True)]
+        print(f"{name}: {len(whole)} decisions")
+        for part, values in timed.parts.items():
+            print(
+                f"  {part:<9} median {statistics.median(values) * 1e3:7.2f} ms"
+                f"  p90 {percentile(values, 90) * 1e3:7.2f} ms"
+            )
+        med = statistics.median(whole)
+        print(
+            f"  whole     median {med * 1e3:7.2f} ms  p90 {percentile(whole, 90) * 1e3:7.2f} ms"
+            f"  -> {med / target:.2f}x of the {target * 1e3:.0f} ms target"
+        )
+        requests = [n for n, _, _ in timed.sizes]
+        dilation = [d for _, d, _ in timed.sizes]
+        candidates = [c for _, _, c in timed.sizes]
+        if timed.gc_pauses:
+            print(
+                f"  (full collections of the whole process's heap, outside the decision: "
+                f"{len(timed.gc_pauses)}, median {statistics.median(timed.gc_pauses) * 1e3:.0f} ms)"
+            )
+        print(
+            f"  forecast median {statistics.median(requests):.0f} requests, dilation "
+            f"median {statistics.median(dilation):.1f}, candidates median "
+            f"{statistics.median(candidates):.0f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
