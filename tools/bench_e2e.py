@@ -10,8 +10,9 @@ structure is kept; the arrival rate is ×10. The server runs on the embedded
 default: the ``tiny`` model on 2 CPU ranks, starting as 2CP1, with degrees {1, 2}.
 Three server variants run side by side, one after the other:
 
-  * ``vertumnus``: the cost rule, the window controller (5 s windows) and the
-    cache manager's scans;
+  * ``vertumnus``: the cost rule, the what-if controller (a decision every 5 s)
+    and the cache manager's scans;
+  * ``rules``: the same with the paper's threshold rules (5 s windows);
   * ``fixed``: the same with the controller off;
   * ``cache-first``: the usual cache-aware router, no controller, no scans.
 
@@ -27,7 +28,9 @@ the serving path's mean time around the ranks' compute per prefill
 (``dispatch_s``: ``prefill_s`` - ``rank_compute_s``).
 It prints and saves the relative error of mean, P50 and P90 TTFT (the server's own
 TTFT, which the simulator models; the client's is printed beside it) and of the
-token hit rate, for ``fixed`` and for ``vertumnus``.
+token hit rate, for ``fixed`` and for ``vertumnus``. With ``--repeats N`` every
+variant runs N times (in turn) and the summary gives each variant's median mean
+TTFT and its gap to ``fixed``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import statistics
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -51,9 +55,10 @@ from vertumnus.sim.traces import load_trace
 from vertumnus.sim.workload import SimRequest
 
 TRACE = Path("../shared/traces/conversation_trace.jsonl")
-WINDOW_S = 5.0
+PERIOD_S = 5.0
 VARIANTS = {
-    "vertumnus": f"[controller]\nenabled = true\nwindow_s = {WINDOW_S}\n",
+    "vertumnus": f"[controller]\nenabled = true\ndecision_s = {PERIOD_S}\n",
+    "rules": f'[controller]\nenabled = true\nmode = "rules"\nwindow_s = {PERIOD_S}\n',
     "fixed": "[controller]\nenabled = false\n",
     "cache-first": '[controller]\nenabled = false\n[scheduler]\npolicy = "cache-first"\n'
     "[cache]\nreplication = false\n",
@@ -124,12 +129,71 @@ def simulate(
     }
 
 
+def serve_once(
+    name: str, requests: list[loadgen.LoadRequest], out: Path
+) -> tuple[dict[str, Any], float, dict[str, float]]:
+    """One run of a variant on a fresh server: its summary, how far into its
+    controller period the load started, and its timings."""
+    config = out / f"{name}.toml"
+    config.write_text(VARIANTS[name])
+    proc, url = start_server(config)
+    try:
+        # How far into its current controller period the server is as the load
+        # starts: the simulator lines its periods up with that.
+        with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+            phase = orjson.loads(resp.read())["window_phase_s"] or 0.0
+        result = asyncio.run(loadgen.run(url, requests, max_concurrency=256))
+        timing = server_timings(url)
+        # The serving path's own time per prefill, around the ranks' compute.
+        around = [
+            o.server_prefill_s - o.server_rank_compute_s
+            for o in result.outcomes
+            if o.server_prefill_s is not None and o.server_rank_compute_s is not None
+        ]
+        if around:
+            timing["dispatch_s"] = sum(around) / len(around)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    return loadgen.summarize(result, detailed=False), phase, timing
+
+
+def compare(
+    name: str,
+    requests: list[loadgen.LoadRequest],
+    config: Path,
+    phase: float,
+    timing: dict[str, float],
+    real: dict[str, Any],
+) -> dict[str, Any]:
+    """The simulator on the same requests and configuration, against the server."""
+    sim = simulate(requests, config, phase, timing)
+    errors = {
+        "mean_ttft": sim["mean_ttft_ms"] / real["mean_server_ttft_ms"] - 1,
+        "median_ttft": sim["median_ttft_ms"] / real["median_server_ttft_ms"] - 1,
+        "p90_ttft": sim["p90_ttft_ms"] / real["p90_server_ttft_ms"] - 1,
+        "token_hit_rate": sim["token_hit_rate"] / real["token_hit_rate"] - 1,
+    }
+    print(
+        f"simulated {name:<10} mean {sim['mean_ttft_ms']:7.2f} ms "
+        f"({100 * errors['mean_ttft']:+.1f} %), "
+        f"median {sim['median_ttft_ms']:6.2f} ({100 * errors['median_ttft']:+.1f} %), P90 "
+        f"{sim['p90_ttft_ms']:7.2f} ({100 * errors['p90_ttft']:+.1f} %), hit "
+        f"{sim['token_hit_rate']:.3f} ({100 * errors['token_hit_rate']:+.1f} %); "
+        f"{sim['merges']} merges, {sim['splits']} splits, {sim['copies']} copies; server "
+        + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in timing.items()),
+        flush=True,
+    )
+    return {"simulated": sim, "server_timings": timing, "relative_error": errors}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
     parser.add_argument("--requests", type=int, default=600)
     parser.add_argument("--rate-scale", type=float, default=10.0)
     parser.add_argument("--length-scale", type=float, default=1 / 32)
     parser.add_argument("--out", type=Path, default=Path("results/e2e"))
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every variant")
     parser.add_argument(
         "--variants",
         default=",".join(VARIANTS),
@@ -140,68 +204,38 @@ def main() -> None:
     trace = load_trace(TRACE)
     requests = loadgen.from_trace(trace, args.length_scale, 256, 0, args.rate_scale)
     requests = requests[: args.requests]
-    summaries: dict[str, Any] = {}
-    phases: dict[str, float] = {}
-    timings: dict[str, dict[str, float]] = {}
+    summaries: dict[str, list[dict[str, Any]]] = {}
+    fidelity: dict[str, list[dict[str, Any]]] = {}
     chosen = args.variants.split(",")
     unknown = sorted(set(chosen) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
-    for name, text in ((n, VARIANTS[n]) for n in chosen):
-        config = args.out / f"{name}.toml"
-        config.write_text(text)
-        proc, url = start_server(config)
-        try:
-            # How far into its current controller window the server is as the load
-            # starts: the simulator lines its windows up with that.
-            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                phases[name] = orjson.loads(resp.read())["window_phase_s"] or 0.0
-            result = asyncio.run(loadgen.run(url, requests, max_concurrency=256))
-            timings[name] = server_timings(url)
-            # The serving path's own time per prefill, around the ranks' compute.
-            around = [
-                o.server_prefill_s - o.server_rank_compute_s
-                for o in result.outcomes
-                if o.server_prefill_s is not None and o.server_rank_compute_s is not None
-            ]
-            if around:
-                timings[name]["dispatch_s"] = sum(around) / len(around)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
-        summaries[name] = loadgen.summarize(result, detailed=False)
-        s = summaries[name]
+    for repeat in range(args.repeats):
+        for name in chosen:
+            summary, phase, timing = serve_once(name, requests, args.out)
+            summaries.setdefault(name, []).append(summary)
+            s = summary
+            print(
+                f"{name:<12} run {repeat + 1}: server TTFT mean {s['mean_server_ttft_ms']:7.2f} "
+                f"ms, median {s['median_server_ttft_ms']:6.2f}, P90 "
+                f"{s['p90_server_ttft_ms']:7.2f}; client mean {s['mean_ttft_ms']:7.2f} ms, "
+                f"P90 {s['p90_ttft_ms']:7.2f}; hit {s['token_hit_rate']:.3f}; "
+                f"failed {s['failed']}",
+                flush=True,
+            )
+            if name in ("fixed", "vertumnus"):
+                fidelity.setdefault(name, []).append(
+                    compare(name, requests, args.out / f"{name}.toml", phase, timing, summary)
+                )
+    medians = {
+        name: statistics.median(s["mean_server_ttft_ms"] for s in runs)
+        for name, runs in summaries.items()
+    }
+    for name, value in medians.items():
+        gap = f" ({100 * (value / medians['fixed'] - 1):+.1f} % against fixed)"
         print(
-            f"{name:<12} server TTFT mean {s['mean_server_ttft_ms']:7.2f} ms, median "
-            f"{s['median_server_ttft_ms']:6.2f}, P90 {s['p90_server_ttft_ms']:7.2f}; client mean "
-            f"{s['mean_ttft_ms']:7.2f} ms, P90 {s['p90_ttft_ms']:7.2f}; hit "
-            f"{s['token_hit_rate']:.3f}; failed {s['failed']}",
-            flush=True,
-        )
-    fidelity = {}
-    for name in (n for n in ("fixed", "vertumnus") if n in summaries):
-        config = args.out / f"{name}.toml"
-        sim = simulate(requests, config, phases.get(name, 0.0), timings.get(name))
-        real = summaries[name]
-        errors = {
-            "mean_ttft": sim["mean_ttft_ms"] / real["mean_server_ttft_ms"] - 1,
-            "median_ttft": sim["median_ttft_ms"] / real["median_server_ttft_ms"] - 1,
-            "p90_ttft": sim["p90_ttft_ms"] / real["p90_server_ttft_ms"] - 1,
-            "token_hit_rate": sim["token_hit_rate"] / real["token_hit_rate"] - 1,
-        }
-        fidelity[name] = {
-            "simulated": sim,
-            "server_timings": timings.get(name, {}),
-            "relative_error": errors,
-        }
-        print(
-            f"simulated {name:<10} mean {sim['mean_ttft_ms']:7.2f} ms "
-            f"({100 * errors['mean_ttft']:+.1f} %), "
-            f"median {sim['median_ttft_ms']:6.2f} ({100 * errors['median_ttft']:+.1f} %), P90 "
-            f"{sim['p90_ttft_ms']:7.2f} ({100 * errors['p90_ttft']:+.1f} %), hit "
-            f"{sim['token_hit_rate']:.3f} ({100 * errors['token_hit_rate']:+.1f} %); "
-            f"{sim['merges']} merges, {sim['splits']} splits, {sim['copies']} copies; server "
-            + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in timings.get(name, {}).items()),
+            f"{name:<12} median of {len(summaries[name])} mean TTFTs: {value:7.2f} ms"
+            + (gap if "fixed" in medians and name != "fixed" else ""),
             flush=True,
         )
     (args.out / "e2e.json").write_bytes(
@@ -209,6 +243,7 @@ def main() -> None:
             {
                 "args": vars(args) | {"out": str(args.out)},
                 "server": summaries,
+                "median_mean_ttft_ms": medians,
                 "fidelity": fidelity,
             },
             option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY,

@@ -39,7 +39,9 @@ import copy
 import math
 import re
 import sys
+import tomllib
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,10 +126,23 @@ def sweep_variants(raw: dict[str, Any], variants: list[dict[str, Any]]) -> list[
     return added
 
 
-def run_experiment(config: Path, out: Path | None = None, echo: bool = True) -> Path:
+def run_experiment(
+    config: Path,
+    out: Path | None = None,
+    echo: bool = True,
+    settings: Sequence[str] = (),
+) -> Path:
     """Every variant at every rate of ``config``; the runs' files and the comparison
-    under ``out`` (default: the file's ``[experiment] out``). Returns the folder."""
+    under ``out`` (default: the file's ``[experiment] out``). ``settings``:
+    ``TABLE.KEY=VALUE`` (a TOML value) laid over the file for every variant.
+    Returns the folder."""
     raw = read_toml(config)
+    for setting in settings:
+        where, _, value = setting.partition("=")
+        table, _, key = where.partition(".")
+        if not (table and key and value):
+            raise SystemExit(f"--set wants TABLE.KEY=VALUE, got {setting!r}")
+        raw.setdefault(table, {})[key] = tomllib.loads(f"v = {value}")["v"]
     experiment = raw.pop("experiment")
     out = out or Path(experiment.get("out", f"results/sim/{config.stem}"))
     out.mkdir(parents=True, exist_ok=True)
@@ -187,8 +202,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     parser.add_argument("config", type=Path)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="TABLE.KEY=VALUE",
+        help="override a setting for every variant (e.g. sim.noise_cv=0.2)",
+    )
     args = parser.parse_args(argv)
-    run_experiment(args.config, args.out)
+    run_experiment(args.config, args.out, settings=args.set)
 
 
 def _mean(row: dict[str, Any], phase: int | None) -> float:

@@ -446,3 +446,14 @@ def test_no_dilation_keeps_everything() -> None:
 def test_bucket_edges(tokens: int, bucket: int) -> None:
     assert BUCKET_EDGES == (2048, 8192, 32768)
     assert bucket_of(tokens) == bucket
+
+
+def test_a_warm_replay_reuses_each_prefix_wherever_the_trie_matched_it() -> None:
+    curves = reuse_curves({1: DegreeCoeffs(d=0.5, c=1e-3)})
+    model = ReplayModel(curves, (1,), CostWeights())
+    held = ArrivalSample(0, 0.0, 1000, ((3, 256),), prefix_key=9, matched_tokens=768)
+    cold = model.prepare([held], 0.0)
+    warm = model.prepare([held], 0.0, warm=True)
+    assert cold.e_pred[0] == (curves[1].time_s(1000, 0),)
+    assert cold.holders[0] == ((3, (curves[1].time_s(1000, 256),)),)
+    assert warm.e_pred[0] == (curves[1].time_s(1000, 768),) and warm.holders[0] == ()

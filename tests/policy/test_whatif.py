@@ -201,21 +201,17 @@ def test_a_large_gain_without_overload_is_confirmed_like_a_small_one() -> None:
     assert first["urgent"] is False
 
 
-def test_the_warm_up_holds_unless_the_pool_is_past_saturation() -> None:
+def test_the_warm_up_holds_a_gain_unless_the_pool_is_overloaded() -> None:
     # Busy 0.57: a gain, not urgent: the warm-up holds it.
     rules = run_periods(make_policy(next_weight=0.0, warmup_s=60.0), [30])
     assert rules == ["hold:warm-up"]
-    # Busy 0.95: urgent (over overload_utilisation 0.9), but under saturation.
+    # Busy 0.95 (over overload_utilisation 0.9; these prompts share no prefix, so the
+    # warm cache the warm-up replays with is this one): urgent, it acts at once.
     policy = make_policy(layout=(2, 2, 2, 2), next_weight=0.0, warmup_s=60.0)
-    assert run_periods(policy, [100]) == ["hold:warm-up"]
+    assert run_periods(policy, [100]) == ["split:urgent"]
     inputs = policy.controller.history[0].inputs
     assert inputs["urgent"] is True and inputs["warming"] is True
     assert inputs["busy_fraction"] == pytest.approx(0.95, rel=1e-9)
-    # ... which acts at once after the warm-up,
-    policy = make_policy(layout=(2, 2, 2, 2), next_weight=0.0)
-    assert run_periods(policy, [100]) == ["split:urgent"]
-    # ... and busy 1.9 (past saturation) acts in the warm-up too.
-    assert run_periods(make_policy(warmup_s=60.0), [100]) == ["split:urgent"]
 
 
 def test_while_a_reshape_runs_only_an_urgent_move_starts_another() -> None:

@@ -66,6 +66,7 @@ class ControllerConfig:
     op_cost: float = 0.005  # each operation of a candidate adds this to its score
     next_weight: float = 0.25  # J = w * next + (1 - w) * steady
     audit_weight: float = 0.25  # margins widen by this times the audit's error
+    calibrate: bool = True  # scale predictions by measured over predicted service
     replay_requests: int = 1500  # replays thin a larger forecast (time dilation)
     warmup_s: float = 60.0  # cold cache: only urgent moves, and only when overloaded
     overload_utilisation: float = 0.9  # predicted busy fraction that is overload

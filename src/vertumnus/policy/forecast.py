@@ -40,6 +40,7 @@ class ArrivalSample:
     # of a split inherits that prefix, the same in every driver.
     prefix_key: int = 0
     floor_tokens: int = 0  # reusable at every worker (a prefix every worker holds)
+    matched_tokens: int = 0  # its prefix cached anywhere in the pool (the trie's match)
     # A fixed pseudo-random draw in [0, 1) (the replay thins by it)
     draw: float = field(init=False, default=0.0)
 
@@ -56,6 +57,7 @@ def make_sample(
     reusable: Sequence[tuple[int, int]],
     num_workers: int,
     prefix_key: int,
+    matched_tokens: int = 0,
 ) -> ArrivalSample:
     """A sample from the trie's lookup: ``reusable`` (worker, tokens > 0) over the
     ``num_workers`` serving workers. What all of them hold becomes the floor; the
@@ -63,7 +65,13 @@ def make_sample(
     floor = min(p for _, p in reusable) if reusable and len(reusable) >= num_workers else 0
     above = sorted(((w, p) for w, p in reusable if p > floor), key=lambda h: (-h[1], h[0]))
     return ArrivalSample(
-        request_id, arrival_s, input_tokens, tuple(above[:MAX_HOLDERS]), prefix_key, floor
+        request_id,
+        arrival_s,
+        input_tokens,
+        tuple(above[:MAX_HOLDERS]),
+        prefix_key,
+        floor,
+        max(floor, matched_tokens),
     )
 
 

@@ -108,10 +108,13 @@ class ReplayModel:
         dilation: float = 1.0,
         span_s: float | None = None,
         cache: dict[int, Times] | None = None,
+        warm: bool = False,
     ) -> PreparedForecast:
         """The samples as replay input, offsets from ``origin_s``; with ``dilation``
         m > 1 a deterministic 1/m of them. ``cache``: each request's times by id,
-        kept from one decision to the next (they depend on the profile only)."""
+        kept from one decision to the next (they depend on the profile only).
+        ``warm``: every prefix reusable wherever the trie matched it (a warm cache,
+        as a cold pool will have; no holders needed)."""
         if dilation > 1.0:
             keep = 1.0 / dilation
             # By length, prefix and arrival, not request id: the drivers number
@@ -125,7 +128,7 @@ class ReplayModel:
         for s in samples:
             times = cache.get(s.request_id) if cache is not None else None
             if times is None:
-                times = self.times(s)
+                times = self.times(s, warm)
                 if cache is not None:
                     cache[s.request_id] = times
             offsets.append(s.arrival_s - origin_s)
@@ -144,9 +147,12 @@ class ReplayModel:
             span,
         )
 
-    def times(self, sample: ArrivalSample) -> Times:
-        """The request's E per degree at its floor and at each holder's reuse."""
+    def times(self, sample: ArrivalSample, warm: bool = False) -> Times:
+        """The request's E per degree at its floor and at each holder's reuse
+        (``warm``: at its match anywhere, everywhere)."""
         n = sample.input_tokens
+        if warm:
+            return bucket_of(n), self._per_degree_s(n, sample.matched_tokens), ()
         return (
             bucket_of(n),
             self._per_degree_s(n, sample.floor_tokens),

@@ -24,9 +24,11 @@ Every ``decision_s`` seconds (10 s by default, apart from the capacity window):
      pool is overloaded (the predicted busy fraction of holding at least
      ``overload_utilisation``) or the forecast just saw the rate change; a large gain
      elsewhere is confirmed like a small one. While a reshape is under way only an
-     urgent move starts another; in the cold-cache warm-up (``warmup_s`` after the
-     first arrival) only an urgent move with the pool past saturation (busy
-     fraction 1 or more: a cold cache alone looks like overload).
+     urgent move starts another. In the cold-cache warm-up (``warmup_s`` after the
+     first arrival) the replays see the cache as it will be warm (each prefix
+     reusable wherever the trie matched it, as the start choice assumes: a cold
+     cache alone looks like overload), and only an urgent move under overload is
+     made.
 
 The decision is cut in three so that a server computes the replays off its event
 loop: ``prepare`` (reads the pool: on the loop), ``evaluate`` (the replays: pure,
@@ -48,6 +50,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vertumnus.blocks import max_reuse_blocks
 from vertumnus.policy.calibration import Calibration
 from vertumnus.policy.controller import Controller, ControllerConfig, Decision, TrafficFn
 from vertumnus.policy.costs import CostWeights, ReuseCurve
@@ -121,6 +124,11 @@ class WhatIfController(Controller):
     ) -> None:
         """A request placed for the first time: its arrival, length and holders."""
         deepest = max((p for _, p in placement.holders), default=0) // block_tokens
+        update = placement.update
+        matched = 0
+        if update is not None:
+            usable = max_reuse_blocks(request.input_tokens, block_tokens)
+            matched = min(update.matched_blocks, usable) * block_tokens
         sample = make_sample(
             request.request_id,
             arrival_s,
@@ -128,6 +136,7 @@ class WhatIfController(Controller):
             placement.holders,
             placement.num_candidates,
             request.block_ids[deepest - 1] if deepest else 0,
+            matched,
         )
         self.forecast.record(sample)
         if self._period is None:  # the first period starts with the first arrival
@@ -165,7 +174,7 @@ class WhatIfController(Controller):
     def prepare(self, inputs: PoolInputs) -> WhatIfPlan:
         cfg, cal = self.config, self.calibration
         now = inputs.now
-        scales = cal.scales()
+        scales = cal.scales() if cfg.calibrate else {}
         model = ReplayModel(
             self.curves,
             self.lattice.config.degrees,
@@ -179,10 +188,21 @@ class WhatIfController(Controller):
             self._times = {r: t for r, t in self._times.items() if r in self.forecast.by_id}
         n = len(window.samples)
         dilation = max(1.0, n / cfg.replay_requests)
+        # In the cold-cache warm-up, the replay sees the cache as it will be: each
+        # prefix reusable wherever the trie matched it (as the start choice does).
+        first = self.forecast.first_arrival_s
+        warming = first is None or now - first < cfg.warmup_s
         forecast = model.prepare(
-            window.samples, window.start_s, dilation, window.span_s, self._times
+            window.samples,
+            window.start_s,
+            dilation,
+            window.span_s,
+            None if warming else self._times,
+            warm=warming,
         )
-        backlog_scale = {c: sum(s) / len(s) for c, s in scales.items()}
+        backlog_scale = {c: sum(s) / len(s) for c, s in scales.items()} if scales else {}
+        for c in self.lattice.config.degrees:
+            backlog_scale.setdefault(c, 1.0)
         active = [w for w in self.lattice.workers.values() if w.state is WorkerState.ACTIVE]
         max_moves = max(1, int(cfg.max_moves_fraction * len(active)))
         loads = inputs.loads
@@ -234,7 +254,7 @@ class WhatIfController(Controller):
         for index in [i for i in self._periods if i < self.window - 6]:
             del self._periods[index]  # requests never answered (abandoned): no audit
         return WhatIfPlan(now, model, forecast, tuple(cands), tuple(audits), n,
-                          window.rate_changed, cfg.next_weight, cfg.op_cost)  # fmt: skip
+                          window.rate_changed, cfg.next_weight, cfg.op_cost, warming)  # fmt: skip
 
     @staticmethod
     def evaluate(plan: WhatIfPlan) -> Evaluation:
@@ -262,8 +282,7 @@ class WhatIfController(Controller):
         # (a single forecast can flatter a candidate by chance).
         overloaded = busy >= cfg.overload_utilisation
         urgent = gain >= cfg.urgent_gain and (overloaded or plan.rate_changed)
-        first = self.forecast.first_arrival_s
-        warming = first is None or plan.now - first < cfg.warmup_s
+        warming = plan.warming
         chosen = plan.candidates[best]
         ops: tuple[Reshape, ...] = ()
         # The streak: consecutive decisions whose best candidate is the same kind of
@@ -282,9 +301,8 @@ class WhatIfController(Controller):
         )
         if plan.forecast_requests == 0 or best == 0 or (gain < margin and not confirmed):
             rule = "hold"
-        elif warming and not (urgent and busy >= max(1.0, cfg.overload_utilisation)):
-            # A cold cache looks like overload: in the warm-up only arrivals beyond
-            # what the pool can serve at all (busy fraction 1 or more) move it.
+        elif warming and not (urgent and overloaded):
+            # (overload as the warm cache will have it: a cold one alone looks like it)
             rule = "hold:warm-up"
         elif self.in_flight and not urgent:
             rule = "hold:reshapes-in-flight"

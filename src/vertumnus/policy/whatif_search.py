@@ -26,6 +26,7 @@ class WhatIfPlan:
     rate_changed: bool
     next_weight: float
     op_cost: float
+    warming: bool = False  # the cold-cache warm-up: replayed with a warm cache
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import asyncio
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -105,6 +106,7 @@ class Coordinator:
         self._decider = ThreadPoolExecutor(1, thread_name_prefix="vertumnus-decide")
         self._deciding = False
         self.decision_s: list[float] = []  # wall time of recent decisions' replays
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=100)  # recent, as JSON
         self.ready = False
         self.started_s = time.monotonic()
         self.rank_error: str | None = None
@@ -290,6 +292,8 @@ class Coordinator:
     def _conclude(self, plan: WindowPlan, evaluation: object, now: float) -> None:
         outcome = self.policy.finish_window(plan, evaluation, now)
         decision = outcome.decision
+        since = now - (self._windows_started_s or now)  # seconds since the server started
+        self.decisions.append({"time_s": since, **decision.to_json()})
         if self.cfg.policy.adaptive and (decision.ops or "candidates" in decision.inputs):
             log.info("decision", **decision.to_json())
         for transition in outcome.begun:

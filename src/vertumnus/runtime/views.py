@@ -48,6 +48,14 @@ def composition_view(coord: Coordinator) -> dict[str, Any]:
         "devices": lattice.config.num_devices,
         "degrees": list(lattice.config.degrees),
         "layout": lattice.layout(),
+        # The controller and its latest decisions (the what-if controller's list the
+        # candidates it weighed, their predicted mean TTFT, the margin, the choice).
+        "controller": {
+            "mode": coord.cfg.policy.controller.mode,
+            "adaptive": coord.cfg.policy.adaptive,
+            "period_s": coord.cfg.policy.controller.period_s,
+            "decisions": list(coord.decisions)[-10:],
+        },
     }
 
 

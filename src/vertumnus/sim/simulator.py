@@ -22,14 +22,15 @@ is placed when a reshape's new workers serve.
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from vertumnus.perfmodel import Profile
+from vertumnus.perfmodel import COEFF_NAMES, DegreeCoeffs, Profile
 from vertumnus.policy.controller import Decision
 from vertumnus.policy.kv_ledger import CopyJob
 from vertumnus.policy.pool_config import PolicyConfig, PolicyError, PoolSpec
@@ -157,6 +158,8 @@ class Simulation:
         requests: Sequence[SimRequest],
         progress: Callable[[int, int, float], None] | None = None,
     ) -> None:
+        if settings.profile_bias:
+            profile = biased(profile, settings.profile_bias)
         try:
             self.policy = PoolPolicy.build(profile, pool, policy)
         except PolicyError as exc:
@@ -276,7 +279,7 @@ class Simulation:
             started.cp_degree,
             now,
         )
-        seconds = self.time.prefill_s(started.exec_s)
+        seconds = self.time.prefill_s(started.exec_s, started.cp_degree)
         # The ranks' own compute: the busy time less the serving path's share.
         compute_s = seconds * started.exec_s / (started.exec_s + self.s.dispatch_s)
         self._compute_s[worker_id] = compute_s
@@ -335,6 +338,17 @@ class Simulation:
             raise SimulationError(f"the run stalled at t = {now:.0f} s with requests waiting")
         self._window_arrivals = 0
         self._push(now + h, WindowDue())
+
+
+def biased(profile: Profile, bias: Mapping[int, float]) -> Profile:
+    """The profile with degree C's coefficients times ``bias[C]`` (E scales with them)."""
+    coeffs = {
+        c: DegreeCoeffs(**{k: getattr(k_, k) * bias.get(c, 1.0) for k in COEFF_NAMES})
+        for c, k_ in profile.coeffs.items()
+    }
+    out = copy.copy(profile)
+    out.coeffs = coeffs
+    return out
 
 
 def terminal_progress(done: int, total: int, sim_s: float) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from vertumnus.slo import DEFAULT_TTFT_SLO, TtftSlo
@@ -49,8 +49,15 @@ class SimSettings:
     # the windows up with a real server's, whose windows run from when it started.
     window_phase_s: float = 0.0
     slo: TtftSlo = field(default_factory=lambda: DEFAULT_TTFT_SLO)
+    # A deliberately wrong profile: the policy sees degree C's coefficients times
+    # profile_bias[C] (0.85: 15 % optimistic) while prefills take the true time.
+    profile_bias: Mapping[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        bias = {int(c): float(f) for c, f in dict(self.profile_bias).items()}
+        object.__setattr__(self, "profile_bias", bias)
+        if any(not f > 0 for f in bias.values()):
+            raise SimulationError(f"profile_bias factors must be > 0, got {bias}")
         if self.kv_bytes_per_token < 1 or self.devices_per_host < 1:
             raise SimulationError("kv_bytes_per_token and devices_per_host must be >= 1")
         if not (
@@ -74,8 +81,11 @@ class TimeModel:
         self._rng = random.Random(settings.seed)
         self._sigma = math.sqrt(math.log1p(settings.noise_cv**2)) if settings.noise_cv else 0.0
 
-    def prefill_s(self, exec_s: float) -> float:
-        """Seconds a prefill keeps its worker busy, from the predicted E."""
+    def prefill_s(self, exec_s: float, cp_degree: int | None = None) -> float:
+        """Seconds a prefill keeps its worker busy, from the predicted E (undone by
+        the profile's bias at that degree)."""
+        if cp_degree is not None:
+            exec_s /= self.s.profile_bias.get(cp_degree, 1.0)
         seconds = exec_s + self.s.dispatch_s
         if self._sigma:
             sigma = self._sigma
