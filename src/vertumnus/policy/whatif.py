@@ -288,7 +288,8 @@ class WhatIfController(Controller):
         # The streak: consecutive decisions whose best candidate is the same kind of
         # move (direction and level), with their gains.
         key = (chosen.kind, chosen.level)
-        if plan.forecast_requests == 0 or best == 0:
+        if plan.forecast_requests == 0 or best == 0 or plan.warming:
+            # (the warm-up's replays assume a warm cache: they confirm nothing later)
             self._streak = None
         elif self._streak is not None and self._streak[0] == key:
             self._streak = (key, [*self._streak[1], gain][-cfg.confirm_decisions :])
