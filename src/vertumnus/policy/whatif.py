@@ -252,7 +252,9 @@ class WhatIfController(Controller):
             replayed = model.prepare(period.samples, period.start_s, d, cache=self._times)
             audits.append((index, replayed, period.workers, measured))
         for index in [i for i in self._periods if i < self.window - 6]:
-            del self._periods[index]  # requests never answered (abandoned): no audit
+            # Requests never answered (abandoned, refused): no audit, nothing kept.
+            for sample in self._periods.pop(index).samples:
+                self._period_of.pop(sample.request_id, None)
         return WhatIfPlan(now, model, forecast, tuple(cands), tuple(audits), n,
                           window.rate_changed, cfg.next_weight, cfg.op_cost, warming)  # fmt: skip
 

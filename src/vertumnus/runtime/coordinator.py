@@ -294,6 +294,7 @@ class Coordinator:
         decision = outcome.decision
         since = now - (self._windows_started_s or now)  # seconds since the server started
         self.decisions.append({"time_s": since, **decision.to_json()})
+        del self.policy.controller.history[:-1000]  # a server runs for days
         if self.cfg.policy.adaptive and (decision.ops or "candidates" in decision.inputs):
             log.info("decision", **decision.to_json())
         for transition in outcome.begun:
