@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,7 @@ def main() -> None:
                 )
         moved = [d for d in decisions if d["ops"] and d.get("window_rule") not in ("fixed", "end")]
         late = [d["end_s"] for d in moved if d["end_s"] > args.after_s]
-        gaps = [b - a for a, b in zip(late, late[1:], strict=False)]
+        gaps = [b - a for a, b in itertools.pairwise(late)]
         requests = load_jsonl(args.folder / adaptive["run"] / "requests.jsonl")
         best = min(
             (r for r in rows if r["label"].startswith("fixed ")),
@@ -78,13 +79,9 @@ def main() -> None:
         )
         mine = statistics.mean(r["ttft_s"] for r in requests if r["arrival_s"] >= args.after_s)
         theirs = after(args.folder / best["run"], args.after_s)
-        print(
-            f"\n{title}: moves {[(round(d['end_s']), d['rule']) for d in moved]}; reshapes after "
-            f"{args.after_s:g} s: {len(late)}, shortest gap "
-            f"{min(gaps):.0f} s" if gaps else f"\n{title}: moves "
-            f"{[(round(d['end_s']), d['rule']) for d in moved]}; reshapes after "
-            f"{args.after_s:g} s: {len(late)}"
-        )
+        moves = [(round(d["end_s"]), d["rule"]) for d in moved]
+        shortest = f", shortest gap {min(gaps):.0f} s" if gaps else ""
+        print(f"\n{title}: moves {moves}; reshapes after {args.after_s:g} s: {len(late)}{shortest}")
         print(
             f"{title}: mean TTFT of arrivals after {args.after_s:g} s: {args.adaptive} "
             f"{mine:.4f} s, best fixed ({best['label']}) {theirs:.4f} s "
