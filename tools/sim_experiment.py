@@ -9,6 +9,7 @@ The file is a ``simulate`` configuration (see ``vertumnus.sim.config``) plus an
     out = "results/sim/time-varying"        # default output folder
     rate_scales = [2, 4, 6]                 # optional: every variant at each
     sweep_fixed = true                      # optional: every composition, fixed
+    sweep_routers = ["dynamo-kv"]           # optional: each router on every composition
     variants = [
       { label = "vertumnus", policy = "vertumnus", pool = { composition = "auto", ranks = 40 } },
       { label = "fixed 4CP4/3CP8", policy = "fixed", composition = "4CP4/3CP8" },
@@ -126,6 +127,87 @@ def sweep_variants(raw: dict[str, Any], variants: list[dict[str, Any]]) -> list[
     return added
 
 
+def router_sweep(
+    raw: dict[str, Any], variants: list[dict[str, Any]], router: str
+) -> list[dict[str, Any]]:
+    """``sweep_routers``: the router (a preset: fixed composition, LRU caches) on
+    every composition of the lattice, labelled ``<router> 6CP4-2CP8``."""
+    return [
+        {
+            "label": f"{router} {composition_name(c).replace('/', '-')}",
+            "policy": router,
+            "composition": composition_name(c),
+        }
+        for c in reachable_compositions(experiment_lattice(raw, variants))
+    ]
+
+
+def best_of_each(rows: list[dict[str, Any]], mine: str) -> list[dict[str, Any]]:
+    """Per rate (and phase): the run labelled ``mine`` against the best run of every
+    other fixed-composition policy (``fixed`` and each router), that policy's best
+    composition chosen after the fact."""
+    out = []
+    for rate in dict.fromkeys(r["rate_scale"] for r in rows):
+        here = [r for r in rows if r["rate_scale"] == rate]
+        me = next((r for r in here if r["label"] == mine), None)
+        if me is None:
+            continue
+        phases = here[0].get("phases", [])
+        scopes: list[int | None] = [None] + (
+            [ph["phase"] for ph in phases] if len(phases) > 1 else []
+        )
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for r in here:
+            if not r.get("adaptive") and r["label"] != mine:
+                groups.setdefault(str(r.get("policy")), []).append(r)
+        for phase in scopes:
+            entry: dict[str, Any] = {"rate_scale": rate, "phase": phase, "mine": {
+                "mean_ttft_s": _mean(me, phase),
+                "p90_ttft_s": _stat(me, phase, "p90_ttft_s"),
+                "attainment": _stat(me, phase, "token_slo_attainment"),
+            }, "peers": {}}  # fmt: skip
+            for policy, runs in groups.items():
+                top = min(runs, key=lambda r: _mean(r, phase))
+                best_s = _mean(top, phase)
+                entry["peers"][policy] = {
+                    "label": top["label"],
+                    "mean_ttft_s": best_s,
+                    "p90_ttft_s": _stat(top, phase, "p90_ttft_s"),
+                    "attainment": _stat(top, phase, "token_slo_attainment"),
+                    "gap_pct": 100 * (_mean(me, phase) / best_s - 1) if best_s > 0 else None,
+                }
+            out.append(entry)
+    return out
+
+
+def _stat(row: dict[str, Any], phase: int | None, key: str) -> float:
+    value = row[key] if phase is None else row["phases"][phase][key]
+    return float(value) if value is not None else math.nan
+
+
+def peers_markdown(peers: list[dict[str, Any]]) -> str:
+    if not peers or not any(e["peers"] for e in peers):
+        return ""
+    lines = [
+        "\n## Against the best configuration of each peer\n",
+        "Per rate and phase: `vertumnus` (mean / P90 TTFT, token SLO attainment) and, for"
+        " each fixed-composition policy, its best composition after the fact and the gap"
+        " of `vertumnus` to it (negative: faster).\n",
+        "| rate / phase | vertumnus | policy | its best | mean / P90, attainment | gap |",
+        "| --- | --- | --- | --- | --- | ---: |",
+    ]
+    for e in peers:
+        scope = "whole run" if e["phase"] is None else f"phase {e['phase']}"
+        where = (f"×{e['rate_scale']:g}, " if e["rate_scale"] is not None else "") + scope
+        m = e["mine"]
+        me = f"{m['mean_ttft_s']:.3f} / {m['p90_ttft_s']:.3f}, {m['attainment']:.3f}"
+        for policy, p in sorted(e["peers"].items()):
+            them = f"{p['mean_ttft_s']:.3f} / {p['p90_ttft_s']:.3f}, {p['attainment']:.3f}"
+            gap = "–" if p["gap_pct"] is None else f"{p['gap_pct']:+.1f} %"
+            lines.append(f"| {where} | {me} | {policy} | {p['label']} | {them} | {gap} |")
+    return "\n".join(lines) + "\n"
+
+
 def run_experiment(
     config: Path,
     out: Path | None = None,
@@ -149,6 +231,8 @@ def run_experiment(
     variants = [dict(v) for v in experiment["variants"]]
     if experiment.get("sweep_fixed", False):
         variants += sweep_variants(raw, variants)
+    for router in experiment.get("sweep_routers", []):
+        variants += router_sweep(raw, variants, str(router))
     labels = [v["label"] for v in variants]
     if len(set(labels)) != len(labels):
         raise SystemExit(f"variant labels repeat: {sorted(labels)}")
@@ -187,9 +271,10 @@ def run_experiment(
                     file=sys.stderr,
                 )
     best = against_best_fixed(rows)
-    comparison = {"runs": rows, "against_best_fixed": best}
+    peers = best_of_each(rows, "vertumnus")
+    comparison = {"runs": rows, "against_best_fixed": best, "against_each_peer": peers}
     (out / "comparison.json").write_bytes(orjson.dumps(comparison, option=orjson.OPT_INDENT_2))
-    text = markdown(rows, best)
+    text = markdown(rows, best) + peers_markdown(peers)
     (out / "comparison.md").write_text(text)
     plots.plot_comparison(rows, timelines, out / "comparison.png", sweep=rates != [None])
     if echo:

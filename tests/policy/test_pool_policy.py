@@ -13,11 +13,11 @@ import pytest
 from support.factories import BLOCK_SIZE, make_profile
 from support.policy import COEFFS, KAPPA_S
 from vertumnus.blocks import block_ids, max_reuse_blocks
-from vertumnus.policy.baselines import ROUTERS
 from vertumnus.policy.controller import ControllerConfig
 from vertumnus.policy.lattice import LatticeConfig, WorkerState
 from vertumnus.policy.pool_config import PolicyConfig, PolicyError, PoolSpec, preset
 from vertumnus.policy.pool_policy import PoolPolicy
+from vertumnus.policy.routers import ROUTERS
 from vertumnus.policy.scheduler import PlacementRequest
 from vertumnus.policy.whatif import WhatIfController
 

@@ -87,7 +87,8 @@ def test_config_errors_name_what_is_wrong(tmp_path: Path) -> None:
     with pytest.raises(
         ConfigError,
         match="\\[scheduler\\] policy: unknown router 'magic'; choose one of cache-first, "
-        "least-load, length-threshold, round-robin, vertumnus",
+        "dynamo-kv, least-load, length-threshold, llm-d, round-robin, sglang-cache-aware, "
+        "vertumnus",
     ):
         load(bad, {})
     with pytest.raises(ConfigError, match="unknown policy 'magic'; choose one of vertumnus, fixed"):

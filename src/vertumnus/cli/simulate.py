@@ -16,8 +16,8 @@ from pathlib import Path
 
 from vertumnus.config import ConfigError
 from vertumnus.perfmodel import ProfileError
-from vertumnus.policy.baselines import ROUTERS
 from vertumnus.policy.pool_config import PRESETS
+from vertumnus.policy.routers import ROUTERS
 from vertumnus.sim.simulator import Simulation, SimulationError, terminal_progress
 from vertumnus.sim.traces import TraceError
 from vertumnus.sim.workload import WorkloadError

@@ -7,11 +7,13 @@ The tables both commands read, with the same keys::
     [profile]     path                    a profile file, or a shipped profile's name
                                           ("tiny-cpu", "qwen3-30b-a3b-h100")
     [scheduler]   policy = "vertumnus"    the router: the cost rule, or round-robin,
-                                          least-load, cache-first, length-threshold
+                                          least-load, cache-first, length-threshold,
+                                          sglang-cache-aware, dynamo-kv, llm-d
                   beta, gpu_penalty, max_tokens_per_rank
     [controller]  enabled = true          adaptive; false: a fixed composition (the
                                           decisions are only noted)
-                  and the fields of ``ControllerConfig`` (window_s, upper_fraction, ...)
+                  mode = "whatif"         or "rules" (the paper's thresholds)
+                  and the fields of ``ControllerConfig`` (decision_s, margin, ...)
     [cache]       replication = true      the cache manager's scans; false: every
                                           worker keeps a plain LRU cache
                   scan_interval_s, reserve_fraction, retain_s, and the fields of

@@ -12,8 +12,8 @@ prefix), the same per-request cache statistics.
     length-threshold  inputs over ``long_tokens`` to the largest degree present,
                       the others to the smaller degrees; least q_w within the group
 
-Ties: the lower worker id. Pure Python. ``ROUTERS`` names every router, the cost
-rule (``vertumnus``) included.
+Ties: the lower worker id. Pure Python. ``policy/routers.py`` names every router;
+the routers of SGLang, Dynamo and llm-d are in ``policy/peer_routers.py``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from vertumnus.policy.lattice import LatticeWorker
 from vertumnus.policy.scheduler import Choice, PlacementRequest, Scheduler
 
 
-class _Baseline(Scheduler):
+class _Baseline(Scheduler):  # (peer_routers.py builds on it too)
     """The shared part: reserve E_iw at the worker ``_pick`` names."""
 
     def _choose(
@@ -111,10 +111,7 @@ class LengthThresholdScheduler(_Baseline):
         return self._least_loaded(group, now)
 
 
-# Every router by its configuration name: the cost rule ("vertumnus") and the
-# baselines. ``PolicyConfig`` refuses any other name, listing these.
-ROUTERS: dict[str, type[Scheduler]] = {
-    "vertumnus": Scheduler,
+BASELINES: dict[str, type[Scheduler]] = {
     "round-robin": RoundRobinScheduler,
     "least-load": LeastLoadScheduler,
     "cache-first": CacheFirstScheduler,

@@ -25,12 +25,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vertumnus.policy.baselines import ROUTERS
 from vertumnus.policy.cache_plans import CacheManagerConfig
 from vertumnus.policy.controller import ControllerConfig
 from vertumnus.policy.costs import CostWeights
 from vertumnus.policy.kv_ledger import RetentionConfig
 from vertumnus.policy.lattice import LatticeConfig
+from vertumnus.policy.routers import ROUTERS
 
 
 class PolicyError(ValueError):

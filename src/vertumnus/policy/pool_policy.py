@@ -40,7 +40,6 @@ from collections.abc import Sequence
 
 from vertumnus.blocks import max_reuse_blocks
 from vertumnus.perfmodel import Profile
-from vertumnus.policy.baselines import ROUTERS
 from vertumnus.policy.cache_index import WorkerCacheIndex
 from vertumnus.policy.cache_manager import PrefixCacheManager
 from vertumnus.policy.cache_plans import CopyPlan
@@ -61,6 +60,7 @@ from vertumnus.policy.pool_results import (
     WindowOutcome,
     WindowPlan,
 )
+from vertumnus.policy.routers import ROUTERS
 from vertumnus.policy.scheduler import PlacementRequest, SchedulerConfig
 from vertumnus.policy.transition import Phase, Reconfigurer, Transition, operator_reshape
 from vertumnus.policy.whatif import WhatIfController
@@ -91,7 +91,7 @@ class PoolPolicy:
         self.scheduler = ROUTERS[config.router](
             self.lattice,
             coeffs,
-            SchedulerConfig(config.weights, config.max_tokens_per_rank),
+            SchedulerConfig(config.weights, config.max_tokens_per_rank, pool.blocks_per_rank),
             self.cache,
         )
         # Without a capacity (a fixed composition may lack one) the decisions, only

@@ -46,6 +46,8 @@ class SchedulerConfig:
     # KV room of one rank in tokens: a degree-C worker holds a request of L tokens if
     # ceil(L / C) <= this. None: no limit.
     max_tokens_per_rank: int | None = None
+    # KV blocks of one rank (the peer routers read a worker's free cache); None: unknown
+    kv_blocks_per_rank: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
