@@ -4,6 +4,8 @@ tokens; 8 KV blocks per rank, so workers 0 and 1 hold 8 blocks and worker 2 hold
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from support.policy import COEFFS, cache_manager_for
 from vertumnus.policy.cache_index import CacheReport
 from vertumnus.policy.cache_manager import PrefixCacheManager
@@ -139,3 +141,19 @@ def test_llmd_queue_score_is_min_max_normalised() -> None:
     # Waiting: 2, 1, 0 -> queue scores 0, 0.5, 1; empty caches: 2 each -> worker 2.
     assert place(sched, req(4, 100)) == 2
     assert sched.outstanding_s(2, 0.0) > 0
+
+
+def test_serve_and_simulate_read_the_peer_routers(tmp_path: Path) -> None:
+    from vertumnus.policy.pool_policy import PoolPolicy
+    from vertumnus.runtime import serve_config
+    from vertumnus.sim import config as sim_config
+
+    path = tmp_path / "pool.toml"
+    path.write_text('[scheduler]\npolicy = "dynamo-kv"\n')
+    served = serve_config.load(path)
+    assert served.policy.router == "dynamo-kv"
+    raw = {"workload": {"phases": [{"duration_s": 10, "rate": 5}]}}
+    simulated = sim_config.load(None, {}, raw=raw, preset="llm-d")
+    assert (simulated.policy.router, simulated.policy.adaptive) == ("llm-d", False)
+    policy = PoolPolicy.build(simulated.profile, simulated.spec, simulated.policy)
+    assert isinstance(policy.scheduler, LLMDScheduler)
