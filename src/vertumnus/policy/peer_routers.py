@@ -13,7 +13,9 @@ What a rule reads, in this pool's terms:
                   capacity, ``kv_blocks_per_rank`` x its degree
 
 ``sglang-cache-aware``: SGLang's router, ``cache_aware`` policy (now the SGLang
-Model Gateway; its docs and ``sgl-router`` source, 2025, read for this). When the
+Model Gateway; its "Cache-Aware Routing" documentation, 2025, as published by the
+gateway's maintainers, lightseekorg/smg ``docs/concepts/routing/cache-aware.md``).
+When the
 load is imbalanced, ``max - min > balance_abs_threshold`` and ``max >
 balance_rel_threshold * min``, the least-loaded worker; otherwise the worker with
 the highest prefix-match ratio (matched / input length) if that ratio exceeds
@@ -32,12 +34,14 @@ there (its blocks minus those cached at the worker) + the worker's active blocks
 (the blocks of the requests outstanding there); the lowest cost wins at
 temperature 0 (ties: the lower worker id), else a softmax over -cost / temperature,
 seeded. Adapted: active blocks are the outstanding prompts' blocks, as a prefill
-worker holds no decode state.
+worker holds no decode state. (Read: the KV Router pages of Dynamo's docs, v0.4.0
+and v1.2.x.)
 
-``llm-d``: the llm-d inference scheduler's default profile (the EPP scheduling docs
-of llm-d v0.8; Red Hat OpenShift AI 3.4, "Configuring scheduler settings": queue
-weight 2, prefix-cache weight 3; the kv-cache-utilization scorer at weight 2, as
-llm-d's inference-scheduling guide configures it). Each scorer gives [0, 1], the
+``llm-d``: the llm-d inference scheduler's default profile (the EPP "Request
+Scheduler" docs of llm-d v0.8: filter, score, pick; Red Hat OpenShift AI 3.4,
+"Configuring scheduler settings": the default profile weighs queue depth 2 and
+prefix-cache hits 3). The kv-cache-utilization scorer, which those pages do not
+weigh, runs here at 2, the queue scorer's weight. Each scorer gives [0, 1], the
 weighted sum is the score, the highest wins (ties: the lower worker id):
 
     prefix-cache          matched blocks / the request's blocks, from its own index
