@@ -17,7 +17,6 @@ forecast size and the replay dilation, and the ratio of the median to its target
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import statistics
 import time
@@ -31,9 +30,9 @@ from vertumnus.sim.simulator import Simulation
 from vertumnus.stats import percentile
 
 CASES = [
-    # (name, config, overrides, target median s)
-    ("40 GPUs (all-policies x8)", "configs/sim/all-policies.toml", {"rate_scale": 8.0}, 0.020),
-    ("1,024 GPUs (scale-1024)", "configs/sim/scale-1024.toml", {}, 0.050),
+    # (name, config, composition, rate scale, target median s)
+    ("40 GPUs (all-policies x8)", "configs/sim/all-policies.toml", "4CP4/3CP8", 8.0, 0.020),
+    ("1,024 GPUs (scale-1024)", "configs/sim/scale-1024.toml", "128CP4/64CP8", None, 0.050),
 ]
 
 
@@ -79,13 +78,11 @@ class Timed:
         return timed
 
 
-def run_case(path: str, workload: dict[str, Any], seconds: float) -> Timed:
+def run_case(path: str, composition: str, rate_scale: float | None, seconds: float) -> Timed:
     raw = read_toml(Path(path))
     raw.pop("experiment", None)
-    raw["pool"] = {**raw.get("pool", {})}
-    if "composition" not in raw["pool"]:
-        raw["pool"]["composition"] = "128CP4/64CP8"
-    cfg = sim_config.load(None, {"workload": workload}, raw=copy.deepcopy(raw), preset="vertumnus")
+    overrides = {"pool": {"composition": composition}, "workload": {"rate_scale": rate_scale}}
+    cfg = sim_config.load(None, overrides, raw=raw, preset="vertumnus")
     requests = [r for r in cfg.requests if r.arrival_s <= seconds]
     sim = Simulation(cfg.settings, cfg.profile, cfg.spec, cfg.policy, requests)
     controller = sim.policy.controller
@@ -99,8 +96,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
     parser.add_argument("--seconds", type=float, default=90.0, help="simulated seconds per case")
     args = parser.parse_args()
-    for name, path, workload, target in CASES:
-        timed = run_case(path, workload, args.seconds)
+    for name, path, composition, rate_scale, target in CASES:
+        timed = run_case(path, composition, rate_scale, args.seconds)
         whole = [sum(p) for p in zip(*timed.parts.values(), strict=True)]
         print(f"{name}: {len(whole)} decisions")
         for part, values in timed.parts.items():

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vertumnus.policy.lattice import Lattice, LatticeError, Reshape, WorkerState
+from vertumnus.policy.scheduler import Placement, PlacementRequest
 
 CONTROLLER_MODES = ("whatif", "rules")
 
@@ -204,28 +205,23 @@ class Controller:
 
     # Hooks the what-if controller uses (the rules need none of them).
 
-    def placed(self, request: Any, placement: Any, arrival_s: float, block_tokens: int) -> None:
-        """A request (``PlacementRequest``) placed for the first time (``Placement``)."""
+    def placed(self, request: PlacementRequest, placed: Placement, at_s: float, block: int) -> None:
+        """A request placed for the first time, arrived at ``at_s`` (``block``: tokens
+        per KV block)."""
 
     def completed(self, request_id: int, ttft_s: float) -> None:
         """A request's prefill ended, ``ttft_s`` after it arrived."""
 
     def prefill_done(
-        self,
-        cp_degree: int,
-        input_tokens: int,
-        predicted_s: float,
-        busy_s: float,
+        self, cp_degree: int, input_tokens: int, predicted_s: float, busy_s: float,
         compute_s: float | None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         """A prefill ended: predicted E, the worker's busy time, the ranks' compute."""
 
     def switch_done(self, switch_s: float) -> None:
         """A reshape's switch took ``switch_s``."""
 
-    # -- the decision ----------------------------------------------------------------
-    # In three steps, as the what-if controller needs (its ``evaluate`` may run off
-    # the event loop); the rules decide in ``conclude``.
+    # -- the decision: three steps (the what-if ``evaluate`` may run off the loop) -----
 
     def prepare(self, inputs: Any) -> Any:
         return inputs
@@ -296,7 +292,12 @@ class Controller:
             self._over = 0
         elif ops and rule == "merge:capacity":
             self._under = 0
-        decision = Decision(self.window, rule, tuple(ops), demand, capacity, long_fraction, inputs)
+        return self._record(
+            Decision(self.window, rule, tuple(ops), demand, capacity, long_fraction, inputs)
+        )
+
+    def _record(self, decision: Decision) -> Decision:
+        """Keep ``decision`` and start the next window's demand from zero."""
         self.history.append(decision)
         self.window += 1
         self._demand_s, self._requests, self._long = 0.0, 0, 0

@@ -60,6 +60,7 @@ import math
 import random
 from collections import OrderedDict
 from collections.abc import Mapping
+from typing import Any
 
 from vertumnus.policy.baselines import _Baseline
 from vertumnus.policy.lattice import LatticeWorker
@@ -72,9 +73,13 @@ class _Peer(_Baseline):
     it is routed there (``routed``), each worker's index kept to its KV capacity
     (least recently routed out first)."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._routed: dict[int, OrderedDict[int, None]] = {}  # worker -> its index
+
     def routed_match(self, worker_id: int, block_ids: tuple[int, ...]) -> int:
         """Leading blocks of the request in the worker's routing index."""
-        index = getattr(self, "_routed", {}).get(worker_id)
+        index = self._routed.get(worker_id)
         n = 0
         if index:
             while n < len(block_ids) and block_ids[n] in index:
@@ -82,12 +87,11 @@ class _Peer(_Baseline):
         return n
 
     def routed_size(self, worker_id: int) -> int:
-        return len(getattr(self, "_routed", {}).get(worker_id, ()))
+        return len(self._routed.get(worker_id, ()))
 
     def route(self, worker: LatticeWorker, block_ids: tuple[int, ...]) -> LatticeWorker:
         """Insert the request's blocks into the chosen worker's index."""
-        indexes: dict[int, OrderedDict[int, None]] = self.__dict__.setdefault("_routed", {})
-        index = indexes.setdefault(worker.worker_id, OrderedDict())
+        index = self._routed.setdefault(worker.worker_id, OrderedDict())
         for block in block_ids:
             index[block] = None
             index.move_to_end(block)
@@ -162,6 +166,7 @@ class DynamoKVScheduler(_Peer):
     overlap_score_weight = 1.0
     temperature = 0.0
     seed = 0
+    _rng: random.Random | None = None
 
     def _pick(
         self,
@@ -181,13 +186,12 @@ class DynamoKVScheduler(_Peer):
         costs = {w.worker_id: cost(w) for w in candidates}
         if self.temperature <= 0:
             return min(candidates, key=lambda w: (costs[w.worker_id], w.worker_id))
-        rng = getattr(self, "_rng", None)
-        if rng is None:
-            rng = self._rng = random.Random(self.seed)
+        if self._rng is None:  # (seeded at the first sampled choice: ``seed`` may be set)
+            self._rng = random.Random(self.seed)
         low = min(costs.values())
         ordered = sorted(candidates, key=lambda w: w.worker_id)
         weights = [math.exp(-(costs[w.worker_id] - low) / self.temperature) for w in ordered]
-        return rng.choices(ordered, weights)[0]
+        return self._rng.choices(ordered, weights)[0]
 
 
 class LLMDScheduler(_Peer):

@@ -119,22 +119,20 @@ class WhatIfController(Controller):
 
     # -- inputs ------------------------------------------------------------------------
 
-    def placed(
-        self, request: PlacementRequest, placement: Placement, arrival_s: float, block_tokens: int
-    ) -> None:
+    def placed(self, request: PlacementRequest, placed: Placement, at_s: float, block: int) -> None:
         """A request placed for the first time: its arrival, length and holders."""
-        deepest = max((p for _, p in placement.holders), default=0) // block_tokens
-        update = placement.update
+        deepest = max((p for _, p in placed.holders), default=0) // block
+        update = placed.update
         matched = 0
         if update is not None:
-            usable = max_reuse_blocks(request.input_tokens, block_tokens)
-            matched = min(update.matched_blocks, usable) * block_tokens
+            usable = max_reuse_blocks(request.input_tokens, block)
+            matched = min(update.matched_blocks, usable) * block
         sample = make_sample(
             request.request_id,
-            arrival_s,
+            at_s,
             request.input_tokens,
-            placement.holders,
-            placement.num_candidates,
+            placed.holders,
+            placed.num_candidates,
             request.block_ids[deepest - 1] if deepest else 0,
             matched,
         )
@@ -366,13 +364,11 @@ class WhatIfController(Controller):
         demand, n = self._demand_s, self._requests
         long_fraction = self._long / n if n else 0.0
         inputs["requests"] = n
-        decision = Decision(
-            self.window, rule, tuple(ops), demand, self.capacity_s(), long_fraction, inputs
+        return self._record(
+            Decision(
+                self.window, rule, tuple(ops), demand, self.capacity_s(), long_fraction, inputs
+            )
         )
-        self.history.append(decision)
-        self.window += 1
-        self._demand_s, self._requests, self._long = 0.0, 0, 0
-        return decision
 
     def _open_period(self, now: float, hold: Candidate, reshaping: bool) -> None:
         previous = self._period
