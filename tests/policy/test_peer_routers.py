@@ -41,7 +41,12 @@ def place(sched: Scheduler, request: PlacementRequest) -> int:
 def test_the_peers_are_routers_and_presets_everywhere() -> None:
     for name in ("sglang-cache-aware", "dynamo-kv", "llm-d"):
         assert name in ROUTERS and PolicyConfig(router=name).router == name
-        assert PRESETS[name] == {"router": name, "adaptive": False, "replication": False}
+        assert PRESETS[name] == {
+            "router": name,
+            "adaptive": False,
+            "replication": False,
+            "ideal_reuse": False,
+        }
 
 
 # -- SGLang ------------------------------------------------------------------------

@@ -184,6 +184,7 @@ def test_routers_and_presets_are_checked_by_name() -> None:
         "router": "vertumnus",
         "adaptive": False,
         "replication": False,
+        "ideal_reuse": False,
     }
     for name in ROUTERS:
         assert PolicyConfig(router=name).router == name

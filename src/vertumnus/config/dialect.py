@@ -16,6 +16,8 @@ The tables both commands read, with the same keys::
                   and the fields of ``ControllerConfig`` (decision_s, margin, ...)
     [cache]       replication = true      the cache manager's scans; false: every
                                           worker keeps a plain LRU cache
+                  ideal = false           simulate only: the bound (every worker
+                                          reuses the longest prefix cached anywhere)
                   scan_interval_s, reserve_fraction, retain_s, and the fields of
                   ``CacheManagerConfig`` (theta_inter_s, decay, ...)
     [engine]      block_size, kv_blocks_per_rank: the KV geometry the policy plans
@@ -109,7 +111,7 @@ def apply_preset(raw: dict[str, Any], name: str | None) -> dict[str, Any]:
         {
             "scheduler": {"policy": choices["router"]},
             "controller": {"enabled": choices["adaptive"]},
-            "cache": {"replication": choices["replication"]},
+            "cache": {"replication": choices["replication"], "ideal": choices["ideal_reuse"]},
         },
     )
 
@@ -131,6 +133,7 @@ def read_policy(raw: Mapping[str, Any], base: PolicyConfig) -> PolicyConfig:
     adaptive = _flag(controller, "enabled", "controller", base.adaptive)
     cache = dict(raw.get("cache", {}))
     replication = _flag(cache, "replication", "cache", base.replication)
+    ideal_reuse = _flag(cache, "ideal", "cache", base.ideal_reuse)
     scan_interval_s = cache.pop("scan_interval_s", base.scan_interval_s)
     retention = {k: cache.pop(k) for k in ("reserve_fraction", "retain_s") if k in cache}
     parts = {
@@ -144,12 +147,17 @@ def read_policy(raw: Mapping[str, Any], base: PolicyConfig) -> PolicyConfig:
             router=router,
             adaptive=adaptive,
             replication=replication,
+            ideal_reuse=ideal_reuse,
             scan_interval_s=float(scan_interval_s),
             max_tokens_per_rank=max_tokens,
             **parts,
         )
     except PolicyError as exc:
-        where = {"router": "[scheduler] policy", "scan_interval_s": "[cache]"}
+        where = {
+            "router": "[scheduler] policy",
+            "scan_interval_s": "[cache]",
+            "ideal_reuse": "[cache] ideal",
+        }
         raise ConfigError(f"{where.get(exc.field or '', '[scheduler]')}: {exc}") from exc
 
 

@@ -33,6 +33,7 @@ class _Baseline(Scheduler):  # (peer_routers.py builds on it too)
         candidates: list[LatticeWorker],
         reuse: Mapping[int, int],
         now: float,
+        matched_tokens: int = 0,
     ) -> Choice:
         worker = self._pick(request, candidates, reuse, now)
         p = reuse.get(worker.worker_id, 0)

@@ -143,6 +143,14 @@ class WorkerCacheIndex:
             parent_id = bid
         return lease
 
+    def evictions(self, lease: PrefillLease) -> CacheReport:
+        """The blocks ``begin`` evicted for ``lease``, reported now rather than when
+        the lease ends, so that the global view stops offering them at once (their
+        slots are the lease's). They leave the lease: its end reports only later
+        ones."""
+        evicted, lease.evicted = tuple(lease.evicted), []
+        return CacheReport(self.worker_id, evicted=evicted)
+
     def commit(self, lease: PrefillLease) -> CacheReport:
         """The prefill wrote its new blocks: make them matchable and unpin everything."""
         for loc in lease.new:

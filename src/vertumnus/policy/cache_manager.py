@@ -44,6 +44,7 @@ from vertumnus.policy.cache_plans import (
     ScanResult,
     WorkerCacheView,
 )
+from vertumnus.policy.cache_pull import EvictionValue
 from vertumnus.policy.cache_scan import PeriodicScan
 from vertumnus.policy.costs import CostWeights, prefer_degree, reuse_curves
 from vertumnus.policy.trie import Node, PrefixTrie, TrieError, WorkerInfo
@@ -56,14 +57,18 @@ class PrefixCacheManager:
         block_tokens: int,
         config: CacheManagerConfig | None = None,
         weights: CostWeights | None = None,
+        ideal: bool = False,
     ) -> None:
         """``weights``: the placement cost's beta and lambda, which PreferDegree uses
-        too (the scheduler's own, so both price a request alike)."""
+        too (the scheduler's own, so both price a request alike). ``ideal``: the
+        bound of ideal replication, every worker offered the whole MatchedPath."""
         self.config = config or CacheManagerConfig()
+        self.ideal = ideal
         self.weights = weights or CostWeights()
         self.trie = PrefixTrie(sorted(coeffs), block_tokens)
         self.curves = reuse_curves(coeffs)
         self.in_flight = PlansInFlight(self.trie)
+        self.eviction = EvictionValue()
         self._scan = PeriodicScan(self.trie, self.config, self.in_flight)
 
     # -- workers and reports ---------------------------------------------------------
@@ -79,11 +84,15 @@ class PrefixCacheManager:
 
     def apply_report(self, report: CacheReport) -> None:
         """The physical truth of one worker: evictions first, then the inserted chain."""
-        trie = self.trie
+        trie, eviction = self.trie, self.eviction
         for bid in report.evicted:
             trie.evict(report.worker_id, bid)
+            node = trie.nodes.get(bid)
+            eviction.evicted_block(bid, node is None or not node.holders)
         if report.inserted:
             trie.insert_chain(report.worker_id, report.inserted_parent, report.inserted)
+            for bid in report.inserted:
+                eviction.inserted(bid)
             pending = trie.worker_pending[report.worker_id]
             if pending:
                 for bid in report.inserted:
@@ -104,6 +113,9 @@ class PrefixCacheManager:
         usable = self.usable_blocks(len(block_ids), input_tokens)
         path, depth_of = self.trie.match_with_reuse(block_ids, usable)
         b = self.trie.block_tokens
+        if self.ideal and path:
+            # The bound: whatever is cached anywhere is reusable everywhere.
+            depth_of = dict.fromkeys(self.trie.workers, len(path))
         reuse = {w: n * b for w, n in depth_of.items()}
         return PrefixLookup(tuple(block_ids), input_tokens, usable, path, reuse)
 
@@ -117,18 +129,26 @@ class PrefixCacheManager:
         input_tokens: int,
         worker_id: int,
         lookup: PrefixLookup | None = None,
+        reused_tokens: int | None = None,
     ) -> RequestUpdate:
         """Algorithm 1, for a request just placed on ``worker_id`` (``lookup``: this
-        request's, made before placement with nothing applied in between)."""
+        request's, made before placement with nothing applied in between;
+        ``reused_tokens``: what placement counted on, more than the worker holds when
+        a pull brings the rest)."""
         trie, b = self.trie, self.trie.block_tokens
         info = trie.worker(worker_id)
         if lookup is None or lookup.input_tokens != input_tokens:
             usable = self.usable_blocks(len(block_ids), input_tokens)
             path: Sequence[Node] = trie.match(block_ids, usable)
-            reused = trie.held_depth(path, info.slot)
+            held = trie.held_depth(path, info.slot)
         else:
             usable, path = lookup.usable, lookup.path
-            reused = lookup.reusable_tokens.get(worker_id, 0) // b
+            held = lookup.reusable_tokens.get(worker_id, 0) // b
+            if self.ideal:
+                held = trie.held_depth(path, info.slot)
+        reused = held
+        if reused_tokens is not None and not self.ideal:
+            reused = min(len(path), max(held, reused_tokens // b))
         k = trie.degree_index[info.cp_degree]
         add_access = trie.add_access
         for node in path[:reused]:
@@ -151,6 +171,7 @@ class PrefixCacheManager:
         curve = self.curves[preferred]
         base = curve.benefit_s(0, b)
         step = curve.benefit_s(b, 2 * b) - base
+        self.eviction.missed(block_ids, len(path), usable, base, step)
         for node in path[first:]:
             benefit = base + step * node.depth
             if benefit > 0:
@@ -159,10 +180,40 @@ class PrefixCacheManager:
                     trie.add_missed(node, kp, benefit)
                 else:
                     missed[kp] += benefit
-        fetch = None
-        if trie.worker_pending[worker_id]:
+        fetch, awaits = None, None
+        if reused > held:
+            fetch, awaits = self._pull_plan(path, held, reused, info)
+        elif trie.worker_pending[worker_id]:
             fetch = self._fetch_plan(block_ids, usable, reused, info)
-        return RequestUpdate(len(path), reused, preferred, fetch)
+        return RequestUpdate(len(path), reused, preferred, fetch, awaits)
+
+    def _pull_plan(
+        self, path: Sequence[Node], held: int, upto: int, dest: WorkerInfo
+    ) -> tuple[CopyPlan | None, int | None]:
+        """Blocks ``held`` to ``upto`` of ``path``, from a holder of the whole of it (of
+        the destination's degree first, so that nothing is re-sharded), to ``dest``:
+        the new plan, and the plan the request waits for (an earlier pull bringing
+        the same blocks, if there is one)."""
+        last = path[upto - 1]
+        for plan in self.in_flight.copies.values():
+            if (
+                plan.kind == "pull"
+                and plan.dest_worker == dest.worker_id
+                and last.block_id in plan.prefix_ids
+            ):
+                return None, plan.plan_id
+        src = min(
+            self.trie.holders_of(last),
+            key=lambda h: (h.cp_degree != dest.cp_degree, h.slot),
+        )
+        moves = [
+            BlockMove(
+                z.block_id, z.depth, src.worker_id, src.device_of(z.depth), dest.device_of(z.depth)
+            )
+            for z in path[held:upto]
+        ]
+        plan = self.in_flight.start_copy("pull", dest, moves, score=0.0)
+        return plan, plan.plan_id
 
     def _fetch_plan(
         self, block_ids: Sequence[int], usable: int, held: int, dest: WorkerInfo
@@ -211,6 +262,7 @@ class PrefixCacheManager:
 
     def scan(self, views: Mapping[int, WorkerCacheView], loads: Mapping[int, float]) -> ScanResult:
         """Algorithm 2: candidates, ranked and cut per list, as plans; then decay."""
+        self.eviction.decay(self.config.decay)
         return self._scan.run(views, loads)
 
     def plan_copy(self, block_id: int, source: int, dest: int) -> CopyPlan:

@@ -15,6 +15,8 @@ a block the destination already holds when the plan runs is skipped. Kinds:
     inter   first replica of a prefix at a degree (re-shard when degrees differ)
     intra   another replica at a degree that has one
     fetch   a pending prefix (after a split or merge) on its first reuse
+    pull    a prefix held elsewhere, to the worker a request was just placed on,
+            because copying it costs less than computing it (the request waits)
     adopt   a pending prefix whose blocks already sit where the new geometry
             wants them: no data moves, the destination only indexes them
 """
@@ -54,6 +56,13 @@ class CacheManagerConfig:
     # "close": the smaller copy goes first.
     close_fraction: float = 0.1
     stat_floor: float = 1e-3  # statistics decayed below this are dropped
+    # Pulls: a request placed where its prefix is not held may have the prefix copied
+    # there from a holder, when the copy (its wait on the channel included) costs less
+    # than computing the prefix. The copy time starts from these and is then learned
+    # from the copies measured (``cache_pull.CopyTimer``).
+    pull: bool = True
+    copy_latency_s: float = 1e-3  # a copy's fixed cost
+    copy_block_s: float = 1e-3  # seconds per block moved
 
     def __post_init__(self) -> None:
         if not 0 < self.decay < 1:
@@ -69,6 +78,8 @@ class CacheManagerConfig:
             raise ValueError("reclaim_probe must be >= 1")
         if self.min_replicas_kept < 1:
             raise ValueError("min_replicas_kept must be >= 1")
+        if not (self.copy_latency_s >= 0 and self.copy_block_s >= 0):
+            raise ValueError("copy_latency_s and copy_block_s must be >= 0")
         if not (self.stat_floor > 0 and math.isfinite(self.stat_floor)):
             raise ValueError("stat_floor must be > 0")
 
@@ -142,4 +153,5 @@ class RequestUpdate:
     matched_blocks: int  # MatchedPath: held anywhere
     reused_blocks: int  # ReusedPath at the chosen worker (confirmed only)
     preferred_degree: int
-    fetch: CopyPlan | None  # pending blocks of the chosen worker worth fetching now
+    fetch: CopyPlan | None  # a pull, or pending blocks of the chosen worker worth fetching
+    awaits: int | None = None  # the pull (plan id) the request must wait for

@@ -24,19 +24,37 @@ from collections import deque
 from collections.abc import Callable
 
 from vertumnus.policy.cache_plans import CopyPlan
+from vertumnus.policy.cache_pull import CopyTimer
 from vertumnus.policy.kv_ledger import CopyJob, KVLedger
 from vertumnus.policy.pool_results import Actions, Switch
 from vertumnus.policy.transition import Transition
 
 
 class Channel:
-    def __init__(self, ledger: KVLedger, commit: Callable[[Transition, float], Switch]) -> None:
-        """``commit(transition, now)``: the reshape's epoch, once the channel is its."""
+    def __init__(
+        self,
+        ledger: KVLedger,
+        commit: Callable[[Transition, float], Switch],
+        timer: CopyTimer,
+    ) -> None:
+        """``commit(transition, now)``: the reshape's epoch, once the channel is its.
+        ``timer``: the copy time model, which every copy measured teaches."""
         self.ledger = ledger
         self._commit = commit
+        self.timer = timer
         self._copies: deque[CopyPlan] = deque()
         self._switches: deque[Transition] = deque()
         self.holder: CopyJob | Transition | None = None
+        self._began_s = 0.0  # when the holder got the channel
+        self._queued_s = 0.0  # predicted seconds of the copies queued
+
+    def backlog_s(self, now: float) -> float:
+        """Predicted seconds before a copy queued now would start (copies only)."""
+        left = 0.0
+        if isinstance(self.holder, CopyJob):
+            predicted = self.timer.copy_s(self.holder.num_blocks)
+            left = max(0.0, self._began_s + predicted - now)
+        return left + max(0.0, self._queued_s)
 
     @property
     def busy(self) -> bool:
@@ -44,6 +62,7 @@ class Channel:
 
     def queue_copy(self, plan: CopyPlan) -> None:
         self._copies.append(plan)
+        self._queued_s += self.timer.copy_s(len(plan.moves))
 
     def queue_switch(self, transition: Transition) -> None:
         self._switches.append(transition)
@@ -58,12 +77,16 @@ class Channel:
         move failed (nothing does); the channel passes on."""
         assert self.holder is job, "not the copy under way"
         self.holder = None
+        if ok:
+            self.timer.observe(job.num_blocks, now - self._began_s)
         installed = 0
         if ok and dest_known:
             installed = self.ledger.commit_copy(job)
         else:
             self.ledger.abort_copy(job)
         actions = Actions(copies_ended=[(job.plan.plan_id, installed)])
+        if job.plan.kind == "pull":
+            actions.woken.append(job.plan.dest_worker)
         return actions.add(self.pump(now))
 
     def pump(self, now: float) -> Actions:
@@ -76,11 +99,17 @@ class Channel:
                 actions.switch = self._commit(transition, now)
             elif self._copies:
                 plan = self._copies.popleft()
+                self._queued_s -= self.timer.copy_s(len(plan.moves))
+                if not self._copies:
+                    self._queued_s = 0.0  # no drift from the timer's updates
                 job = self.ledger.begin_copy(plan)
                 if job is None:  # cancelled, or nothing left to copy: a miss
                     actions.copies_ended.append((plan.plan_id, 0))
+                    if plan.kind == "pull":
+                        actions.woken.append(plan.dest_worker)
                     continue
                 self.holder = job
+                self._began_s = now
                 actions.copy = job
             else:
                 break

@@ -167,6 +167,7 @@ class KVLedger:
             self.cache.apply_report(src_index.abort(src_lease))
             return None
         dst_lease = dst_index.begin(prefix, len(prefix))
+        self.cache.apply_report(dst_index.evictions(dst_lease))
         moves = []
         for loc in dst_lease.new:
             src = src_lease.reused[loc.depth]
@@ -195,6 +196,7 @@ class KVLedger:
         if not prefix:
             return None
         dst_lease = dst_index.begin(prefix, len(prefix))
+        self.cache.apply_report(dst_index.evictions(dst_lease))
         moves = []
         for loc in dst_lease.new:
             grank, slot = source.get(loc.block_id, (None, None))

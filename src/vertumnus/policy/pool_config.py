@@ -12,6 +12,9 @@ The simulator's old policy names are presets of the three choices (``PRESETS``):
     vertumnus        the cost rule, adaptive, replication
     fixed            the cost rule, fixed composition, replication
     no-replication   the cost rule, fixed composition, LRU only (the paper's ablation)
+    ideal-replication  the cost rule, fixed composition, every worker reusing the
+                     longest prefix cached anywhere in the pool, copied free and at
+                     once: the bound on what replication can give (simulator only)
     <router>         a baseline router, fixed composition, LRU only
 
 Both drivers (``sim/simulator.py``, ``runtime/coordinator.py``) build their stack
@@ -47,6 +50,9 @@ class PolicyConfig:
     router: str = "vertumnus"  # a name of ``ROUTERS``: the cost rule or a baseline
     adaptive: bool = True  # the controller's reshapes run (False: decisions only noted)
     replication: bool = True  # the cache manager's scans run (False: per-worker LRU)
+    # A bound, for the simulator: every worker reuses the longest prefix cached anywhere
+    # in the pool (any degree), as if copied free and at once; capacities unchanged.
+    ideal_reuse: bool = False
     scan_interval_s: float = 5.0
     weights: CostWeights = field(default_factory=CostWeights)  # beta, lambda
     # KV room of one rank in tokens (a candidate must hold the request); None: no limit.
@@ -67,6 +73,11 @@ class PolicyConfig:
                 "(turn the scans off with replication = false)",
                 "scan_interval_s",
             )
+        if self.ideal_reuse and self.replication:
+            raise PolicyError(
+                "ideal reuse is a bound that replaces the cache manager: turn replication off",
+                "ideal_reuse",
+            )
         if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
             raise PolicyError("max_tokens_per_rank must be >= 1", "max_tokens_per_rank")
 
@@ -78,25 +89,38 @@ class PolicyConfig:
                 "router": self.router,
                 "adaptive": self.adaptive,
                 "replication": self.replication,
+                "ideal_reuse": self.ideal_reuse,
             }:
                 return name
         return "+".join(
             (
                 self.router,
                 "adaptive" if self.adaptive else "fixed",
-                "replication" if self.replication else "no-replication",
+                "ideal-replication"
+                if self.ideal_reuse
+                else "replication"
+                if self.replication
+                else "no-replication",
             )
         )
 
 
-def _preset(router: str, adaptive: bool, replication: bool) -> dict[str, Any]:
-    return {"router": router, "adaptive": adaptive, "replication": replication}
+def _preset(
+    router: str, adaptive: bool, replication: bool, ideal_reuse: bool = False
+) -> dict[str, Any]:
+    return {
+        "router": router,
+        "adaptive": adaptive,
+        "replication": replication,
+        "ideal_reuse": ideal_reuse,
+    }
 
 
 PRESETS: dict[str, dict[str, Any]] = {
     "vertumnus": _preset("vertumnus", True, True),
     "fixed": _preset("vertumnus", False, True),
     "no-replication": _preset("vertumnus", False, False),
+    "ideal-replication": _preset("vertumnus", False, False, True),
     **{name: _preset(name, False, False) for name in ROUTERS if name != "vertumnus"},
 }
 

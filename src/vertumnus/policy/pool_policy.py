@@ -43,8 +43,10 @@ from vertumnus.perfmodel import Profile
 from vertumnus.policy.cache_index import WorkerCacheIndex
 from vertumnus.policy.cache_manager import PrefixCacheManager
 from vertumnus.policy.cache_plans import CopyPlan
+from vertumnus.policy.cache_pull import CopyTimer
 from vertumnus.policy.channel import Channel
 from vertumnus.policy.controller import Controller
+from vertumnus.policy.controllers import build_controller
 from vertumnus.policy.costs import reuse_curves
 from vertumnus.policy.kv_ledger import CopyJob, KVLedger
 from vertumnus.policy.lattice import Lattice, Reshape, WorkerState, composition_name
@@ -60,10 +62,10 @@ from vertumnus.policy.pool_results import (
     WindowOutcome,
     WindowPlan,
 )
+from vertumnus.policy.pulls import Pulls
 from vertumnus.policy.routers import ROUTERS
 from vertumnus.policy.scheduler import PlacementRequest, SchedulerConfig
 from vertumnus.policy.transition import Phase, Reconfigurer, Transition, operator_reshape
-from vertumnus.policy.whatif import WhatIfController
 from vertumnus.policy.whatif_candidates import PoolInputs
 
 
@@ -87,36 +89,16 @@ class PoolPolicy:
         self.block_tokens = pool.block_tokens
         self.curves = reuse_curves(coeffs)
         self.lattice = Lattice(pool.lattice, pool.layout)
-        self.cache = PrefixCacheManager(coeffs, pool.block_tokens, config.cache, config.weights)
+        self.cache = PrefixCacheManager(
+            coeffs, pool.block_tokens, config.cache, config.weights, config.ideal_reuse
+        )
         self.scheduler = ROUTERS[config.router](
             self.lattice,
             coeffs,
             SchedulerConfig(config.weights, config.max_tokens_per_rank, pool.blocks_per_rank),
             self.cache,
         )
-        # Without a capacity (a fixed composition may lack one) the decisions, only
-        # noted, price every worker at one second per window.
-        kappa = {c: float(profile.capacity.get(c, {}).get("kappa_s", 1.0)) for c in degrees}
-        self.controller: Controller
-        if config.controller.mode == "whatif":
-            self.controller = WhatIfController(
-                config.controller,
-                self.lattice,
-                kappa,
-                self.curves,
-                config.weights,
-                self._traffic,
-                lambda op: self.cache.reconciliation_share(
-                    op.sources, op.target_degree, op.target_firsts
-                ),
-                lambda w: (
-                    len(self.cache.trie.worker_nodes.get(w, ()))
-                    + len(self.cache.trie.worker_pending.get(w, ()))
-                ),
-                config.max_tokens_per_rank,
-            )
-        else:
-            self.controller = Controller(config.controller, self.lattice, kappa, self._traffic)
+        self.controller: Controller = build_controller(self, profile, coeffs)
         self.reconf = Reconfigurer(
             self.lattice, self.scheduler, self.cache, self.controller, pool.blocks_per_rank
         )
@@ -133,14 +115,22 @@ class PoolPolicy:
         self._running: dict[int, Running] = {}  # worker -> its prefill
         self.transitions: list[Transition] = []  # under way
         self.outages = Outages(self)  # rank failures: workers out, reset, back
-        self.channel = Channel(self.ledger, self._commit)
+        self.channel = Channel(
+            self.ledger,
+            self._commit,
+            CopyTimer(config.cache.copy_latency_s, config.cache.copy_block_s),
+        )
+        self.pulls = Pulls(self.cache, self.indexes, pool.block_tokens, self.channel)
+        if config.replication and config.cache.pull and config.router == "vertumnus":
+            self.scheduler.pull_cost = self.pulls.cost
 
     @classmethod
     def build(cls, profile: Profile, pool: PoolSpec, config: PolicyConfig) -> PoolPolicy:
         """The one factory of the stack (the simulator's and the coordinator's)."""
         return cls(profile, pool, config)
 
-    def _traffic(self, op: Reshape) -> float:
+    def traffic(self, op: Reshape) -> float:
+        """The trie's expected reconciliation traffic of ``op`` (the controller's tie-break)."""
         return self.cache.reconciliation_traffic(op.sources, op.target_degree, op.target_firsts)
 
     def add_worker(self, worker_id: int) -> None:
@@ -182,6 +172,7 @@ class PoolPolicy:
     def drop(self, request_id: int) -> None:
         """The driver answered an open request (with an error): forget it."""
         self._requests.pop(request_id, None)
+        self.pulls.forget(request_id)
         self._recorded.discard(request_id)
         self._arrived_s.pop(request_id, None)
 
@@ -213,8 +204,17 @@ class PoolPolicy:
             arrived = self._arrived_s.get(request_id, now)
             self.controller.placed(request, placed, arrived, self.block_tokens)
         actions = Actions(placed=[placed])
-        if placed.update is not None and placed.update.fetch is not None:
-            self.channel.queue_copy(placed.update.fetch)
+        update = placed.update
+        self.pulls.placed(
+            request,
+            placed.worker_id,
+            update.awaits if update is not None else None,
+            placed.reused_tokens if self.config.replication else 0,
+        )
+        if update is not None and update.fetch is not None:
+            if update.fetch.kind == "pull":
+                self.pulls.queued(update.fetch)
+            self.channel.queue_copy(update.fetch)
             actions.add(self.channel.pump(now))
         return actions
 
@@ -244,13 +244,21 @@ class PoolPolicy:
         request_id = self.scheduler.head(worker_id)
         if request_id is None:
             return None
+        if self.pulls.must_wait(request_id):
+            return None  # its prefix is on its way: ``Actions.woken`` says when
         self.scheduler.start(request_id, now)
         request = self._requests[request_id]
         index = self.indexes[worker_id]
-        lease = index.begin(
-            request.block_ids, max_reuse_blocks(request.input_tokens, self.block_tokens)
-        )
+        usable = max_reuse_blocks(request.input_tokens, self.block_tokens)
+        lease = index.begin(request.block_ids, usable)
+        self.cache.apply_report(index.evictions(lease))
+        self.pulls.started(request_id)
         cached = lease.num_reused_blocks * self.block_tokens
+        if self.config.ideal_reuse:
+            # The bound: the longest prefix cached anywhere now arrives free and at
+            # once (the lease writes the blocks the worker lacks, as a copy would).
+            anywhere = len(self.cache.trie.match(request.block_ids, usable))
+            cached = max(cached, anywhere * self.block_tokens)
         exec_s = self.curves[w.cp_degree].time_s(request.input_tokens, cached)
         self._running[worker_id] = Running(
             request_id, lease, index, now, exec_s, w.cp_degree, request.input_tokens
@@ -295,14 +303,7 @@ class PoolPolicy:
 
     def prepare_window(self, now: float) -> WindowPlan:
         """What the controller needs of the pool now (on the driver's loop)."""
-        sched = self.scheduler
-        loads = sched.loads(now)
-        inputs = PoolInputs(
-            now,
-            loads,
-            {w: max(0.0, load - sched.queued_s(w)) for w, load in loads.items()},
-            {w: tuple(sched.queued(w)) for w in loads},
-        )
+        inputs = PoolInputs.of(self.scheduler, now)
         return WindowPlan(self.controller, self.controller.prepare(inputs))
 
     def finish_window(
@@ -410,7 +411,9 @@ class PoolPolicy:
 
     def copy_done(self, job: CopyJob, ok: bool, now: float) -> Actions:
         """The copy's bytes are in place (``ok``) or the move failed."""
-        return self.channel.copy_done(job, ok, job.plan.dest_worker in self.indexes, now)
+        actions = self.channel.copy_done(job, ok, job.plan.dest_worker in self.indexes, now)
+        self.pulls.ended(job.plan, self._requests)
+        return actions
 
     def expire(self, now: float) -> int:
         """Give back the reserved slots whose time is up; returns how many."""

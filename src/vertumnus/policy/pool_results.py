@@ -66,12 +66,16 @@ class Actions:
     switch: Switch | None = None  # tell the new workers' ranks, then ``acknowledge``
     copies_ended: list[tuple[int, int]] = field(default_factory=list)  # (plan, installed)
     activated: list[Transition] = field(default_factory=list)  # reshapes now serving
+    # Workers whose head request waited for a pull (a copy of its prefix) that ended:
+    # they may start now.
+    woken: list[int] = field(default_factory=list)
 
     def add(self, other: Actions) -> Actions:
         self.placed += other.placed
         self.refused += other.refused
         self.copies_ended += other.copies_ended
         self.activated += other.activated
+        self.woken += other.woken
         if other.copy is not None:
             assert self.copy is None, "one copy at a time"
             self.copy = other.copy

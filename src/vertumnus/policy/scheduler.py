@@ -12,6 +12,17 @@ left of the prefill it runs. The minimum wins; ties go to the lower q_w, then th
 lower degree, then the lower worker id. E_iw is reserved on w at once, so the next
 arrival sees it, and released when the prefill completes or is cancelled.
 
+Pulls (``pull_cost`` set: the cache manager pulls, ``cache_pull``): w may also reuse
+the request's whole MatchedPath P*, copied from a holder while w works off its
+queue, with ``pull_s`` the copy's predicted wait and ``evict_s`` the future prefill
+time of what it must evict at w:
+
+    cost_pull(i, w) = q_w + max(0, pull_s - q_w) + (beta + lambda * (C_w / C_min - 1))
+                      * E_Cw(L - P*, P*) + evict_s
+
+The cheaper of the two prices w; a pull shows in the placement as ``reused_tokens``
+above what w holds, and the policy stack queues the copy.
+
 Workers run their queue FIFO, one prefill at a time (as the engine does). When a
 worker starts draining, ``drain`` hands back its queued (not started) requests for
 re-placement; what it runs finishes where it is.
@@ -23,7 +34,7 @@ Pure Python, clock-free: ``now`` is an argument. Not owned here: the composition
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from vertumnus.perfmodel import DegreeCoeffs
@@ -103,6 +114,10 @@ class Scheduler:
         self._running: dict[int, _Running] = {}
         self._where: dict[int, int] = {}  # request -> worker
         self._requests: dict[int, PlacementRequest] = {}
+        # (blocks to copy, destination, now) -> (predicted seconds until a pull of them
+        # lands, the future prefill seconds its evictions cost); None: no pulls (set by
+        # the policy stack when its cache manager pulls).
+        self.pull_cost: Callable[[int, int, float], tuple[float, float]] | None = None
 
     # -- load ------------------------------------------------------------------------
 
@@ -154,15 +169,17 @@ class Scheduler:
             return None
         lookup = None
         reuse: Mapping[int, int] = {}
+        matched = 0
         if self.cache is not None and request.block_ids:
             lookup = self.cache.lookup(request.block_ids, n)
             reuse = lookup.reusable_tokens
-        choice = self._choose(request, candidates, reuse, now)
+            matched = len(lookup.path) * self.cache.trie.block_tokens
+        choice = self._choose(request, candidates, reuse, now, matched)
         worker_id, c, reused, exec_s, q, cost = choice
         self._reserve(request, worker_id, exec_s)
         update = None
         if self.cache is not None and request.block_ids:
-            update = self.cache.on_request(request.block_ids, n, worker_id, lookup)
+            update = self.cache.on_request(request.block_ids, n, worker_id, lookup, reused)
         holders = tuple((w, p) for w, p in reuse.items() if p > 0)
         return Placement(
             request.request_id,
@@ -183,9 +200,13 @@ class Scheduler:
         candidates: list[LatticeWorker],
         reuse: Mapping[int, int],
         now: float,
+        matched_tokens: int = 0,
     ) -> Choice:
-        """The cost rule of the module docstring. Baseline routers override this."""
+        """The cost rule of the module docstring (``matched_tokens``: P*, for pulls).
+        Baseline routers override this."""
         n = request.input_tokens
+        pull_cost = self.pull_cost if matched_tokens else None
+        block = self.cache.trie.block_tokens if self.cache is not None else 1
         min_degree = min(w.cp_degree for w in candidates)
         weights = self.config.weights
         factor = {c: weights.factor(c, min_degree) for c in self.curves}
@@ -206,6 +227,14 @@ class Scheduler:
             if run is not None:
                 q += max(0.0, run.exec_s - (now - run.start_s))
             cost = q + factor[c] * e
+            if pull_cost is not None and matched_tokens > p:
+                pulled = times.get((c, matched_tokens))
+                if pulled is None:
+                    pulled = times[(c, matched_tokens)] = self.curves[c].time_s(n, matched_tokens)
+                delay_s, evict_s = pull_cost((matched_tokens - p) // block, worker_id, now)
+                pull = q + max(0.0, delay_s - q) + factor[c] * pulled + evict_s
+                if pull < cost:
+                    p, e, cost = matched_tokens, pulled, pull
             if best_key is None or cost <= best_key[0]:
                 key = (cost, q, c, worker_id)
                 if best_key is None or key < best_key:

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vertumnus.policy.forecast import ArrivalSample
 from vertumnus.policy.lattice import (
@@ -41,6 +42,9 @@ from vertumnus.policy.lattice import (
 )
 from vertumnus.policy.replay import ReplayModel, ReplayWorker
 
+if TYPE_CHECKING:
+    from vertumnus.policy.scheduler import Scheduler
+
 
 @dataclass(frozen=True)
 class PoolInputs:
@@ -50,6 +54,16 @@ class PoolInputs:
     loads: Mapping[int, float]  # outstanding predicted work per worker
     running_left: Mapping[int, float]  # predicted seconds left of the running prefill
     queued: Mapping[int, tuple[int, ...]]  # queued request ids per worker
+
+    @classmethod
+    def of(cls, scheduler: Scheduler, now: float) -> PoolInputs:
+        loads = scheduler.loads(now)
+        return cls(
+            now,
+            loads,
+            {w: max(0.0, load - scheduler.queued_s(w)) for w, load in loads.items()},
+            {w: tuple(scheduler.queued(w)) for w in loads},
+        )
 
 
 @dataclass(frozen=True)

@@ -201,6 +201,8 @@ class Coordinator:
     def apply(self, actions: Actions) -> None:
         for placement in actions.placed:
             self.requests.wake(placement.worker_id)
+        for worker_id in actions.woken:
+            self.requests.wake(worker_id)
         for request_id in actions.refused:
             self.requests.refuse(request_id, Unavailable("no worker can take the request now"))
         for plan_id, installed in actions.copies_ended:

@@ -203,12 +203,18 @@ def load(
     for key, env in (("admin_token", "VERTUMNUS_ADMIN_TOKEN"), ("api_key", "VERTUMNUS_API_KEY")):
         if os.environ.get(env):
             kwargs[key] = os.environ[env]
+    policy = read_policy(raw, DEFAULT_POLICY)
+    if policy.ideal_reuse:
+        raise ConfigError(
+            "[cache] ideal (the ideal-replication policy) is a bound the simulator computes: "
+            "a server must copy its KV; use replication = true"
+        )
     return ServeConfig(
         model=name,
         pool=PoolConfig.from_table(raw.get("pool", {}), DEFAULT_POOL, topology),
         engine=read_engine(raw, EngineConfig()),
         profile=read_profile(raw, DEFAULT_PROFILE),
-        policy=read_policy(raw, DEFAULT_POLICY),
+        policy=policy,
         cluster=cluster,
         **kwargs,
     )

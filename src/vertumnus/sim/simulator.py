@@ -254,6 +254,8 @@ class Simulation:
             )
         for placement in actions.placed:
             self._try_start(placement.worker_id, now)
+        for worker_id in actions.woken:
+            self._try_start(worker_id, now)
         for _, installed in actions.copies_ended:
             if installed:
                 self.copies += 1

@@ -1,0 +1,144 @@
+"""Requests that wait for a pull, and the prefixes pinned for placed requests.
+
+When the cache manager replicates, a placed request's promised prefix is pinned at
+its worker from placement until it starts: the worker's other prefills and copies
+would otherwise evict it (least recently used) while the request waits in the
+queue, and the request would compute what placement priced as reused. Near
+saturation, where queues are long, that turns into more work, longer queues and
+more evictions.
+
+A pull (``cache_pull``) copies a request's prefix to the worker it was placed on
+while that worker works off its queue. The request must not start before the copy
+ended (``must_wait``), and what the copy brought must still be there when it
+starts: between the copy's landing and the request's start, the worker's other
+prefills and copies would otherwise evict the pulled blocks (least recently used)
+and the request would compute them after all. So, when a pull ends, the prefix
+its waiting requests would reuse is pinned in the worker's cache index until each
+starts (``started``) or leaves (``forget``). Likewise the source's copy of the
+prefix is pinned from the moment the pull is planned until it ended (``queued``,
+``sweep``): while the pull waits for the channel, the source's own prefills would
+otherwise evict it, and the request would compute what it was promised.
+
+Pure bookkeeping for ``PoolPolicy``; the trie learns nothing from a pin (the blocks
+stay held either way). Not owned here: whether to pull (the scheduler's cost rule),
+the copy itself (the channel and the KV ledger).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from vertumnus.blocks import max_reuse_blocks
+from vertumnus.policy.cache_index import PrefillLease, WorkerCacheIndex
+from vertumnus.policy.cache_manager import PrefixCacheManager
+from vertumnus.policy.cache_plans import CopyPlan
+from vertumnus.policy.channel import Channel
+from vertumnus.policy.scheduler import PlacementRequest
+
+
+class Pulls:
+    def __init__(
+        self,
+        cache: PrefixCacheManager,
+        indexes: Mapping[int, WorkerCacheIndex],
+        block_tokens: int,
+        channel: Channel,
+    ) -> None:
+        self.cache, self.indexes, self.block_tokens = cache, indexes, block_tokens
+        self.channel = channel
+        self.awaiting: dict[int, tuple[int, int]] = {}  # request -> (worker, pull plan)
+        self._pins: dict[int, tuple[WorkerCacheIndex, PrefillLease]] = {}
+        self._sources: dict[int, tuple[WorkerCacheIndex, PrefillLease]] = {}  # by plan
+
+    def queued(self, plan: CopyPlan) -> None:
+        """A pull was planned: pin its source's copy of the prefix until it ends."""
+        src = plan.moves[0].src_worker
+        index = self.indexes.get(src) if src is not None else None
+        prefix = list(plan.prefix_ids)
+        if index is None or len(index.match(prefix)) < len(prefix):
+            return
+        lease = index.begin(prefix, len(prefix))
+        assert not lease.new, "a pin allocates nothing"
+        self._sources[plan.plan_id] = (index, lease)
+
+    def sweep(self) -> None:
+        """Unpin the sources of the pulls that ended."""
+        in_flight = self.cache.copies_in_flight
+        for plan_id in [p for p in self._sources if p not in in_flight]:
+            self._unpin(*self._sources.pop(plan_id))
+
+    def cost(self, blocks: int, worker_id: int, now: float) -> tuple[float, float]:
+        """A pull of ``blocks`` to ``worker_id``: seconds until it lands, and the future
+        prefill seconds of the blocks it must evict there (``cache_pull``)."""
+        channel = self.channel
+        evicts = max(0, blocks - self.indexes[worker_id].num_free_blocks())
+        return (
+            channel.backlog_s(now) + channel.timer.copy_s(blocks),
+            evicts * self.cache.eviction.value_s,
+        )
+
+    def placed(
+        self, request: PlacementRequest, worker_id: int, plan_id: int | None, reused_tokens: int
+    ) -> None:
+        """The request was placed (again) on ``worker_id``, counting on
+        ``reused_tokens``: what the worker holds of that is pinned until the request
+        starts; it waits for pull ``plan_id`` (None: no pull) for the rest."""
+        self.forget(request.request_id)
+        if plan_id is not None:
+            self.awaiting[request.request_id] = (worker_id, plan_id)
+        if reused_tokens:
+            self._pin(request, worker_id, reused_tokens // self.block_tokens)
+
+    def must_wait(self, request_id: int) -> bool:
+        """True while the pull the request waits for is under way or queued."""
+        self.sweep()
+        entry = self.awaiting.get(request_id)
+        return entry is not None and entry[1] in self.cache.copies_in_flight
+
+    def ended(self, plan: CopyPlan, requests: Mapping[int, PlacementRequest]) -> None:
+        """A copy ended; a pull: pin, for each request waiting on it, the prefix its
+        worker now holds (at most what it may reuse)."""
+        if plan.kind != "pull":
+            return
+        self.sweep()
+        for request_id, (worker_id, plan_id) in list(self.awaiting.items()):
+            if plan_id != plan.plan_id:
+                continue
+            del self.awaiting[request_id]
+            request = requests.get(request_id)
+            if request is not None:
+                usable = max_reuse_blocks(request.input_tokens, self.block_tokens)
+                self._pin(request, worker_id, usable)
+
+    def _pin(self, request: PlacementRequest, worker_id: int, blocks: int) -> None:
+        """Pin (again) what ``worker_id`` holds of the request's first ``blocks``."""
+        pinned = self._pins.pop(request.request_id, None)
+        index = self.indexes.get(worker_id)
+        if index is not None:
+            held = len(index.match(request.block_ids[:blocks]))
+            if held:
+                lease = index.begin(request.block_ids[:held], held)
+                assert not lease.new, "a pin allocates nothing"
+                self._pins[request.request_id] = (index, lease)
+        if pinned is not None:
+            self._unpin(*pinned)
+
+    def started(self, request_id: int) -> None:
+        """The request began (its own lease now pins what it reuses): unpin."""
+        self.forget(request_id)
+
+    def forget(self, request_id: int) -> None:
+        """The request left its worker (started, placed again, answered): unpin."""
+        self.awaiting.pop(request_id, None)
+        pinned = self._pins.pop(request_id, None)
+        if pinned is not None:
+            self._unpin(*pinned)
+
+    def _unpin(self, index: WorkerCacheIndex, lease: PrefillLease) -> None:
+        if self.indexes.get(index.worker_id) is index:  # (a reset worker's is gone)
+            self.cache.apply_report(index.commit(lease))
+
+    @property
+    def pinned(self) -> int:
+        """Pins held: for requests waiting to start, and on pulls' sources."""
+        return len(self._pins) + len(self._sources)
