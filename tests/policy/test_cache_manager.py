@@ -14,7 +14,11 @@ from vertumnus.policy.cache_manager import PrefixCacheManager
 from vertumnus.policy.cache_plans import BlockMove, CacheManagerConfig, CopyPlan
 
 B = 16  # tokens per block
-CONFIG = CacheManagerConfig(theta_inter_s=0.02, theta_intra=3.0, theta_reclaim=1.0, decay=0.5)
+# The paper's Algorithm 2 as written (unpriced): these tests pin its mechanics; the
+# price every plan must pay is tested at the end of the file.
+CONFIG = CacheManagerConfig(
+    theta_inter_s=0.02, theta_intra=3.0, theta_reclaim=1.0, decay=0.5, priced=False
+)
 
 
 class Pool:
@@ -281,7 +285,7 @@ def test_config_is_validated() -> None:
 
 def test_reclaim_candidates_go_deepest_first_and_the_search_is_bounded() -> None:
     def plans(probe: int) -> list[int]:
-        config = CacheManagerConfig(max_reclaim_per_scan=1, reclaim_probe=probe)
+        config = CacheManagerConfig(max_reclaim_per_scan=1, reclaim_probe=probe, priced=False)
         pool = Pool(config)
         for worker_id in (10, 11):
             pool.prefill(worker_id, [1, 2, 3])
@@ -308,3 +312,42 @@ def test_intra_smaller_copy_first_when_access_is_close() -> None:
     # Chain [1..4] and block 7 are close (4 against 4): a one-block copy goes first,
     # the chain's root (block 1) before 7 on the id; never the 4-block chain.
     assert plan.block_id == 1 and [m.block_id for m in plan.moves] == [1]
+
+
+def test_a_reclamation_pays_only_for_room_that_is_needed() -> None:
+    pool = Pool(CacheManagerConfig(theta_reclaim=1.0), blocks_per_rank=2)  # priced
+    for worker_id in (10, 11):
+        pool.prefill(worker_id, [1, 2])  # two cold degree-1 replicas; 10 and 11 full
+    result = pool.manager.scan(pool.caches, {})
+    # Nothing was lost from the pool yet: a freed slot is worth nothing.
+    assert result.reclaims == () and result.unpaid["reclaim"] == 1
+    # Now each eviction is measured to cost 0.5 s of prefill (priced at 4 x 0.5 s):
+    # the cold replica (no reuse to lose) is worth less than a slot of a full cache.
+    pool.manager.eviction.evicted, pool.manager.eviction.ghost_benefit_s = 4.0, 2.0
+    (plan,) = pool.manager.scan(pool.caches, {}).reclaims
+    assert (plan.block_id, plan.loss_s) == (2, 0.0)
+    pool.manager.finish_reclaim(plan.plan_id, ok=False)
+    # With free room at every holder, reclaiming frees nothing that is needed.
+    roomy = Pool(CacheManagerConfig(theta_reclaim=1.0), blocks_per_rank=8)
+    for worker_id in (10, 11):
+        roomy.prefill(worker_id, [1, 2])
+    roomy.manager.eviction.evicted, roomy.manager.eviction.ghost_benefit_s = 4.0, 2.0
+    assert roomy.manager.scan(roomy.caches, {}).reclaims == ()
+
+
+def test_a_copy_pays_for_what_it_evicts() -> None:
+    config = CacheManagerConfig(theta_inter_s=1e9, theta_intra=2.0, theta_reclaim=0.5)
+    for ghost_benefit_s, copies in ((0.0, 2), (1e6, 0)):  # blocks 1 and (1, 2), or none
+        pool = Pool(config, blocks_per_rank=3)
+        pool.prefill(11, [7, 8, 9])  # 11 full: a copy there evicts
+        pool.prefill(10, [1, 2])
+        for _ in range(5):
+            pool.prefill(10, [1, 2], input_tokens=33)  # hot at 10
+        pool.manager.eviction.evicted = 1.0
+        pool.manager.eviction.ghost_benefit_s = ghost_benefit_s
+        result = pool.manager.scan(pool.caches, {10: 5.0})
+        assert len(result.copies) == copies, ghost_benefit_s
+        if copies:  # nothing lost yet: free to evict; the predicted benefit is > 0
+            assert all(p.dest_worker == 11 and p.benefit_s > 0 for p in result.copies)
+        else:
+            assert result.unpaid["intra"] == 2

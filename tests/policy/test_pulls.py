@@ -12,6 +12,8 @@ from support.factories import BLOCK_SIZE, make_profile
 from support.policy import COEFFS, KAPPA_S
 from vertumnus.blocks import block_ids
 from vertumnus.config import ConfigError
+from vertumnus.policy.cache_audit import CopyAudit
+from vertumnus.policy.cache_plans import CopyPlan, ReclaimPlan, ScanResult
 from vertumnus.policy.cache_pull import CopyTimer, EvictionValue
 from vertumnus.policy.lattice import LatticeConfig
 from vertumnus.policy.pool_config import PolicyConfig, PolicyError, PoolSpec, preset
@@ -68,6 +70,9 @@ def test_a_pull_brings_the_prefix_and_the_request_waits_for_it() -> None:
     policy.cache.check_invariants(policy.indexes)
     assert policy.pulls.pinned == 0
     assert policy.channel.timer.measured == 1  # the copy taught the copy time model
+    pulls = policy.cache.audit.summary()["pull"]
+    assert (pulls["installed_blocks"], pulls["used_blocks"], pulls["hits"]) == (12, 12, 1)
+    assert pulls["waste_fraction"] == 0.0
 
 
 def test_no_pull_without_the_cache_manager_or_when_the_worker_holds_it() -> None:
@@ -165,3 +170,25 @@ def test_ideal_replication_is_a_simulator_bound(tmp_path: Path) -> None:
         serve_config.load(path)
     with pytest.raises(ConfigError, match="bound the simulator computes"):
         serve_config.load(None, preset="ideal-replication")
+
+
+def test_the_audit_follows_each_copied_block_to_a_hit_or_its_eviction() -> None:
+    audit = CopyAudit()
+    plan = CopyPlan(7, "intra", 3, 20, 1, (1, 2, 3), (), False, 5.0, benefit_s=0.2)
+    reclaim = ReclaimPlan(8, 21, 9, 1, 0.0, loss_s=0.01)
+    record = audit.scanned(5.0, ScanResult((plan,), (reclaim,), {"intra": 1}), reclaimed=1)
+    assert (record.copies, record.predicted_benefit_s, record.reclaims) == (1, 0.2, 1)
+    audit.installed(plan, [2, 3])  # block 1 was there already
+    audit.finished(plan.plan_id)
+    audit.reused(20, [1, 2])  # one request reuses block 2 (a hit) ...
+    audit.reused(20, [1, 2])  # ... and another
+    audit.reused(21, [3])  # another worker's block 3: not this copy's
+    audit.evicted(20, 3)  # block 3 leaves unused: waste
+    audit.evicted(20, 2)  # block 2 leaves after its hits: used
+    assert (record.hits, record.used_blocks, record.wasted_blocks) == (2, 1, 1)
+    summary = audit.summary()
+    assert summary["intra"]["waste_fraction"] == 0.5 and summary["all"]["hits"] == 2
+    assert summary["all"]["live_unused_blocks"] == 0
+    audit.installed(plan, [4])
+    audit.forget_worker(20)  # the worker left: neither used nor wasted
+    assert audit.summary()["intra"]["wasted_blocks"] == 1

@@ -1,12 +1,14 @@
 """Live KV movement between workers of the serving coordinator, on real rank
-processes (gloo): an intra-degree copy between degree-1 workers and an inter-degree
-copy re-sharded from a degree-2 worker to a degree-1 worker. After each, a prefill
+processes (gloo): an intra-degree copy between degree-1 workers, an inter-degree
+copy re-sharded from a degree-2 worker to a degree-1 worker, and a pull the policy
+makes itself. After each, a prefill
 on the destination reuses the copied prefix and gives the logits of a fresh full
 prefill of the same tokens."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -178,6 +180,46 @@ def test_split_fetches_the_misplaced_half_from_the_retained_slots(tmp_path: Path
             assert torch.allclose(again.logits, fresh.logits, atol=ATOL)
             # The retained slots went back once fetched.
             assert coord.indexes[right].num_free_slots(0) == 1024
+        finally:
+            await coord.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(240)
+def test_a_pull_makes_a_replica_that_is_then_served(tmp_path: Path) -> None:
+    """The policy itself (not a test's plan): a request placed where its prefix is not
+    held pulls it from the holder, waits for it, and reuses it; the replica then
+    serves the next request there, and both give a fresh prefill's logits."""
+
+    async def main() -> None:
+        cfg = make_config(tmp_path, 2, (1, 1))
+        policy = dataclasses.replace(
+            cfg.policy,
+            replication=True,
+            scan_interval_s=1e6,  # no periodic scans: only the pull moves KV
+            cache=CacheManagerConfig(copy_latency_s=1e-4, copy_block_s=1e-5),
+        )
+        coord = Coordinator(dataclasses.replace(cfg, policy=policy))
+        await coord.start()
+        try:
+            prompt = make_tokens(250, seed=250, vocab=256)
+            fresh = await only(coord, 0, prompt)  # worker 0 holds 15 blocks
+            assert fresh.cached_tokens == 0
+            moved = await only(coord, 1, prompt)  # placed on 1: pulled from 0
+            assert moved.worker == 1 and moved.cached_tokens == 240
+            assert moved.first_token == fresh.first_token
+            assert torch.allclose(moved.logits, fresh.logits, atol=ATOL)
+            audit = coord.cache_view()["audit"]["pull"]
+            assert (audit["copies"], audit["installed_blocks"], audit["used_blocks"]) == (1, 15, 15)
+            # The replica serves the next request at worker 1 (no second pull).
+            # The replica serves the next request there: no second pull.
+            served = await only(coord, 1, prompt)
+            assert served.worker == 1 and served.cached_tokens == 240
+            assert torch.allclose(served.logits, fresh.logits, atol=ATOL)
+            audit = coord.cache_view()["audit"]["pull"]
+            assert (audit["copies"], audit["hits"], audit["waste_fraction"]) == (1, 2, 0.0)
+            assert coord.cache_view()["replications"] >= 1
         finally:
             await coord.close()
 

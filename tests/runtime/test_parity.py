@@ -86,7 +86,18 @@ WHATIF = ControllerConfig(decision_s=2.5, warmup_s=0.0, horizon_s=5.0, min_reque
 RULES = ControllerConfig(mode="rules", window_s=2.5)
 
 
-def serve_config(tmp_path: Path, controller: ControllerConfig) -> ServeConfig:
+# The paper's Algorithm 2 unpriced and without pulls (the slice's caches are not
+# full: priced reclamations would not run), so that both drivers run copies and
+# reclamations alike; and the default manager, whose pulls they must run alike.
+PAPER_CACHE = CacheManagerConfig(
+    theta_intra=3.0, theta_reclaim=0.5, theta_inter_s=0.05, priced=False, pull=False
+)
+PULLS = CacheManagerConfig(theta_intra=3.0, theta_reclaim=0.5, theta_inter_s=0.05)
+
+
+def serve_config(
+    tmp_path: Path, controller: ControllerConfig, cache: CacheManagerConfig
+) -> ServeConfig:
     profile = Profile(
         "tiny",
         "fake",
@@ -106,7 +117,7 @@ def serve_config(tmp_path: Path, controller: ControllerConfig) -> ServeConfig:
         policy=PolicyConfig(
             controller=controller,
             scan_interval_s=1.25,
-            cache=CacheManagerConfig(theta_intra=3.0, theta_reclaim=0.5, theta_inter_s=0.05),
+            cache=cache,
         ),
         request_timeout_s=1e6,
     )
@@ -184,17 +195,19 @@ def rounded(value: object) -> object:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("controller", "burst_rate"), [(WHATIF, 120.0), (RULES, 30.0)], ids=["whatif", "rules"]
+    ("controller", "burst_rate", "cache"),
+    [(WHATIF, 120.0, PAPER_CACHE), (RULES, 30.0, PAPER_CACHE), (WHATIF, 120.0, PULLS)],
+    ids=["whatif", "rules", "whatif-pulls"],
 )
 def test_simulator_and_coordinator_place_and_decide_alike(
-    tmp_path: Path, controller: ControllerConfig, burst_rate: float
+    tmp_path: Path, controller: ControllerConfig, burst_rate: float, cache: CacheManagerConfig
 ) -> None:
     trace_path = tmp_path / "slice.jsonl"
     write_trace(trace_path, burst_rate=burst_rate)
     requests = loadgen.from_trace(load_trace(trace_path), LENGTH_SCALE, vocab=256)
     requests = [loadgen.LoadRequest(r.index, r.arrival_s + OFFSET_S, r.token_ids) for r in requests]
     assert 300 <= len(requests) <= 1500
-    cfg = serve_config(tmp_path, controller)
+    cfg = serve_config(tmp_path, controller, cache)
 
     sim = run_simulator(cfg, requests)
     results, coord_history, coord = run_coordinator(cfg, requests)
@@ -212,6 +225,10 @@ def test_simulator_and_coordinator_place_and_decide_alike(
     kinds = [op.kind for d in sim_history for op in d.ops]
     assert "split" in kinds and "merge" in kinds, kinds
     assert sum(c for _, _, c in simulated) > 0  # prefix reuse
-    assert sim.copies > 0 and sim.reclaims > 0  # the cache manager copied and reclaimed
+    audit = sim.policy.cache.audit.kinds
+    if cache.pull:  # pulls ran, and every one served its request
+        assert audit["pull"].copies > 0 and audit["pull"].wasted_blocks == 0
+    else:  # the scan copied and reclaimed
+        assert sim.copies > 0 and sim.reclaims > 0 and "pull" not in audit
     assert coord.metrics.replication_count == sim.copies
     assert coord.metrics.reclamation_count == sim.reclaims

@@ -45,7 +45,12 @@ class PlansInFlight:
         return self._next_plan_id
 
     def start_copy(
-        self, kind: str, dest: WorkerInfo, moves: list[BlockMove], score: float
+        self,
+        kind: str,
+        dest: WorkerInfo,
+        moves: list[BlockMove],
+        score: float,
+        benefit_s: float = 0.0,
     ) -> CopyPlan:
         """A copy plan of the prefix ending at the last move's block, now in flight."""
         reshard = any(
@@ -63,6 +68,7 @@ class PlansInFlight:
             moves=tuple(moves),
             reshard=reshard,
             score=score,
+            benefit_s=benefit_s,
         )
         self.copies[plan.plan_id] = plan
         for m in moves:
@@ -74,10 +80,10 @@ class PlansInFlight:
         return plan
 
     def start_reclaim(
-        self, worker_id: int, block_id: int, cp_degree: int, score: float
+        self, worker_id: int, block_id: int, cp_degree: int, score: float, loss_s: float = 0.0
     ) -> ReclaimPlan:
         """A reclaim plan (``worker_id`` deletes ``block_id``), now in flight."""
-        plan = ReclaimPlan(self.new_plan_id(), worker_id, block_id, cp_degree, score)
+        plan = ReclaimPlan(self.new_plan_id(), worker_id, block_id, cp_degree, score, loss_s)
         self.reclaims[plan.plan_id] = plan
         self.reclaiming.add((block_id, worker_id))
         return plan

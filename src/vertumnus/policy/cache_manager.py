@@ -27,11 +27,12 @@ and reclamations (``cache_scan``), the plans in flight and their indexes
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from vertumnus.blocks import max_reuse_blocks
 from vertumnus.perfmodel import DegreeCoeffs
 from vertumnus.policy import cache_handover
+from vertumnus.policy.cache_audit import CopyAudit
 from vertumnus.policy.cache_index import CacheReport
 from vertumnus.policy.cache_inflight import PlansInFlight
 from vertumnus.policy.cache_plans import (
@@ -45,7 +46,7 @@ from vertumnus.policy.cache_plans import (
     WorkerCacheView,
 )
 from vertumnus.policy.cache_pull import EvictionValue
-from vertumnus.policy.cache_scan import PeriodicScan
+from vertumnus.policy.cache_scan import PeriodicScan, ScanPricing
 from vertumnus.policy.costs import CostWeights, prefer_degree, reuse_curves
 from vertumnus.policy.trie import Node, PrefixTrie, TrieError, WorkerInfo
 
@@ -69,6 +70,9 @@ class PrefixCacheManager:
         self.curves = reuse_curves(coeffs)
         self.in_flight = PlansInFlight(self.trie)
         self.eviction = EvictionValue()
+        self.audit = CopyAudit()
+        # A pull's seconds for a number of blocks, when the stack pulls (None: no pulls).
+        self.pull_copy_s: Callable[[int], float] | None = None
         self._scan = PeriodicScan(self.trie, self.config, self.in_flight)
 
     # -- workers and reports ---------------------------------------------------------
@@ -81,12 +85,14 @@ class PrefixCacheManager:
         the in-flight plans that involve it (their outcome no longer matters)."""
         self.in_flight.cancel_plans_of(worker_id)
         self.trie.remove_worker(worker_id)
+        self.audit.forget_worker(worker_id)
 
     def apply_report(self, report: CacheReport) -> None:
         """The physical truth of one worker: evictions first, then the inserted chain."""
         trie, eviction = self.trie, self.eviction
         for bid in report.evicted:
             trie.evict(report.worker_id, bid)
+            self.audit.evicted(report.worker_id, bid)
             node = trie.nodes.get(bid)
             eviction.evicted_block(bid, node is None or not node.holders)
         if report.inserted:
@@ -192,16 +198,12 @@ class PrefixCacheManager:
     ) -> tuple[CopyPlan | None, int | None]:
         """Blocks ``held`` to ``upto`` of ``path``, from a holder of the whole of it (of
         the destination's degree first, so that nothing is re-sharded), to ``dest``:
-        the new plan, and the plan the request waits for (an earlier pull bringing
+        the new plan, and the plan the request waits for (an earlier copy bringing
         the same blocks, if there is one)."""
         last = path[upto - 1]
         for plan in self.in_flight.copies.values():
-            if (
-                plan.kind == "pull"
-                and plan.dest_worker == dest.worker_id
-                and last.block_id in plan.prefix_ids
-            ):
-                return None, plan.plan_id
+            if plan.dest_worker == dest.worker_id and last.block_id in plan.prefix_ids:
+                return None, plan.plan_id  # a pull or fetch bringing them already
         src = min(
             self.trie.holders_of(last),
             key=lambda h: (h.cp_degree != dest.cp_degree, h.slot),
@@ -262,8 +264,16 @@ class PrefixCacheManager:
 
     def scan(self, views: Mapping[int, WorkerCacheView], loads: Mapping[int, float]) -> ScanResult:
         """Algorithm 2: candidates, ranked and cut per list, as plans; then decay."""
+        pricing = ScanPricing(
+            self.eviction_price_s, self.curves, self.trie.block_tokens, self.pull_copy_s
+        )
         self.eviction.decay(self.config.decay)
-        return self._scan.run(views, loads)
+        return self._scan.run(views, loads, pricing)
+
+    @property
+    def eviction_price_s(self) -> float:
+        """What one eviction is priced at, in future prefill seconds (``cache_pull``)."""
+        return self.config.eviction_weight * self.eviction.value_s
 
     def plan_copy(self, block_id: int, source: int, dest: int) -> CopyPlan:
         """A copy asked for by hand (an operator warming a cache, a test): the prefix
@@ -290,6 +300,7 @@ class PrefixCacheManager:
         """The copy ended; on success the destination's report has been (or will be)
         applied. A fetch or adopt that failed leaves an ordinary miss: the pending
         marks of its blocks go either way. False if the plan is unknown (cancelled)."""
+        self.audit.finished(plan_id)
         return self.in_flight.finish_copy(plan_id, ok)
 
     def finish_reclaim(self, plan_id: int, ok: bool) -> bool:

@@ -12,6 +12,15 @@ free room, then lower load. Sources: intra, the least loaded degree-C holder; in
 the least loaded holder of any degree. Reclaim: a holder where z is an unused leaf,
 the one with the least free room (then the most load).
 
+Every plan must pay for itself (``ScanPricing``), by the model's own estimate per
+statistics window: a copy's benefit is its expected uses (inter: missed seconds
+over what one request saves from the blocks; intra: access / (r + 1)) times what
+each use saves (the compute of its blocks, or with pulls on, at most the pull's
+wait it avoids); its cost, the blocks it must evict at the destination times
+``value_s`` (``cache_pull.EvictionValue``). A reclamation frees a slot worth
+``value_s`` when the victim's cache is full (nothing otherwise) and loses access / r
+uses of its one block. A plan that does not pay is counted in ``unpaid``.
+
 Only workers in the scan's ``views`` (the active ones) take part. Owned here: the
 candidates, their ranking and the plans chosen. Not owned here: the statistics'
 updates per request (``cache_manager``), the plans once handed out
@@ -22,7 +31,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from vertumnus.policy.cache_inflight import PlansInFlight
 from vertumnus.policy.cache_plans import (
@@ -33,7 +43,25 @@ from vertumnus.policy.cache_plans import (
     ScanResult,
     WorkerCacheView,
 )
+from vertumnus.policy.costs import ReuseCurve
 from vertumnus.policy.trie import Node, PrefixTrie, WorkerInfo, bits
+
+
+@dataclass(frozen=True)
+class ScanPricing:
+    """What the scan's plans are priced with (the module docstring)."""
+
+    value_s: float  # future prefill seconds one eviction costs
+    curves: Mapping[int, ReuseCurve]
+    block_tokens: int
+    copy_s: Callable[[int], float] | None = None  # a pull's seconds per blocks; None: no pulls
+
+    def saving_s(self, cp_degree: int, held: int, upto: int) -> float:
+        """What one request that reuses blocks ``held`` to ``upto`` at ``cp_degree``
+        saves by finding them there."""
+        b = self.block_tokens
+        compute = self.curves[cp_degree].benefit_s(held * b, upto * b)
+        return compute if self.copy_s is None else min(compute, self.copy_s(upto - held))
 
 
 class PeriodicScan:
@@ -46,9 +74,17 @@ class PeriodicScan:
         self.config = config
         self.in_flight = in_flight
 
-    def run(self, views: Mapping[int, WorkerCacheView], loads: Mapping[int, float]) -> ScanResult:
-        """Algorithm 2: candidates, ranked and cut per list, as plans; then decay."""
+    def run(
+        self,
+        views: Mapping[int, WorkerCacheView],
+        loads: Mapping[int, float],
+        pricing: ScanPricing,
+    ) -> ScanResult:
+        """Algorithm 2: candidates, ranked and cut per list, as plans that pay for
+        themselves; then decay."""
         trie, cfg = self.trie, self.config
+        self.pricing = pricing
+        self.unpaid = {"inter": 0, "intra": 0, "reclaim": 0}
         active = 0
         for worker_id in views:
             active |= 1 << trie.worker(worker_id).slot
@@ -91,6 +127,7 @@ class PeriodicScan:
             copies=tuple(copies),
             reclaims=tuple(reclaims),
             candidates={"inter": len(inter), "intra": len(intra), "reclaim": len(reclaim)},
+            unpaid=dict(self.unpaid),
         )
 
     def _destination(
@@ -183,6 +220,12 @@ class PeriodicScan:
             ]
             if not sources:
                 continue
+            benefit_s = self._benefit_s(kind, node, k, held, masks[k].bit_count())
+            evicts = max(0, node.depth + 1 - held - views[dest.worker_id].num_free_blocks())
+            channel_s = self.pricing.copy_s(node.depth + 1 - held) if self.pricing.copy_s else 0.0
+            if self.config.priced and benefit_s <= evicts * self.pricing.value_s + channel_s:
+                self.unpaid[kind] += 1
+                continue
             src = min(sources, key=lambda h: (loads.get(h.worker_id, 0.0), h.worker_id))
             moves = [
                 BlockMove(
@@ -194,8 +237,26 @@ class PeriodicScan:
                 )
                 for z in node.path()[held:]
             ]
-            plans.append(in_flight.start_copy(kind, dest, moves, score))
+            plans.append(in_flight.start_copy(kind, dest, moves, score, benefit_s))
         return plans
+
+    def _benefit_s(self, kind: str, node: Node, k: int, held: int, workers: int) -> float:
+        """A copy's predicted benefit per statistics window (the module docstring);
+        ``workers``: the active workers of the destination's degree."""
+        pricing, c = self.pricing, self.trie.degrees[k]
+        upto, b = node.depth + 1, pricing.block_tokens
+        r = self.trie.replica_count(node, c)
+        if kind == "inter":
+            compute = pricing.curves[c].benefit_s(held * b, upto * b)
+            uses = _path_sum(node, held, k) / compute if compute > 0 else 0.0
+        else:
+            assert node.access is not None
+            uses = node.access[k] / (r + 1)
+        if pricing.copy_s is not None:
+            # With pulls, requests go where the load is least and bring their prefix
+            # along: the copy serves this destination's share of the uses only.
+            uses *= (r + 1) / max(workers, r + 1)
+        return uses * pricing.saving_s(c, held, upto)
 
     def _select_reclaims(
         self,
@@ -229,7 +290,13 @@ class PeriodicScan:
                     h.worker_id,
                 ),
             )
-            plans.append(in_flight.start_reclaim(victim.worker_id, node.block_id, c, score))
+            # Its one block: what a later use there saves, against a slot of a full cache.
+            loss_s = score * self.pricing.saving_s(c, node.depth, node.depth + 1)
+            gain_s = self.pricing.value_s if not views[victim.worker_id].num_free_blocks() else 0.0
+            if self.config.priced and gain_s <= loss_s:
+                self.unpaid["reclaim"] += 1
+                continue
+            plans.append(in_flight.start_reclaim(victim.worker_id, node.block_id, c, score, loss_s))
         return plans
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from vertumnus.policy.cache_index import PrefillLease, WorkerCacheIndex
 from vertumnus.policy.cache_manager import PrefixCacheManager
-from vertumnus.policy.cache_plans import CopyPlan
+from vertumnus.policy.cache_plans import CopyPlan, ReclaimPlan
 from vertumnus.policy.lattice import Lattice
 
 # (source global rank, source slot, destination global rank, destination slot)
@@ -108,6 +108,7 @@ class KVLedger:
         installed."""
         dst = self.indexes[job.plan.dest_worker]
         self.cache.apply_report(dst.commit(job.dst_lease))
+        self.cache.audit.installed(job.plan, (loc.block_id for loc in job.dst_lease.new))
         if job.src_lease is not None and job.src_worker is not None:
             self.cache.apply_report(self.indexes[job.src_worker].commit(job.src_lease))
         if job.src_worker is None:
@@ -116,6 +117,18 @@ class KVLedger:
         installed = len(job.dst_lease.new)
         self.cache.finish_copy(job.plan.plan_id, ok=installed > 0)
         return installed
+
+    def reclaim(self, plans: Iterable[ReclaimPlan]) -> int:
+        """Delete the replicas the scan chose, at once (a slot freed in the index is
+        free on the rank); returns how many were deleted."""
+        deleted = 0
+        for plan in plans:
+            report = self.indexes[plan.worker_id].reclaim(plan.block_id)
+            if report is not None:
+                self.cache.apply_report(report)
+                deleted += 1
+            self.cache.finish_reclaim(plan.plan_id, report is not None)
+        return deleted
 
     def abort_copy(self, job: CopyJob) -> None:
         """The move failed, or a worker involved left: nothing becomes visible."""

@@ -122,7 +122,7 @@ class PoolPolicy:
         )
         self.pulls = Pulls(self.cache, self.indexes, pool.block_tokens, self.channel)
         if config.replication and config.cache.pull and config.router == "vertumnus":
-            self.scheduler.pull_cost = self.pulls.cost
+            self.pulls.attach(self.scheduler)
 
     @classmethod
     def build(cls, profile: Profile, pool: PoolSpec, config: PolicyConfig) -> PoolPolicy:
@@ -252,7 +252,7 @@ class PoolPolicy:
         usable = max_reuse_blocks(request.input_tokens, self.block_tokens)
         lease = index.begin(request.block_ids, usable)
         self.cache.apply_report(index.evictions(lease))
-        self.pulls.started(request_id)
+        self.pulls.started(request_id, worker_id, lease)
         cached = lease.num_reused_blocks * self.block_tokens
         if self.config.ideal_reuse:
             # The bound: the longest prefix cached anywhere now arrives free and at
@@ -395,14 +395,10 @@ class PoolPolicy:
         for copy in result.copies:
             self.channel.queue_copy(copy)
         actions = self.channel.pump(now)
-        reclaimed = 0
-        for plan in result.reclaims:
-            report = self.indexes[plan.worker_id].reclaim(plan.block_id)
-            if report is not None:
-                self.cache.apply_report(report)
-                reclaimed += 1
-            self.cache.finish_reclaim(plan.plan_id, report is not None)
-        return ScanOutcome(result, reclaimed, actions)
+        reclaimed = self.ledger.reclaim(result.reclaims)
+        return ScanOutcome(
+            result, reclaimed, actions, self.cache.audit.scanned(now, result, reclaimed)
+        )
 
     def queue_copy(self, plan: CopyPlan, now: float) -> Actions:
         """Run a copy plan made outside the scan (an operator's, a test's)."""

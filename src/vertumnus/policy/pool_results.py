@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vertumnus.policy.cache_audit import ScanRecord
 from vertumnus.policy.cache_index import PrefillLease, WorkerCacheIndex
 from vertumnus.policy.cache_plans import ScanResult
 from vertumnus.policy.controller import Controller, Decision
@@ -103,6 +104,7 @@ class ScanOutcome:
     result: ScanResult
     reclaimed: int  # replicas deleted
     actions: Actions
+    record: ScanRecord  # the audit's record of this scan (``cache_audit``)
 
 
 @dataclass

@@ -33,7 +33,7 @@ from vertumnus.policy.cache_index import PrefillLease, WorkerCacheIndex
 from vertumnus.policy.cache_manager import PrefixCacheManager
 from vertumnus.policy.cache_plans import CopyPlan
 from vertumnus.policy.channel import Channel
-from vertumnus.policy.scheduler import PlacementRequest
+from vertumnus.policy.scheduler import PlacementRequest, Scheduler
 
 
 class Pulls:
@@ -67,6 +67,11 @@ class Pulls:
         for plan_id in [p for p in self._sources if p not in in_flight]:
             self._unpin(*self._sources.pop(plan_id))
 
+    def attach(self, scheduler: Scheduler) -> None:
+        """Pulls on: the scheduler prices them, the scan prices its copies by them."""
+        scheduler.pull_cost = self.cost
+        self.cache.pull_copy_s = self.channel.timer.copy_s
+
     def cost(self, blocks: int, worker_id: int, now: float) -> tuple[float, float]:
         """A pull of ``blocks`` to ``worker_id``: seconds until it lands, and the future
         prefill seconds of the blocks it must evict there (``cache_pull``)."""
@@ -74,7 +79,7 @@ class Pulls:
         evicts = max(0, blocks - self.indexes[worker_id].num_free_blocks())
         return (
             channel.backlog_s(now) + channel.timer.copy_s(blocks),
-            evicts * self.cache.eviction.value_s,
+            evicts * self.cache.eviction_price_s,
         )
 
     def placed(
@@ -123,9 +128,12 @@ class Pulls:
         if pinned is not None:
             self._unpin(*pinned)
 
-    def started(self, request_id: int) -> None:
-        """The request began (its own lease now pins what it reuses): unpin."""
+    def started(self, request_id: int, worker_id: int, lease: PrefillLease) -> None:
+        """The request began on ``worker_id``: its own ``lease`` now pins what it
+        reuses (unpin), and those reuses are hits for the copies that brought them
+        (``cache_audit``)."""
         self.forget(request_id)
+        self.cache.audit.reused(worker_id, (loc.block_id for loc in lease.reused))
 
     def forget(self, request_id: int) -> None:
         """The request left its worker (started, placed again, answered): unpin."""

@@ -76,6 +76,8 @@ class RequestPath:
         self._ids = itertools.count(1)
         self._wake: dict[int, asyncio.Event] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._idle: set[int] = set()  # workers whose task waits to be woken
+        self._next: dict[int, Started] = {}  # started by ``wake``, to run next
 
     async def prefill(self, tokens: Sequence[int]) -> PrefillResult:
         coord = self.coord
@@ -114,14 +116,25 @@ class RequestPath:
 
     def remove_worker(self, worker_id: int) -> None:
         self._wake.pop(worker_id, None)
+        # A prefill started by ``wake`` and not yet sent: the policy counts it as
+        # running, and the removal (a failure) gives it back to be placed again.
+        self._next.pop(worker_id, None)
         task = self._tasks.pop(worker_id, None)
         if task is not None:
             task.cancel()
 
     def wake(self, worker_id: int) -> None:
         wake = self._wake.get(worker_id)
-        if wake is not None:
-            wake.set()
+        if wake is None:
+            return
+        if worker_id in self._idle and worker_id not in self._next:
+            # An idle worker starts now, as in the simulator: what a start does to the
+            # caches (the evictions its slots cause, reported at once) must come before
+            # the placement of a request that arrives at the same moment.
+            started = self.coord.policy.start(worker_id, self.coord.clock())
+            if started is not None:
+                self._next[worker_id] = started
+        wake.set()
 
     def cancel_all(self) -> None:
         for task in self._tasks.values():
@@ -132,10 +145,18 @@ class RequestPath:
         policy = self.coord.policy
         try:
             while True:
-                await wake.wait()
+                self._idle.add(worker_id)
+                try:
+                    await wake.wait()
+                finally:
+                    self._idle.discard(worker_id)
                 wake.clear()
-                while (started := policy.start(worker_id, self.coord.clock())) is not None:
+                started = self._next.pop(worker_id, None)
+                if started is None:
+                    started = policy.start(worker_id, self.coord.clock())
+                while started is not None:
                     await self._run_one(started)
+                    started = policy.start(worker_id, self.coord.clock())
                 if worker_id not in policy.lattice.workers:
                     return
         except asyncio.CancelledError:

@@ -3,6 +3,7 @@
 ``DIR/summary.json``   counts, TTFT mean and percentiles (linear interpolation),
                        token-weighted SLO attainment, token hit rate, splits and
                        merges with drain and switch times, copies and reclamations,
+                       the copies' audit (``cache_audit``: hits, waste fraction),
                        speed, and per-phase figures when the workload has phases
 ``DIR/requests.jsonl`` one line per request: id, arrival_s, input_tokens,
                        cached_tokens, worker, cp_degree, ttft_s, tau_s
@@ -14,6 +15,10 @@
                        the what-if candidates), its window's end time ``end_s`` and
                        the window's rule as run (``window_rule``: "fixed" for a
                        decision only noted, "end" for the run's last window)
+``DIR/scans.jsonl``    one line per cache-manager scan: what it started (copies, blocks,
+                       predicted benefit; reclamations, predicted loss; candidates
+                       that did not pay) and what its copies then served (hits,
+                       blocks used, blocks evicted unused), ``cache_audit.ScanRecord``
 ``DIR/ttft_composition.png``  TTFT and composition over time (the paper's Fig. 13), the
                        decisions that moved the composition marked (split ▲, merge ▼)
 ``DIR/config.json``    the configuration the run used
@@ -72,6 +77,8 @@ def summarize(result: SimResult, cfg: SimConfig) -> dict[str, Any]:
         "copies": result.copies,
         "blocks_copied": result.blocks_copied,
         "reclaims": result.reclaims,
+        "copy_waste_fraction": result.cache_audit["all"]["waste_fraction"],
+        "cache_audit": result.cache_audit,
         "devices": result.devices,
         "composition_start": composition_name(cfg.composition),
         "composition_end": result.windows[-1].composition if result.windows else None,
@@ -172,6 +179,9 @@ def write(result: SimResult, cfg: SimConfig, out: Path) -> dict[str, Any]:
         )
     )
     write_decisions(result, out / "decisions.jsonl")
+    with (out / "scans.jsonl").open("wb") as f:
+        for record in result.scans:
+            f.write(orjson.dumps(record.as_dict()) + b"\n")
     plot(result, cfg, by_window, out / "ttft_composition.png")
     return summary
 

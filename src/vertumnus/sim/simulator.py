@@ -28,9 +28,10 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from vertumnus.perfmodel import COEFF_NAMES, DegreeCoeffs, Profile
+from vertumnus.policy.cache_audit import ScanRecord
 from vertumnus.policy.controller import Decision
 from vertumnus.policy.kv_ledger import CopyJob
 from vertumnus.policy.pool_config import PolicyConfig, PolicyError, PoolSpec
@@ -140,6 +141,10 @@ class SimResult:
     copies: int
     blocks_copied: int
     reclaims: int
+    # The cache manager's audit: per kind of copy, blocks installed, used, wasted
+    # (``CopyAudit.summary``), and one record per scan.
+    cache_audit: dict[str, Any]
+    scans: list[ScanRecord]
     wall_s: float
     sim_end_s: float
     devices: int
@@ -240,6 +245,8 @@ class Simulation:
             copies=self.copies,
             blocks_copied=self.blocks_copied,
             reclaims=self.reclaims,
+            cache_audit=self.policy.cache.audit.summary(),
+            scans=list(self.policy.cache.audit.scans),
             wall_s=time.perf_counter() - wall,
             sim_end_s=now,
             devices=self.policy.lattice.config.num_devices,
