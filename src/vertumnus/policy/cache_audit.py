@@ -142,6 +142,14 @@ class CopyAudit:
         for key in [k for k in self._live if k[0] == worker_id]:
             del self._live[key]
 
+    def hit_share(self) -> dict[str, float]:
+        """Per kind, the share of its resolved copied blocks that were reused before
+        their eviction, (used + 1) / (used + wasted + 2): 1/2 before any evidence."""
+        return {
+            kind: (t.used_blocks + 1) / (t.used_blocks + t.wasted_blocks + 2)
+            for kind, t in self.kinds.items()
+        }
+
     def summary(self) -> dict[str, Any]:
         """Totals per kind and in all, with the waste fractions (None: nothing
         resolved yet) and the blocks still held unused."""

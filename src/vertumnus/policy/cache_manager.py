@@ -265,7 +265,11 @@ class PrefixCacheManager:
     def scan(self, views: Mapping[int, WorkerCacheView], loads: Mapping[int, float]) -> ScanResult:
         """Algorithm 2: candidates, ranked and cut per list, as plans; then decay."""
         pricing = ScanPricing(
-            self.eviction_price_s, self.curves, self.trie.block_tokens, self.pull_copy_s
+            self.eviction_price_s,
+            self.curves,
+            self.trie.block_tokens,
+            self.pull_copy_s,
+            self.audit.hit_share(),
         )
         self.eviction.decay(self.config.decay)
         return self._scan.run(views, loads, pricing)

@@ -13,13 +13,22 @@ the least loaded holder of any degree. Reclaim: a holder where z is an unused le
 the one with the least free room (then the most load).
 
 Every plan must pay for itself (``ScanPricing``), by the model's own estimate per
-statistics window: a copy's benefit is its expected uses (inter: missed seconds
-over what one request saves from the blocks; intra: access / (r + 1)) times what
-each use saves (the compute of its blocks, or with pulls on, at most the pull's
-wait it avoids); its cost, the blocks it must evict at the destination times
-``value_s`` (``cache_pull.EvictionValue``). A reclamation frees a slot worth
-``value_s`` when the victim's cache is full (nothing otherwise) and loses access / r
-uses of its one block. A plan that does not pay is counted in ``unpaid``.
+statistics window (unless ``priced`` is off: the paper's algorithm as written):
+
+    copy     benefit = uses * saving  >  evictions at the destination * value_s
+                                         + its time on the channel (pulls on)
+             uses: inter, missed seconds over what one request saves from the
+             blocks; intra, access / (r + 1); with pulls on, only the destination's
+             share (requests go where the load is least and pull what they lack)
+             saving: the blocks' compute; with pulls on, only the part of a pull's
+             wait that the destination's queue would not hide; and uses times the
+             share of that kind's copied blocks the audit saw reused before their
+             eviction (``CopyAudit.hit_share``: the estimate corrected by its record)
+    reclaim  value_s (a slot of a full cache; nothing when it has room)  >
+             access / r * saving of its one block at the victim
+
+with ``value_s`` the price of an eviction (``cache_pull.EvictionValue``). A
+candidate that does not pay is counted in ``unpaid``.
 
 Only workers in the scan's ``views`` (the active ones) take part. Owned here: the
 candidates, their ranking and the plans chosen. Not owned here: the statistics'
@@ -32,7 +41,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vertumnus.policy.cache_inflight import PlansInFlight
 from vertumnus.policy.cache_plans import (
@@ -55,13 +64,19 @@ class ScanPricing:
     curves: Mapping[int, ReuseCurve]
     block_tokens: int
     copy_s: Callable[[int], float] | None = None  # a pull's seconds per blocks; None: no pulls
+    # Per kind of copy, the share of copied blocks the audit saw reused before their
+    # eviction (``CopyAudit.hit_share``): the model's uses, calibrated by its record.
+    hit_share: Mapping[str, float] = field(default_factory=dict)
 
-    def saving_s(self, cp_degree: int, held: int, upto: int) -> float:
-        """What one request that reuses blocks ``held`` to ``upto`` at ``cp_degree``
-        saves by finding them there."""
+    def saving_s(self, cp_degree: int, held: int, upto: int, queue_s: float) -> float:
+        """What one request that reuses blocks ``held`` to ``upto`` at a degree-C
+        worker with ``queue_s`` of work ahead of it saves by finding them there: their
+        compute, or with pulls on, the part of a pull's wait its queue does not hide."""
         b = self.block_tokens
         compute = self.curves[cp_degree].benefit_s(held * b, upto * b)
-        return compute if self.copy_s is None else min(compute, self.copy_s(upto - held))
+        if self.copy_s is None:
+            return compute
+        return min(compute, max(0.0, self.copy_s(upto - held) - queue_s))
 
 
 class PeriodicScan:
@@ -220,7 +235,8 @@ class PeriodicScan:
             ]
             if not sources:
                 continue
-            benefit_s = self._benefit_s(kind, node, k, held, masks[k].bit_count())
+            queue_s = loads.get(dest.worker_id, 0.0)
+            benefit_s = self._benefit_s(kind, node, k, held, masks[k].bit_count(), queue_s)
             evicts = max(0, node.depth + 1 - held - views[dest.worker_id].num_free_blocks())
             channel_s = self.pricing.copy_s(node.depth + 1 - held) if self.pricing.copy_s else 0.0
             if self.config.priced and benefit_s <= evicts * self.pricing.value_s + channel_s:
@@ -240,9 +256,12 @@ class PeriodicScan:
             plans.append(in_flight.start_copy(kind, dest, moves, score, benefit_s))
         return plans
 
-    def _benefit_s(self, kind: str, node: Node, k: int, held: int, workers: int) -> float:
+    def _benefit_s(
+        self, kind: str, node: Node, k: int, held: int, workers: int, queue_s: float
+    ) -> float:
         """A copy's predicted benefit per statistics window (the module docstring);
-        ``workers``: the active workers of the destination's degree."""
+        ``workers``: the active workers of the destination's degree; ``queue_s``: the
+        destination's outstanding work."""
         pricing, c = self.pricing, self.trie.degrees[k]
         upto, b = node.depth + 1, pricing.block_tokens
         r = self.trie.replica_count(node, c)
@@ -256,7 +275,8 @@ class PeriodicScan:
             # With pulls, requests go where the load is least and bring their prefix
             # along: the copy serves this destination's share of the uses only.
             uses *= (r + 1) / max(workers, r + 1)
-        return uses * pricing.saving_s(c, held, upto)
+        uses *= pricing.hit_share.get(kind, 1.0)
+        return uses * pricing.saving_s(c, held, upto, queue_s)
 
     def _select_reclaims(
         self,
@@ -291,7 +311,8 @@ class PeriodicScan:
                 ),
             )
             # Its one block: what a later use there saves, against a slot of a full cache.
-            loss_s = score * self.pricing.saving_s(c, node.depth, node.depth + 1)
+            queue_s = loads.get(victim.worker_id, 0.0)
+            loss_s = score * self.pricing.saving_s(c, node.depth, node.depth + 1, queue_s)
             gain_s = self.pricing.value_s if not views[victim.worker_id].num_free_blocks() else 0.0
             if self.config.priced and gain_s <= loss_s:
                 self.unpaid["reclaim"] += 1
