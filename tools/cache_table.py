@@ -8,9 +8,9 @@
 One row per experiment, rate and starting composition: mean / P90 TTFT with the
 manager off (``no-replication``), on (``fixed``) and ideal; the headroom
 (off - ideal) / off; the share of it captured, (off - on) / (off - ideal); whether on
-is within 1 % of off on both mean and P90; and the copies' waste fraction (blocks
-evicted before any hit, over those resolved), in all and for the scan's intra and
-inter copies. A rate where off is overloaded (mean TTFT over ``--overload-s``) is
+is within 1 % of off on both mean and P90; the waste fraction of all copies (blocks
+evicted before any hit, over those resolved), and the wasted and resolved blocks of
+each kind. A rate where off is overloaded (mean TTFT over ``--overload-s``) is
 marked and left out of the verdicts.
 """
 
@@ -32,6 +32,14 @@ def _pct(x: float | None) -> str:
 def _waste(run: dict[str, Any], kind: str) -> float | None:
     entry = run.get("cache_audit", {}).get(kind)
     return None if entry is None else entry.get("waste_fraction")
+
+
+def _blocks(run: dict[str, Any], kind: str) -> str:
+    """``wasted / resolved`` copied blocks of one kind ("–": none copied)."""
+    entry = run.get("cache_audit", {}).get(kind)
+    if entry is None:
+        return "–"
+    return f"{entry['wasted_blocks']:,} / {entry['wasted_blocks'] + entry['used_blocks']:,}"
 
 
 def rows(folder: Path, overload_s: float) -> list[dict[str, Any]]:
@@ -65,7 +73,7 @@ def rows(folder: Path, overload_s: float) -> list[dict[str, Any]]:
                 "never_worse": m["on"] <= 1.01 * m["off"] and p90["on"] <= 1.01 * p90["off"],
                 "overloaded": overloaded,
                 "waste": _waste(on, "all"),
-                "waste_scan": {k: _waste(on, k) for k in ("intra", "inter")},
+                "blocks": {k: _blocks(on, k) for k in ("all", "pull", "intra", "inter")},
                 "off_run": off["run"],
                 "ideal_run": ideal["run"],
             }
@@ -80,9 +88,9 @@ def main() -> None:
     args = parser.parse_args()
     print(
         "| experiment | rate | composition | off: mean / P90 (s) | on | ideal | headroom "
-        "| captured | on no worse | waste (all; intra, inter) |"
+        "| captured | on no worse | waste | wasted / resolved blocks: pull; intra; inter |"
     )
-    print("| --- | ---: | --- | --- | --- | --- | ---: | ---: | --- | --- |")
+    print("| --- | ---: | --- | --- | --- | --- | ---: | ---: | --- | ---: | --- |")
     misses = []
     for folder in args.folders:
         for r in rows(folder, args.overload_s):
@@ -90,12 +98,12 @@ def main() -> None:
             cells = [f"{r[k][0]:.3f} / {r[k][1]:.3f}" for k in ("off", "on", "ideal")]
             if r["overloaded"]:
                 cells[0] += " (overloaded)"
-            scan = ", ".join(_pct(r["waste_scan"][k]) for k in ("intra", "inter"))
+            blocks = "; ".join(r["blocks"][k] for k in ("pull", "intra", "inter"))
             verdict = "yes" if r["never_worse"] else "**no**"
             print(
                 f"| {r['experiment']} | {rate} | {r['composition']} | {' | '.join(cells)} "
                 f"| {_pct(r['headroom'])} | {_pct(r['captured'])} | {verdict} "
-                f"| {_pct(r['waste'])}; {scan} |"
+                f"| {_pct(r['waste'])} | {blocks} |"
             )
             if r["overloaded"]:
                 continue

@@ -25,7 +25,8 @@ worker and the KV ledger. A driver calls it with the time and does what it retur
 
 Every call that changes what the pool must do returns ``Actions``: placements
 (their workers may start), refusals (no worker can take the request and none is
-coming back), and at most one copy or switch to run now.
+coming back), at most one copy or switch to run now, and workers woken because the
+pull their next request waited for ended (``policy/pulls.py``).
 
 KV copies and reshape switches take turns on one channel (``policy/channel.py``),
 as the ranks must run them. The results are ``policy/pool_results.py``'s.
