@@ -26,7 +26,9 @@ ROLES = {"no-replication": "off", "fixed": "on", "ideal-replication": "ideal"}
 
 
 def _pct(x: float | None) -> str:
-    return "–" if x is None else f"{100 * x:.0f} %"
+    if x is None:
+        return "–"
+    return f"{100 * x:.2f} %" if abs(x) < 0.01 else f"{100 * x:.0f} %"
 
 
 def _waste(run: dict[str, Any], kind: str) -> float | None:

@@ -131,3 +131,38 @@ def test_overrides_merge_and_the_sweep_keeps_the_bounds(tool: ModuleType) -> Non
         {"label": f"fixed {name}", "policy": "fixed", "composition": name.replace("-", "/")}
         for name in ("2CP4-4CP8", "6CP4-2CP8", "8CP4-1CP8")
     ]
+
+
+def test_the_cache_table_measures_the_manager_against_its_bound(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("cache_table", TOOL.parent / "cache_table.py")
+    assert spec is not None and spec.loader is not None
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+
+    def run(policy: str, rate: float, mean: float, p90: float, **audit: Any) -> dict[str, Any]:
+        return {
+            "policy": policy,
+            "rate_scale": rate,
+            "composition_start": "4CP4/3CP8",
+            "run": f"{policy}@{rate}",
+            "mean_ttft_s": mean,
+            "p90_ttft_s": p90,
+            "cache_audit": audit,
+        }
+
+    pulls = {"waste_fraction": 0.01, "wasted_blocks": 1, "used_blocks": 99}
+    runs = [
+        run("no-replication", 1.0, 0.30, 0.60),
+        run("fixed", 1.0, 0.25, 0.61, all=pulls, pull=pulls),
+        run("ideal-replication", 1.0, 0.20, 0.50),
+        run("no-replication", 2.0, 50.0, 90.0),  # overloaded
+        run("fixed", 2.0, 0.5, 1.0),
+        run("ideal-replication", 2.0, 0.4, 0.9),
+        run("vertumnus", 1.0, 0.1, 0.2),  # not one of the three: ignored
+    ]
+    (tmp_path / "comparison.json").write_text(json.dumps({"runs": runs}))
+    first, second = table.rows(tmp_path, overload_s=10.0)
+    assert first["headroom"] == pytest.approx(1 / 3) and first["captured"] == pytest.approx(0.5)
+    assert not first["never_worse"]  # P90 0.61 > 1.01 * 0.60
+    assert first["waste"] == 0.01 and first["blocks"]["pull"] == "1 / 100"
+    assert second["overloaded"] and second["blocks"]["pull"] == "–"
