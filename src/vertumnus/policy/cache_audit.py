@@ -111,7 +111,8 @@ class CopyAudit:
         live = self._live
         if not live:
             return
-        served: dict[int, tuple[str, ScanRecord | None]] = {}
+        kinds: set[str] = set()  # a request is one hit per kind and per scan it used
+        records: dict[int, ScanRecord] = {}
         for bid in block_ids:
             entry = live.get((worker_id, bid))
             if entry is None:
@@ -121,14 +122,13 @@ class CopyAudit:
                 if entry.record is not None:
                     entry.record.used_blocks += 1
             entry.hits += 1
-            served[id(entry.record) if entry.record is not None else -hash(entry.kind)] = (
-                entry.kind,
-                entry.record,
-            )
-        for kind, record in served.values():
+            kinds.add(entry.kind)
+            if entry.record is not None:
+                records[entry.record.scan] = entry.record
+        for kind in kinds:
             self.kinds[kind].hits += 1
-            if record is not None:
-                record.hits += 1
+        for record in records.values():
+            record.hits += 1
 
     def evicted(self, worker_id: int, block_id: int) -> None:
         entry = self._live.pop((worker_id, block_id), None)

@@ -84,10 +84,7 @@ class Channel:
             installed = self.ledger.commit_copy(job)
         else:
             self.ledger.abort_copy(job)
-        actions = Actions(copies_ended=[(job.plan.plan_id, installed)])
-        if job.plan.kind == "pull":
-            actions.woken.append(job.plan.dest_worker)
-        return actions.add(self.pump(now))
+        return _ended(Actions(), job.plan, installed).add(self.pump(now))
 
     def pump(self, now: float) -> Actions:
         """Give a free channel to the next switch, else to the next copy that can run."""
@@ -104,9 +101,7 @@ class Channel:
                     self._queued_s = 0.0  # no drift from the timer's updates
                 job = self.ledger.begin_copy(plan)
                 if job is None:  # cancelled, or nothing left to copy: a miss
-                    actions.copies_ended.append((plan.plan_id, 0))
-                    if plan.kind == "pull":
-                        actions.woken.append(plan.dest_worker)
+                    _ended(actions, plan, 0)
                     continue
                 self.holder = job
                 self._began_s = now
@@ -114,3 +109,11 @@ class Channel:
             else:
                 break
         return actions
+
+
+def _ended(actions: Actions, plan: CopyPlan, installed: int) -> Actions:
+    """Note that ``plan`` ended; a pull's worker may start the request it held back."""
+    actions.copies_ended.append((plan.plan_id, installed))
+    if plan.kind == "pull":
+        actions.woken.append(plan.dest_worker)
+    return actions

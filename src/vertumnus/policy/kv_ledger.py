@@ -179,8 +179,7 @@ class KVLedger:
         if src_lease.new or src_lease.num_reused_blocks < len(prefix):
             self.cache.apply_report(src_index.abort(src_lease))
             return None
-        dst_lease = dst_index.begin(prefix, len(prefix))
-        self.cache.apply_report(dst_index.evictions(dst_lease))
+        dst_lease = self._begin_dest(dst_index, prefix)
         moves = []
         for loc in dst_lease.new:
             src = src_lease.reused[loc.depth]
@@ -188,6 +187,12 @@ class KVLedger:
                 (src_w.first_device + src.rank, src.slot, dst_w.first_device + loc.rank, loc.slot)
             )
         return CopyJob(plan, moves, dst_lease, src_id, src_lease)
+
+    def _begin_dest(self, index: WorkerCacheIndex, prefix: list[int]) -> PrefillLease:
+        """The destination's slots for ``prefix``; what they evicted is reported now."""
+        lease = index.begin(prefix, len(prefix))
+        self.cache.apply_report(index.evictions(lease))
+        return lease
 
     def _begin_fetch(self, plan: CopyPlan) -> CopyJob | None:
         """A pending prefix's missing blocks, from the slots that kept them after a
@@ -208,8 +213,7 @@ class KVLedger:
                 break
         if not prefix:
             return None
-        dst_lease = dst_index.begin(prefix, len(prefix))
-        self.cache.apply_report(dst_index.evictions(dst_lease))
+        dst_lease = self._begin_dest(dst_index, prefix)
         moves = []
         for loc in dst_lease.new:
             grank, slot = source.get(loc.block_id, (None, None))
