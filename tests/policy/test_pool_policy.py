@@ -13,6 +13,7 @@ import pytest
 from support.factories import BLOCK_SIZE, make_profile
 from support.policy import COEFFS, KAPPA_S
 from vertumnus.blocks import block_ids, max_reuse_blocks
+from vertumnus.policy.cache_plans import CacheManagerConfig
 from vertumnus.policy.controller import ControllerConfig
 from vertumnus.policy.lattice import LatticeConfig, WorkerState
 from vertumnus.policy.pool_config import PolicyConfig, PolicyError, PoolSpec, preset
@@ -152,17 +153,18 @@ def test_a_switch_waits_for_the_copy_under_way_then_goes_before_queued_copies() 
     assert policy.scheduler.head(4) == 1  # degree 2 is faster at 200 tokens
     serve(policy, 4, 0.0)
     last = block_ids([i % 997 for i in range(200)], BLOCK_SIZE)[-1]
-    first = policy.queue_copy(policy.cache.plan_copy(last, 4, 0), 1.0)
-    assert first.copy is not None and policy.channel.busy
+    (first,) = policy.queue_copy(policy.cache.plan_copy(last, 4, 0), 1.0).copies
+    assert policy.channel.busy
     second_plan = policy.cache.plan_copy(last, 4, 1)
-    assert policy.queue_copy(second_plan, 1.0).copy is None  # one at a time
+    # The same source devices: it waits for the first.
+    assert not policy.queue_copy(second_plan, 1.0).copies
     # Worker 5 is idle: its split is ready to switch, but the channel is the copy's.
     split = next(op for op in policy.lattice.split_options() if op.sources == (5,))
     _, begun = policy.begin_reshape(split, 1.1)
     assert begun.switch is None
-    after_copy = policy.copy_done(first.copy, True, 1.2)
-    assert after_copy.copies_ended == [(first.copy.plan.plan_id, 12)]  # 200 tokens: 12 blocks
-    assert after_copy.switch is not None and after_copy.copy is None  # the switch first
+    after_copy = policy.copy_done(first, True, 1.2)
+    assert after_copy.copies_ended == [(first.plan.plan_id, 12)]  # 200 tokens: 12 blocks
+    assert after_copy.switch is not None and not after_copy.copies  # the switch first
     switch = after_copy.switch
     assert [w for w, _ in switch.workers] == switch.transition.new_workers
     actions = [
@@ -171,8 +173,69 @@ def test_a_switch_waits_for_the_copy_under_way_then_goes_before_queued_copies() 
         for rank in range(len(devices))
     ]
     assert [a.activated for a in actions] == [[], [switch.transition]]
-    queued = actions[-1].copy  # then the queued copy
-    assert queued is not None and queued.plan.plan_id == second_plan.plan_id
+    (queued,) = actions[-1].copies  # then the queued copy
+    assert queued.plan.plan_id == second_plan.plan_id
+
+
+def test_copies_on_disjoint_devices_run_at_once_in_queue_order_per_device() -> None:
+    # Workers 0-3 of degree 1 (devices 0-3), 4 and 5 of degree 2 (devices 4-5, 6-7).
+    policy = make_policy(layout=(1, 1, 1, 1, 2, 2), blocks_per_rank=64)
+    for rid, worker in ((1, 4), (2, 5), (3, 0)):
+        assert policy.arrive(request(rid, 200, seed=rid), 0.0).placed[0].worker_id == worker
+    for worker in (4, 5, 0):
+        serve(policy, worker, 0.0)
+    last = {rid: request(rid, 200, seed=rid).block_ids[-1] for rid in (1, 2, 3)}
+    channel, plan = policy.channel, policy.cache.plan_copy
+    (a,) = policy.queue_copy(plan(last[1], 4, 1), 1.0).copies  # devices 4, 5 -> 1
+    assert channel.ready_s([4], 1.0) == pytest.approx(channel.timer.copy_s(12))
+    assert channel.ready_s([0, 2, 3, 6, 7], 1.0) == 0.0
+    c_plan = plan(last[1], 4, 2)  # devices 4, 5 busy: waits, holding device 2's place
+    assert not policy.queue_copy(c_plan, 1.0).copies
+    # Devices 6, 7 and 2 are free, but device 2 is the waiting copy's first.
+    d_plan = plan(last[2], 5, 2)
+    assert not policy.queue_copy(d_plan, 1.0).copies
+    (e,) = policy.queue_copy(plan(last[3], 0, 3), 1.0).copies  # devices 0, 3: at once
+    assert {a.plan.plan_id, e.plan.plan_id} == set(channel.running)
+    # Device 2 is free after the copy under way on 4-5, then the two waiting for it.
+    timer = channel.timer
+    assert channel.ready_s([2], 1.0) == pytest.approx(
+        timer.copy_s(12) + timer.copy_s(len(c_plan.moves)) + timer.copy_s(len(d_plan.moves))
+    )
+    (c,) = policy.copy_done(a, True, 1.1).copies
+    assert c.plan.plan_id == c_plan.plan_id  # not the later copy to device 2
+    # A reshape ready to switch waits for every copy under way; none starts meanwhile.
+    split = next(op for op in policy.lattice.split_options() if op.sources == (5,))
+    assert policy.begin_reshape(split, 1.2)[1].switch is None
+    assert not policy.copy_done(c, True, 1.3).copies
+    after = policy.copy_done(e, True, 1.4)
+    assert after.switch is not None and not after.copies
+    for worker, devices in after.switch.workers:
+        for rank in range(len(devices)):
+            done = policy.acknowledge(after.switch.transition, worker, rank, 1.5)
+    # The last copy's source was split away while it waited: it ends as a miss.
+    assert not done.copies and done.copies_ended == [(d_plan.plan_id, 0)]
+    assert not channel.busy and channel.backlog_s(1.5) == 0.0
+    policy.cache.check_invariants(policy.indexes)
+
+
+def test_serial_lanes_run_one_copy_at_a_time() -> None:
+    policy = make_policy(
+        layout=(1, 1, 1, 1, 2, 2), blocks_per_rank=64, cache=CacheManagerConfig(lanes="serial")
+    )
+    for rid in (1, 3):
+        policy.arrive(request(rid, 200, seed=rid), 0.0)
+    for worker in (4, 5):
+        serve(policy, worker, 0.0)
+    last = {rid: request(rid, 200, seed=rid).block_ids[-1] for rid in (1, 3)}
+    (a,) = policy.queue_copy(policy.cache.plan_copy(last[1], 4, 1), 1.0).copies
+    e_plan = policy.cache.plan_copy(last[3], 5, 3)  # disjoint devices, yet it waits
+    assert not policy.queue_copy(e_plan, 1.0).copies
+    assert policy.channel.ready_s([0], 1.0) == pytest.approx(
+        policy.channel.timer.copy_s(12) + policy.channel.timer.copy_s(12)
+    )
+    assert [j.plan.plan_id for j in policy.copy_done(a, True, 1.1).copies] == [e_plan.plan_id]
+    with pytest.raises(ValueError, match="lanes must be 'device' or 'serial'"):
+        CacheManagerConfig(lanes="links")
 
 
 def test_routers_and_presets_are_checked_by_name() -> None:

@@ -50,8 +50,8 @@ def test_a_pull_brings_the_prefix_and_the_request_waits_for_it() -> None:
     (placed,) = actions.placed
     assert placed.worker_id == 1
     assert placed.reused_tokens == 12 * BLOCK_SIZE  # promised: the whole MatchedPath
-    job = actions.copy
-    assert job is not None and job.plan.kind == "pull" and job.plan.dest_worker == 1
+    (job,) = actions.copies
+    assert job.plan.kind == "pull" and job.plan.dest_worker == 1
     assert [m.src_worker for m in job.plan.moves] == [0] * 12
     # The source's copy is pinned while the pull waits or runs.
     assert not policy.indexes[0].can_reclaim(job.plan.block_id)
@@ -75,11 +75,36 @@ def test_a_pull_brings_the_prefix_and_the_request_waits_for_it() -> None:
     assert pulls["waste_fraction"] == 0.0
 
 
+def test_a_pull_reads_from_the_holder_whose_devices_are_free() -> None:
+    pool = PoolSpec(LatticeConfig(4, (1, 2)), (1, 1, 1, 1), BLOCK_SIZE, 256)
+    policy = PoolPolicy.build(make_profile(COEFFS, KAPPA_S), pool, PolicyConfig(adaptive=False))
+    prefix = request(1, 200)
+    (first,) = policy.arrive(prefix, 0.0).placed
+    started = policy.start(first.worker_id, 0.0)
+    assert started is not None
+    policy.finish(first.worker_id, started.exec_s)
+    last = prefix.block_ids[11]
+    a, b, c, d = [first.worker_id] + [w for w in range(4) if w != first.worker_id]
+    (copy,) = policy.queue_copy(policy.cache.plan_copy(last, a, b), 1.0).copies
+    policy.copy_done(copy, True, 1.0)  # a and b hold the prefix
+    (busy,) = policy.queue_copy(policy.cache.plan_copy(last, a, c), 1.0).copies  # a's device
+    lookup = policy.cache.lookup(prefix.block_ids, 300)
+    # The price of a pull to d: the first free holder (b), not the copy under way on a.
+    delay_s, _ = policy.scheduler.pull_cost(lookup.path, 12, d, 1.0)  # type: ignore[misc]
+    assert delay_s == pytest.approx(policy.channel.timer.copy_s(12))
+    assert policy.pulls.source_s(policy.cache.trie.worker(a), 1.0) > 0
+    update = policy.cache.on_request(prefix.block_ids, 300, d, lookup, 12 * BLOCK_SIZE, 1.0)
+    assert update.fetch is not None and update.fetch.kind == "pull"
+    assert {m.src_worker for m in update.fetch.moves} == {b}
+    (pull,) = policy.queue_copy(update.fetch, 1.0).copies  # at once, beside the other
+    assert set(policy.channel.running) == {busy.plan.plan_id, pull.plan.plan_id}
+
+
 def test_no_pull_without_the_cache_manager_or_when_the_worker_holds_it() -> None:
     off = make_policy(**preset("no-replication"))
     hot_prefix_elsewhere(off)
     actions = off.arrive(request(3, 300), 1.1)
-    assert actions.copy is None and actions.placed[0].reused_tokens in (0, 12 * BLOCK_SIZE)
+    assert not actions.copies and actions.placed[0].reused_tokens in (0, 12 * BLOCK_SIZE)
     assert off.pulls.pinned == 0
     # Idle holder: the request goes where its prefix is; nothing moves.
     on = make_policy(adaptive=False)
@@ -88,7 +113,7 @@ def test_no_pull_without_the_cache_manager_or_when_the_worker_holds_it() -> None
     assert started is not None
     on.finish(0, started.exec_s)
     actions = on.arrive(request(3, 300), 1.0)
-    assert actions.placed[0].worker_id == 0 and actions.copy is None
+    assert actions.placed[0].worker_id == 0 and not actions.copies
 
 
 def test_a_placed_request_keeps_its_prefix_pinned_until_it_starts() -> None:
@@ -148,7 +173,7 @@ def test_ideal_replication_reuses_what_is_cached_anywhere() -> None:
     actions = policy.arrive(request(3, 300), 1.1)
     (placed,) = actions.placed
     assert placed.worker_id == 1 and placed.reused_tokens == 12 * BLOCK_SIZE
-    assert actions.copy is None  # free and at once: nothing moves, nothing waits
+    assert not actions.copies  # free and at once: nothing moves, nothing waits
     started = policy.start(1, 1.1)
     assert started is not None and started.cached_tokens == 12 * BLOCK_SIZE
     policy.finish(1, 1.2)

@@ -1,7 +1,7 @@
 """Live KV movement between workers of the serving coordinator, on real rank
 processes (gloo): an intra-degree copy between degree-1 workers, an inter-degree
-copy re-sharded from a degree-2 worker to a degree-1 worker, and a pull the policy
-makes itself. After each, a prefill
+copy re-sharded from a degree-2 worker to a degree-1 worker, two copies on
+disjoint ranks at once, and a pull the policy makes itself. After each, a prefill
 on the destination reuses the copied prefix and gives the logits of a fresh full
 prefill of the same tokens."""
 
@@ -112,6 +112,32 @@ def test_inter_degree_copy_is_resharded(tmp_path: Path) -> None:
             # One replica per degree: a scan reclaims nothing (the last copy at a
             # degree is left to the LRU).
             assert (await coord.scan_now())["reclaims"] == 0
+        finally:
+            await coord.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(300)
+def test_copies_on_disjoint_ranks_run_at_once(tmp_path: Path) -> None:
+    async def main() -> None:
+        coord = Coordinator(make_config(tmp_path, 4, (1, 1, 1, 1)))
+        await coord.start()
+        try:
+            prompts = [make_tokens(200, seed=400 + k, vocab=256) for k in range(2)]
+            fresh = [await only(coord, k, p) for k, p in enumerate(prompts)]
+            plans = [
+                coord.cache.plan_copy(block_ids(p, 16)[-1], source=k, dest=k + 2)
+                for k, p in enumerate(prompts)
+            ]
+            copies = asyncio.gather(*(coord.run_copy(plan) for plan in plans))
+            await asyncio.sleep(0)  # both queued: ranks 0 -> 2 and 1 -> 3 share nothing
+            assert set(coord.policy.channel.running) == {p.plan_id for p in plans}
+            assert await copies == [12, 12]
+            for k, p in enumerate(prompts):
+                moved = await only(coord, k + 2, p)
+                assert moved.worker == k + 2 and moved.cached_tokens == 192
+                assert torch.allclose(moved.logits, fresh[k].logits, atol=ATOL)
         finally:
             await coord.close()
 

@@ -15,6 +15,7 @@ from support.factories import make_profile
 from vertumnus.__main__ import main
 from vertumnus.config import ConfigError
 from vertumnus.perfmodel import DegreeCoeffs, Profile
+from vertumnus.policy.cache_plans import CacheManagerConfig
 from vertumnus.policy.controller import ControllerConfig
 from vertumnus.policy.lattice import LatticeConfig
 from vertumnus.policy.pool_config import PolicyConfig, PoolSpec, preset
@@ -126,40 +127,57 @@ def test_reshapes_keep_every_device_and_answer_everyone() -> None:
     assert sum(w.arrivals for w in result.windows) == len(reqs)
 
 
-def test_copies_run_one_at_a_time_and_switches_wait_for_them() -> None:
+@pytest.mark.parametrize("lanes", ["device", "serial"])
+def test_copies_share_no_device_and_switches_wait_for_them(lanes: str) -> None:
     # Shared prefixes, a burst then quiet (splits, merges, fetches, scan copies), and
-    # slow copies: the coordinator runs one copy at a time and switches between them.
+    # slow copies. Copies on disjoint devices run at once ("device"; one at a time
+    # when "serial"), never two on one device, and no switch while any runs.
     lengths = LengthDistribution(prefix_groups=4, prefix_tokens=8_192, prefix_zipf=1.0)
     reqs = phased(
         [Phase(300, 40.0, 0.0), Phase(900, 0.5, 0.5)], seed=1, long_tokens=32_768, lengths=lengths
     )
     prof = profile(d4=0.2, c4=1e-5, d8=0.25, c8=1e-5)
-    sim = Simulation(SimSettings(transfer_latency_s=2.0), prof, pool([8, 8]), PolicyConfig(), reqs)
-    in_flight, most, switches_mid_copy = [0], [0], [0]
+    config = PolicyConfig(cache=CacheManagerConfig(lanes=lanes))
+    sim = Simulation(SimSettings(transfer_latency_s=2.0), prof, pool([8, 8]), config, reqs)
+    devices: dict[int, set[int]] = {}  # plan -> devices of a copy under way
+    most, shared, switches_mid_copy = [0], [0], [0]
     ledger, reconf = sim.policy.ledger, sim.policy.reconf
-    begin, commit, switch = ledger.begin_copy, ledger.commit_copy, reconf.switch
+    begin, commit, abort, switch = (
+        ledger.begin_copy,
+        ledger.commit_copy,
+        ledger.abort_copy,
+        reconf.switch,
+    )
 
     def counting_begin(plan):  # type: ignore[no-untyped-def]
         job = begin(plan)
         if job is not None:
-            in_flight[0] += 1
-            most[0] = max(most[0], in_flight[0])
+            mine = {d for m in job.moves for d in (m[0], m[2])}
+            shared[0] += sum(len(mine & other) for other in devices.values())
+            devices[plan.plan_id] = mine
+            most[0] = max(most[0], len(devices))
         return job
 
     def counting_commit(job):  # type: ignore[no-untyped-def]
-        in_flight[0] -= 1
+        devices.pop(job.plan.plan_id)
         return commit(job)
 
+    def counting_abort(job):  # type: ignore[no-untyped-def]
+        devices.pop(job.plan.plan_id, None)
+        return abort(job)
+
     def watched_switch(transition, now):  # type: ignore[no-untyped-def]
-        switches_mid_copy[0] += in_flight[0]
+        switches_mid_copy[0] += len(devices)
         return switch(transition, now)
 
     ledger.begin_copy = counting_begin  # type: ignore[method-assign]
     ledger.commit_copy = counting_commit  # type: ignore[method-assign]
+    ledger.abort_copy = counting_abort  # type: ignore[method-assign]
     reconf.switch = watched_switch  # type: ignore[method-assign]
     result = sim.run()
     assert result.copies >= 5 and {r.kind for r in result.reshapes} >= {"split", "merge"}
-    assert most[0] == 1 and in_flight[0] == 0 and switches_mid_copy[0] == 0
+    assert shared[0] == 0 and not devices and switches_mid_copy[0] == 0
+    assert most[0] == 1 if lanes == "serial" else most[0] > 1
     assert all(r.end_s is not None for r in result.records)
 
 

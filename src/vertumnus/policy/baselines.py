@@ -18,10 +18,11 @@ the routers of SGLang, Dynamo and llm-d are in ``policy/peer_routers.py``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from vertumnus.policy.lattice import LatticeWorker
 from vertumnus.policy.scheduler import Choice, PlacementRequest, Scheduler
+from vertumnus.policy.trie import Node
 
 
 class _Baseline(Scheduler):  # (peer_routers.py builds on it too)
@@ -33,7 +34,7 @@ class _Baseline(Scheduler):  # (peer_routers.py builds on it too)
         candidates: list[LatticeWorker],
         reuse: Mapping[int, int],
         now: float,
-        matched_tokens: int = 0,
+        matched: Sequence[Node] = (),
     ) -> Choice:
         worker = self._pick(request, candidates, reuse, now)
         p = reuse.get(worker.worker_id, 0)

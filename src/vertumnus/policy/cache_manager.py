@@ -73,6 +73,9 @@ class PrefixCacheManager:
         self.audit = CopyAudit()
         # A pull's seconds for a number of blocks, when the stack pulls (None: no pulls).
         self.pull_copy_s: Callable[[int], float] | None = None
+        # (holder, now) -> predicted seconds until the holder's devices are free for a
+        # copy (the channel's lanes): a pull's source is the first free (None: any).
+        self.pull_source_s: Callable[[WorkerInfo, float], float] | None = None
         self._scan = PeriodicScan(self.trie, self.config, self.in_flight)
 
     # -- workers and reports ---------------------------------------------------------
@@ -136,11 +139,12 @@ class PrefixCacheManager:
         worker_id: int,
         lookup: PrefixLookup | None = None,
         reused_tokens: int | None = None,
+        now: float = 0.0,
     ) -> RequestUpdate:
         """Algorithm 1, for a request just placed on ``worker_id`` (``lookup``: this
         request's, made before placement with nothing applied in between;
         ``reused_tokens``: what placement counted on, more than the worker holds when
-        a pull brings the rest)."""
+        a pull brings the rest; ``now`` chooses its source)."""
         trie, b = self.trie, self.trie.block_tokens
         info = trie.worker(worker_id)
         if lookup is None or lookup.input_tokens != input_tokens:
@@ -188,25 +192,30 @@ class PrefixCacheManager:
                     missed[kp] += benefit
         fetch, awaits = None, None
         if reused > held:
-            fetch, awaits = self._pull_plan(path, held, reused, info)
+            fetch, awaits = self._pull_plan(path, held, reused, info, now)
         elif trie.worker_pending[worker_id]:
             fetch = self._fetch_plan(block_ids, usable, reused, info)
         return RequestUpdate(len(path), reused, preferred, fetch, awaits)
 
     def _pull_plan(
-        self, path: Sequence[Node], held: int, upto: int, dest: WorkerInfo
+        self, path: Sequence[Node], held: int, upto: int, dest: WorkerInfo, now: float
     ) -> tuple[CopyPlan | None, int | None]:
-        """Blocks ``held`` to ``upto`` of ``path``, from a holder of the whole of it (of
-        the destination's degree first, so that nothing is re-sharded), to ``dest``:
-        the new plan, and the plan the request waits for (an earlier copy bringing
-        the same blocks, if there is one)."""
+        """Blocks ``held`` to ``upto`` of ``path``, from a holder of the whole of it (the
+        first whose devices are free for the copy, then of the destination's degree,
+        so that nothing is re-sharded), to ``dest``: the new plan, and the plan the
+        request waits for (an earlier copy bringing the same blocks, if there is one)."""
         last = path[upto - 1]
         for plan in self.in_flight.copies.values():
             if plan.dest_worker == dest.worker_id and last.block_id in plan.prefix_ids:
                 return None, plan.plan_id  # a pull or fetch bringing them already
+        ready = self.pull_source_s
         src = min(
             self.trie.holders_of(last),
-            key=lambda h: (h.cp_degree != dest.cp_degree, h.slot),
+            key=lambda h: (
+                ready(h, now) if ready is not None else 0.0,
+                h.cp_degree != dest.cp_degree,
+                h.slot,
+            ),
         )
         moves = [
             BlockMove(

@@ -71,6 +71,9 @@ class CacheManagerConfig:
     # pool, behind and ahead of others. Swept over 0.5 / 1 / 2 / 4 / 8 on the agent-like
     # workload at x2.75 and x3 (4 best), and checked on the conversation trace.
     eviction_weight: float = 4.0
+    # Copies on disjoint devices run at once ("device"); "serial": one at a time in
+    # the whole pool (``policy/channel.py``).
+    lanes: str = "device"
 
     def __post_init__(self) -> None:
         if not 0 < self.decay < 1:
@@ -88,6 +91,8 @@ class CacheManagerConfig:
             raise ValueError("min_replicas_kept must be >= 1")
         if not (self.copy_latency_s >= 0 and self.copy_block_s >= 0 and self.eviction_weight >= 0):
             raise ValueError("copy_latency_s, copy_block_s and eviction_weight must be >= 0")
+        if self.lanes not in ("device", "serial"):
+            raise ValueError(f"lanes must be 'device' or 'serial', got {self.lanes!r}")
         if not (self.stat_floor > 0 and math.isfinite(self.stat_floor)):
             raise ValueError("stat_floor must be > 0")
 

@@ -8,8 +8,9 @@ it when that is cheaper than computing the prefix (``Scheduler._choose``):
     cost_pull(i, w)  = q_w + max(0, pull_s - q_w) + factor_w * E_Cw(L - P*, P*)
                        + value_s * (blocks the copy must evict at w)
 
-``backlog_s`` is the predicted time before the channel is free (the copy that holds
-it, then the copies queued); P* the request's MatchedPath. A pull runs while the
+``backlog_s`` is the predicted time before the devices of w and of the holder the
+copy reads from are free (the copies under way on them, then the copies queued
+ahead of it: ``Channel.ready_s``); P* the request's MatchedPath. A pull runs while the
 worker works off its queue, so only the part of ``pull_s`` beyond ``q_w`` delays the
 request.
 

@@ -25,11 +25,11 @@ worker and the KV ledger. A driver calls it with the time and does what it retur
 
 Every call that changes what the pool must do returns ``Actions``: placements
 (their workers may start), refusals (no worker can take the request and none is
-coming back), at most one copy or switch to run now, and workers woken because the
+coming back), the copies or the switch to run now, and workers woken because the
 pull their next request waited for ended (``policy/pulls.py``).
 
-KV copies and reshape switches take turns on one channel (``policy/channel.py``),
-as the ranks must run them. The results are ``policy/pool_results.py``'s.
+KV copies run at once on disjoint devices, and reshape switches wait for them
+(``policy/channel.py``), as the ranks must run them. The results are ``policy/pool_results.py``'s.
 
 Pure Python, clock-free: time is an argument. Not owned here: moving bytes, timing
 anything, processes (the drivers).
@@ -120,6 +120,7 @@ class PoolPolicy:
             self.ledger,
             self._commit,
             CopyTimer(config.cache.copy_latency_s, config.cache.copy_block_s),
+            config.cache.lanes,
         )
         self.pulls = Pulls(self.cache, self.indexes, pool.block_tokens, self.channel)
         if config.replication and config.cache.pull and config.router == "vertumnus":

@@ -3,7 +3,7 @@
     Started        a prefill to run now, with the lease on the worker's cache
     Switch         a committed reshape: the epoch its new workers' ranks must adopt
     Actions        what to do after a call: wake workers, answer refusals, run the
-                   one copy or switch the channel allows, note what ended
+                   copies or the switch the channel allows, note what ended
     Finished       a prefill's end, and the actions it causes
     WindowOutcome  the controller's decision, the reshapes it began, their actions
     ScanOutcome    the cache manager's scan, what it reclaimed, its actions
@@ -63,7 +63,7 @@ class Actions:
 
     placed: list[Placement] = field(default_factory=list)
     refused: list[int] = field(default_factory=list)  # request ids: answer them "unavailable"
-    copy: CopyJob | None = None  # move these blocks now, then ``copy_done``
+    copies: list[CopyJob] = field(default_factory=list)  # move now, then ``copy_done`` each
     switch: Switch | None = None  # tell the new workers' ranks, then ``acknowledge``
     copies_ended: list[tuple[int, int]] = field(default_factory=list)  # (plan, installed)
     activated: list[Transition] = field(default_factory=list)  # reshapes now serving
@@ -77,9 +77,7 @@ class Actions:
         self.copies_ended += other.copies_ended
         self.activated += other.activated
         self.woken += other.woken
-        if other.copy is not None:
-            assert self.copy is None, "one copy at a time"
-            self.copy = other.copy
+        self.copies += other.copies
         if other.switch is not None:
             assert self.switch is None, "one switch at a time"
             self.switch = other.switch

@@ -26,7 +26,7 @@ the copy itself (the channel and the KV ledger).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from vertumnus.blocks import max_reuse_blocks
 from vertumnus.policy.cache_index import PrefillLease, WorkerCacheIndex
@@ -34,6 +34,7 @@ from vertumnus.policy.cache_manager import PrefixCacheManager
 from vertumnus.policy.cache_plans import CopyPlan
 from vertumnus.policy.channel import Channel
 from vertumnus.policy.scheduler import PlacementRequest, Scheduler
+from vertumnus.policy.trie import Node, WorkerInfo
 
 
 class Pulls:
@@ -49,6 +50,9 @@ class Pulls:
         self.awaiting: dict[int, tuple[int, int]] = {}  # request -> (worker, pull plan)
         self._pins: dict[int, tuple[WorkerCacheIndex, PrefillLease]] = {}
         self._sources: dict[int, tuple[WorkerCacheIndex, PrefillLease]] = {}  # by plan
+        # (path end, its holders, the channel's version, now) last priced
+        self._source_key: tuple[int, int, int, float] | None = None
+        self._source_wait = 0.0  # then: seconds until its first holder is free
 
     def queued(self, plan: CopyPlan) -> None:
         """A pull was planned: pin its source's copy of the prefix until it ends."""
@@ -71,14 +75,32 @@ class Pulls:
         """Pulls on: the scheduler prices them, the scan prices its copies by them."""
         scheduler.pull_cost = self.cost
         self.cache.pull_copy_s = self.channel.timer.copy_s
+        self.cache.pull_source_s = self.source_s
 
-    def cost(self, blocks: int, worker_id: int, now: float) -> tuple[float, float]:
-        """A pull of ``blocks`` to ``worker_id``: seconds until it lands, and the future
-        prefill seconds of the blocks it must evict there (``cache_pull``)."""
-        channel = self.channel
+    def source_s(self, holder: WorkerInfo, now: float) -> float:
+        """Predicted seconds until ``holder``'s devices are free for a copy."""
+        devices = range(holder.first_device, holder.first_device + holder.cp_degree)
+        return self.channel.ready_s(devices, now)
+
+    def cost(
+        self, path: Sequence[Node], blocks: int, worker_id: int, now: float
+    ) -> tuple[float, float]:
+        """A pull of ``blocks`` of MatchedPath ``path`` to ``worker_id``: seconds until it
+        lands (until the devices of the destination and of the first free holder are
+        free for it, then the copy), and the future prefill seconds of the blocks it
+        must evict there (``cache_pull``)."""
+        last = path[-1]
+        key = (last.block_id, last.holders, self.channel.version, now)
+        if self._source_key != key:
+            # One placement prices every candidate against the same holders.
+            holders = self.cache.trie.holders_of(last)
+            self._source_key = key
+            self._source_wait = min((self.source_s(h, now) for h in holders), default=0.0)
+        info = self.cache.trie.worker(worker_id)
+        dest_s = self.source_s(info, now)
         evicts = max(0, blocks - self.indexes[worker_id].num_free_blocks())
         return (
-            channel.backlog_s(now) + channel.timer.copy_s(blocks),
+            max(dest_s, self._source_wait) + self.channel.timer.copy_s(blocks),
             evicts * self.cache.eviction_price_s,
         )
 

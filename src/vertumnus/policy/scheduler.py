@@ -34,7 +34,7 @@ Pure Python, clock-free: ``now`` is an argument. Not owned here: the composition
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from vertumnus.perfmodel import DegreeCoeffs
@@ -42,6 +42,7 @@ from vertumnus.policy.cache_manager import PrefixCacheManager
 from vertumnus.policy.cache_plans import RequestUpdate
 from vertumnus.policy.costs import CostWeights, reuse_curves
 from vertumnus.policy.lattice import Lattice, LatticeWorker, WorkerState
+from vertumnus.policy.trie import Node
 
 # (worker id, its degree, P_iw, E_iw, q_w, cost)
 Choice = tuple[int, int, int, float, float, float]
@@ -114,10 +115,12 @@ class Scheduler:
         self._running: dict[int, _Running] = {}
         self._where: dict[int, int] = {}  # request -> worker
         self._requests: dict[int, PlacementRequest] = {}
-        # (blocks to copy, destination, now) -> (predicted seconds until a pull of them
-        # lands, the future prefill seconds its evictions cost); None: no pulls (set by
-        # the policy stack when its cache manager pulls).
-        self.pull_cost: Callable[[int, int, float], tuple[float, float]] | None = None
+        # (MatchedPath, blocks to copy, destination, now) -> (predicted seconds until a
+        # pull of them lands, the future prefill seconds its evictions cost); None: no
+        # pulls (set by the policy stack when its cache manager pulls).
+        self.pull_cost: Callable[[Sequence[Node], int, int, float], tuple[float, float]] | None = (
+            None
+        )
 
     # -- load ------------------------------------------------------------------------
 
@@ -169,17 +172,16 @@ class Scheduler:
             return None
         lookup = None
         reuse: Mapping[int, int] = {}
-        matched = 0
+        matched: Sequence[Node] = ()
         if self.cache is not None and request.block_ids:
             lookup = self.cache.lookup(request.block_ids, n)
-            reuse = lookup.reusable_tokens
-            matched = len(lookup.path) * self.cache.trie.block_tokens
+            reuse, matched = lookup.reusable_tokens, lookup.path
         choice = self._choose(request, candidates, reuse, now, matched)
         worker_id, c, reused, exec_s, q, cost = choice
         self._reserve(request, worker_id, exec_s)
         update = None
         if self.cache is not None and request.block_ids:
-            update = self.cache.on_request(request.block_ids, n, worker_id, lookup, reused)
+            update = self.cache.on_request(request.block_ids, n, worker_id, lookup, reused, now)
         holders = tuple((w, p) for w, p in reuse.items() if p > 0)
         return Placement(
             request.request_id,
@@ -200,13 +202,14 @@ class Scheduler:
         candidates: list[LatticeWorker],
         reuse: Mapping[int, int],
         now: float,
-        matched_tokens: int = 0,
+        matched: Sequence[Node] = (),
     ) -> Choice:
-        """The cost rule of the module docstring (``matched_tokens``: P*, for pulls).
-        Baseline routers override this."""
+        """The cost rule of the module docstring (``matched``: the MatchedPath, whose
+        length is P*, for pulls). Baseline routers override this."""
         n = request.input_tokens
-        pull_cost = self.pull_cost if matched_tokens else None
+        pull_cost = self.pull_cost if matched else None
         block = self.cache.trie.block_tokens if self.cache is not None else 1
+        matched_tokens = len(matched) * block
         min_degree = min(w.cp_degree for w in candidates)
         weights = self.config.weights
         factor = {c: weights.factor(c, min_degree) for c in self.curves}
@@ -231,7 +234,7 @@ class Scheduler:
                 pulled = times.get((c, matched_tokens))
                 if pulled is None:
                     pulled = times[(c, matched_tokens)] = self.curves[c].time_s(n, matched_tokens)
-                delay_s, evict_s = pull_cost((matched_tokens - p) // block, worker_id, now)
+                delay_s, evict_s = pull_cost(matched, (matched_tokens - p) // block, worker_id, now)
                 pull = q + max(0.0, delay_s - q) + factor[c] * pulled + evict_s
                 if pull < cost:
                     p, e, cost = matched_tokens, pulled, pull

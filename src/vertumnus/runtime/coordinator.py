@@ -218,8 +218,8 @@ class Coordinator:
             for w in transition.new_workers:
                 self.requests.add_worker(w)
             self.spawn(self.reshaping.run_switch(actions.switch))
-        if actions.copy is not None:
-            self.spawn(self._run_copy(actions.copy))
+        for job in actions.copies:
+            self.spawn(self._run_copy(job))
 
     # -- the periodic work ------------------------------------------------------------------
 

@@ -270,8 +270,8 @@ class Simulation:
         for transition in actions.activated:
             record = self._reshape_of.pop(id(transition))
             record.drain_s, record.switch_s = transition.drain_s, transition.switch_s
-        if actions.copy is not None:
-            self._push(now + self.time.copy_s(actions.copy.moves), CopyLanded(actions.copy))
+        for job in actions.copies:
+            self._push(now + self.time.copy_s(job.moves), CopyLanded(job))
         if actions.switch is not None:
             self._push(now + self.time.switch_s, SwitchAcked(actions.switch))
             if actions.switch.expire_at_s is not None:
