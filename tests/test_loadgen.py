@@ -104,3 +104,19 @@ def test_concurrency_limit_and_failures_are_counted() -> None:
     # Failed requests count against the SLO: their tokens are in the denominator.
     assert summary["token_slo_attainment"] < 0.9
     assert "Failed requests:              6" in loadgen.text_summary(summary)
+    # The prefill-only path: no generation fields, the records as they always were.
+    assert "mean_tpot_ms" not in summary and "total_output_tokens" not in summary
+    assert list(summary["requests"][0]) == [
+        "index",
+        "input_tokens",
+        "sent_s",
+        "ttft_s",
+        "server_ttft_s",
+        "server_queue_s",
+        "server_prefill_s",
+        "server_rank_compute_s",
+        "cached_tokens",
+        "worker",
+        "cp_degree",
+        "error",
+    ]

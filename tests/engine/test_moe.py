@@ -16,7 +16,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from support.factories import make_tokens
-from support.reference import hf_logits, rope_settings, seed_weights
+from support.reference import hf_logits, make_hf_moe
 from support.threads import ThreadWorker, cp_prefill
 from vertumnus.config import PRESETS, ConfigError, ModelConfig
 from vertumnus.engine.model import Qwen3ForCausalLM, SparseMoeBlock, causal_attention
@@ -27,38 +27,11 @@ ATOL = 1e-4
 CPU = torch.device("cpu")
 
 
-def hf_moe(norm_topk_prob: bool, seed: int = 7) -> transformers.Qwen3MoeForCausalLM:
-    """Three layers: sparse, dense (``mlp_only_layers``), sparse; 8 experts, top 3;
-    weights N(0, 1/fan_in), embeddings N(0, 1), norms 1 + N(0, 0.1^2)."""
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=24,  # 2I != H: a transposed fused layout is told apart
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=8,
-        num_experts_per_tok=3,
-        norm_topk_prob=norm_topk_prob,
-        decoder_sparse_step=1,
-        mlp_only_layers=[1],
-        **rope_settings(10_000.0),
-        tie_word_embeddings=False,
-        architectures=["Qwen3MoeForCausalLM"],
-    )
-    cfg._attn_implementation = "eager"
-    model = transformers.Qwen3MoeForCausalLM(cfg).float().eval()
-    seed_weights(model, seed)
-    return model
-
-
 @pytest.fixture(scope="module", params=[True, False], ids=["norm_topk", "raw_topk"])
 def checkpoint(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[transformers.Qwen3MoeForCausalLM, Path]:
-    hf = hf_moe(request.param)
+    hf = make_hf_moe(request.param)
     folder = tmp_path_factory.mktemp("moe")
     hf.save_pretrained(folder)
     return hf, folder

@@ -310,3 +310,21 @@ def test_pool_hosts_reach_the_lattice_and_the_copy_model(tmp_path: Path) -> None
     odd = {**raw, "pool": {**raw["pool"], "devices_per_host": 6}}
     with pytest.raises(ConfigError, match="straddle"):
         sim_config.load(None, {}, raw=odd)
+
+
+def test_t_ext_adds_the_hand_off_and_first_step_to_every_ttft() -> None:
+    """With ``handoff_bytes_s`` and ``ext_latency_s``, each request's TTFT grows by its
+    KV hand-off (its input but the last token, at that bandwidth) and the fixed part;
+    the pool's own decisions do not change."""
+    reqs = phased([Phase(60, 2.0, 0.1)], seed=3, long_tokens=16_384)
+    prof = profile(d4=0.2, c4=1e-5, d8=0.25, c8=1e-5)
+    base = SimSettings()
+    ext = dataclasses.replace(base, handoff_bytes_s=10e9, ext_latency_s=0.02)
+    runs = [
+        Simulation(s, prof, pool([8, 8]), PolicyConfig(**preset("fixed")), reqs).run()
+        for s in (base, ext)
+    ]
+    for plain, handed in zip(runs[0].records, runs[1].records, strict=True):
+        assert handed.worker == plain.worker and handed.start_s == plain.start_s
+        moved = (plain.input_tokens - 1) * base.kv_bytes_per_token / 10e9
+        assert handed.ttft_s == pytest.approx(plain.ttft_s + 0.02 + moved)

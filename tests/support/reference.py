@@ -87,6 +87,36 @@ def make_hf_model(tie_word_embeddings: bool, seed: int = 1234) -> transformers.Q
     return model
 
 
+def make_hf_moe(
+    norm_topk_prob: bool = True, seed: int = 7, top_k: int = 3, vocab_size: int = VOCAB
+) -> transformers.Qwen3MoeForCausalLM:
+    """A transformers Qwen3-MoE of three layers: sparse, dense (``mlp_only_layers``),
+    sparse; 8 experts, top ``top_k``; ``moe_intermediate_size`` 24 (2I != H: a
+    transposed fused layout is told apart); weights seeded as ``seed_weights``."""
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=24,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=norm_topk_prob,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        **rope_settings(10_000.0),
+        tie_word_embeddings=False,
+        architectures=["Qwen3MoeForCausalLM"],
+    )
+    cfg._attn_implementation = "eager"
+    model = transformers.Qwen3MoeForCausalLM(cfg).float().eval()
+    seed_weights(model, seed)
+    return model
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A checkpoint folder written by transformers and the model that wrote it."""

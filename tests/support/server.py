@@ -21,10 +21,12 @@ from support.processes import children_of, is_running
 START_TIMEOUT_S = 90.0
 ADMIN_TOKEN = "test-admin-token-0123456789"
 # What every served test runs with: the controller off (tests reshape by hand, at
-# known moments) and one intra-op thread per rank (ranks outnumber the cores here).
+# known moments), one intra-op thread per rank (ranks outnumber the cores here), and
+# no decode process (prefills only) unless a test asks for one.
 SERVE_DEFAULTS: dict[str, dict[str, Any]] = {
     "controller": {"enabled": False},
     "engine": {"threads_per_rank": 1},
+    "decode": {"local": False},
 }
 
 

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from vertumnus.capacity import CapacityError
-from vertumnus.cli import agent, capacity, fit, loadgen, prefill, profile, serve, simulate
+from vertumnus.cli import agent, capacity, decode, fit, loadgen, prefill, profile, serve, simulate
 from vertumnus.config import ConfigError
 from vertumnus.perfmodel import ProfileError
 from vertumnus.sim.traces import TraceError
@@ -36,6 +36,7 @@ COMMANDS = (
     ("serve", "serve prefills over a REST API (coordinator + rank processes)", serve),
     ("loadgen", "drive a running server with a trace or synthetic load", loadgen),
     ("agent", "run this host's ranks for a multi-host pool's coordinator", agent),
+    ("decode", "serve completions, decoding after a prefill pool's hand-off", decode),
 )
 
 

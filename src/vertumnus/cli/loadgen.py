@@ -3,6 +3,8 @@
 Replays a trace (Mooncake JSONL or Azure CSV, detected) or a synthetic workload
 against ``--url`` and writes one JSON file of results in the style of
 ``vllm bench serve``, then prints a one-screen summary (see ``vertumnus.loadgen``).
+``--output-tokens 1`` (the default) measures prefills (``/v1/prefill``); N > 1
+streams completions of N tokens (``/v1/completions``) and adds TPOT and ITL.
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the trace's rate")
     p.add_argument("--max-concurrency", type=int, default=64)
+    p.add_argument(
+        "--output-tokens",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tokens per request: 1 = prefill only; N > 1 = streamed completions (TPOT, ITL)",
+    )
     p.add_argument("--num-requests", type=int, default=None, help="first N requests only")
     p.add_argument("--duration-s", type=float, default=None, help="send for this long only")
     p.add_argument("--seed", type=int, default=0)
@@ -88,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
 
         if args.max_concurrency < 1:
             raise ConfigError("--max-concurrency must be >= 1")
+        if args.output_tokens < 1:
+            raise ConfigError("--output-tokens must be >= 1")
         if not args.out.parent.is_dir():
             raise ConfigError(f"--out {args.out}: no directory {args.out.parent}")
     except (TraceError, SloError, ProfileError, ValueError) as exc:
@@ -99,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
             args.max_concurrency,
             args.duration_s,
             progress=loadgen.terminal_progress,
+            output_tokens=args.output_tokens,
         )
     )
     summary = loadgen.summarize(result, slo, tau_of, args.save_detailed)

@@ -61,6 +61,8 @@ async def serve(args: argparse.Namespace, cluster: Any, cfg: Any) -> int:
 
     from vertumnus.runtime.coordinator import Coordinator
     from vertumnus.server.app import build_app
+    from vertumnus.server.keys import ADDRESS
+    from vertumnus.server.proxy import DecodeProxy
     from vertumnus.server.tokenizer import Tokenizer
 
     pool = None
@@ -78,14 +80,22 @@ async def serve(args: argparse.Namespace, cluster: Any, cfg: Any) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await coordinator.start()
-    runner = web.AppRunner(build_app(coordinator, tokenizer), access_log=None)
+    proxy = DecodeProxy(coordinator, cfg.decode, cfg.model) if cfg.decode.enabled else None
+    app = build_app(coordinator, tokenizer, proxy)
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     try:
         await site.start()
         port = runner.addresses[0][1]
+        app[ADDRESS].extend([args.host, port])
+        if proxy is not None:
+            local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+            await proxy.start(f"http://{local}:{port}")
         print(f"vertumnus listening on http://{args.host}:{port}", flush=True)
-        structlog.get_logger("vertumnus").info("listening", host=args.host, port=port)
+        structlog.get_logger("vertumnus").info(
+            "listening", host=args.host, port=port, decode=proxy and proxy.url
+        )
         await stop.wait()
     finally:
         log = structlog.get_logger("vertumnus")
@@ -97,6 +107,8 @@ async def serve(args: argparse.Namespace, cluster: Any, cfg: Any) -> int:
         if left:
             log.warning("grace_period_over", failed_requests=left)
         await runner.cleanup()
+        if proxy is not None:
+            await proxy.close()
         await coordinator.close()
         log.info("stopped")
     return 0

@@ -49,7 +49,7 @@ from vertumnus.policy.kv_ledger import RetentionConfig
 from vertumnus.policy.pool_config import PolicyConfig, PolicyError, preset
 
 SHARED_TABLES = ("pool", "profile", "scheduler", "controller", "cache", "engine")
-SERVE_TABLES = ("model", "server", "cluster")
+SERVE_TABLES = ("model", "server", "cluster", "handoff", "decode")
 SIMULATE_TABLES = ("sim", "workload")
 # Spellings of earlier versions -> what to write now.
 MOVED = {

@@ -72,6 +72,28 @@ class PagedKVStore:
         idx = torch.as_tensor(list(slots), dtype=torch.long, device=self.k.device)
         return self.k[idx].cpu(), self.v[idx].cpu()
 
+    def rows(self, slots: Sequence[int]) -> Tensor:
+        """K and V of ``slots`` as token rows, in slot order: [2, layers,
+        len(slots) * block_size, Hkv, D] (one copy; a hand-off's blocks)."""
+        self._check(slots)
+        idx = torch.as_tensor(list(slots), dtype=torch.long, device=self.k.device)
+        out = torch.stack((self.k[idx], self.v[idx]))  # [2, n, layers, B, Hkv, D]
+        return out.transpose(1, 2).flatten(2, 3)
+
+    def rows_into(self, slots: Sequence[int], out: Tensor, rows_at: Sequence[int]) -> None:
+        """Write the blocks of ``slots`` into ``out`` [2, layers, rows, Hkv, D], slot
+        i's block at rows ``rows_at[i]`` onwards (each a multiple of the block size)."""
+        self._check(slots)
+        bs = self.block_size
+        if len(slots) != len(rows_at) or any(a % bs for a in rows_at):
+            raise ValueError("one row offset per slot, each a multiple of the block size")
+        idx = torch.as_tensor(list(slots), dtype=torch.long, device=self.k.device)
+        pos = torch.as_tensor([a // bs for a in rows_at], dtype=torch.long, device=out.device)
+        blocks = out.view(2, out.shape[1], out.shape[2] // bs, bs, *out.shape[3:])
+        for kv, store in enumerate((self.k, self.v)):
+            picked = store.index_select(0, idx).to(out.device)  # [n, layers, B, Hkv, D]
+            blocks[kv].index_copy_(1, pos, picked.transpose(0, 1))
+
     def install(self, slots: Sequence[int], k: Tensor, v: Tensor) -> None:
         """Store blocks exported by ``export`` (of another rank) into ``slots``."""
         self._check(slots)

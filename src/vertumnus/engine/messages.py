@@ -8,13 +8,14 @@ tensor through shared memory costs about 0.5 ms per message on CPU (a segment is
 created and mapped each time), more than a whole small prefill's bookkeeping.
 
     coordinator --PrefillCommand / SwitchEpoch / RebuildGroups / KVTransfer /
-                  Shutdown--> rank r
+                  KVRead / Shutdown--> rank r
     rank r      --RankReady / PrefillDone / EpochAck / GroupsReady / KVWritten /
-                  RankFailed--> coordinator
+                  KVData / RankFailed--> coordinator
     rank r      <--K and V of a KVTransfer's blocks (torch.distributed)--> rank s
 
-KV bytes never cross this boundary: a ``KVTransfer`` names the moves, and the ranks
-send the blocks to each other over their pair's process group.
+KV bytes cross this boundary only for a hand-off to a decode pool (``KVRead``, the
+exported rows of a ``PrefillDone``): a ``KVTransfer`` names the moves, and the
+ranks send the blocks to each other over their pair's process group.
 
 This module belongs to the engine (the rank side's vocabulary): the coordinator
 imports it, and nothing in ``engine/`` imports the runtime.
@@ -82,6 +83,9 @@ class PrefillCommand(_TensorsAsBytes):
     write: tuple[tuple[tuple[int, int], ...], ...]  # per CP rank: (depth, slot) to store
     block_size: int
     logits: str = "last"  # "last": [1, V]; "all": [R, V]
+    # Suffix rows [a, b) whose K and V CP rank 0 returns in ``PrefillDone.exported``
+    # (a KV hand-off: the prompt's tokens that no cache block holds); None: none.
+    export: tuple[int, int] | None = None
     _tensor_fields = ("token_ids",)
 
     def for_rank(self, cp_rank: int) -> RankPrefill:
@@ -91,6 +95,7 @@ class PrefillCommand(_TensorsAsBytes):
             prefix_slots=self.prefix_slots[cp_rank],
             write=self.write[cp_rank],
             block_size=self.block_size,
+            export=self.export,
         )
 
 
@@ -151,6 +156,33 @@ class KVWritten:
 
 
 @dataclass(frozen=True)
+class KVRead:
+    """Send back the K and V of these slots (a KV hand-off's blocks, in this order);
+    answered by ``KVData`` or ``RankFailed`` with the ``read_id``.
+
+    With ``shm`` (a rank on the coordinator's host): write them instead into that
+    shared-memory segment, viewed as [2, layers, ``rows``, Hkv, D] in the KV dtype,
+    slot i's block at row ``rows_at[i]``; the ``KVData`` then carries nothing."""
+
+    read_id: int
+    slots: tuple[int, ...]
+    shm: str | None = None
+    rows: int = 0
+    rows_at: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class KVData(_TensorsAsBytes):
+    """The blocks of a ``KVRead`` as rows: [2 (K, V), layers, slots * block_size,
+    Hkv, D], in the order the slots were named."""
+
+    read_id: int
+    rank: int
+    data: Tensor | None  # None: written into the read's shared memory
+    _tensor_fields = ("data",)
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Leave the command loop, tear down the process groups and exit."""
 
@@ -171,7 +203,9 @@ class PrefillDone(_TensorsAsBytes):
     collectives: dict[str, int]  # collectives this rank issued, by tag
     # MoE models: this rank's (token, expert) assignments per expert, by sparse layer
     expert_tokens: dict[int, list[int]] | None = None
-    _tensor_fields = ("logits",)
+    # CP rank 0, when the command exports rows: their K and V, [2, layers, n, Hkv, D]
+    exported: Tensor | None = None
+    _tensor_fields = ("logits", "exported")
 
 
 @dataclass(frozen=True)
@@ -181,3 +215,4 @@ class RankFailed:
     error: str  # one-line message
     traceback: str
     copy_id: int | None = None  # the KV copy that failed, if one did
+    read_id: int | None = None  # the KV read that failed, if one did

@@ -38,6 +38,8 @@ from vertumnus.engine.kv_transfer import PairGroups, check_transfer, run_transfe
 from vertumnus.engine.messages import (
     EpochAck,
     GroupsReady,
+    KVData,
+    KVRead,
     KVTransfer,
     KVWritten,
     PrefillCommand,
@@ -48,6 +50,7 @@ from vertumnus.engine.messages import (
     Shutdown,
     SwitchEpoch,
 )
+from vertumnus.engine.shared_rows import Attached
 from vertumnus.engine.weights import build_model, resolve_dtype
 from vertumnus.engine.zigzag import prefill_rank
 
@@ -128,6 +131,7 @@ def _serve(
 ) -> None:
     parent = os.getppid()
     pairs = PairGroups(store, rank, device, timeout)  # of the KV copies
+    attached = Attached()  # shared memory of hand-off reads
     while True:
         try:
             if not commands.poll(1.0):
@@ -150,6 +154,16 @@ def _serve(
                     return KVWritten(m.copy_id, rank)
 
                 _answer(results, rank, transfer, "KVTransfer", msg.copy_id)
+            case KVRead():
+
+                def read(m: KVRead = msg) -> KVData:
+                    if m.shm is None:
+                        return KVData(m.read_id, rank, kv.rows(m.slots).cpu())
+                    shape = (2, kv.k.shape[1], m.rows, *kv.k.shape[3:])
+                    kv.rows_into(m.slots, attached.view(m.shm, kv.k.dtype, shape), m.rows_at)
+                    return KVData(m.read_id, rank, None)
+
+                _answer(results, rank, read, "KVRead", read_id=msg.read_id)
             case RebuildGroups():
 
                 def rebuild(m: RebuildGroups = msg) -> GroupsReady:
@@ -174,13 +188,20 @@ def _serve(
                 results.send(RankFailed(rank, None, f"unknown command {type(msg).__name__}", ""))
 
 
-def _answer(results: Any, rank: int, make: Any, what: str, copy_id: int | None = None) -> None:
+def _answer(
+    results: Any,
+    rank: int,
+    make: Any,
+    what: str,
+    copy_id: int | None = None,
+    read_id: int | None = None,
+) -> None:
     """Send ``make()``, or a ``RankFailed`` naming ``what`` if it raises."""
     try:
         answer = make()
     except Exception as exc:
         error = f"{what}: {type(exc).__name__}: {exc}"
-        answer = RankFailed(rank, None, error, traceback.format_exc(), copy_id)
+        answer = RankFailed(rank, None, error, traceback.format_exc(), copy_id, read_id)
     results.send(answer)
 
 
@@ -201,7 +222,8 @@ def _run(
         start = time.perf_counter()
         step = cmd.for_rank(cp_rank)
         step = replace(step, token_ids=step.token_ids.to(model.device))
-        logits = prefill_rank(model, comm, kv, step, logits=cmd.logits)
+        exported: list[torch.Tensor] = []
+        logits = prefill_rank(model, comm, kv, step, logits=cmd.logits, exported=exported)
         if model.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
@@ -212,6 +234,7 @@ def _run(
             None if logits is None else logits.cpu(),
             dict(comm.calls),
             model.expert_tokens(),
+            exported[0].cpu() if exported else None,
         )
     except Exception as exc:
         return RankFailed(
@@ -237,6 +260,8 @@ def _check_command(cmd: PrefillCommand, vocab_size: int, kv: PagedKVStore) -> No
         raise ValueError(f"token ids outside the vocabulary [0, {vocab_size})")
     if cmd.logits not in ("last", "all"):
         raise ValueError(f"logits must be 'last' or 'all', got {cmd.logits!r}")
+    if cmd.export is not None and not 0 <= cmd.export[0] <= cmd.export[1] <= ids.numel():
+        raise ValueError(f"export rows {cmd.export} outside the {ids.numel()} computed tokens")
     if bs != kv.block_size:
         raise ValueError(f"block_size {bs} differs from the KV store's {kv.block_size}")
     if p < 0 or p % bs:

@@ -89,6 +89,9 @@ class RankPrefill:
     prefix_slots: tuple[int, ...]  # this rank's prefix blocks (depth j with j % C == rank)
     write: tuple[tuple[int, int], ...]  # (depth, slot) of new full blocks this rank stores
     block_size: int
+    # Suffix rows [a, b) whose K and V CP rank 0 returns (a KV hand-off: the tokens no
+    # cache block of the worker holds); None: nothing.
+    export: tuple[int, int] | None = None
 
 
 class ZigzagAttention:
@@ -102,6 +105,7 @@ class ZigzagAttention:
         step: RankPrefill,
     ) -> None:
         self.part, self.comm, self.store, self.step = part, comm, store, step
+        self.exported: list[Tensor] = []  # per layer: [2, b - a, Hkv, D] (``step.export``)
         c, bs = part.cp_degree, step.block_size
         self.num_prefix_blocks = step.prefix_len // bs
         self.max_local_blocks = math.ceil(self.num_prefix_blocks / c)
@@ -140,6 +144,9 @@ class ZigzagAttention:
             suf = suf[:, self.restore]
         if step.write and self.store is not None:
             self._store_new_blocks(layer, suf)
+        if step.export is not None and self.comm.rank == 0:
+            a, b = step.export
+            self.exported.append(suf[:, a:b].clone())
         keys = torch.cat((pre, suf), dim=1) if step.prefix_len else suf  # [2, P + Rp, Hkv, D]
         # [1, H, T, D]: SDPA's fused CPU kernels need the batch dimension.
         kh, vh = keys[0].transpose(0, 1)[None], keys[1].transpose(0, 1)[None]  # [1, Hkv, N, D]
@@ -168,12 +175,15 @@ def prefill_rank(
     store: PagedKVStore | None,
     step: RankPrefill,
     logits: str = "last",
+    exported: list[Tensor] | None = None,
 ) -> Tensor | None:
     """Run one rank's part of a zigzag prefill.
 
     Returns, on rank 0 of the worker, fp32 logits in sequence order ([1, V] for
     ``logits="last"``, [R, V] for ``"all"``); ``None`` on the other ranks. Issues
     one all-gather per layer (tag ``kv``) and one of the final hidden states (``out``).
+    With ``step.export``, rank 0 appends to ``exported`` the K and V of those suffix
+    rows: [2, layers, b - a, Hkv, D].
     """
     part = ZigzagPartition(int(step.token_ids.numel()), comm.size)
     idx = torch.tensor(part.indices(comm.rank), dtype=torch.long, device=step.token_ids.device)
@@ -182,6 +192,8 @@ def prefill_rank(
     positions = step.prefix_len + idx
     attention = ZigzagAttention(part, comm, store, step)
     hidden = model(ids, positions, attention, counted=real)  # [2s, H]
+    if attention.exported and exported is not None:
+        exported.append(torch.stack(attention.exported, dim=1))
     gathered = comm.all_gather(hidden, tag="out")  # [C, 2s, H]
     if comm.rank != 0:
         return None

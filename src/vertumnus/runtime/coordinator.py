@@ -9,11 +9,12 @@ each:
     rank_link.py      the rank pipes: every answer a rank owes and who waits for it
     reshaping.py      a committed switch carried out on the ranks (SwitchEpoch, acks)
     kv_copies.py      a copy job's blocks moved rank to rank (KVTransfer, KVWritten)
+    handoff.py        KV kept for a decode server under leases, and its pull (KVRead)
     recovery.py       a failed rank: its worker out, restarted, back
     views.py          workers, composition and cache for the REST API
 
 and here: life (start, drain, close), ``apply`` (doing what the policy returns:
-wake workers, refuse requests, run the one copy or switch the channel allows), and
+wake workers, refuse requests, run the copies or the switch the lanes allow), and
 one timer for the periodic work: the controller's window, the cache manager's scan
 and the expiry of reserved KV, in that order when they fall together (as in the
 simulator). Time is ``clock`` (``time.monotonic`` unless given; the parity test
@@ -46,17 +47,13 @@ from vertumnus.policy.pool_results import Actions, ScanOutcome, WindowPlan
 from vertumnus.policy.scheduler import Scheduler
 from vertumnus.policy.transition import Transition
 from vertumnus.runtime import views
+from vertumnus.runtime.handoff import Handoffs
 from vertumnus.runtime.kv_copies import KVCopier
 from vertumnus.runtime.metrics import Metrics
 from vertumnus.runtime.pool import RankPool, Ranks
 from vertumnus.runtime.rank_link import RankLink
 from vertumnus.runtime.recovery import Recovery
-from vertumnus.runtime.request_path import (
-    Overloaded,
-    PrefillResult,
-    RequestPath,
-    Unavailable,
-)
+from vertumnus.runtime.request_path import Overloaded, PrefillResult, RequestPath, Unavailable
 from vertumnus.runtime.reshaping import Reshaping
 from vertumnus.runtime.serve_config import ServeConfig
 
@@ -91,7 +88,8 @@ class Coordinator:
         self.metrics = Metrics()
         self.pool: Ranks | None = None
         self.copier = KVCopier(lambda: self.pool, cfg.engine.rank_timeout_s, self._copy_hung)
-        self.link = RankLink(self.copier, self._rank_exited, self._rank_pool_failed)
+        self.handoffs = Handoffs(self)
+        self.link = RankLink(self.copier, self._rank_exited, self._rank_pool_failed, self.handoffs)
         self.requests = RequestPath(self)
         self.recovery = Recovery(self)
         self.reshaping = Reshaping(self)
@@ -183,6 +181,7 @@ class Coordinator:
             self._tick.cancel()
         self.requests.cancel_all()
         self.requests.fail_all(Unavailable("the server is shutting down"))
+        self.handoffs.close()
         self.link.unwatch()
         self._decider.shutdown(wait=False, cancel_futures=True)
         if self.pool is not None:
@@ -386,8 +385,8 @@ class Coordinator:
 
     # -- the API's entry points -------------------------------------------------------
 
-    async def prefill(self, tokens: Sequence[int]) -> PrefillResult:
-        return await self.requests.prefill(tokens)
+    async def prefill(self, tokens: Sequence[int], handoff: bool = False) -> PrefillResult:
+        return await self.requests.prefill(tokens, handoff)
 
     def begin_reshape(self, op: Reshape) -> asyncio.Future[Transition]:
         return self.reshaping.begin(op)

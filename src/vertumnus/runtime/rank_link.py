@@ -15,12 +15,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import structlog
 
 from vertumnus.engine.messages import (
     EpochAck,
     GroupsReady,
+    KVData,
     KVWritten,
     PrefillDone,
     RankFailed,
@@ -29,6 +31,9 @@ from vertumnus.engine.messages import (
 from vertumnus.runtime.kv_copies import KVCopier
 from vertumnus.runtime.pool import RankPoolError, Ranks
 from vertumnus.runtime.rank_watch import RankWatch
+
+if TYPE_CHECKING:
+    from vertumnus.runtime.handoff import Handoffs
 
 log = structlog.get_logger("vertumnus")
 
@@ -51,10 +56,13 @@ class RankLink:
         copier: KVCopier,
         on_exit: Callable[[int], None],
         on_pool_failed: Callable[[str], None],
+        reads: Handoffs | None = None,
     ) -> None:
         """``on_exit(rank)``: a rank process ended; ``on_pool_failed(error)``: a rank
-        failed outside anything that waits (the pool is unusable)."""
+        failed outside anything that waits (the pool is unusable). ``reads``: where
+        the answers to KV reads of hand-offs go."""
         self.copier = copier
+        self.reads = reads
         self._on_exit, self._on_pool_failed = on_exit, on_pool_failed
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: Ranks | None = None
@@ -133,6 +141,10 @@ class RankLink:
                 self.copier.answer(msg)
             case RankFailed() if msg.copy_id is not None:
                 self.copier.answer(msg)
+            case KVData() if self.reads is not None:
+                self.reads.answer(msg)
+            case RankFailed() if msg.read_id is not None and self.reads is not None:
+                self.reads.answer(msg)
             case RankFailed() if msg.request_id is None and (
                 msg.rank in self._ready or any(r == msg.rank for r, _ in self._groups)
             ):  # a restarted rank that could not start, or a peer that could not regroup
@@ -173,6 +185,8 @@ class RankLink:
             if set(inflight.ranks) & ranks and not inflight.future.done():
                 inflight.future.set_exception(lost)
         self.copier.fail(str(lost), ranks)
+        if self.reads is not None:
+            self.reads.fail(str(lost), ranks)
         for (r, _), ack in list(self._acks.items()):
             if r in ranks and not ack.done():
                 ack.set_result(None)
@@ -186,3 +200,5 @@ class RankLink:
             if not wait.done():
                 wait.set_exception(RankPoolError(error))
         self.copier.fail(error)
+        if self.reads is not None:
+            self.reads.fail(error)

@@ -25,6 +25,7 @@ from vertumnus.blocks import block_ids
 from vertumnus.engine.messages import PrefillDone
 from vertumnus.policy.pool_results import Started
 from vertumnus.policy.scheduler import PlacementRequest
+from vertumnus.runtime.handoff import Lease, export_range
 from vertumnus.runtime.pool import RankPoolError
 from vertumnus.runtime.rank_link import WorkerLost
 from vertumnus.runtime.worker import prefill_command
@@ -58,6 +59,7 @@ class PrefillResult:
     ttft_s: float
     rank_compute_s: float  # the slowest rank's compute; the rest of ttft_s is overhead
     logits: Any = None  # fp32 [V] at the last position (not sent over the API)
+    handoff: Lease | None = None  # the KV kept for a decode server to pull
 
 
 @dataclass
@@ -67,6 +69,7 @@ class _Request:
     arrival_s: float
     future: asyncio.Future[PrefillResult]
     attempts: int = 0
+    handoff: bool = False  # keep the prompt's KV under a lease for a decode server
 
 
 class RequestPath:
@@ -79,16 +82,19 @@ class RequestPath:
         self._idle: set[int] = set()  # workers whose task waits to be woken
         self._next: dict[int, Started] = {}  # started by ``wake``, to run next
 
-    async def prefill(self, tokens: Sequence[int]) -> PrefillResult:
+    async def prefill(self, tokens: Sequence[int], handoff: bool = False) -> PrefillResult:
+        """``handoff``: keep the prompt's KV under a lease (``runtime/handoff.py``)."""
         coord = self.coord
         if not coord.ready:
             raise Unavailable(coord.rank_error or "the server is not ready")
         if len(self.open) >= coord.cfg.max_queued:
             raise Overloaded(f"{len(self.open)} requests in the pool")
+        if handoff and coord.handoffs.full():
+            raise Overloaded(f"{len(coord.handoffs.leases)} KV hand-offs wait to be pulled")
         loop = asyncio.get_running_loop()
         rid = next(self._ids)
         now = coord.clock()
-        req = _Request(rid, list(tokens), now, loop.create_future())
+        req = _Request(rid, list(tokens), now, loop.create_future(), handoff=handoff)
         self.open[rid] = req
         ids = tuple(block_ids(tokens, coord.cfg.engine.block_size))
         try:
@@ -179,7 +185,8 @@ class RequestPath:
         req.attempts += 1
         ranks = tuple(started.devices)
         block = coord.cfg.engine.block_size
-        cmd = prefill_command(started.lease, req.tokens, block, rid, ranks)
+        export = export_range(started.lease, len(req.tokens), block) if req.handoff else None
+        cmd = prefill_command(started.lease, req.tokens, block, rid, ranks, export=export)
         answers = coord.link.expect_prefill(rid, ranks)
         for r in ranks:
             pool.send(r, cmd)
@@ -208,6 +215,11 @@ class RequestPath:
         finished = policy.finish(worker_id, end, compute_s=compute_s)
         logits = done[ranks[0]].logits
         assert logits is not None
+        lease = None
+        if req.handoff and not req.future.done():
+            ids = block_ids(req.tokens, block)
+            rows = done[ranks[0]].exported
+            lease = coord.handoffs.open(rid, worker_id, ranks[0], ids, len(req.tokens), rows)
         result = PrefillResult(
             request_id=rid,
             first_token=int(logits[-1].argmax()),
@@ -220,6 +232,7 @@ class RequestPath:
             ttft_s=end - req.arrival_s,
             rank_compute_s=compute_s,
             logits=logits[-1],
+            handoff=lease,
         )
         coord.metrics.request(result)
         log.info(

@@ -13,6 +13,12 @@ pool can be simulated from its own file. Of its own, ``serve`` reads::
     [cluster]     listen = "0.0.0.0:7700", hosts = 2: a multi-host pool; the ranks
                   run under node agents (``python -m vertumnus agent``), and
                   [pool] ranks is learned from them (see ``ClusterConfig``)
+    [handoff]     lease_s = 30, max_leases = 1024, secret (or
+                  $VERTUMNUS_HANDOFF_SECRET), advertise_host: the KV hand-off to
+                  a decode pool (``HandoffConfig``)
+    [decode]      url = "http://host:port" (a separate decode server), or local =
+                  true (the default: one decode process beside the pool), or
+                  local = false and no url (prefill only: max_tokens = 1)
 
 The embedded default (no file) is the ``tiny`` model on two CPU ranks, starting as
 two degree-1 workers that may merge into one degree-2 worker (the shipped
@@ -80,6 +86,51 @@ class ClusterConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class HandoffConfig:
+    """``[handoff]``: how the pool hands a prompt's KV to a decode server
+    (docs/api.md, "Hand-off"). A request with ``kv_transfer_params.do_remote_decode``
+    keeps its blocks pinned ``lease_s`` seconds, or until pulled or released; at most
+    ``max_leases`` at once (then 503). The pull endpoint takes the API key, the
+    cluster secret or this ``secret`` (``$VERTUMNUS_HANDOFF_SECRET``; none: a random
+    one per start, handed to the local decode process), never nothing.
+    ``advertise_host``: the host a decode server should pull from (None: the address
+    the server listens on)."""
+
+    lease_s: float = 30.0
+    max_leases: int = 1024
+    secret: str | None = dataclasses.field(default=None, repr=False)
+    advertise_host: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.lease_s > 0 and self.max_leases >= 1):
+            raise ConfigError("[handoff] need lease_s > 0 and max_leases >= 1")
+        if self.secret is not None and len(self.secret) < 16:
+            raise ConfigError("[handoff] secret must be at least 16 characters")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """``[decode]``: who generates the tokens after the first. ``url``: a separate
+    decode server (``python -m vertumnus decode``, possibly on another host); else
+    ``local`` (the default) starts one decode process beside the pool, restarted if
+    it dies; ``local = false`` without a url serves prefills only (max_tokens = 1)."""
+
+    url: str | None = None
+    local: bool = True
+    restart_s: float = 1.0  # wait before restarting a local decode process that died
+
+    def __post_init__(self) -> None:
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"[decode] url must start with http:// or https://, got {self.url!r}")
+        if self.restart_s < 0:
+            raise ConfigError("[decode] restart_s must be >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.url is not None or self.local
+
+
+@dataclasses.dataclass(frozen=True)
 class ServeConfig:
     model: str = DEFAULT_MODEL
     pool: PoolConfig = DEFAULT_POOL
@@ -96,6 +147,8 @@ class ServeConfig:
     admin_token: str | None = dataclasses.field(default=None, repr=False)
     api_key: str | None = dataclasses.field(default=None, repr=False)
     cluster: ClusterConfig | None = None  # None: the ranks are this process's children
+    handoff: HandoffConfig = dataclasses.field(default_factory=HandoffConfig)
+    decode: DecodeConfig = dataclasses.field(default_factory=DecodeConfig)
 
     def __post_init__(self) -> None:
         if (
@@ -209,8 +262,13 @@ def load(
             "[cache] ideal (the ideal-replication policy) is a bound the simulator computes: "
             "a server must copy its KV; use replication = true"
         )
+    handoff = dict(raw.get("handoff", {}))
+    if os.environ.get("VERTUMNUS_HANDOFF_SECRET"):
+        handoff["secret"] = os.environ["VERTUMNUS_HANDOFF_SECRET"]
     return ServeConfig(
         model=name,
+        handoff=build_table(HandoffConfig, handoff, "handoff"),
+        decode=build_table(DecodeConfig, dict(raw.get("decode", {})), "decode"),
         pool=PoolConfig.from_table(raw.get("pool", {}), DEFAULT_POOL, topology),
         engine=read_engine(raw, EngineConfig()),
         profile=read_profile(raw, DEFAULT_PROFILE),

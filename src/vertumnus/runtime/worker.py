@@ -54,10 +54,12 @@ def prefill_command(
     request_id: int,
     worker_ranks: tuple[int, ...],
     logits: str = "last",
+    export: tuple[int, int] | None = None,
 ) -> PrefillCommand:
     """The command every rank of the worker gets for a prefill whose cache lease is
     ``lease``: the uncached suffix, which rank holds which prefix block (block j on
-    CP rank j % C) and where each new full block goes."""
+    CP rank j % C) and where each new full block goes (``export``: suffix rows whose
+    K and V come back, for a hand-off)."""
     if logits not in ("last", "all"):
         raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
     c = len(worker_ranks)
@@ -75,6 +77,7 @@ def prefill_command(
         ),
         block_size=block_size,
         logits=logits,
+        export=export,
     )
 
 

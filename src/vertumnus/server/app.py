@@ -1,7 +1,10 @@
 """The REST API (aiohttp, orjson) in front of the coordinator; see docs/api.md.
 
     POST /v1/prefill            {"token_ids": [...]} or {"prompt": "..."}
-    POST /v1/completions        the OpenAI subset a prefill node needs (max_tokens 1)
+    POST /v1/completions        the OpenAI completions subset (max_tokens > 1 and
+                                streams through the decode proxy, ``proxy.py``)
+    GET, DELETE /v1/kv/{handle} a prompt's KV kept for a decode server
+                                (``handoff_routes.py``)
     GET  /v1/workers            the workers, their state, queue and cache
     GET  /v1/composition        the composition and configuration epoch
     GET  /v1/cache              the trie: nodes, holders per worker, hit rate
@@ -23,51 +26,33 @@ bodies are JSON (orjson); only the rank processes' own pipes carry pickles.
 from __future__ import annotations
 
 import asyncio
-import hmac
 from typing import Any
 
-import orjson
-import structlog
 from aiohttp import web
 
 from vertumnus.policy.lattice import LatticeError
 from vertumnus.runtime.coordinator import Coordinator, Overloaded, Unavailable
 from vertumnus.runtime.pool import RankPoolError
+from vertumnus.server import handoff_routes
+from vertumnus.server.handoff_routes import transfer_params, wants_handoff
+from vertumnus.server.http import (
+    BadRequest,
+    bearer,
+    error_response,
+    json_errors,
+    json_response,
+    matches,
+    parse_json,
+)
+from vertumnus.server.keys import ADDRESS, COORDINATOR, PROXY, TOKENIZER
 from vertumnus.server.openapi import OPENAPI
 from vertumnus.server.tokenizer import Tokenizer, TokenizerError
 
-COORDINATOR = web.AppKey("coordinator", Coordinator)
-TOKENIZER = web.AppKey("tokenizer", Tokenizer)
 MAX_BODY_BYTES = 16 * 1024 * 1024
-log = structlog.get_logger("vertumnus.api")
-
-
-def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        body=orjson.dumps(data), status=status, content_type="application/json", headers=headers
-    )
-
-
-def _error(status: int, message: str, kind: str, retry_after_s: int | None = None) -> web.Response:
-    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
-    return _json({"error": {"message": message, "type": kind}}, status, headers)
-
-
-class BadRequest(ValueError):
-    pass
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    if request.content_type != "application/json":
-        raise BadRequest(f"expected Content-Type application/json, got {request.content_type!r}")
-    raw = await request.read()
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"malformed JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    return body
+    return parse_json(request.content_type, await request.read())
 
 
 def _tokens(body: dict[str, Any], app: web.Application) -> list[int]:
@@ -102,60 +87,86 @@ def _tokens(body: dict[str, Any], app: web.Application) -> list[int]:
     return ids
 
 
-async def _serve_prefill(coord: Coordinator, tokens: list[int]) -> Any:
+async def _serve_prefill(coord: Coordinator, tokens: list[int], handoff: bool = False) -> Any:
     """The coordinator's answer, or the error response for what stopped it."""
     try:
-        return await coord.prefill(tokens)
+        return await coord.prefill(tokens, handoff)
     except Overloaded as exc:
-        return _error(503, f"overloaded: {exc}", "overloaded", retry_after_s=1)
+        return error_response(503, f"overloaded: {exc}", "overloaded", retry_after_s=1)
     except (TimeoutError, Unavailable, RankPoolError) as exc:
-        return _error(503, f"unavailable: {exc or 'timed out'}", "unavailable", retry_after_s=2)
+        return error_response(
+            503, f"unavailable: {exc or 'timed out'}", "unavailable", retry_after_s=2
+        )
 
 
 async def prefill(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
     try:
         body = await _body(request)
-        unknown = sorted(set(body) - {"token_ids", "prompt", "ttft_slo_s"})
+        unknown = sorted(set(body) - {"token_ids", "prompt", "ttft_slo_s", "kv_transfer_params"})
         if unknown:
             raise BadRequest(f"unknown fields {unknown}")
         slo = body.get("ttft_slo_s")
         if slo is not None and not (isinstance(slo, int | float) and slo > 0):
             raise BadRequest("'ttft_slo_s' must be a positive number of seconds")
+        handoff = _handoff(body)
         tokens = _tokens(body, request.app)
     except BadRequest as exc:
-        return _error(400, str(exc), "invalid_request")
-    result = await _serve_prefill(coord, tokens)
+        return error_response(400, str(exc), "invalid_request")
+    result = await _serve_prefill(coord, tokens, handoff)
     if isinstance(result, web.Response):
         return result
     out = dict(result.__dict__)
     out.pop("logits")
+    out.pop("handoff")
+    if handoff:
+        out["kv_transfer_params"] = transfer_params(request, coord, result)
     if slo is not None:
         out["slo_met"] = result.ttft_s <= slo
-    return _json(out)
+    return json_response(out)
 
 
-async def completions(request: web.Request) -> web.Response:
+def _handoff(body: dict[str, Any]) -> bool:
+    try:
+        return wants_handoff(body)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
     coord = request.app[COORDINATOR]
     try:
         body = await _body(request)
         max_tokens = body.get("max_tokens", 1)
-        if max_tokens != 1:
-            raise BadRequest("a prefill node answers max_tokens = 1 only")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise BadRequest("'max_tokens' must be an integer >= 1")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise BadRequest("'stream' must be true or false")
+        proxy = request.app.get(PROXY)
+        if (max_tokens > 1 or stream) and proxy is None:
+            raise BadRequest(
+                "this server has no decode server ([decode] local = false and no url): "
+                "max_tokens = 1 without stream only"
+            )
         if (
             isinstance(body.get("prompt"), list)
             and body["prompt"]
             and isinstance(body["prompt"][0], list)
         ):
             raise BadRequest("one prompt per request")
+        handoff = _handoff(body)
         tokens = _tokens({"prompt": body.get("prompt")}, request.app)
     except BadRequest as exc:
-        return _error(400, str(exc), "invalid_request_error")
-    result = await _serve_prefill(coord, tokens)
+        return error_response(400, str(exc), "invalid_request_error")
+    if max_tokens > 1 or stream:
+        assert proxy is not None
+        return await proxy.complete(request, body, tokens)
+    result = await _serve_prefill(coord, tokens, handoff)
     if isinstance(result, web.Response):
         return result
     tokenizer = request.app[TOKENIZER]
-    return _json(
+    return json_response(
         {
             "id": f"cmpl-{result.request_id}",
             "object": "text_completion",
@@ -175,20 +186,21 @@ async def completions(request: web.Request) -> web.Response:
                 "total_tokens": len(tokens) + 1,
                 "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
             },
+            **({"kv_transfer_params": transfer_params(request, coord, result)} if handoff else {}),
         }
     )
 
 
 async def workers(request: web.Request) -> web.Response:
-    return _json({"workers": request.app[COORDINATOR].workers_view()})
+    return json_response({"workers": request.app[COORDINATOR].workers_view()})
 
 
 async def composition(request: web.Request) -> web.Response:
-    return _json(request.app[COORDINATOR].composition_view())
+    return json_response(request.app[COORDINATOR].composition_view())
 
 
 async def cache(request: web.Request) -> web.Response:
-    return _json(request.app[COORDINATOR].cache_view())
+    return json_response(request.app[COORDINATOR].cache_view())
 
 
 async def reconfigure(request: web.Request) -> web.Response:
@@ -203,19 +215,21 @@ async def reconfigure(request: web.Request) -> web.Response:
         if not isinstance(chosen, list) or not all(isinstance(w, int) for w in chosen):
             raise BadRequest("'worker' must be an integer and 'workers' a list of integers")
         if not coord.ready:
-            return _error(
+            return error_response(
                 503, coord.rank_error or "the pool is not ready", "unavailable", retry_after_s=1
             )
         op = coord.reshape_for(str(op_name), chosen)
         done = coord.begin_reshape(op)
         transition = await asyncio.wait_for(done, coord.cfg.request_timeout_s)
     except BadRequest as exc:
-        return _error(400, str(exc), "invalid_request")
+        return error_response(400, str(exc), "invalid_request")
     except LatticeError as exc:
-        return _error(409, str(exc), "conflict")
+        return error_response(409, str(exc), "conflict")
     except (TimeoutError, RankPoolError) as exc:
-        return _error(503, f"unavailable: {exc or 'timed out'}", "unavailable", retry_after_s=2)
-    return _json(
+        return error_response(
+            503, f"unavailable: {exc or 'timed out'}", "unavailable", retry_after_s=2
+        )
+    return json_response(
         {
             "op": op.kind,
             "sources": list(op.sources),
@@ -231,7 +245,7 @@ async def reconfigure(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
-    return _json(
+    return json_response(
         {
             "status": "ok",
             "uptime_s": coord.uptime_s(),
@@ -244,8 +258,8 @@ async def health(request: web.Request) -> web.Response:
 async def ready(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
     if coord.ready:
-        return _json({"ready": True})
-    return _error(503, coord.rank_error or "starting", "unavailable", retry_after_s=1)
+        return json_response({"ready": True})
+    return error_response(503, coord.rank_error or "starting", "unavailable", retry_after_s=1)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -257,16 +271,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return _json(OPENAPI)
-
-
-def _bearer(request: web.Request) -> str | None:
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
-def _matches(given: str, expected: str) -> bool:
-    return hmac.compare_digest(given.encode(), expected.encode())
+    return json_response(OPENAPI)
 
 
 @web.middleware
@@ -277,24 +282,34 @@ async def access(request: web.Request, handler: Any) -> web.StreamResponse:
     challenge = {"WWW-Authenticate": 'Bearer realm="vertumnus"'}
     if path.startswith("/v1/admin/") or path == "/v1/admin":
         if cfg.admin_token is None:
-            return _error(
+            return error_response(
                 403,
                 "the admin API is disabled: set VERTUMNUS_ADMIN_TOKEN or [server] admin_token",
                 "forbidden",
             )
-        token = _bearer(request)
+        token = bearer(request)
         if token is None:
-            response = _error(
+            response = error_response(
                 401, "admin calls need 'Authorization: Bearer <token>'", "unauthorized"
             )
             response.headers.update(challenge)
             return response
-        if not _matches(token, cfg.admin_token):
-            return _error(403, "wrong admin token", "forbidden")
+        if not matches(token, cfg.admin_token):
+            return error_response(403, "wrong admin token", "forbidden")
+    elif path.startswith("/v1/kv/"):
+        if not handoff_routes.may_pull(request.app[COORDINATOR], bearer(request)):
+            response = error_response(
+                401,
+                "a KV pull needs 'Authorization: Bearer' with the API key, the cluster "
+                "secret or the hand-off secret",
+                "unauthorized",
+            )
+            response.headers.update(challenge)
+            return response
     elif path.startswith("/v1/") and cfg.api_key is not None:
-        token = _bearer(request)
-        if token is None or not _matches(token, cfg.api_key):
-            response = _error(
+        token = bearer(request)
+        if not matches(token, cfg.api_key):
+            response = error_response(
                 401, "a valid API key is needed: 'Authorization: Bearer <key>'", "unauthorized"
             )
             response.headers.update(challenge)
@@ -302,24 +317,17 @@ async def access(request: web.Request, handler: Any) -> web.StreamResponse:
     return await handler(request)
 
 
-@web.middleware
-async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Unknown routes, wrong methods, oversized bodies: JSON errors like the rest."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return _error(exc.status, exc.reason or "error", "http_error")
-    except Exception as exc:  # a bug: logged with its traceback, answered as JSON
-        log.exception("internal_error", path=request.path, error=repr(exc))
-        return _error(500, f"internal error: {type(exc).__name__}", "internal_error")
-
-
-def build_app(coordinator: Coordinator, tokenizer: Tokenizer) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors, access])
+def build_app(coordinator: Coordinator, tokenizer: Tokenizer, proxy: Any = None) -> web.Application:
+    """``proxy``: the decode proxy (``server/proxy.py``), for completions of more
+    than one token; None: prefills only."""
+    app = web.Application(
+        client_max_size=MAX_BODY_BYTES, middlewares=[json_errors("vertumnus.api"), access]
+    )
     app[COORDINATOR] = coordinator
     app[TOKENIZER] = tokenizer
+    app[ADDRESS] = []  # [host, port] once ``serve`` has bound
+    if proxy is not None:
+        app[PROXY] = proxy
     app.add_routes(
         [
             web.post("/v1/prefill", prefill),
@@ -332,6 +340,7 @@ def build_app(coordinator: Coordinator, tokenizer: Tokenizer) -> web.Application
             web.get("/ready", ready),
             web.get("/metrics", metrics),
             web.get("/openapi.json", openapi),
+            *handoff_routes.ROUTES,
         ]
     )
     return app

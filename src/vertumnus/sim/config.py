@@ -7,8 +7,9 @@ The pool, profile, scheduler, controller, cache and engine tables are the ones
     [sim]         seed, switch_s, dispatch_s, noise_cv, slo = "5x", window_phase_s,
                   kv_bytes_per_token, devices_per_host (the copy model's host size,
                   unless [pool] devices_per_host gives the lattice one),
-                  intra_host_bytes_s, inter_host_bytes_s, transfer_latency_s
-                  (``sim/time_model.py``)
+                  intra_host_bytes_s, inter_host_bytes_s, transfer_latency_s,
+                  handoff_bytes_s and ext_latency_s (T_ext: the KV hand-off to a
+                  decode server and its first step; 0: none) (``sim/time_model.py``)
     [workload]    trace (a Mooncake JSONL or Azure CSV file; required unless phases
                   are given), rate_scale, time_scale, max_requests, seed, long_tokens
                   [[workload.phases]] duration_s, rate, long_fraction, burstiness

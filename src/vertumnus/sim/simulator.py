@@ -296,7 +296,8 @@ class Simulation:
 
     def _prefill_end(self, worker_id: int, now: float) -> None:
         finished = self.policy.finish(worker_id, now, compute_s=self._compute_s.pop(worker_id))
-        self.records[finished.request_id].end_s = now
+        rec = self.records[finished.request_id]
+        rec.end_s = now + self.time.ext_s(rec.input_tokens)  # the first token reaches the client
         self._done += 1
         self._apply(finished.actions, now)
         self._try_start(worker_id, now)

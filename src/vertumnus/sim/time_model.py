@@ -12,6 +12,12 @@
     a switch       ``switch_s`` from the commit of a reshape's epoch until every rank
                    of its new workers acknowledged (0.5 s: the paper's "under one
                    second"; the CPU server switches in about 10 ms)
+    T_ext          after the prefill, until the client has its first token (the
+                   paper's T_ext: the KV hand-off to a decode server and its first
+                   step): ``ext_latency_s`` + (input tokens - 1) *
+                   ``kv_bytes_per_token`` / ``handoff_bytes_s`` (0: no hand-off, the
+                   TTFT ends with the prefill, as a prefill-only pool's does);
+                   measured by ``tools/bench_handoff.py`` and the decode server
 
 ``SimSettings`` holds these knobs and the run's own (seed, SLO, where t = 0 falls in
 the controller's window). Every policy knob is ``PolicyConfig``'s. The parity test's
@@ -44,6 +50,9 @@ class SimSettings:
     transfer_latency_s: float = 1e-3
     switch_s: float = 0.5
     dispatch_s: float = 0.0
+    # T_ext: the hand-off's bandwidth (0: none) and its fixed part with the first step
+    handoff_bytes_s: float = 0.0
+    ext_latency_s: float = 0.0
     noise_cv: float = 0.0
     # Where t = 0 falls in the controller's first window (seconds into it): to line
     # the windows up with a real server's, whose windows run from when it started.
@@ -65,12 +74,14 @@ class SimSettings:
             and self.noise_cv >= 0
             and self.dispatch_s >= 0
             and self.transfer_latency_s >= 0
+            and self.handoff_bytes_s >= 0
+            and self.ext_latency_s >= 0
             and self.intra_host_bytes_s > 0
             and self.inter_host_bytes_s > 0
         ):
             raise SimulationError(
-                "need switch_s >= 0, noise_cv >= 0, dispatch_s >= 0, transfer_latency_s >= 0 "
-                "and positive bandwidths"
+                "need switch_s >= 0, noise_cv >= 0, dispatch_s >= 0, transfer_latency_s >= 0, "
+                "handoff_bytes_s >= 0, ext_latency_s >= 0 and positive bandwidths"
             )
 
 
@@ -104,6 +115,13 @@ class TimeModel:
                 self.s.intra_host_bytes_s if same_host else self.s.inter_host_bytes_s
             )
         return seconds
+
+    def ext_s(self, input_tokens: int) -> float:
+        """T_ext of a request: its KV hand-off and first decode step."""
+        if not self.s.handoff_bytes_s:
+            return self.s.ext_latency_s
+        moved = max(0, input_tokens - 1) * self.s.kv_bytes_per_token
+        return self.s.ext_latency_s + moved / self.s.handoff_bytes_s
 
     @property
     def switch_s(self) -> float:

@@ -1,0 +1,157 @@
+"""``python -m vertumnus decode``: the reference decode server beside a prefill pool.
+
+Serves ``POST /v1/completions`` (docs/api.md, "Hand-off"): a request's prompt is
+prefilled by the pool at ``--prefill`` (or was, when it brings the pool's
+``kv_transfer_params``), its KV is pulled from the pool, and this server decodes
+the rest with continuous batching on one thread (``vertumnus/handoff/``). The model
+must be the pool's: the same preset and ``--seed``, or the same folder. Its
+end-of-sequence ids come from the folder's ``generation_config.json`` (else
+``config.json``); presets have none. ``--prefill-key`` (or
+``$VERTUMNUS_PREFILL_KEY``) is the bearer sent to the pool for prefills and pulls;
+``--api-key`` (or ``$VERTUMNUS_DECODE_API_KEY``) guards this server's ``/v1/*``.
+
+Binds 127.0.0.1 unless told otherwise; ``--port 0`` picks a free port. The first
+line on stdout says where it listens; logs are JSON lines on stderr. SIGTERM or
+SIGINT stops it (requests under way get up to 10 s to finish) and
+it exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from vertumnus.cli.serve import configure_logging
+from vertumnus.config import ConfigError, resolve_model
+
+SHUTDOWN_GRACE_S = 10.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--prefill", required=True, metavar="URL", help="the prefill pool, http://host:port"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100, help="0: a free port (default: 8100)")
+    p.add_argument(
+        "--model", default="tiny", help="the pool's preset or Hugging Face folder (default: tiny)"
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of a preset's random weights (default: 0)"
+    )
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument(
+        "--prefill-key",
+        default=os.environ.get("VERTUMNUS_PREFILL_KEY"),
+        help="bearer for the pool's prefills and pulls (default: $VERTUMNUS_PREFILL_KEY)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("VERTUMNUS_DECODE_API_KEY"),
+        help="guards /v1/* of this server (default: $VERTUMNUS_DECODE_API_KEY; none: open)",
+    )
+
+
+def eos_token_ids(model_dir: str | None) -> tuple[int, ...]:
+    """``eos_token_id`` (an id or a list of ids) of the folder's
+    ``generation_config.json``, else of its ``config.json``; () for a preset."""
+    if model_dir is None:
+        return ()
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if not path.is_file():
+            continue
+        try:
+            raw: Any = json.loads(path.read_text()).get("eos_token_id")
+        except (OSError, json.JSONDecodeError, AttributeError) as exc:
+            raise ConfigError(f"{path}: cannot read eos_token_id: {exc}") from exc
+        if raw is None:
+            continue
+        ids = raw if isinstance(raw, list) else [raw]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise ConfigError(f"{path}: eos_token_id must be an id or a list of ids, got {raw!r}")
+        return tuple(ids)
+    return ()
+
+
+async def serve(args: argparse.Namespace, settings: Any, engine: Any, tokenizer: Any) -> int:
+    from aiohttp import web
+
+    from vertumnus.handoff.decode_server import build_app
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    app = build_app(engine, tokenizer, settings)
+    # Handlers are cancelled when their client goes away: its sequence leaves the batch.
+    runner = web.AppRunner(
+        app, access_log=None, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S
+    )
+    await runner.setup()
+    log = structlog.get_logger("vertumnus")
+    try:
+        await web.TCPSite(runner, args.host, args.port).start()
+        port = runner.addresses[0][1]
+        print(f"vertumnus listening on http://{args.host}:{port}", flush=True)
+        log.info(
+            "listening",
+            host=args.host,
+            port=port,
+            model=settings.model.name,
+            prefill=settings.prefill_url,
+            eos_token_ids=list(settings.eos_token_ids),
+        )
+        await stop.wait()
+        log.info("shutting_down")
+    finally:
+        await runner.cleanup()
+        log.info("stopped")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg, model_dir = resolve_model(args.model)
+    if not args.prefill.startswith(("http://", "https://")):
+        raise ConfigError(f"--prefill must start with http:// or https://, got {args.prefill!r}")
+    if not 0 <= args.port < 65536:
+        raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+    eos = eos_token_ids(model_dir)
+
+    # Heavy imports only once the arguments are known to be good.
+    import torch
+
+    from vertumnus.engine.weights import build_model, resolve_dtype
+    from vertumnus.handoff.decode_engine import DecodeEngine
+    from vertumnus.handoff.decode_server import DecodeSettings
+    from vertumnus.server.tokenizer import Tokenizer
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available")
+    on_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if on_cuda else "cpu")
+    model = build_model(cfg, model_dir, args.seed, resolve_dtype(args.dtype, device), device)
+    model.requires_grad_(False)
+    settings = DecodeSettings(
+        model=cfg,
+        eos_token_ids=eos,
+        prefill_url=args.prefill.rstrip("/"),
+        prefill_key=args.prefill_key or None,
+        api_key=args.api_key or None,
+    )
+    tokenizer = Tokenizer.for_model(model_dir, cfg.vocab_size)
+    configure_logging()
+    main = serve(args, settings, DecodeEngine(model), tokenizer)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)

@@ -1,0 +1,382 @@
+"""Continuous-batching decode over a ``Qwen3ForCausalLM``: the reference decode
+server's engine (``DecodeEngine``) and the one thread that steps it (``DecodeLoop``).
+
+A sequence joins with the KV of its prompt but the last token, pulled from the
+prefill pool (per layer K, V [n, Hkv, D]), and that last token. Every ``step`` runs
+ONE forward over all active sequences, one token each at its own position::
+
+    step 1 of a sequence    feeds the prompt's last token at position n (the "first
+                            decode step": like vLLM's disaggregated decode, this side
+                            computes the last prompt token; it never recomputes the
+                            rest of the prompt)
+    step k > 1              feeds the token step k - 1 chose, at position n + k - 1
+
+Projections and the MLP (or the experts) run batched over the T = number of active
+sequences; attention runs per sequence, over that sequence's cache plus its new
+token, whose K and V the attention function writes into the cache first.
+
+Cache of a sequence (per layer, K and V alike)::
+
+    [L, Hkv, capacity, D]   positions [0, length) filled: the n prompt tokens, then
+                            every token fed since; capacity grows geometrically (x2,
+                            at most n + max_tokens, all the sequence can ever hold)
+
+A sequence leaves when it chose an end-of-sequence id (``finish_reason`` "stop",
+unless ``ignore_eos``), reached ``max_tokens`` or the model's last position
+("length"), or was removed. Sequences join and leave between steps. The engine is
+not thread-safe: ``DecodeLoop`` owns it and applies joins and cancellations from
+other threads between steps. Not here: HTTP, the pull of the KV (``kv_client``),
+text.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from vertumnus.engine.model import Qwen3ForCausalLM
+from vertumnus.handoff.sampling import SamplingParams, make_generator, sample_rows
+
+# Positions a new cache holds beyond the prompt before its first growth.
+INITIAL_HEADROOM = 64
+log = structlog.get_logger("vertumnus.decode")
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """The token one step chose for one sequence; ``finish_reason`` "stop" (an
+    end-of-sequence id), "length", or None while the sequence goes on."""
+
+    seq_id: int
+    token_id: int
+    finish_reason: str | None
+
+
+@dataclass
+class _Sequence:
+    seq_id: int
+    k: Tensor  # [L, Hkv, capacity, D]
+    v: Tensor
+    length: int  # positions [0, length) of the cache are filled
+    next_token: int  # fed by the next step, at position ``length``
+    limit: int  # the most positions the cache will ever hold: n + max_tokens
+    params: SamplingParams
+    generator: torch.Generator | None
+    max_tokens: int
+    eos_token_ids: frozenset[int]
+    ignore_eos: bool
+    generated: int = 0
+
+
+class DecodeEngine:
+    """The active sequences and their caches; ``step`` decodes one token of each."""
+
+    def __init__(self, model: Qwen3ForCausalLM, initial_headroom: int = INITIAL_HEADROOM) -> None:
+        if initial_headroom < 1:
+            raise ValueError(f"initial_headroom must be >= 1, got {initial_headroom}")
+        self.model = model
+        self.config = model.config
+        self.initial_headroom = initial_headroom
+        self._seqs: dict[int, _Sequence] = {}  # in joining order: the batch's row order
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def seq_ids(self) -> list[int]:
+        return list(self._seqs)
+
+    @torch.inference_mode()
+    def add(
+        self,
+        seq_id: int,
+        prompt_kv: Sequence[tuple[Tensor, Tensor]],
+        last_token: int,
+        params: SamplingParams,
+        max_tokens: int,
+        eos_token_ids: Iterable[int] = (),
+        ignore_eos: bool = False,
+    ) -> None:
+        """Join the batch at the next step. ``prompt_kv[layer]`` = (K, V) of the
+        prompt but its last token, each [n, Hkv, D] (any dtype and device: copied into
+        this engine's cache); ``last_token``: the prompt's last id, fed by the first
+        step at position n."""
+        cfg = self.config
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} is already decoding")
+        if len(prompt_kv) != cfg.num_hidden_layers:
+            raise ValueError(
+                f"prompt KV of {len(prompt_kv)} layers for a model of {cfg.num_hidden_layers}"
+            )
+        n = prompt_kv[0][0].shape[0]
+        want = (n, cfg.num_key_value_heads, cfg.head_dim)
+        for layer, (k, v) in enumerate(prompt_kv):
+            if tuple(k.shape) != want or tuple(v.shape) != want:
+                raise ValueError(
+                    f"prompt KV of layer {layer}: K {tuple(k.shape)}, V {tuple(v.shape)}; "
+                    f"expected {want} ([tokens, kv heads, head dim])"
+                )
+        if not 0 <= last_token < cfg.vocab_size:
+            raise ValueError(f"token id {last_token} outside the vocabulary [0, {cfg.vocab_size})")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if n >= cfg.max_position_embeddings:
+            raise ValueError(
+                f"a prompt of {n + 1} tokens leaves no position to decode at "
+                f"(max_position_embeddings {cfg.max_position_embeddings})"
+            )
+        limit = n + max_tokens
+        capacity = min(limit, n + self.initial_headroom)
+        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        device, dtype = self.model.device, self.model.dtype
+        k_cache = torch.empty(shape, dtype=dtype, device=device)
+        v_cache = torch.empty(shape, dtype=dtype, device=device)
+        for layer, (k, v) in enumerate(prompt_kv):
+            k_cache[layer, :, :n].copy_(k.transpose(0, 1))  # [n, Hkv, D] -> [Hkv, n, D]
+            v_cache[layer, :, :n].copy_(v.transpose(0, 1))
+        self._seqs[seq_id] = _Sequence(
+            seq_id=seq_id,
+            k=k_cache,
+            v=v_cache,
+            length=n,
+            next_token=last_token,
+            limit=limit,
+            params=params,
+            generator=make_generator(params, device),
+            max_tokens=max_tokens,
+            eos_token_ids=frozenset(eos_token_ids),
+            ignore_eos=ignore_eos,
+        )
+
+    def remove(self, seq_id: int) -> bool:
+        """Leave the batch (a client gone); False when it was not decoding."""
+        return self._seqs.pop(seq_id, None) is not None
+
+    @staticmethod
+    def _reserve(seq: _Sequence) -> None:
+        """Room for one more position, doubling the capacity when full."""
+        capacity = seq.k.shape[2]
+        if seq.length < capacity:
+            return
+        grown = min(seq.limit, max(2 * capacity, seq.length + 1))
+        for name in ("k", "v"):
+            old: Tensor = getattr(seq, name)
+            new = old.new_empty((old.shape[0], old.shape[1], grown, old.shape[3]))
+            new[:, :, : seq.length].copy_(old[:, :, : seq.length])
+            setattr(seq, name, new)
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        """One batched forward over every active sequence; the token each chose, in
+        joining order. Finished sequences have left when this returns."""
+        seqs = list(self._seqs.values())
+        if not seqs:
+            return []
+        for seq in seqs:
+            self._reserve(seq)
+        device = self.model.device
+        ids = torch.tensor([s.next_token for s in seqs], dtype=torch.long, device=device)
+        positions = torch.tensor([s.length for s in seqs], dtype=torch.long, device=device)
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            # q [T, Hq, D], k and v [T, Hkv, D]: row i is sequence i's new token.
+            out = torch.empty_like(q)
+            for i, seq in enumerate(seqs):
+                pos = seq.length
+                seq.k[layer, :, pos] = k[i]
+                seq.v[layer, :, pos] = v[i]
+                keys = seq.k[layer, :, : pos + 1][None]  # [1, Hkv, pos + 1, D]
+                values = seq.v[layer, :, : pos + 1][None]
+                # One query, the last position: it sees every cached key (no mask).
+                out[i] = F.scaled_dot_product_attention(
+                    q[i][None, :, None], keys, values, enable_gqa=True
+                )[0, :, 0]
+            return out
+
+        hidden = self.model(ids, positions, attend)  # [T, H]
+        logits = self.model.logits(hidden)  # [T, V] fp32
+        tokens = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        max_positions = self.config.max_position_embeddings
+        outputs = []
+        for seq, token in zip(seqs, tokens, strict=True):
+            seq.length += 1
+            seq.generated += 1
+            seq.next_token = token
+            reason = None
+            if not seq.ignore_eos and token in seq.eos_token_ids:
+                reason = "stop"
+            elif seq.generated >= seq.max_tokens or seq.length >= max_positions:
+                reason = "length"
+            if reason is not None:
+                del self._seqs[seq.seq_id]
+            outputs.append(StepOutput(seq.seq_id, token, reason))
+        return outputs
+
+
+@dataclass(frozen=True)
+class NewSequence:
+    """What a request hands the decode thread: ``DecodeEngine.add``'s arguments."""
+
+    prompt_kv: Sequence[tuple[Tensor, Tensor]]
+    last_token: int
+    params: SamplingParams
+    max_tokens: int
+    eos_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class DecodeFailure:
+    """The sequence could not join or its step failed; it is out of the batch."""
+
+    seq_id: int
+    message: str
+
+
+# Called on the decode thread with each token (or the failure) and the time it was
+# chosen (``time.perf_counter``); it must not block (``loop.call_soon_threadsafe``).
+Deliver = Callable[[StepOutput | DecodeFailure, float], None]
+
+
+@dataclass
+class _Inbox:
+    adds: list[tuple[int, NewSequence, Deliver]] = field(default_factory=list)
+    cancels: set[int] = field(default_factory=set)
+
+
+class DecodeLoop:
+    """The one thread that steps a ``DecodeEngine`` while sequences are active.
+
+    ``submit`` and ``cancel`` may be called from any thread: they queue the change,
+    which the decode thread applies between steps (cancellations first, then joins).
+    Every sequence gets each of its tokens through its ``Deliver``, then nothing more
+    after the one with a ``finish_reason`` or a ``DecodeFailure``; a cancelled one
+    gets nothing more. ``close`` fails what is left and joins the thread."""
+
+    def __init__(self, engine: DecodeEngine) -> None:
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._inbox = _Inbox()
+        self._stopping = False
+        self._ids = itertools.count()
+        self._deliver: dict[int, Deliver] = {}  # the decode thread's own
+        self._thread = threading.Thread(target=self._run, name="vertumnus-decode", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def num_active(self) -> int:
+        """Sequences decoding (approximate from another thread)."""
+        return len(self.engine)
+
+    def submit(self, seq: NewSequence, deliver: Deliver) -> int:
+        """Queue a sequence to join at the next step; returns its id."""
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the decode loop is closed")
+            seq_id = next(self._ids)
+            self._inbox.adds.append((seq_id, seq, deliver))
+            self._cond.notify()
+        return seq_id
+
+    def cancel(self, seq_id: int) -> None:
+        """Take the sequence out of the batch before the next step (no-op if done)."""
+        with self._cond:
+            self._inbox.cancels.add(seq_id)
+            self._cond.notify()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _take(self) -> _Inbox | None:
+        """The queued changes, waiting while there is nothing to do; None: stop."""
+        with self._cond:
+            while not (
+                self._stopping or self._inbox.adds or self._inbox.cancels or len(self.engine)
+            ):
+                self._cond.wait()
+            inbox, self._inbox = self._inbox, _Inbox()
+            if self._stopping:
+                for seq_id, _, deliver in inbox.adds:
+                    self._deliver[seq_id] = deliver
+                return None
+            return inbox
+
+    def _run(self) -> None:
+        while True:
+            inbox = self._take()
+            if inbox is None:
+                break
+            self._apply(inbox)
+            del inbox  # the prompts' pulled KV: in the caches now, not kept twice
+            if len(self.engine):
+                self._step()
+        self._fail_all("the decode server is shutting down")
+
+    def _apply(self, inbox: _Inbox) -> None:
+        for seq_id in inbox.cancels:
+            self.engine.remove(seq_id)
+            self._deliver.pop(seq_id, None)
+        for seq_id, seq, deliver in inbox.adds:
+            if seq_id in inbox.cancels:
+                continue
+            try:
+                self.engine.add(
+                    seq_id,
+                    seq.prompt_kv,
+                    seq.last_token,
+                    seq.params,
+                    seq.max_tokens,
+                    seq.eos_token_ids,
+                    seq.ignore_eos,
+                )
+            except (ValueError, RuntimeError) as exc:  # bad KV, or out of memory
+                self._send(deliver, DecodeFailure(seq_id, f"cannot decode: {exc}"))
+                continue
+            self._deliver[seq_id] = deliver
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # a bug or out of memory: the batch fails, the loop goes on
+            log.exception("decode_step_failed", sequences=len(self.engine), error=repr(exc))
+            self._fail_all(f"decode step failed: {type(exc).__name__}: {exc}")
+            return
+        now = time.perf_counter()
+        for out in outputs:
+            deliver = self._deliver.get(out.seq_id)
+            if out.finish_reason is not None:
+                self._deliver.pop(out.seq_id, None)
+            if deliver is not None and not self._send(deliver, out, now):
+                self.engine.remove(out.seq_id)  # nobody listens any more
+                self._deliver.pop(out.seq_id, None)
+
+    def _fail_all(self, message: str) -> None:
+        for seq_id in self.engine.seq_ids:
+            self.engine.remove(seq_id)
+        for seq_id, deliver in list(self._deliver.items()):
+            self._send(deliver, DecodeFailure(seq_id, message))
+        self._deliver.clear()
+
+    @staticmethod
+    def _send(
+        deliver: Deliver, event: StepOutput | DecodeFailure, now: float | None = None
+    ) -> bool:
+        try:
+            deliver(event, time.perf_counter() if now is None else now)
+        except RuntimeError:  # its event loop is closed
+            return False
+        return True

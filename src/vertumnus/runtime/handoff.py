@@ -1,0 +1,410 @@
+"""The prefill side of the KV hand-off: leases on a prompt's KV, and its pull.
+
+A request with ``kv_transfer_params.do_remote_decode`` keeps, after its prefill,
+the KV of its prompt but the last token (the decode side computes that one in its
+first step, as vLLM's disaggregated decode does) under a *lease*:
+
+  * the whole blocks of that prefix stay pinned in the worker's cache index (the
+    blocks remain in the prefix cache as usual; the pin only keeps them from
+    eviction), read from the ranks when pulled (``KVRead``, block j from CP rank
+    j % C, put back in sequence order);
+  * the rows no cache block holds (the partial last block, or blocks the cache could
+    not take) come back with the prefill itself (``PrefillCommand.export``, from CP
+    rank 0, which holds every computed row after its all-gather) and wait here;
+  * the lease ends when the stream was sent whole (``pulled``), when its
+    ``lease_s`` passes (``expired``), when the decode side gives up (``released``),
+    or when its worker was reshaped or restarted (``moved``: the pinned index is
+    gone, and a pull answers 410). Every end unpins and forgets the rows, once.
+
+``stream`` writes the wire format of ``handoff/wire.py``, reading a chunk ahead of
+the one it writes. Ranks on this host write their blocks straight into shared
+memory (``engine/shared_rows.py``) and the stream copies them out once; ranks
+under a node agent send them as bytes. The ended handles are
+remembered (a bounded number) so that a late pull gets 410 with the reason, and an
+unknown one 404. Nothing here chooses workers or touches the policy's decisions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import TYPE_CHECKING, Any
+
+import structlog
+import torch
+from torch import Tensor
+
+from vertumnus.engine.messages import KVData, KVRead, RankFailed
+from vertumnus.engine.rank import resolve_device
+from vertumnus.engine.weights import resolve_dtype
+from vertumnus.handoff.wire import END, KVHeader, chunk_header
+from vertumnus.policy.cache_index import BlockLocation, PrefillLease, WorkerCacheIndex
+from vertumnus.runtime.pool import RankPool, RankPoolError
+
+if TYPE_CHECKING:
+    from vertumnus.runtime.coordinator import Coordinator
+
+log = structlog.get_logger("vertumnus")
+
+CHUNK_BYTES = 8 << 20  # KV read from the ranks per chunk of the stream (at least a block)
+REMEMBERED = 4096  # ended handles kept for a 410
+SEGMENTS = 4  # shared-memory segments kept for reads (two per pull under way)
+
+
+class HandoffError(RuntimeError):
+    """A pull that cannot be served: ``status`` 404 (unknown) or 410 (ended)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Lease:
+    handle: str
+    request_id: int
+    worker_id: int
+    first_device: int
+    index: WorkerCacheIndex  # the one the pin is on
+    pin: PrefillLease  # the whole blocks of the prefix, pinned
+    rows: Tensor | None  # K, V of the tokens after them: [2, layers, t, Hkv, D]
+    num_tokens: int  # tokens handed off: the prompt but its last
+    prompt_tokens: int
+    expires_s: float  # on the coordinator's clock
+    expires_unix: float
+    pulling: bool = False
+
+    @property
+    def blocks(self) -> list[BlockLocation]:
+        return self.pin.reused
+
+
+def export_range(lease: PrefillLease, prompt_tokens: int, block: int) -> tuple[int, int]:
+    """The suffix rows [a, b) a hand-off prefill must return: the tokens of the
+    prompt but its last that the lease's blocks (reused and new, a prefix of the
+    prompt) do not hold."""
+    held = min(lease.num_reused_blocks + len(lease.new), (prompt_tokens - 1) // block)
+    prefix = lease.num_reused_blocks * block
+    return held * block - prefix, prompt_tokens - 1 - prefix
+
+
+class Handoffs:
+    def __init__(self, coord: Coordinator) -> None:
+        self.coord = coord
+        self.cfg = coord.cfg.handoff
+        # A pull needs the API key, the cluster secret or this (never nothing).
+        self.secret = self.cfg.secret or secrets.token_urlsafe(24)
+        self.leases: dict[str, Lease] = {}
+        self.ended: OrderedDict[str, str] = OrderedDict()  # handle -> why it ended
+        self.counts = {"opened": 0, "pulled": 0, "expired": 0, "released": 0, "moved": 0}
+        self.pulled_bytes = 0
+        self.pull_s = 0.0
+        self._reads: dict[tuple[int, int], asyncio.Future[KVData]] = {}  # (read, rank)
+        self._ids = itertools.count(1)
+        self._timer: asyncio.TimerHandle | None = None
+        self._free: list[shared_memory.SharedMemory] = []  # segments not in use
+        self._segments: list[shared_memory.SharedMemory] = []  # every one made
+        self._dtype: torch.dtype | None = None
+
+    # -- opening and ending ------------------------------------------------------------
+
+    def full(self) -> bool:
+        return len(self.leases) >= self.cfg.max_leases
+
+    def open(
+        self,
+        request_id: int,
+        worker_id: int,
+        first_device: int,
+        ids: Sequence[int],
+        prompt_tokens: int,
+        rows: Tensor | None,
+    ) -> Lease:
+        """Pin the prompt's whole blocks that the rows do not cover, now that the
+        prefill committed them (same step of the loop: nothing evicted them)."""
+        coord, block = self.coord, self.coord.cfg.engine.block_size
+        index = coord.indexes[worker_id]
+        num_rows = 0 if rows is None else int(rows.shape[2])
+        held = (prompt_tokens - 1 - num_rows) // block
+        if len(index.match(ids[:held])) < held:
+            raise RankPoolError(f"request {request_id}: its blocks left worker {worker_id}")
+        pin = index.begin(ids[:held], held)
+        assert not pin.new, "a pin allocates nothing"
+        now = coord.clock()
+        lease = Lease(
+            handle="kv-" + secrets.token_urlsafe(18),
+            request_id=request_id,
+            worker_id=worker_id,
+            first_device=first_device,
+            index=index,
+            pin=pin,
+            rows=rows,
+            num_tokens=prompt_tokens - 1,
+            prompt_tokens=prompt_tokens,
+            expires_s=now + self.cfg.lease_s,
+            expires_unix=time.time() + self.cfg.lease_s,
+        )
+        self.leases[lease.handle] = lease
+        self.counts["opened"] += 1
+        self._schedule()
+        return lease
+
+    def end(self, handle: str, why: str) -> bool:
+        """End a lease (``why``: pulled, expired, released, moved); False if not open."""
+        lease = self.leases.pop(handle, None)
+        if lease is None:
+            return False
+        lease.rows = None
+        if self.coord.indexes.get(lease.worker_id) is lease.index:
+            self.coord.cache.apply_report(lease.index.commit(lease.pin))
+        self.counts[why] += 1
+        self.ended[handle] = why
+        while len(self.ended) > REMEMBERED:
+            self.ended.popitem(last=False)
+        return True
+
+    def lookup(self, handle: str) -> Lease:
+        lease = self.leases.get(handle)
+        if lease is None:
+            why = self.ended.get(handle)
+            if why is None:
+                raise HandoffError(404, f"no KV hand-off {handle!r} here")
+            raise HandoffError(410, f"the KV hand-off {handle!r} ended: {why}")
+        if self.coord.clock() >= lease.expires_s:
+            self.end(handle, "expired")
+            raise HandoffError(410, f"the KV hand-off {handle!r} ended: expired")
+        if self.coord.indexes.get(lease.worker_id) is not lease.index:
+            self.end(handle, "moved")
+            raise HandoffError(
+                410, f"the KV hand-off {handle!r} ended: moved (worker {lease.worker_id} reshaped)"
+            )
+        return lease
+
+    def release(self, handle: str) -> None:
+        """The decode side gave up: end the lease (404 / 410 as ``lookup``)."""
+        lease = self.lookup(handle)
+        if lease.pulling:
+            raise HandoffError(409, f"the KV hand-off {handle!r} is being pulled")
+        self.end(handle, "released")
+
+    def expire(self) -> int:
+        now = self.coord.clock()
+        due = [h for h, x in self.leases.items() if x.expires_s <= now and not x.pulling]
+        for handle in due:
+            self.end(handle, "expired")
+        return len(due)
+
+    def close(self) -> None:
+        for handle in list(self.leases):
+            self.end(handle, "released")
+        if self._timer is not None:
+            self._timer.cancel()
+        for shm in self._segments:
+            shm.close()
+            shm.unlink()
+        self._segments, self._free = [], []
+
+    def _schedule(self) -> None:
+        """One timer for the next expiry."""
+        if self._timer is not None or not self.leases:
+            return
+        loop = asyncio.get_running_loop()
+        first = min(lease.expires_s for lease in self.leases.values())
+        delay = max(0.0, first - self.coord.clock())
+
+        def due() -> None:
+            self._timer = None
+            self.expire()
+            self._schedule()
+
+        self._timer = loop.call_later(delay + 1e-3, due)
+
+    # -- the pull ------------------------------------------------------------------------
+
+    def header(self, lease: Lease, dtype: torch.dtype) -> KVHeader:
+        cfg, engine = self.coord.model_cfg, self.coord.cfg.engine
+        return KVHeader(
+            handle=lease.handle,
+            num_tokens=lease.num_tokens,
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            dtype=str(dtype).removeprefix("torch."),
+            block_size=engine.block_size,
+            model=self.coord.cfg.model,
+        )
+
+    async def stream(self, lease: Lease, write: Callable[[Any], Awaitable[None]]) -> int:
+        """Write the lease's KV as the wire format; the bytes written. The lease ends
+        (pulled) when the whole stream was written; a failure leaves it open."""
+        started = time.perf_counter()
+        lease.pulling = True
+        sent = 0
+        try:
+            header, groups = self._layout(lease)
+            sent += await _write_header(write, header)
+            pending = self._read_group(lease, groups[0]) if groups else None
+            for n in range(len(groups)):
+                assert pending is not None
+                tokens, payload = await pending
+                pending = self._read_group(lease, groups[n + 1]) if n + 1 < len(groups) else None
+                await write(chunk_header(tokens))
+                await write(payload)
+                sent += len(payload) + 8
+            if lease.rows is not None and lease.rows.shape[2]:
+                await write(chunk_header(int(lease.rows.shape[2])))
+                payload = _bytes_of(lease.rows)
+                await write(payload)
+                sent += len(payload) + 8
+            await write(END)
+            sent += len(END)
+        finally:
+            lease.pulling = False
+        self.end(lease.handle, "pulled")
+        self.pulled_bytes += sent
+        self.pull_s += time.perf_counter() - started
+        return sent
+
+    def _layout(self, lease: Lease) -> tuple[KVHeader, list[list[BlockLocation]]]:
+        """The stream's header and its chunks of blocks."""
+        blocks, per = lease.blocks, max(1, CHUNK_BYTES // self._block_bytes())
+        groups = [blocks[i : i + per] for i in range(0, len(blocks), per)]
+        dtype = self.kv_dtype if groups or lease.rows is None else lease.rows.dtype
+        return self.header(lease, dtype), groups
+
+    def stream_bytes(self, lease: Lease) -> int:
+        """The length of the lease's stream (a pull's Content-Length)."""
+        header, groups = self._layout(lease)
+        rows = 0 if lease.rows is None else int(lease.rows.shape[2])
+        chunks = len(groups) + (1 if rows else 0)
+        return len(header.encode()) + 8 * (chunks + 1) + header.total_bytes
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype the ranks keep their KV in."""
+        if self._dtype is None:
+            engine = self.coord.cfg.engine
+            self._dtype = resolve_dtype(engine.dtype, resolve_device(engine, 0))
+        return self._dtype
+
+    def _block_bytes(self) -> int:
+        cfg, block = self.coord.model_cfg, self.coord.cfg.engine.block_size
+        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+        return per_token * block * self.kv_dtype.itemsize
+
+    def _read_group(
+        self, lease: Lease, group: list[BlockLocation]
+    ) -> asyncio.Future[tuple[int, Any]]:
+        """Read a run of consecutive blocks from their ranks (one ``KVRead`` per rank,
+        sent now), in sequence order: (tokens, their bytes as the wire wants them)."""
+        pool = self.coord.pool
+        if pool is None:
+            raise RankPoolError("the pool is stopped")
+        loop = asyncio.get_running_loop()
+        block, first = self.coord.cfg.engine.block_size, group[0].depth
+        size = len(group) * self._block_bytes()
+        shm = self._segment(size) if isinstance(pool, RankPool) else None
+        by_rank: dict[int, list[BlockLocation]] = {}
+        for loc in group:
+            by_rank.setdefault(loc.rank, []).append(loc)
+        read_id = next(self._ids)
+        waits = []
+        for cp_rank, locs in sorted(by_rank.items()):
+            device = lease.first_device + cp_rank
+            wait: asyncio.Future[KVData] = loop.create_future()
+            self._reads[(read_id, device)] = wait
+            waits.append((locs, wait))
+            slots = tuple(loc.slot for loc in locs)
+            if shm is None:
+                pool.send(device, KVRead(read_id, slots))
+            else:
+                at = tuple((loc.depth - first) * block for loc in locs)
+                pool.send(device, KVRead(read_id, slots, shm.name, len(group) * block, at))
+
+        async def gather() -> tuple[int, Any]:
+            try:
+                timeout = self.coord.cfg.engine.rank_timeout_s
+                answers = await asyncio.wait_for(asyncio.gather(*(w for _, w in waits)), timeout)
+                if shm is not None:
+                    assert shm.buf is not None
+                    return len(group) * block, bytes(shm.buf[:size])
+            finally:
+                for key in [k for k in self._reads if k[0] == read_id]:
+                    del self._reads[key]
+                if shm is not None:
+                    self._free.append(shm)
+            rows = [answer.data for answer in answers if answer.data is not None]
+            assert len(rows) == len(answers), "a rank answered a read without its data"
+            if len(rows) == 1:
+                return len(group) * block, _bytes_of(rows[0])
+            out = torch.empty((*rows[0].shape[:2], len(group) * block, *rows[0].shape[3:]))
+            out = out.to(rows[0].dtype)
+            for (locs, _), data in zip(waits, rows, strict=True):
+                for i, loc in enumerate(locs):
+                    at = (loc.depth - first) * block
+                    out[:, :, at : at + block] = data[:, :, i * block : (i + 1) * block]
+            return len(group) * block, _bytes_of(out)
+
+        return asyncio.ensure_future(gather())
+
+    def _segment(self, size: int) -> shared_memory.SharedMemory:
+        """A free segment of at least ``size`` bytes (made when none is)."""
+        for shm in self._free:
+            if shm.size >= size:
+                self._free.remove(shm)
+                return shm
+        if len(self._segments) >= SEGMENTS and self._free:
+            old = self._free.pop(0)  # too small for this read: make room for a larger one
+            self._segments.remove(old)
+            old.close()
+            old.unlink()
+        shm = shared_memory.SharedMemory(create=True, size=max(size, CHUNK_BYTES))
+        self._segments.append(shm)
+        return shm
+
+    def answer(self, msg: KVData | RankFailed) -> None:
+        """A rank's answer to a ``KVRead`` (fed by the rank link)."""
+        if isinstance(msg, KVData):
+            wait = self._reads.get((msg.read_id, msg.rank))
+            if wait is not None and not wait.done():
+                wait.set_result(msg)
+            return
+        for (read_id, _), wait in list(self._reads.items()):
+            if read_id == msg.read_id and not wait.done():
+                wait.set_exception(RankPoolError(f"rank {msg.rank}: {msg.error}"))
+
+    def fail(self, error: str, ranks: set[int] | None = None) -> None:
+        """Fail the reads waiting on ``ranks`` (None: every read)."""
+        for (_, rank), wait in list(self._reads.items()):
+            if (ranks is None or rank in ranks) and not wait.done():
+                wait.set_exception(RankPoolError(error))
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "open": len(self.leases),
+            "pinned_blocks": sum(len(lease.blocks) for lease in self.leases.values()),
+            "held_rows": sum(
+                0 if lease.rows is None else int(lease.rows.shape[2])
+                for lease in self.leases.values()
+            ),
+            **self.counts,
+            "pulled_bytes": self.pulled_bytes,
+            "pull_s": round(self.pull_s, 6),
+        }
+
+
+async def _write_header(write: Callable[[Any], Awaitable[None]], header: KVHeader) -> int:
+    head = header.encode()
+    await write(head)
+    return len(head)
+
+
+def _bytes_of(rows: Tensor) -> memoryview:
+    """The bytes of [2, layers, t, Hkv, D] rows (K, then V), without a copy."""
+    return rows.contiguous().view(torch.uint8).numpy().data.cast("B")

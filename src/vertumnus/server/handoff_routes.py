@@ -1,0 +1,119 @@
+"""The hand-off routes of the REST API (docs/api.md, "Hand-off"): a prompt's KV kept
+for a decode server, and its pull.
+
+    POST /v1/completions, /v1/prefill   with "kv_transfer_params": {"do_remote_decode":
+                                        true}: the answer carries kv_transfer_params
+                                        naming where and how to pull the KV
+    GET    /v1/kv/{handle}              the KV, streamed (``handoff/wire.py``)
+    DELETE /v1/kv/{handle}              the decode side gave up: the lease ends
+
+Pull and release need ``Authorization: Bearer`` with the API key, the cluster
+secret or the hand-off secret (``[handoff] secret``, or the one made at start and
+handed to the local decode process): the KV of a prompt is never open to anyone.
+An unknown handle is a 404, an ended one (pulled, expired, released, moved) a 410,
+each a JSON error like the rest of the API.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from vertumnus.runtime.coordinator import Coordinator
+from vertumnus.runtime.handoff import HandoffError
+from vertumnus.runtime.request_path import PrefillResult
+from vertumnus.server.keys import ADDRESS, COORDINATOR
+
+log = structlog.get_logger("vertumnus.api")
+
+
+def wants_handoff(body: dict[str, Any]) -> bool:
+    """True if the request asks for its KV to be kept for a decode server; ValueError
+    for a malformed ``kv_transfer_params``."""
+    params = body.get("kv_transfer_params")
+    if params is None:
+        return False
+    if not isinstance(params, dict):
+        raise ValueError("'kv_transfer_params' must be an object")
+    flag = params.get("do_remote_decode", False)
+    if not isinstance(flag, bool):
+        raise ValueError("'kv_transfer_params.do_remote_decode' must be true or false")
+    return flag
+
+
+def transfer_params(request: web.Request, coord: Coordinator, result: PrefillResult) -> Any:
+    """What a decode server needs to pull the result's KV (None: nothing was kept)."""
+    lease = result.handoff
+    if lease is None:
+        return None
+    address = request.app.get(ADDRESS) or [request.url.host, request.url.port]
+    host = coord.cfg.handoff.advertise_host or address[0]
+    if host in ("0.0.0.0", "::"):
+        host = request.url.host
+    return {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "remote_host": host,
+        "remote_port": address[1],
+        "remote_handle": lease.handle,
+        "num_tokens": lease.num_tokens,
+        "prompt_tokens": lease.prompt_tokens,
+        "block_size": coord.cfg.engine.block_size,
+        "model": coord.cfg.model,
+        "expires_at": round(lease.expires_unix, 3),
+        "transport": "http",
+    }
+
+
+def may_pull(coord: Coordinator, token: str | None) -> bool:
+    """The bearer of a pull or release: the API key, the cluster secret or the
+    hand-off secret."""
+    if token is None:
+        return False
+    accepted = [coord.cfg.api_key, coord.handoffs.secret]
+    if coord.cfg.cluster is not None:
+        accepted.append(coord.cfg.cluster.secret)
+    return any(s is not None and hmac.compare_digest(token.encode(), s.encode()) for s in accepted)
+
+
+def _gone(exc: HandoffError) -> web.Response:
+    kind = {404: "not_found", 409: "conflict", 410: "gone"}.get(exc.status, "error")
+    return web.json_response({"error": {"message": str(exc), "type": kind}}, status=exc.status)
+
+
+async def pull(request: web.Request) -> web.StreamResponse:
+    coord: Coordinator = request.app[COORDINATOR]
+    handle = request.match_info["handle"]
+    try:
+        lease = coord.handoffs.lookup(handle)
+    except HandoffError as exc:
+        return _gone(exc)
+    if lease.pulling:
+        return _gone(HandoffError(409, f"the KV hand-off {handle!r} is being pulled"))
+    response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+    response.content_length = coord.handoffs.stream_bytes(lease)
+    await response.prepare(request)
+    try:
+        sent = await coord.handoffs.stream(lease, response.write)
+    except Exception as exc:  # cut short: the client sees no end mark; the lease stays
+        log.error("handoff_pull_failed", handle=handle, error=repr(exc))
+        raise
+    await response.write_eof()
+    log.info("handoff_pulled", handle=handle, tokens=lease.num_tokens, bytes=sent)
+    return response
+
+
+async def release(request: web.Request) -> web.Response:
+    coord: Coordinator = request.app[COORDINATOR]
+    handle = request.match_info["handle"]
+    try:
+        coord.handoffs.release(handle)
+    except HandoffError as exc:
+        return _gone(exc)
+    return web.json_response({"released": handle})
+
+
+ROUTES = [web.get("/v1/kv/{handle}", pull), web.delete("/v1/kv/{handle}", release)]

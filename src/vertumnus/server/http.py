@@ -1,0 +1,86 @@
+"""What every HTTP server of the project answers alike (the pool's REST API and the
+decode server): JSON bodies in and out with orjson, JSON errors ``{"error":
+{"message", "type"}}``, bearer tokens compared in constant time, and a middleware
+that turns unknown routes, wrong methods, oversized bodies and bugs into JSON
+errors too."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+import structlog
+from aiohttp import web
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class BadRequest(ValueError):
+    """What the client sent cannot be served (a 400 naming the field)."""
+
+
+def json_response(
+    data: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(data), status=status, content_type="application/json", headers=headers
+    )
+
+
+def error_response(
+    status: int,
+    message: str,
+    kind: str,
+    retry_after_s: int | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    extra = dict(headers or {})
+    if retry_after_s is not None:
+        extra["Retry-After"] = str(retry_after_s)
+    return json_response({"error": {"message": message, "type": kind}}, status, extra or None)
+
+
+def parse_json(content_type: str, raw: bytes) -> dict[str, Any]:
+    """The JSON object of a request body (``BadRequest`` otherwise)."""
+    if content_type != "application/json":
+        raise BadRequest(f"expected Content-Type application/json, got {content_type!r}")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"malformed JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+def bearer(request: web.Request) -> str | None:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def matches(given: str | None, expected: str | None) -> bool:
+    """``given`` is ``expected`` (constant time); never true when either is missing."""
+    if given is None or expected is None:
+        return False
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def json_errors(logger: str) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """Middleware: HTTP errors and bugs (logged with their traceback) as JSON."""
+    log = structlog.get_logger(logger)
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return error_response(exc.status, exc.reason or "error", "http_error")
+        except Exception as exc:  # a bug: logged, answered as JSON
+            log.exception("internal_error", path=request.path, error=repr(exc))
+            return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+
+    return middleware

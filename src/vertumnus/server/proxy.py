@@ -1,0 +1,250 @@
+"""The decode proxy: ``serve``'s one front door for completions of more than one
+token, in the P/D shape the field uses (vLLM's disaggregated prefill, SGLang's
+bootstrap room):
+
+    client --POST /v1/completions--> proxy (this server)
+    proxy  --prefill, do_remote_decode--> the pool: KV pinned under a lease
+    proxy  --POST /v1/completions + kv_transfer_params--> decode server
+    decode --GET /v1/kv/{handle}--> the pool (the KV, streamed; the lease ends)
+    decode --tokens (JSON, or server-sent events)--> proxy --> client
+
+The decode server is a local process (``[decode] local``, the default: started
+beside the pool, told the hand-off secret, restarted when it dies) or a separate
+one (``[decode] url``, possibly on another host). A decode server that fails or
+dies mid-stream gives the client an error event; the lease is released if it was
+not pulled; the pool keeps serving. Each answer carries where its time went:
+queue, prefill, hand-off, first decode step, and the time per output token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+import structlog
+from aiohttp import web
+
+from vertumnus.runtime.coordinator import Coordinator, Overloaded, Unavailable
+from vertumnus.runtime.pool import RankPoolError
+from vertumnus.runtime.request_path import PrefillResult
+from vertumnus.runtime.serve_config import DecodeConfig
+from vertumnus.server.handoff_routes import transfer_params
+
+log = structlog.get_logger("vertumnus.proxy")
+
+START_TIMEOUT_S = 120.0  # a local decode process's start (it imports torch, builds the model)
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    headers = {"Retry-After": "2"} if status == 503 else None
+    body = orjson.dumps({"error": {"message": message, "type": kind}})
+    return web.Response(body=body, status=status, content_type="application/json", headers=headers)
+
+
+class DecodeProxy:
+    def __init__(self, coord: Coordinator, cfg: DecodeConfig, model: str) -> None:
+        self.coord, self.cfg, self.model = coord, cfg, model
+        self.url: str | None = cfg.url  # where the decode server listens (None: not yet)
+        self.process: asyncio.subprocess.Process | None = None
+        self.restarts = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._closing = False
+        self._prefill_url = ""
+
+    # -- the local decode process ---------------------------------------------------------
+
+    async def start(self, prefill_url: str) -> None:
+        """``prefill_url``: where this pool listens, for the local decode process."""
+        self._prefill_url = prefill_url
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        if self.cfg.url is None and self.cfg.local:
+            await self._spawn()
+            self._supervisor = asyncio.create_task(self._supervise())
+
+    async def _spawn(self) -> None:
+        engine = self.coord.cfg.engine
+        argv = [
+            sys.executable,
+            "-m",
+            "vertumnus",
+            "decode",
+            "--prefill",
+            self._prefill_url,
+            "--port",
+            "0",
+            "--model",
+            self.model,
+            "--seed",
+            str(engine.seed),
+            "--dtype",
+            engine.dtype,
+        ]
+        env = {**os.environ, "VERTUMNUS_PREFILL_KEY": self.coord.handoffs.secret}
+        process = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, env=env
+        )
+        assert process.stdout is not None
+        try:
+            line = await asyncio.wait_for(process.stdout.readline(), START_TIMEOUT_S)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+            raise RuntimeError("the local decode process did not start in time") from None
+        text = line.decode().strip()
+        if "http://" not in text:
+            await process.wait()
+            raise RuntimeError(f"the local decode process failed to start: {text!r}")
+        self.url = text[text.index("http://") :]
+        self.process = process
+        log.info("decode_started", url=self.url, pid=process.pid, restarts=self.restarts)
+
+    async def _supervise(self) -> None:
+        """Restart the local decode process whenever it ends (until ``close``)."""
+        while not self._closing:
+            process = self.process
+            if process is None:
+                return
+            code = await process.wait()
+            if self._closing:
+                return
+            self.url = None
+            log.error("decode_exited", pid=process.pid, code=code)
+            await asyncio.sleep(self.cfg.restart_s)
+            try:
+                self.restarts += 1
+                await self._spawn()
+            except (RuntimeError, OSError) as exc:
+                log.error("decode_restart_failed", error=str(exc))
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+        if self.process is not None and self.process.returncode is None:
+            self.process.terminate()
+            try:
+                await asyncio.wait_for(self.process.wait(), 10)
+            except TimeoutError:
+                self.process.kill()
+                await self.process.wait()
+        if self._session is not None:
+            await self._session.close()
+
+    # -- a completion ---------------------------------------------------------------------
+
+    async def complete(
+        self, request: web.Request, body: dict[str, Any], tokens: list[int]
+    ) -> web.StreamResponse:
+        coord, arrived = self.coord, time.perf_counter()
+        if self.url is None or self._session is None:
+            return _error(503, "the decode server is (re)starting", "unavailable")
+        try:
+            result = await coord.prefill(tokens, handoff=True)
+        except Overloaded as exc:
+            return _error(503, f"overloaded: {exc}", "overloaded")
+        except (TimeoutError, Unavailable, RankPoolError) as exc:
+            return _error(503, f"unavailable: {exc or 'timed out'}", "unavailable")
+        assert result.handoff is not None
+        params = transfer_params(request, coord, result)
+        forward = {k: v for k, v in body.items() if k not in ("prompt", "kv_transfer_params")}
+        forward.update(prompt=tokens, kv_transfer_params=params)
+        handle = result.handoff.handle
+        url = f"{self.url}/v1/completions"
+        try:
+            if body.get("stream"):
+                return await self._stream(request, url, forward, result, arrived, handle)
+            async with self._session.post(url, json=forward) as answer:
+                data = await answer.read()
+                if answer.status != 200:
+                    self._release(handle)
+                    return web.Response(
+                        body=data, status=answer.status, content_type="application/json"
+                    )
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            self._release(handle)
+            return _error(503, f"the decode server failed: {exc}", "unavailable")
+        out = orjson.loads(data)
+        out["timings"] = self._timings(result, out.get("timings", {}), arrived)
+        usage = out.setdefault("usage", {})
+        usage["prompt_tokens_details"] = {"cached_tokens": result.cached_tokens}
+        return web.Response(body=orjson.dumps(out), content_type="application/json")
+
+    async def _stream(
+        self,
+        request: web.Request,
+        url: str,
+        forward: dict[str, Any],
+        result: PrefillResult,
+        arrived: float,
+        handle: str,
+    ) -> web.StreamResponse:
+        """Relay the decode server's events as they come; a failure after the first
+        byte becomes an error event, then the end."""
+        assert self._session is not None
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        first: float | None = None
+        try:
+            async with self._session.post(url, json=forward) as answer:
+                if answer.status != 200:
+                    self._release(handle)
+                    data = await answer.read()
+                    return web.Response(
+                        body=data, status=answer.status, content_type="application/json"
+                    )
+                await response.prepare(request)
+                async for line in answer.content:
+                    if first is None:
+                        first = time.perf_counter()
+                    if line.startswith(b"data: {") and b'"usage"' in line:
+                        line = self._last_event(line, result, arrived)
+                    await response.write(line)
+        except (aiohttp.ClientError, ConnectionError, asyncio.IncompleteReadError) as exc:
+            self._release(handle)
+            if not response.prepared:
+                return _error(503, f"the decode server failed: {exc}", "unavailable")
+            event = {"error": {"message": f"the decode server failed: {exc}", "type": "decode"}}
+            await response.write(b"data: " + orjson.dumps(event) + b"\n\n")
+        if first is not None:
+            ttft = first - arrived
+            log.info("streamed", request_id=result.request_id, ttft_s=round(ttft, 6))
+        await response.write_eof()
+        return response
+
+    def _last_event(self, line: bytes, result: PrefillResult, arrived: float) -> bytes:
+        """The decode server's last event (it carries the usage): with the pool's
+        share of the request, as a non-streamed answer has it."""
+        event = orjson.loads(line[len(b"data: ") :])
+        event["timings"] = self._timings(result, event.get("timings") or {}, arrived)
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            usage["prompt_tokens_details"] = {"cached_tokens": result.cached_tokens}
+        return b"data: " + orjson.dumps(event) + b"\n"
+
+    def _release(self, handle: str) -> None:
+        """The decode side never pulled (or failed): the lease ends now."""
+        self.coord.handoffs.end(handle, "released")
+
+    def _timings(
+        self, result: PrefillResult, decode: dict[str, Any], arrived: float
+    ) -> dict[str, Any]:
+        """TTFT split into queue, prefill, hand-off and first decode step."""
+        handoff_s = float(decode.get("handoff_s", 0.0))
+        first_step_s = float(decode.get("first_step_s", 0.0))
+        return {
+            "queue_s": round(result.queue_s, 6),
+            "prefill_s": round(result.prefill_s, 6),
+            "handoff_s": round(handoff_s, 6),
+            "handoff_bytes": decode.get("handoff_bytes"),
+            "first_step_s": round(first_step_s, 6),
+            "ttft_s": round(result.ttft_s + handoff_s + first_step_s, 6),
+            "tpot_s": decode.get("tpot_s"),
+            "total_s": round(time.perf_counter() - arrived, 6),
+        }

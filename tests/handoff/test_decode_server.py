@@ -1,0 +1,583 @@
+"""The decode server's API (``handoff/decode_server.py``) in process, against a fake
+prefill pool: a tiny aiohttp app that keeps a prompt's KV (computed by the model)
+under a handle, streams it in ``wire.py``'s format and answers as the pool does.
+Answers, streamed or not, carry the engine's greedy ids; the pool's refusals and
+broken streams become clear errors; what the client sends is checked field by field;
+the bearer goes to the pool; a failed step ends a stream with an error event; a
+client that goes away leaves the batch; ``pull`` reads bfloat16 in uneven chunks.
+Last, ``python -m vertumnus decode`` as a process (multiproc): it serves, and exits 0
+on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import torch
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from support.factories import make_tokens
+from vertumnus.cli.decode import eos_token_ids
+from vertumnus.config import ConfigError
+from vertumnus.engine.model import Qwen3ForCausalLM, causal_attention
+from vertumnus.handoff import wire
+from vertumnus.handoff.decode_engine import DecodeEngine, StepOutput
+from vertumnus.handoff.decode_server import DecodeSettings, build_app
+from vertumnus.handoff.kv_client import HandoffError, pull, release
+from vertumnus.handoff.sampling import SamplingParams
+from vertumnus.server.tokenizer import Tokenizer
+
+POOL_KEY = "pool-key-0123456789abcdef"
+API_KEY = "decode-key-0123456789abcdef"
+TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@torch.inference_mode()
+def prompt_kv(model: Qwen3ForCausalLM, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [L, n, Hkv, D] of the prompt but its last token."""
+    ks, vs = [], []
+    reference = causal_attention()
+
+    def capture(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ks.append(k.clone())
+        vs.append(v.clone())
+        return reference(layer, q, k, v)
+
+    n, cfg = len(prompt) - 1, model.config
+    if n == 0:
+        empty = torch.empty(cfg.num_hidden_layers, 0, cfg.num_key_value_heads, cfg.head_dim)
+        return empty, empty
+    model(torch.tensor(prompt[:-1]), torch.arange(n), capture)
+    return torch.stack(ks), torch.stack(vs)
+
+
+def greedy_ids(model: Qwen3ForCausalLM, prompt: list[int], max_tokens: int) -> list[int]:
+    """What the engine decodes alone from the prompt's KV."""
+    k, v = prompt_kv(model, prompt)
+    engine = DecodeEngine(model)
+    engine.add(0, list(zip(k, v, strict=True)), prompt[-1], SamplingParams(0.0), max_tokens)
+    ids: list[int] = []
+    while len(engine):
+        ids += [o.token_id for o in engine.step()]
+    return ids
+
+
+class FakePool:
+    """The prefill pool's hand-off, in process. ``POST /v1/completions`` keeps the
+    prompt's KV under a new handle; ``GET /v1/kv/{handle}`` streams it once, in chunks
+    of ``chunk_tokens`` (then 410); ``DELETE`` releases it. Every call needs
+    ``Bearer key``. Switches: ``busy`` (503 prefills), ``truncate`` (the stream stops
+    after its first chunk), ``layers`` (a header of another model)."""
+
+    def __init__(self, model: Qwen3ForCausalLM, dtype: str = "float32", chunk_tokens: int = 4):
+        self.model, self.dtype, self.chunk_tokens = model, dtype, chunk_tokens
+        self.key = POOL_KEY
+        self.leases: dict[str, tuple[wire.KVHeader, torch.Tensor, torch.Tensor]] = {}
+        self.ended: set[str] = set()
+        self.auth: list[str | None] = []
+        self.prefills = 0
+        self.released: list[str] = []
+        self.busy = self.truncate = False
+        self.layers: int | None = None
+        self.port = 0
+        self._ids = itertools.count()
+
+    def keep(self, prompt: list[int]) -> dict[str, Any]:
+        """The prompt's KV under a new lease; its kv_transfer_params."""
+        handle = f"h{next(self._ids)}"
+        k, v = prompt_kv(self.model, prompt)
+        cfg = self.model.config
+        header = wire.KVHeader(
+            handle=handle,
+            num_tokens=len(prompt) - 1,
+            num_layers=self.layers or cfg.num_hidden_layers,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            dtype=self.dtype,
+            block_size=16,
+            model=cfg.name,
+        )
+        self.leases[handle] = (header, k.to(TORCH[self.dtype]), v.to(TORCH[self.dtype]))
+        return {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "remote_host": "127.0.0.1",
+            "remote_port": self.port,
+            "remote_handle": handle,
+            "num_tokens": len(prompt) - 1,
+            "prompt_tokens": len(prompt),
+            "block_size": 16,
+            "model": cfg.name,
+            "expires_at": 0,
+            "transport": "http",
+        }
+
+    def stream_bytes(self, num_tokens: int) -> int:
+        cfg = self.model.config
+        dims = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        header = wire.KVHeader("h0", num_tokens, *dims, self.dtype, 16, cfg.name)
+        chunks = -(-num_tokens // self.chunk_tokens)
+        return len(header.encode()) + header.total_bytes + (chunks + 1) * wire.CHUNK_HEADER_BYTES
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        given = request.headers.get("Authorization")
+        self.auth.append(given)
+        if given != f"Bearer {self.key}":
+            return _pool_error(401, "a valid key is needed")
+        return await handler(request)
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth])
+        app.add_routes(
+            [
+                web.post("/v1/completions", self._completions),
+                web.get("/v1/kv/{handle}", self._pull),
+                web.delete("/v1/kv/{handle}", self._release),
+            ]
+        )
+        return app
+
+    async def _completions(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        assert body["max_tokens"] == 1 and body["kv_transfer_params"] == {"do_remote_decode": True}
+        if self.busy:
+            return _pool_error(503, "overloaded")
+        self.prefills += 1
+        return web.json_response({"kv_transfer_params": self.keep(body["prompt"])})
+
+    def _lease(
+        self, handle: str
+    ) -> tuple[wire.KVHeader, torch.Tensor, torch.Tensor] | web.Response:
+        if handle in self.ended:
+            return _pool_error(410, f"the KV hand-off {handle!r} has ended")
+        if handle not in self.leases:
+            return _pool_error(404, f"unknown KV hand-off {handle!r}")
+        return self.leases.pop(handle)
+
+    async def _pull(self, request: web.Request) -> web.StreamResponse:
+        lease = self._lease(request.match_info["handle"])
+        if isinstance(lease, web.Response):
+            return lease
+        header, k, v = lease
+        self.ended.add(header.handle)
+        response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        await response.prepare(request)
+        await response.write(header.encode())
+        for start in range(0, header.num_tokens, self.chunk_tokens):
+            rows = slice(start, start + self.chunk_tokens)
+            tokens = k[:, rows].shape[1]
+            await response.write(wire.chunk_header(tokens) + _raw(k[:, rows]) + _raw(v[:, rows]))
+            if self.truncate:
+                return response  # ends cleanly, without the end mark
+        await response.write(wire.END)
+        return response
+
+    async def _release(self, request: web.Request) -> web.Response:
+        lease = self._lease(request.match_info["handle"])
+        if isinstance(lease, web.Response):
+            return lease
+        self.released.append(lease[0].handle)
+        self.ended.add(lease[0].handle)
+        return web.json_response({"released": lease[0].handle})
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _pool_error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "x"}}, status=status)
+
+
+@asynccontextmanager
+async def serving(
+    model: Qwen3ForCausalLM, pool: FakePool, engine: DecodeEngine | None = None, **settings: Any
+) -> AsyncIterator[TestClient[web.Request, web.Application]]:
+    """The fake pool and a decode server in front of it, on free local ports."""
+    async with TestServer(pool.app()) as pool_server:
+        pool.port = pool_server.port or 0
+        fields: dict[str, Any] = dict(
+            model=model.config, prefill_url=f"http://127.0.0.1:{pool.port}", prefill_key=POOL_KEY
+        )
+        fields.update(settings)
+        tokenizer = Tokenizer.for_model(None, model.config.vocab_size)
+        engine = engine if engine is not None else DecodeEngine(model)  # (empty: falsy)
+        app = build_app(engine, tokenizer, DecodeSettings(**fields))
+        async with TestClient(TestServer(app)) as client:
+            yield client
+
+
+def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(main())
+
+
+def events(text: str) -> list[Any]:
+    """The server-sent events of a finished stream: JSON objects, then "[DONE]"."""
+    out: list[Any] = []
+    for block in text.split("\n\n"):
+        if block:
+            assert block.startswith("data: "), block
+            data = block.removeprefix("data: ")
+            out.append(data if data == "[DONE]" else orjson.loads(data))
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_answers_carry_the_engine_greedy_ids(tiny_model: Qwen3ForCausalLM) -> None:
+    tokenizer = Tokenizer.for_model(None, tiny_model.config.vocab_size)
+    prompts = [make_tokens(9, seed=1), tokenizer.encode("the prompt, as text"), [7]]
+    expected = [greedy_ids(tiny_model, p, 6) for p in prompts]
+    pool = FakePool(tiny_model, chunk_tokens=4)
+
+    async def main() -> None:
+        async with serving(tiny_model, pool) as client:
+            bodies = [
+                {"model": "tiny", "prompt": p, "max_tokens": 6, "temperature": 0}
+                for p in (prompts[0], "the prompt, as text", prompts[2])
+            ]
+            answers = await asyncio.gather(
+                *(client.post("/v1/completions", json=b) for b in bodies)
+            )
+            for resp, prompt, ids in zip(answers, prompts, expected, strict=True):
+                assert resp.status == 200, await resp.text()
+                body = await resp.json()
+                (choice,) = body["choices"]
+                assert choice["token_ids"] == ids and choice["finish_reason"] == "length"
+                assert choice["text"] == tokenizer.decode(ids)
+                assert body["object"] == "text_completion" and body["model"] == "tiny"
+                assert body["usage"] == {
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": 6,
+                    "total_tokens": len(prompt) + 6,
+                }
+                timings = body["timings"]
+                assert timings["handoff_bytes"] == pool.stream_bytes(len(prompt) - 1)
+                assert timings["prefill_s"] > 0 and timings["first_step_s"] > 0
+                assert timings["tpot_s"] == pytest.approx(timings["decode_s"] / 5)
+
+    run(main)
+    assert pool.prefills == 3 and pool.leases == {} and len(pool.ended) == 3
+    assert pool.auth == [f"Bearer {POOL_KEY}"] * 6  # three prefills, three pulls
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_with_kv_transfer_params(tiny_model: Qwen3ForCausalLM) -> None:
+    tokenizer = Tokenizer.for_model(None, tiny_model.config.vocab_size)
+    prompt = tokenizer.encode("héllo wörld")  # multi-byte characters: held back whole
+    expected = greedy_ids(tiny_model, prompt, 5)
+    pool = FakePool(tiny_model, dtype="float32", chunk_tokens=3)
+
+    async def main() -> None:
+        async with serving(tiny_model, pool) as client:
+            params = pool.keep(prompt)  # as a proxy would have it from the pool
+            body = {"prompt": prompt, "max_tokens": 5, "temperature": 0, "stream": True}
+            body["kv_transfer_params"] = params
+            resp = await client.post("/v1/completions", json=body)
+            assert resp.status == 200 and resp.content_type == "text/event-stream"
+            got = events(await resp.text())
+        assert got[-1] == "[DONE]"
+        chunks = got[:-1]
+        assert [c["choices"][0]["token_ids"] for c in chunks] == [[i] for i in expected]
+        reasons = [c["choices"][0]["finish_reason"] for c in chunks]
+        assert reasons == [None] * 4 + ["length"]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == tokenizer.decode(expected)
+        assert chunks[-1]["usage"]["completion_tokens"] == 5
+        assert chunks[-1]["timings"]["prefill_s"] is None
+
+    run(main)
+    assert pool.prefills == 0 and pool.ended == {"h0"}
+
+
+@pytest.mark.timeout(60)
+def test_the_pools_refusals_and_broken_streams_are_clear_errors(
+    tiny_model: Qwen3ForCausalLM,
+) -> None:
+    pool = FakePool(tiny_model)
+    prompt = make_tokens(6, seed=2)
+
+    async def main() -> None:
+        async with serving(tiny_model, pool) as client:
+
+            async def ask(**params: Any) -> tuple[int, str, Any]:
+                body = {"prompt": prompt, "max_tokens": 2}
+                if params:
+                    body["kv_transfer_params"] = params
+                resp = await client.post("/v1/completions", json=body)
+                answer = await resp.json()
+                return resp.status, answer["error"]["message"], resp.headers
+
+            kept = pool.keep(prompt)
+            status, message, _ = await ask(**{**kept, "remote_handle": "nope"})
+            assert status == 502 and "HTTP 404: unknown KV hand-off 'nope'" in message
+            pulled = {"prompt": prompt, "max_tokens": 2, "kv_transfer_params": kept}
+            assert (await client.post("/v1/completions", json=pulled)).status == 200
+            status, message, _ = await ask(**kept)  # pulled already
+            assert status == 502 and "HTTP 410: the KV hand-off 'h0' has ended" in message
+            status, message, _ = await ask(**{**pool.keep(prompt), "num_tokens": 9})
+            assert status == 400 and "'kv_transfer_params.num_tokens' is 9" in message
+            assert pool.released == ["h1"]  # given back at once
+            pool.truncate = True
+            status, message, _ = await ask()
+            assert status == 502 and "truncated" in message
+            pool.truncate, pool.layers = False, 3
+            status, message, _ = await ask()
+            assert status == 502 and "3 layers" in message and "serve the same model" in message
+            pool.layers, pool.busy = None, True
+            status, message, headers = await ask()
+            assert status == 503 and "overloaded" in message and headers["Retry-After"] == "1"
+            pool.busy, pool.key = False, "another-key-0123456789"
+            status, message, _ = await ask()
+            assert status == 502 and "HTTP 401: a valid key is needed" in message
+            with socket.socket() as s:  # a port where nobody listens
+                s.bind(("127.0.0.1", 0))
+                closed = s.getsockname()[1]
+            status, message, _ = await ask(**{**kept, "remote_port": closed})
+            assert status == 502 and "cannot reach the prefill pool" in message
+
+    run(main)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"prompt": None}, "'prompt'"),
+        ({"prompt": []}, "'prompt' is empty"),
+        ({"prompt": [[1, 2], [3]]}, "one prompt per request"),
+        ({"prompt": [1, 5000]}, "outside the vocabulary"),
+        ({"max_tokens": 0}, "'max_tokens'"),
+        ({"temperature": -1}, "'temperature'"),
+        ({"top_p": 0}, "'top_p'"),
+        ({"seed": "x"}, "'seed'"),
+        ({"stream": "yes"}, "'stream'"),
+        ({"ignore_eos": 1}, "'ignore_eos'"),
+        ({"n": 2}, "'n'"),
+        ({"kv_transfer_params": {"remote_host": "h"}}, "kv_transfer_params.remote_port"),
+    ],
+)
+def test_bad_requests_name_the_field(
+    tiny_model: Qwen3ForCausalLM, change: dict[str, Any], field: str
+) -> None:
+    async def main() -> None:
+        async with serving(tiny_model, FakePool(tiny_model)) as client:
+            resp = await client.post("/v1/completions", json={"prompt": [1, 2, 3]} | change)
+            body = await resp.json()
+            assert resp.status == 400 and field in body["error"]["message"], body
+            assert body["error"]["type"] == "invalid_request_error"
+            json_type = {"Content-Type": "application/json"}
+            resp = await client.post("/v1/completions", data=b"{", headers=json_type)
+            assert resp.status == 400
+
+    run(main)
+
+
+@pytest.mark.timeout(60)
+def test_the_api_key_guards_v1_and_eos_stops(tiny_model: Qwen3ForCausalLM) -> None:
+    prompt = make_tokens(5, seed=3)
+    free = greedy_ids(tiny_model, prompt, 6)
+    eos = free[2]
+
+    async def main() -> None:
+        async with serving(
+            tiny_model, FakePool(tiny_model), api_key=API_KEY, eos_token_ids=(eos,)
+        ) as client:
+            body = {"prompt": prompt, "max_tokens": 6, "temperature": 0}
+            resp = await client.post("/v1/completions", json=body)
+            assert resp.status == 401 and resp.headers["WWW-Authenticate"].startswith("Bearer")
+            assert (await client.get("/health")).status == 200
+            auth = {"Authorization": f"Bearer {API_KEY}"}
+            models = await (await client.get("/v1/models", headers=auth)).json()
+            assert models["data"][0]["id"] == "tiny"
+            choice = (await (await client.post("/v1/completions", json=body, headers=auth)).json())[
+                "choices"
+            ][0]
+            assert choice["token_ids"] == free[: free.index(eos) + 1]
+            assert choice["finish_reason"] == "stop"
+            body["ignore_eos"] = True
+            resp = await client.post("/v1/completions", json=body, headers=auth)
+            assert (await resp.json())["choices"][0]["token_ids"] == free
+
+    run(main)
+
+
+class FailingEngine(DecodeEngine):
+    """Its ``fail_at``-th step (counted from 1) raises."""
+
+    def __init__(self, model: Qwen3ForCausalLM, fail_at: int) -> None:
+        super().__init__(model)
+        self.steps, self.fail_at = 0, fail_at
+
+    def step(self) -> list[StepOutput]:
+        self.steps += 1
+        if self.steps == self.fail_at:
+            raise RuntimeError("an injected failure")
+        return super().step()
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_step_ends_the_stream_with_an_error_event(tiny_model: Qwen3ForCausalLM) -> None:
+    prompt = make_tokens(5, seed=7)
+    expected = greedy_ids(tiny_model, prompt, 3)
+
+    async def main() -> None:
+        engine = FailingEngine(tiny_model, fail_at=2)
+        async with serving(tiny_model, FakePool(tiny_model), engine) as client:
+            body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "stream": True}
+            resp = await client.post("/v1/completions", json=body)
+            first, error = events(await resp.text())
+            assert first["choices"][0]["token_ids"] == expected[:1]
+            assert error == {
+                "error": {
+                    "message": "decode step failed: RuntimeError: an injected failure",
+                    "type": "decode_error",
+                }
+            }
+            # The decode thread goes on: the next request is whole.
+            resp = await client.post("/v1/completions", json=body | {"stream": False})
+            assert (await resp.json())["choices"][0]["token_ids"] == expected
+            engine.fail_at = engine.steps + 1
+            resp = await client.post("/v1/completions", json=body | {"stream": False})
+            assert resp.status == 500 and (await resp.json())["error"]["type"] == "decode_error"
+
+    run(main)
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_goes_away_leaves_the_batch(tiny_model: Qwen3ForCausalLM) -> None:
+    async def main() -> None:
+        async with serving(tiny_model, FakePool(tiny_model)) as client:
+            body = {"prompt": make_tokens(5, seed=4), "max_tokens": 1_000_000, "stream": True}
+            resp = await client.post("/v1/completions", json=body)
+            await resp.content.readuntil(b"\n\n")
+            assert (await (await client.get("/health")).json())["active_sequences"] == 1
+            resp.close()
+            for _ in range(200):
+                health = await (await client.get("/health")).json()
+                if health["active_sequences"] == 0:
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError("the sequence of a closed stream is still decoding")
+
+    run(main)
+
+
+@pytest.mark.timeout(60)
+def test_pull_reads_bfloat16_in_uneven_chunks(tiny_model: Qwen3ForCausalLM) -> None:
+    pool = FakePool(tiny_model, dtype="bfloat16", chunk_tokens=3)
+    prompt = make_tokens(12, seed=5)
+
+    async def main() -> None:
+        async with TestServer(pool.app()) as server:
+            pool.port = server.port or 0
+            base = f"http://127.0.0.1:{pool.port}"
+            handle = pool.keep(prompt)["remote_handle"]
+            _, k, v = pool.leases[handle]
+            pulled = await pull(base, handle, POOL_KEY, model=tiny_model.config)
+            assert pulled.header.dtype == "bfloat16" and len(pulled.kv) == 4
+            for layer, (pk, pv) in enumerate(pulled.kv):
+                assert pk.dtype == torch.bfloat16 and torch.equal(pk, k[layer])
+                assert torch.equal(pv, v[layer])
+            assert pulled.num_bytes == pool.stream_bytes(11) and pulled.seconds > 0
+            with pytest.raises(HandoffError, match="HTTP 410") as err:
+                await pull(base, handle, POOL_KEY)
+            assert err.value.status == 410 and err.value.kind == "http"
+            second = pool.keep(prompt)["remote_handle"]
+            assert await release(base, second, POOL_KEY) is True
+            assert await release(base, second, POOL_KEY) is False  # gone already
+
+    run(main)
+
+
+@pytest.mark.timeout(30)
+def test_end_of_sequence_ids_come_from_the_model_folder(tmp_path: Path) -> None:
+    assert eos_token_ids(None) == ()
+    (tmp_path / "config.json").write_text('{"eos_token_id": 7}')
+    assert eos_token_ids(str(tmp_path)) == (7,)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [3, 9]}')
+    assert eos_token_ids(str(tmp_path)) == (3, 9)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": "x"}')
+    with pytest.raises(ConfigError, match="eos_token_id must be an id or a list of ids"):
+        eos_token_ids(str(tmp_path))
+
+
+@contextmanager
+def pool_in_thread(pool: FakePool) -> Iterator[str]:
+    """The fake pool on a free port, served by an event loop of its own thread."""
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(pool.app())
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+    pool.port = runner.addresses[0][1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{pool.port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_the_decode_command_serves_and_stops_on_sigterm(
+    tiny_model: Qwen3ForCausalLM, tmp_path: Path
+) -> None:
+    prompt = make_tokens(7, seed=6)
+    expected = greedy_ids(tiny_model, prompt, 4)
+    pool = FakePool(tiny_model)
+    command = [sys.executable, "-m", "vertumnus", "decode", "--port", "0", "--device", "cpu"]
+    env = {**os.environ, "VERTUMNUS_PREFILL_KEY": POOL_KEY, "VERTUMNUS_DECODE_API_KEY": API_KEY}
+    with pool_in_thread(pool) as url, (tmp_path / "decode.log").open("w") as log:
+        proc = subprocess.Popen(
+            [*command, "--prefill", url, "--dtype", "float32"],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert line.startswith("vertumnus listening on http://127.0.0.1:"), (
+                line + (tmp_path / "decode.log").read_text()[-2000:]
+            )
+            body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+            req = urllib.request.Request(
+                line.split()[-1] + "/v1/completions",
+                data=orjson.dumps(body),
+                headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+            )
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                answer = orjson.loads(resp.read())
+            assert answer["choices"][0]["token_ids"] == expected
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    logs = [orjson.loads(x) for x in (tmp_path / "decode.log").read_text().splitlines()]
+    assert [e["event"] for e in logs if e["event"] in ("listening", "completion", "stopped")] == [
+        "listening",
+        "completion",
+        "stopped",
+    ]
+    assert pool.auth == [f"Bearer {POOL_KEY}"] * 2

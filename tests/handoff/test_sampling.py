@@ -1,0 +1,105 @@
+"""Token choice from logits (``handoff/sampling.py``): greedy is the argmax, top-p
+keeps the smallest set of most likely ids that reaches the mass, seeded draws are
+reproducible and follow the distribution, and bad parameters are refused."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vertumnus.handoff.sampling import (
+    SamplingParams,
+    make_generator,
+    nucleus_probs,
+    sample,
+    sample_rows,
+)
+
+CPU = torch.device("cpu")
+# Probabilities 0.5, 0.3, 0.15, 0.05 as logits.
+LOGITS = torch.tensor([math.log(p) for p in (0.5, 0.3, 0.15, 0.05)])
+
+
+def draws(logits: torch.Tensor, params: SamplingParams, n: int) -> list[int]:
+    gen = make_generator(params, CPU)
+    return [sample(logits, params, gen) for _ in range(n)]
+
+
+@pytest.mark.timeout(30)
+def test_greedy_is_the_argmax_and_draws_nothing() -> None:
+    logits = torch.tensor([0.1, 3.0, -2.0, 3.0])
+    for temperature in (0.0, 1e-6):
+        params = SamplingParams(temperature=temperature, top_p=0.5, seed=3)
+        assert params.greedy and make_generator(params, CPU) is None
+        assert sample(logits, params, None) == 1  # ties: the lowest id
+    with pytest.raises(ValueError, match="generator"):
+        sample(logits, SamplingParams(temperature=1.0), None)
+
+
+@pytest.mark.timeout(30)
+def test_top_p_keeps_the_smallest_set_that_reaches_the_mass() -> None:
+    expected = {
+        0.4: [1.0, 0.0, 0.0, 0.0],  # the most likely id alone has 0.5 >= 0.4
+        0.7: [0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0],
+        0.9: [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0],
+        1.0: [0.5, 0.3, 0.15, 0.05],
+    }
+    for top_p, probs in expected.items():
+        got = nucleus_probs(LOGITS, temperature=1.0, top_p=top_p)
+        torch.testing.assert_close(got, torch.tensor(probs), atol=1e-6, rtol=0)
+    # Temperature sharpens: at 0.5 the probabilities go as p^2.
+    squares = torch.tensor([0.25, 0.09, 0.0225, 0.0025])
+    torch.testing.assert_close(
+        nucleus_probs(LOGITS, 0.5, 1.0), squares / squares.sum(), atol=1e-6, rtol=0
+    )
+    # A tiny top_p always draws the most likely id.
+    assert set(draws(LOGITS, SamplingParams(temperature=1.0, top_p=0.01, seed=0), 50)) == {0}
+
+
+@pytest.mark.timeout(30)
+def test_seeded_draws_are_reproducible_and_follow_the_distribution() -> None:
+    flat = torch.zeros(1024)
+    same = SamplingParams(temperature=1.0, seed=11)
+    assert draws(flat, same, 20) == draws(flat, same, 20)
+    assert draws(flat, same, 20) != draws(flat, SamplingParams(temperature=1.0, seed=12), 20)
+    # No seed: a random one per sequence.
+    unseeded = SamplingParams(temperature=1.0)
+    assert draws(flat, unseeded, 20) != draws(flat, unseeded, 20)
+    counts = torch.bincount(torch.tensor(draws(LOGITS, same, 4000)), minlength=4) / 4000
+    torch.testing.assert_close(counts, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03, rtol=0)
+    # top_p 0.7: ids 2 and 3 are never drawn.
+    assert set(draws(LOGITS, SamplingParams(temperature=1.0, top_p=0.7, seed=1), 500)) == {0, 1}
+
+
+@pytest.mark.timeout(30)
+def test_rows_are_chosen_each_by_its_own_params() -> None:
+    logits = torch.stack([LOGITS, LOGITS.flip(0), torch.zeros(4)])
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, seed=5),
+    ]
+    gens = [make_generator(p, CPU) for p in params]
+    first = sample_rows(logits, params, gens)
+    assert first[:2] == [0, 3]
+    again = sample_rows(logits, params, [make_generator(p, CPU) for p in params])
+    assert again == first  # the seeded row too
+    with pytest.raises(ValueError, match="3 rows of logits, 2 params"):
+        sample_rows(logits, params[:2], gens[:2])
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -0.5}, "temperature must be >= 0"),
+        ({"temperature": math.nan}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+    ],
+)
+def test_bad_parameters_are_refused(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)

@@ -1,0 +1,182 @@
+"""The prefill side of the KV hand-off on real rank processes (gloo): a request with
+``kv_transfer_params.do_remote_decode`` keeps its prompt's KV under a lease; the
+pull streams it in sequence order (gathered from a CP worker's ranks, the rows no
+block holds from the prefill itself) and equals a single-process reference; 404,
+410 and 401 are JSON; and no lease, pin or row is left after many requests that
+are pulled, released or abandoned."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from aiohttp.test_utils import TestClient, TestServer
+
+from support.factories import TINY, engine_config, make_profile, make_tokens
+from vertumnus.config.pool import PoolConfig
+from vertumnus.engine.model import Qwen3ForCausalLM, causal_attention
+from vertumnus.handoff import wire
+from vertumnus.perfmodel import DegreeCoeffs
+from vertumnus.policy.pool_config import PolicyConfig
+from vertumnus.runtime.coordinator import Coordinator
+from vertumnus.runtime.serve_config import HandoffConfig, ServeConfig
+from vertumnus.server.app import build_app
+from vertumnus.server.tokenizer import Tokenizer
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("no_leftover_ranks")]
+ATOL = 1e-4
+
+
+def make_config(tmp_path: Path, layout: tuple[int, ...], **handoff: Any) -> ServeConfig:
+    coeffs = {
+        1: DegreeCoeffs(d=0.004, c=3e-5, alpha=3e-8),
+        2: DegreeCoeffs(d=0.009, c=4e-5, alpha=2e-8),
+    }
+    profile = make_profile(coeffs, {1: 10.0, 2: 15.0}, model="tiny", hardware="cpu")
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    return ServeConfig(
+        pool=PoolConfig((1, 2), layout),
+        engine=engine_config(),
+        profile=str(path),
+        policy=PolicyConfig(adaptive=False, replication=False),
+        handoff=HandoffConfig(**handoff),
+    )
+
+
+def reference_kv(model: Qwen3ForCausalLM, tokens: list[int]) -> torch.Tensor:
+    """K and V of every token, [2, layers, n, Hkv, D], from one causal pass."""
+    layers: list[torch.Tensor] = []
+    attend = causal_attention()
+
+    def capture(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        layers.append(torch.stack((k, v)))
+        return attend(layer, q, k, v)
+
+    with torch.inference_mode():
+        ids = torch.tensor(tokens, dtype=torch.long)
+        model(ids, torch.arange(len(tokens)), capture)
+    return torch.stack(layers, dim=1)
+
+
+def parse(stream: bytes) -> tuple[wire.KVHeader, torch.Tensor]:
+    """The wire format read back: its header and [2, layers, n, Hkv, D]."""
+    n = wire.header_length(stream[:4])
+    header = wire.KVHeader.decode(stream[4 : 4 + n])
+    at, parts = 4 + n, []
+    shape = (header.num_layers, header.num_kv_heads, header.head_dim)
+    while True:
+        tokens = wire.parse_chunk_header(stream[at : at + 8])
+        at += 8
+        if tokens is None:
+            break
+        size = tokens * header.token_bytes
+        data = torch.frombuffer(bytearray(stream[at : at + size]), dtype=torch.float32)
+        parts.append(data.view(2, shape[0], tokens, *shape[1:]))
+        at += size
+    assert at == len(stream), "bytes after the end mark"
+    rows = torch.cat(parts, dim=2) if parts else torch.empty(2, shape[0], 0, *shape[1:])
+    assert rows.shape[2] == header.num_tokens
+    return header, rows
+
+
+async def handoff(client: TestClient, tokens: list[int]) -> dict[str, Any]:
+    body = {"token_ids": tokens, "kv_transfer_params": {"do_remote_decode": True}}
+    response = await client.post("/v1/prefill", json=body)
+    assert response.status == 200, await response.text()
+    params: dict[str, Any] = (await response.json())["kv_transfer_params"]
+    return params
+
+
+def pins(coord: Coordinator) -> int:
+    """Blocks held in use in every worker's cache index (no prefill runs)."""
+    return sum(1 for index in coord.indexes.values() for e in index._entries.values() if e.refcount)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", [(1, 1), (2,)], ids=["cp1", "cp2"])
+def test_the_pull_streams_the_prompts_kv_in_order(
+    tmp_path: Path, tiny_model: Qwen3ForCausalLM, layout: tuple[int, ...]
+) -> None:
+    async def main() -> None:
+        coord = Coordinator(make_config(tmp_path, layout))
+        await coord.start()
+        secret = {"Authorization": f"Bearer {coord.handoffs.secret}"}
+        try:
+            app = build_app(coord, Tokenizer.for_model(None, TINY.vocab_size))
+            async with TestClient(TestServer(app)) as client:
+                shared = make_tokens(80, seed=1)
+                # a partial last block, an exact multiple of the block, under one
+                # block, and one whose first 80 tokens are cached by the first
+                for tokens in ([*shared, 5, 6, 7], make_tokens(48, 2), [9, 8, 7], [*shared, 1]):
+                    params = await handoff(client, tokens)
+                    assert params["num_tokens"] == len(tokens) - 1
+                    assert params["do_remote_prefill"] and params["remote_port"] == client.port
+                    url = f"/v1/kv/{params['remote_handle']}"
+                    assert (await client.get(url)).status == 401  # never open
+                    response = await client.get(url, headers=secret)
+                    assert response.status == 200
+                    header, rows = parse(await response.read())
+                    assert header.model == "tiny" and header.dtype == "float32"
+                    ref = reference_kv(tiny_model, tokens[:-1])
+                    assert float((rows - ref).abs().max()) < ATOL
+                    again = await client.get(url, headers=secret)  # pulled: the lease ended
+                    assert again.status == 410
+                    assert "pulled" in (await again.json())["error"]["message"]
+                missing = await client.get("/v1/kv/kv-nothing", headers=secret)
+                assert missing.status == 404 and (await missing.json())["error"]["type"]
+                assert coord.handoffs.view()["open"] == 0 and pins(coord) == 0
+        finally:
+            await coord.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(300)
+def test_no_lease_or_pin_is_left_after_pulls_releases_and_abandonment(tmp_path: Path) -> None:
+    """1,000 hand-offs on two workers, each pulled, released or abandoned (left to
+    expire): the leases, the pinned blocks and the held rows return to zero."""
+
+    async def main() -> None:
+        cfg = make_config(tmp_path, (1, 1), lease_s=0.5)
+        coord = Coordinator(dataclasses.replace(cfg, max_queued=64))
+        await coord.start()
+        secret = {"Authorization": f"Bearer {coord.handoffs.secret}"}
+        rng = random.Random(0)
+        try:
+            app = build_app(coord, Tokenizer.for_model(None, TINY.vocab_size))
+            async with TestClient(TestServer(app)) as client:
+
+                async def one(n: int) -> str:
+                    tokens = make_tokens(rng.randrange(2, 70), seed=n % 50)
+                    params = await handoff(client, tokens)
+                    url = f"/v1/kv/{params['remote_handle']}"
+                    fate = rng.choice(("pull", "release", "abandon"))
+                    if fate == "pull":
+                        assert (await client.get(url, headers=secret)).status == 200
+                    elif fate == "release":
+                        assert (await client.delete(url, headers=secret)).status == 200
+                    return fate
+
+                fates: list[str] = []
+                for start in range(0, 1000, 50):
+                    fates += await asyncio.gather(*(one(n) for n in range(start, start + 50)))
+                counts = coord.handoffs.counts
+                assert counts["pulled"] == fates.count("pull")
+                assert counts["released"] == fates.count("release")
+                await asyncio.sleep(0.7)  # past every lease
+                view = coord.handoffs.view()
+                assert (view["open"], view["pinned_blocks"], view["held_rows"]) == (0, 0, 0)
+                assert counts["expired"] == fates.count("abandon") and counts["opened"] == 1000
+                assert pins(coord) == 0
+                for index in coord.indexes.values():
+                    index.check_invariants()
+        finally:
+            await coord.close()
+
+    asyncio.run(main())

@@ -1,0 +1,178 @@
+"""The KV hand-off's bandwidth against a plain socket copy of the same bytes.
+
+    .venv/bin/python tools/bench_handoff.py [--model tiny] [--layout 1,1]
+        [--tokens 8192,16384,32768] [--repeat 3]
+
+Starts a coordinator with its rank processes (CPU, fp32) and the REST app on
+127.0.0.1, then for each prompt length: one prefill with ``kv_transfer_params.
+do_remote_decode``, and its pull (``GET /v1/kv/{handle}``, read whole by an aiohttp
+client, as the decode server reads it), timed from the request to the last byte. The
+puller runs in a process of its own, as a decode server does. The reference,
+measured in the same run: the same number of bytes sent over a TCP loopback
+connection by one thread (``sendall`` of one buffer) and received by another
+(``recv_into`` one buffer). Prints per length the KV bytes (and bytes per
+token of the model), seconds, GB/s of each, and the ratio (target: 0.8 or more
+from 8K tokens up). The pull is repeated ``--repeat`` times (a fresh prefill each)
+and the median taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from support.factories import engine_config, make_profile, make_tokens
+from vertumnus.config import resolve_model
+from vertumnus.config.pool import PoolConfig
+from vertumnus.perfmodel import DegreeCoeffs
+from vertumnus.policy.pool_config import PolicyConfig
+from vertumnus.runtime.coordinator import Coordinator
+from vertumnus.runtime.serve_config import ServeConfig
+from vertumnus.server.app import build_app
+from vertumnus.server.keys import ADDRESS
+from vertumnus.server.tokenizer import Tokenizer
+
+
+def socket_copy_s(num_bytes: int) -> float:
+    """Seconds to move ``num_bytes`` over TCP loopback, one buffer each side."""
+    payload = bytearray(num_bytes)
+    sink = bytearray(num_bytes)
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    done = threading.Event()
+
+    def receive() -> None:
+        conn, _ = server.accept()
+        view, got = memoryview(sink), 0
+        while got < num_bytes:
+            n = conn.recv_into(view[got:])
+            if n == 0:
+                break
+            got += n
+        conn.close()
+        done.set()
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    client = socket.create_connection(("127.0.0.1", port))
+    start = time.perf_counter()
+    client.sendall(payload)
+    done.wait()
+    seconds = time.perf_counter() - start
+    client.close()
+    thread.join()
+    server.close()
+    return seconds
+
+
+def pull_in_process(url: str, secret: str) -> tuple[int, float]:
+    """In the puller's own process (as a decode server is): GET the stream whole."""
+
+    async def pull() -> tuple[int, float]:
+        timeout = aiohttp.ClientTimeout(total=600)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            start = time.perf_counter()
+            got = 0
+            async with session.get(url, headers={"Authorization": f"Bearer {secret}"}) as resp:
+                assert resp.status == 200, await resp.text()
+                async for chunk in resp.content.iter_any():
+                    got += len(chunk)
+            return got, time.perf_counter() - start
+
+    return asyncio.run(pull())
+
+
+async def pull_once(
+    session: aiohttp.ClientSession,
+    puller: ProcessPoolExecutor,
+    base: str,
+    secret: str,
+    tokens: list[int],
+) -> tuple[int, float]:
+    body = {"token_ids": tokens, "kv_transfer_params": {"do_remote_decode": True}}
+    async with session.post(f"{base}/v1/prefill", json=body) as resp:
+        params = (await resp.json())["kv_transfer_params"]
+    url = f"{base}/v1/kv/{params['remote_handle']}"
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(puller, pull_in_process, url, secret)
+
+
+async def main(args: argparse.Namespace) -> None:
+    layout = tuple(int(x) for x in args.layout.split(","))
+    coeffs = {c: DegreeCoeffs(d=0.004, c=3e-5, alpha=3e-8) for c in sorted(set(layout))}
+    with tempfile.TemporaryDirectory() as tmp:
+        profile = Path(tmp) / "profile.json"
+        make_profile(coeffs, {c: 10.0 for c in coeffs}, model=args.model).save(profile)
+        degrees = tuple(sorted(set(layout)))
+        cfg = ServeConfig(
+            model=args.model,
+            pool=PoolConfig(degrees, layout),
+            engine=engine_config(kv_blocks_per_rank=args.blocks, threads_per_rank=None),
+            profile=str(profile),
+            policy=PolicyConfig(adaptive=False, replication=False),
+            request_timeout_s=600.0,
+        )
+        model_cfg, _ = resolve_model(args.model)
+        coord = Coordinator(cfg)
+        await coord.start()
+        app = build_app(coord, Tokenizer.for_model(None, model_cfg.vocab_size))
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        app[ADDRESS].extend(["127.0.0.1", port])
+        base = f"http://127.0.0.1:{port}"
+        per_token = 2 * model_cfg.num_hidden_layers * model_cfg.num_key_value_heads
+        per_token *= model_cfg.head_dim * 4
+        print(f"model {args.model}, layout {layout}: {per_token} KV bytes per token (fp32)")
+        print("| tokens | bytes | pull (s) | pull GB/s | socket (s) | socket GB/s | ratio |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        puller = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        try:
+            timeout = aiohttp.ClientTimeout(total=600)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                # The puller's process warms up (imports, a first small pull).
+                await pull_once(session, puller, base, coord.handoffs.secret, [1, 2, 3])
+                for n in (int(x) for x in args.tokens.split(",")):
+                    pulls = []
+                    for k in range(args.repeat):
+                        tokens = make_tokens(n, seed=1000 * k + n, vocab=model_cfg.vocab_size)
+                        secret = coord.handoffs.secret
+                        pulls.append(await pull_once(session, puller, base, secret, tokens))
+                    size = pulls[0][0]
+                    pull_s = statistics.median(s for _, s in pulls)
+                    sock_s = statistics.median(socket_copy_s(size) for _ in range(args.repeat))
+                    print(
+                        f"| {n} | {size:,} | {pull_s:.4f} | {size / pull_s / 1e9:.2f} | "
+                        f"{sock_s:.4f} | {size / sock_s / 1e9:.2f} | {sock_s / pull_s:.2f} |",
+                        flush=True,
+                    )
+        finally:
+            puller.shutdown()
+            await runner.cleanup()
+            await coord.close()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--layout", default="1,1", help="worker degrees, e.g. 1,1 or 2")
+    parser.add_argument("--tokens", default="8192,16384,32768")
+    parser.add_argument("--blocks", type=int, default=4096, help="KV blocks per rank")
+    parser.add_argument("--repeat", type=int, default=3)
+    asyncio.run(main(parser.parse_args()))
