@@ -2,8 +2,9 @@
 ``kv_transfer_params.do_remote_decode`` keeps its prompt's KV under a lease; the
 pull streams it in sequence order (gathered from a CP worker's ranks, the rows no
 block holds from the prefill itself) and equals a single-process reference; 404,
-410 and 401 are JSON; and no lease, pin or row is left after many requests that
-are pulled, released or abandoned."""
+410 and 401 are JSON; a reshape of the worker ends the lease (moved) and a decode
+server that cannot be reached releases it; and no lease, pin or row is left after
+many requests that are pulled, released or abandoned."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ from vertumnus.handoff import wire
 from vertumnus.perfmodel import DegreeCoeffs
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.runtime.coordinator import Coordinator
-from vertumnus.runtime.serve_config import HandoffConfig, ServeConfig
+from vertumnus.runtime.serve_config import DecodeConfig, HandoffConfig, ServeConfig
 from vertumnus.server.app import build_app
+from vertumnus.server.proxy import DecodeProxy
 from vertumnus.server.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("no_leftover_ranks")]
@@ -177,6 +179,40 @@ def test_no_lease_or_pin_is_left_after_pulls_releases_and_abandonment(tmp_path: 
                 for index in coord.indexes.values():
                     index.check_invariants()
         finally:
+            await coord.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(240)
+def test_a_reshape_ends_the_lease_and_a_dead_decode_server_releases_it(tmp_path: Path) -> None:
+    """A lease whose worker was merged away answers 410 (moved); a completion whose
+    decode server cannot be reached is a 503, and its lease is released at once."""
+
+    async def main() -> None:
+        cfg = make_config(tmp_path, (1, 1))
+        dead = dataclasses.replace(cfg, decode=DecodeConfig(url="http://127.0.0.1:9"))
+        coord = Coordinator(dead)
+        await coord.start()
+        secret = {"Authorization": f"Bearer {coord.handoffs.secret}"}
+        proxy = DecodeProxy(coord, dead.decode, dead.model)
+        try:
+            app = build_app(coord, Tokenizer.for_model(None, TINY.vocab_size), proxy)
+            async with TestClient(TestServer(app)) as client:
+                await proxy.start(f"http://127.0.0.1:{client.port}")
+                params = await handoff(client, make_tokens(40, seed=3))
+                await coord.begin_reshape(coord.reshape_for("merge", [0, 1]))
+                moved = await client.get(f"/v1/kv/{params['remote_handle']}", headers=secret)
+                assert moved.status == 410
+                assert "moved" in (await moved.json())["error"]["message"]
+                body = {"prompt": make_tokens(30, seed=4), "max_tokens": 5}
+                answer = await client.post("/v1/completions", json=body)
+                assert answer.status == 503 and answer.headers["Retry-After"]
+                view = await (await client.get("/v1/handoffs")).json()
+                assert (view["open"], view["moved"], view["released"]) == (0, 1, 1)
+                assert pins(coord) == 0
+        finally:
+            await proxy.close()
             await coord.close()
 
     asyncio.run(main())

@@ -164,6 +164,7 @@ class Handoffs:
         if self.coord.indexes.get(lease.worker_id) is lease.index:
             self.coord.cache.apply_report(lease.index.commit(lease.pin))
         self.counts[why] += 1
+        self.coord.metrics.lease_ended(why)
         self.ended[handle] = why
         while len(self.ended) > REMEMBERED:
             self.ended.popitem(last=False)
@@ -267,8 +268,10 @@ class Handoffs:
         finally:
             lease.pulling = False
         self.end(lease.handle, "pulled")
+        seconds = time.perf_counter() - started
         self.pulled_bytes += sent
-        self.pull_s += time.perf_counter() - started
+        self.pull_s += seconds
+        self.coord.metrics.pulled(sent, seconds)
         return sent
 
     def _layout(self, lease: Lease) -> tuple[KVHeader, list[list[BlockLocation]]]:

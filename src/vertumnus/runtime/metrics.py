@@ -16,6 +16,11 @@ vertumnus_copied_blocks_total        KV blocks they installed
 vertumnus_copy_seconds               histogram of a copy's time, start to visible
 vertumnus_reclamations_total         replicas reclaimed
 vertumnus_worker_restarts_total      workers restarted after a rank died or hung
+vertumnus_handoff_leases             gauge: KV hand-offs waiting to be pulled
+vertumnus_handoff_ended_total        hand-off leases ended, by why (pulled, expired,
+                                     released, moved)
+vertumnus_handoff_bytes_total        KV bytes pulled by decode servers
+vertumnus_handoff_seconds            histogram of a pull, first byte to last
 """
 
 from __future__ import annotations
@@ -77,6 +82,19 @@ class Metrics:
             "Workers restarted after a rank died or hung",
             registry=r,
         )
+        self.leases = Gauge("vertumnus_handoff_leases", "KV hand-offs not pulled", registry=r)
+        self.leases_ended = Counter(
+            "vertumnus_handoff_ended", "Hand-off leases ended", ["why"], registry=r
+        )
+        self.handoff_bytes = Counter(
+            "vertumnus_handoff_bytes", "KV bytes pulled by decode servers", registry=r
+        )
+        self.handoff_seconds = Histogram(
+            "vertumnus_handoff_seconds",
+            "A pull, first byte to last",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self._cached = self._total = 0
         self.replication_count = self.reclamation_count = 0
 
@@ -100,7 +118,8 @@ class Metrics:
     def hit_rate(self) -> float | None:
         return self._cached / self._total if self._total else None
 
-    def render(self, workers: list[dict[str, Any]]) -> bytes:
+    def render(self, workers: list[dict[str, Any]], leases: int = 0) -> bytes:
+        self.leases.set(leases)
         for w in workers:
             self.depth.labels(worker=str(w["worker"])).set(w["queued"])
             self.outstanding.labels(worker=str(w["worker"])).set(w["outstanding_s"])
@@ -113,6 +132,13 @@ class Metrics:
             self.replication_count += 1
             self.copied_blocks.inc(blocks)
             self.copy_seconds.observe(seconds)
+
+    def lease_ended(self, why: str) -> None:
+        self.leases_ended.labels(why=why).inc()
+
+    def pulled(self, num_bytes: int, seconds: float) -> None:
+        self.handoff_bytes.inc(num_bytes)
+        self.handoff_seconds.observe(seconds)
 
     def restarted(self) -> None:
         self.restarts.inc()

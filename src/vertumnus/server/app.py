@@ -265,7 +265,7 @@ async def ready(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
     return web.Response(
-        body=coord.metrics.render(coord.workers_view()),
+        body=coord.metrics.render(coord.workers_view(), len(coord.handoffs.leases)),
         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
     )
 

@@ -6,6 +6,7 @@ for a decode server, and its pull.
                                         naming where and how to pull the KV
     GET    /v1/kv/{handle}              the KV, streamed (``handoff/wire.py``)
     DELETE /v1/kv/{handle}              the decode side gave up: the lease ends
+    GET    /v1/handoffs                 the leases: open, pinned, ended, bytes pulled
 
 Pull and release need ``Authorization: Bearer`` with the API key, the cluster
 secret or the hand-off secret (``[handoff] secret``, or the one made at start and
@@ -116,4 +117,14 @@ async def release(request: web.Request) -> web.Response:
     return web.json_response({"released": handle})
 
 
-ROUTES = [web.get("/v1/kv/{handle}", pull), web.delete("/v1/kv/{handle}", release)]
+async def leases(request: web.Request) -> web.Response:
+    """``GET /v1/handoffs``: leases open, pinned blocks, held rows, how leases ended,
+    bytes and seconds pulled."""
+    return web.json_response(request.app[COORDINATOR].handoffs.view())
+
+
+ROUTES = [
+    web.get("/v1/kv/{handle}", pull),
+    web.delete("/v1/kv/{handle}", release),
+    web.get("/v1/handoffs", leases),
+]

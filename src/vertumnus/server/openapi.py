@@ -15,6 +15,13 @@ _ERROR = {
     },
 }
 _TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_KV_TRANSFER = {
+    "type": "object",
+    "properties": {"do_remote_decode": {"type": "boolean"}},
+    "description": "do_remote_decode: keep the prompt's KV for a decode server to pull; "
+    "the answer's kv_transfer_params name where and how",
+}
+_HANDLE = [{"name": "handle", "in": "path", "required": True, "schema": {"type": "string"}}]
 
 
 def _json(schema: dict[str, Any]) -> dict[str, Any]:
@@ -24,7 +31,10 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
 def _errors(*codes: int) -> dict[str, Any]:
     text = {
         400: "Invalid request",
+        401: "A bearer token is needed",
+        404: "No such hand-off",
         409: "Not possible now",
+        410: "The hand-off ended (pulled, expired, released or moved)",
         503: "Unavailable; retry (Retry-After)",
     }
     return {str(c): {"description": text[c], **_json(_ERROR)} for c in codes}
@@ -69,6 +79,7 @@ OPENAPI: dict[str, Any] = {
                                 "token_ids": _TOKENS,
                                 "prompt": {"type": "string", "minLength": 1},
                                 "ttft_slo_s": {"type": "number", "exclusiveMinimum": 0},
+                                "kv_transfer_params": _KV_TRANSFER,
                             },
                             "additionalProperties": False,
                         }
@@ -82,7 +93,8 @@ OPENAPI: dict[str, Any] = {
         },
         "/v1/completions": {
             "post": {
-                "summary": "OpenAI-compatible completion with max_tokens = 1 (the prefill)",
+                "summary": "OpenAI-compatible completion: max_tokens = 1 is the prefill; more, "
+                "or stream, go through the decode server (server-sent events when streaming)",
                 "requestBody": {
                     "required": True,
                     **_json(
@@ -91,7 +103,13 @@ OPENAPI: dict[str, Any] = {
                             "properties": {
                                 "model": {"type": "string"},
                                 "prompt": {"oneOf": [{"type": "string", "minLength": 1}, _TOKENS]},
-                                "max_tokens": {"type": "integer", "const": 1},
+                                "max_tokens": {"type": "integer", "minimum": 1},
+                                "stream": {"type": "boolean"},
+                                "temperature": {"type": "number", "minimum": 0},
+                                "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                                "seed": {"type": "integer"},
+                                "ignore_eos": {"type": "boolean"},
+                                "kv_transfer_params": _KV_TRANSFER,
                             },
                             "required": ["prompt"],
                         }
@@ -140,6 +158,31 @@ OPENAPI: dict[str, Any] = {
                     "200": {"description": "The reshape is done"},
                     **_errors(400, 409, 503),
                 },
+            }
+        },
+        "/v1/kv/{handle}": {
+            "get": {
+                "summary": "Pull a prompt's KV (the hand-off wire format, docs/api.md); "
+                "bearer: the API key, the cluster secret or the hand-off secret",
+                "parameters": _HANDLE,
+                "responses": {
+                    "200": {"description": "application/octet-stream"},
+                    **_errors(401, 404, 409, 410),
+                },
+            },
+            "delete": {
+                "summary": "The decode side gave up: release the lease",
+                "parameters": _HANDLE,
+                "responses": {
+                    "200": {"description": "Released"},
+                    **_errors(401, 404, 409, 410),
+                },
+            },
+        },
+        "/v1/handoffs": {
+            "get": {
+                "summary": "KV hand-off leases: open, pinned, ended, bytes pulled",
+                "responses": {"200": {"description": "OK"}},
             }
         },
         "/health": {"get": {"summary": "Liveness", "responses": {"200": {"description": "OK"}}}},
