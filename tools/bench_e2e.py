@@ -1,7 +1,7 @@
 """End-to-end benchmark on the real server, and the simulator's fidelity against it.
 
     .venv/bin/python tools/bench_e2e.py [--requests 600] [--rate-scale 10]
-        [--length-scale 0.03125] [--out results/e2e]
+        [--length-scale 0.03125] [--output-tokens 1] [--out results/e2e]
 
 It replays the first ``--requests`` requests of
 ``../shared/traces/conversation_trace.jsonl``, scaled to this machine. Lengths are
@@ -31,6 +31,15 @@ TTFT, which the simulator models; the client's is printed beside it) and of the
 token hit rate, for ``fixed`` and for ``vertumnus``. With ``--repeats N`` every
 variant runs N times (in turn) and the summary gives each variant's median mean
 TTFT and its gap to ``fixed``.
+
+With ``--output-tokens N`` > 1 every request is a streamed completion of N tokens
+through the server's decode proxy and its local decode process: the server's TTFT
+then ends with the first token out of the decode server (queue, prefill, KV
+hand-off, first decode step), and the simulator gets the measured hand-off as its
+T_ext term: ``ext_latency_s`` + tokens * ``kv_bytes_per_token`` /
+``handoff_bytes_s``, fitted by least squares to the server's own split of each
+request (its TTFT less its queue and prefill) against the request's input tokens.
+The load generator's TPOT and ITL are printed too.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ import orjson
 
 from _serving import start_server
 from vertumnus import loadgen
+from vertumnus.config import resolve_model
 from vertumnus.perfmodel import Profile
 from vertumnus.runtime import serve_config
 from vertumnus.sim.report import percentile
@@ -86,6 +96,27 @@ def server_timings(url: str) -> dict[str, float]:
     return out
 
 
+def fit_ext(result: loadgen.LoadResult) -> dict[str, float]:
+    """T_ext = a + b * input tokens, least squares over the requests whose answer
+    split its TTFT (a streamed completion's last event): {"ext_latency_s": a,
+    "ext_s_per_token": b} (b = 0 when the lengths do not vary)."""
+    points = [
+        (float(o.input_tokens), o.server_ttft_s - o.server_queue_s - o.server_prefill_s)
+        for o in result.outcomes
+        if o.error is None
+        and o.server_ttft_s is not None
+        and o.server_queue_s is not None
+        and o.server_prefill_s is not None
+    ]
+    if not points:
+        return {}
+    mx = statistics.fmean(x for x, _ in points)
+    my = statistics.fmean(y for _, y in points)
+    var = sum((x - mx) ** 2 for x, _ in points)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in points) / var) if var else 0.0
+    return {"ext_latency_s": max(0.0, my - slope * mx), "ext_s_per_token": slope}
+
+
 def simulate(
     requests: list[loadgen.LoadRequest],
     config: Path,
@@ -107,11 +138,17 @@ def simulate(
         for r in requests
     ]
     assert requests[0].block_tokens == cfg.engine.block_size
+    model, _ = resolve_model(cfg.model)
+    kv_bytes = 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * 4
+    per_token = timings.get("ext_s_per_token", 0.0)
     settings = SimSettings(
         window_phase_s=window_phase_s,
         switch_s=timings.get("switch_s", 0.01),
         transfer_latency_s=timings.get("copy_s", 0.01),
         dispatch_s=timings.get("dispatch_s", 0.0),
+        kv_bytes_per_token=kv_bytes,  # the served model's, fp32 on CPU ranks
+        ext_latency_s=timings.get("ext_latency_s", 0.0),
+        handoff_bytes_s=kv_bytes / per_token if per_token > 0 else 0.0,
     )
     sim = Simulation(settings, profile, cfg.pool_spec, cfg.policy, sim_requests)
     result = sim.run()
@@ -130,20 +167,24 @@ def simulate(
 
 
 def serve_once(
-    name: str, requests: list[loadgen.LoadRequest], out: Path
+    name: str, requests: list[loadgen.LoadRequest], out: Path, output_tokens: int = 1
 ) -> tuple[dict[str, Any], float, dict[str, float]]:
     """One run of a variant on a fresh server: its summary, how far into its
     controller period the load started, and its timings."""
     config = out / f"{name}.toml"
-    config.write_text(VARIANTS[name])
+    # Prefills only, or completions through the server's own decode process.
+    decode = "[decode]\nlocal = false\n" if output_tokens == 1 else ""
+    config.write_text(VARIANTS[name] + decode)
     proc, url = start_server(config)
     try:
         # How far into its current controller period the server is as the load
         # starts: the simulator lines its periods up with that.
         with urllib.request.urlopen(url + "/health", timeout=5) as resp:
             phase = orjson.loads(resp.read())["window_phase_s"] or 0.0
-        result = asyncio.run(loadgen.run(url, requests, max_concurrency=256))
-        timing = server_timings(url)
+        result = asyncio.run(
+            loadgen.run(url, requests, max_concurrency=256, output_tokens=output_tokens)
+        )
+        timing = server_timings(url) | fit_ext(result)
         # The serving path's own time per prefill, around the ranks' compute.
         around = [
             o.server_prefill_s - o.server_rank_compute_s
@@ -195,6 +236,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results/e2e"))
     parser.add_argument("--repeats", type=int, default=1, help="runs of every variant")
     parser.add_argument(
+        "--output-tokens", type=int, default=1, help="> 1: streamed completions, decoded"
+    )
+    parser.add_argument(
         "--variants",
         default=",".join(VARIANTS),
         help="comma-separated subset of " + ", ".join(VARIANTS),
@@ -212,7 +256,7 @@ def main() -> None:
         parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     for repeat in range(args.repeats):
         for name in chosen:
-            summary, phase, timing = serve_once(name, requests, args.out)
+            summary, phase, timing = serve_once(name, requests, args.out, args.output_tokens)
             summaries.setdefault(name, []).append(summary)
             s = summary
             print(
@@ -220,7 +264,12 @@ def main() -> None:
                 f"ms, median {s['median_server_ttft_ms']:6.2f}, P90 "
                 f"{s['p90_server_ttft_ms']:7.2f}; client mean {s['mean_ttft_ms']:7.2f} ms, "
                 f"P90 {s['p90_ttft_ms']:7.2f}; hit {s['token_hit_rate']:.3f}; "
-                f"failed {s['failed']}",
+                f"failed {s['failed']}"
+                + (
+                    f"; TPOT mean {s['mean_tpot_ms']:.2f} ms, ITL mean {s['mean_itl_ms']:.2f} ms"
+                    if "mean_tpot_ms" in s
+                    else ""
+                ),
                 flush=True,
             )
             if name in ("fixed", "vertumnus"):

@@ -21,9 +21,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import random
 import socket
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -33,12 +33,9 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from support.factories import engine_config, make_profile, make_tokens
-from vertumnus.config import resolve_model
+from vertumnus.config import EngineConfig, resolve_model
 from vertumnus.config.pool import PoolConfig
-from vertumnus.perfmodel import DegreeCoeffs
+from vertumnus.perfmodel import DegreeCoeffs, Profile
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.serve_config import ServeConfig
@@ -116,12 +113,15 @@ async def main(args: argparse.Namespace) -> None:
     coeffs = {c: DegreeCoeffs(d=0.004, c=3e-5, alpha=3e-8) for c in sorted(set(layout))}
     with tempfile.TemporaryDirectory() as tmp:
         profile = Path(tmp) / "profile.json"
-        make_profile(coeffs, {c: 10.0 for c in coeffs}, model=args.model).save(profile)
+        # Placement needs a profile; its numbers do not matter for one request at a time.
+        made = Profile(args.model, "cpu", 16, coeffs)
+        made.capacity = {c: {"kappa_s": 10.0} for c in coeffs}
+        made.save(profile)
         degrees = tuple(sorted(set(layout)))
         cfg = ServeConfig(
             model=args.model,
             pool=PoolConfig(degrees, layout),
-            engine=engine_config(kv_blocks_per_rank=args.blocks, threads_per_rank=None),
+            engine=EngineConfig(device="cpu", dtype="float32", kv_blocks_per_rank=args.blocks),
             profile=str(profile),
             policy=PolicyConfig(adaptive=False, replication=False),
             request_timeout_s=600.0,
@@ -151,7 +151,8 @@ async def main(args: argparse.Namespace) -> None:
                 for n in (int(x) for x in args.tokens.split(",")):
                     pulls = []
                     for k in range(args.repeat):
-                        tokens = make_tokens(n, seed=1000 * k + n, vocab=model_cfg.vocab_size)
+                        rng = random.Random(1000 * k + n)
+                        tokens = [rng.randrange(model_cfg.vocab_size) for _ in range(n)]
                         secret = coord.handoffs.secret
                         pulls.append(await pull_once(session, puller, base, secret, tokens))
                     size = pulls[0][0]

@@ -287,10 +287,13 @@ async def _stream(
                 last = now
                 out.latency_s = now - sent
                 out.output_tokens += len(choices[0].get("token_ids") or ())
-            # The last event may say what was cached (OpenAI's usage), and its TPOT.
+            # The last event may say what was cached (OpenAI's usage), the server's
+            # TTFT and its split (the proxy's timings), and its TPOT.
             details = (event.get("usage") or {}).get("prompt_tokens_details") or {}
             out.cached_tokens = details.get("cached_tokens", out.cached_tokens)
-            out.server_tpot_s = (event.get("timings") or {}).get("tpot_s", out.server_tpot_s)
+            timings = event.get("timings") or {}
+            for key in ("tpot_s", "ttft_s", "queue_s", "prefill_s", "rank_compute_s"):
+                setattr(out, f"server_{key}", timings.get(key, getattr(out, f"server_{key}")))
     out.error = f"the stream ended before [DONE], after {out.output_tokens} tokens"
 
 

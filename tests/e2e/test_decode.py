@@ -1,9 +1,10 @@
 """``python -m vertumnus serve`` with its local decode process, end to end: a stock
 OpenAI client streams a completion of many tokens; greedy ids equal transformers'
 ``generate`` on the checkpoint the test saved, for a fresh prompt and one whose
-prefix is cached, on workers of CP degree 1 and 2; a decode process killed
-mid-stream gives the client an error event, its lease is released, the pool keeps
-serving and the proxy starts a new decode process."""
+prefix is cached, on workers of CP degree 1 (2, 3 and MoE:
+``runtime/test_handoff_exact.py``); a decode process killed mid-stream gives the
+client an error event, no lease is left, the pool keeps serving and the proxy
+starts a new decode process."""
 
 from __future__ import annotations
 

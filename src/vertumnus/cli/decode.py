@@ -58,6 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("VERTUMNUS_DECODE_API_KEY"),
         help="guards /v1/* of this server (default: $VERTUMNUS_DECODE_API_KEY; none: open)",
     )
+    p.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="exit when this process is gone (serve's local decode process sets it)",
+    )
 
 
 def eos_token_ids(model_dir: str | None) -> tuple[int, ...]:
@@ -80,6 +86,14 @@ def eos_token_ids(model_dir: str | None) -> tuple[int, ...]:
             raise ConfigError(f"{path}: eos_token_id must be an id or a list of ids, got {raw!r}")
         return tuple(ids)
     return ()
+
+
+async def _exit_with(pid: int, stop: asyncio.Event) -> None:
+    """Set ``stop`` once process ``pid`` is gone (or is no longer our parent)."""
+    while os.getppid() == pid:
+        await asyncio.sleep(1.0)
+    structlog.get_logger("vertumnus").warning("parent_gone", parent=pid)
+    stop.set()
 
 
 async def serve(args: argparse.Namespace, settings: Any, engine: Any, tokenizer: Any) -> int:
@@ -110,7 +124,12 @@ async def serve(args: argparse.Namespace, settings: Any, engine: Any, tokenizer:
             prefill=settings.prefill_url,
             eos_token_ids=list(settings.eos_token_ids),
         )
+        watch = None
+        if args.parent_pid is not None:
+            watch = asyncio.create_task(_exit_with(args.parent_pid, stop))
         await stop.wait()
+        if watch is not None:
+            watch.cancel()
         log.info("shutting_down")
     finally:
         await runner.cleanup()

@@ -91,7 +91,11 @@ async def serve(args: argparse.Namespace, cluster: Any, cfg: Any) -> int:
         app[ADDRESS].extend([args.host, port])
         if proxy is not None:
             local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-            await proxy.start(f"http://{local}:{port}")
+            try:
+                await proxy.start(f"http://{local}:{port}")
+            except (RuntimeError, OSError) as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
         print(f"vertumnus listening on http://{args.host}:{port}", flush=True)
         structlog.get_logger("vertumnus").info(
             "listening", host=args.host, port=port, decode=proxy and proxy.url

@@ -89,7 +89,9 @@ class Coordinator:
         self.pool: Ranks | None = None
         self.copier = KVCopier(lambda: self.pool, cfg.engine.rank_timeout_s, self._copy_hung)
         self.handoffs = Handoffs(self)
-        self.link = RankLink(self.copier, self._rank_exited, self._rank_pool_failed, self.handoffs)
+        self.link = RankLink(
+            self.copier, self._rank_exited, self._rank_pool_failed, self.handoffs.reads
+        )
         self.requests = RequestPath(self)
         self.recovery = Recovery(self)
         self.reshaping = Reshaping(self)

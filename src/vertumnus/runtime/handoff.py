@@ -17,9 +17,9 @@ first step, as vLLM's disaggregated decode does) under a *lease*:
     gone, and a pull answers 410). Every end unpins and forgets the rows, once.
 
 ``stream`` writes the wire format of ``handoff/wire.py``, reading a chunk ahead of
-the one it writes. Ranks on this host write their blocks straight into shared
-memory (``engine/shared_rows.py``) and the stream copies them out once; ranks
-under a node agent send them as bytes. The ended handles are
+the one it writes (``runtime/kv_reads.py``: ranks on this host write their blocks
+straight into shared memory, which a pull whose socket writes are flushed sends
+without a copy; ranks under a node agent send them as bytes). The ended handles are
 remembered (a bounded number) so that a late pull gets 410 with the reason, and an
 unknown one 404. Nothing here chooses workers or touches the policy's decisions.
 """
@@ -27,34 +27,28 @@ unknown one 404. Nothing here chooses workers or touches the policy's decisions.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from multiprocessing import shared_memory
 from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
 from torch import Tensor
 
-from vertumnus.engine.messages import KVData, KVRead, RankFailed
-from vertumnus.engine.rank import resolve_device
-from vertumnus.engine.weights import resolve_dtype
 from vertumnus.handoff.wire import END, KVHeader, chunk_header
 from vertumnus.policy.cache_index import BlockLocation, PrefillLease, WorkerCacheIndex
-from vertumnus.runtime.pool import RankPool, RankPoolError
+from vertumnus.runtime.kv_reads import CHUNK_BYTES, KVReads, bytes_of
+from vertumnus.runtime.pool import RankPoolError
 
 if TYPE_CHECKING:
     from vertumnus.runtime.coordinator import Coordinator
 
 log = structlog.get_logger("vertumnus")
 
-CHUNK_BYTES = 8 << 20  # KV read from the ranks per chunk of the stream (at least a block)
 REMEMBERED = 4096  # ended handles kept for a 410
-SEGMENTS = 4  # shared-memory segments kept for reads (two per pull under way)
 
 
 class HandoffError(RuntimeError):
@@ -105,12 +99,8 @@ class Handoffs:
         self.counts = {"opened": 0, "pulled": 0, "expired": 0, "released": 0, "moved": 0}
         self.pulled_bytes = 0
         self.pull_s = 0.0
-        self._reads: dict[tuple[int, int], asyncio.Future[KVData]] = {}  # (read, rank)
-        self._ids = itertools.count(1)
         self._timer: asyncio.TimerHandle | None = None
-        self._free: list[shared_memory.SharedMemory] = []  # segments not in use
-        self._segments: list[shared_memory.SharedMemory] = []  # every one made
-        self._dtype: torch.dtype | None = None
+        self.reads = KVReads(coord)  # the blocks fetched from the ranks
 
     # -- opening and ending ------------------------------------------------------------
 
@@ -206,10 +196,7 @@ class Handoffs:
             self.end(handle, "released")
         if self._timer is not None:
             self._timer.cancel()
-        for shm in self._segments:
-            shm.close()
-            shm.unlink()
-        self._segments, self._free = [], []
+        self.reads.close()
 
     def _schedule(self) -> None:
         """One timer for the next expiry."""
@@ -241,32 +228,47 @@ class Handoffs:
             model=self.coord.cfg.model,
         )
 
-    async def stream(self, lease: Lease, write: Callable[[Any], Awaitable[None]]) -> int:
+    async def stream(
+        self, lease: Lease, write: Callable[[Any], Awaitable[None]], flushed: bool = False
+    ) -> int:
         """Write the lease's KV as the wire format; the bytes written. The lease ends
-        (pulled) when the whole stream was written; a failure leaves it open."""
+        (pulled) when the whole stream was written; a failure leaves it open.
+        ``flushed``: ``write`` returns only once the bytes left the process (the pull
+        route sets its socket's buffer limit to 0), so the shared memory the ranks
+        wrote is written straight from, and reused after."""
         started = time.perf_counter()
         lease.pulling = True
         sent = 0
+        pending: asyncio.Future[tuple[int, Any, Any]] | None = None
         try:
             header, groups = self._layout(lease)
             sent += await _write_header(write, header)
-            pending = self._read_group(lease, groups[0]) if groups else None
+            pending = self.reads.read(lease.first_device, groups[0], flushed) if groups else None
             for n in range(len(groups)):
                 assert pending is not None
-                tokens, payload = await pending
-                pending = self._read_group(lease, groups[n + 1]) if n + 1 < len(groups) else None
-                await write(chunk_header(tokens))
-                await write(payload)
-                sent += len(payload) + 8
+                tokens, payload, shm = await pending
+                pending = None
+                if n + 1 < len(groups):
+                    pending = self.reads.read(lease.first_device, groups[n + 1], flushed)
+                size = len(payload)
+                try:
+                    await write(chunk_header(tokens))
+                    await write(payload)
+                finally:
+                    if shm is not None:
+                        self.reads.give_back_segment(payload, shm)
+                sent += size + 8
             if lease.rows is not None and lease.rows.shape[2]:
                 await write(chunk_header(int(lease.rows.shape[2])))
-                payload = _bytes_of(lease.rows)
+                payload = bytes_of(lease.rows)
                 await write(payload)
                 sent += len(payload) + 8
             await write(END)
             sent += len(END)
         finally:
             lease.pulling = False
+            if pending is not None:  # cut short: the read ahead gives its memory back
+                pending.add_done_callback(self.reads.give_back)
         self.end(lease.handle, "pulled")
         seconds = time.perf_counter() - started
         self.pulled_bytes += sent
@@ -276,9 +278,9 @@ class Handoffs:
 
     def _layout(self, lease: Lease) -> tuple[KVHeader, list[list[BlockLocation]]]:
         """The stream's header and its chunks of blocks."""
-        blocks, per = lease.blocks, max(1, CHUNK_BYTES // self._block_bytes())
+        blocks, per = lease.blocks, max(1, CHUNK_BYTES // self.reads.block_bytes())
         groups = [blocks[i : i + per] for i in range(0, len(blocks), per)]
-        dtype = self.kv_dtype if groups or lease.rows is None else lease.rows.dtype
+        dtype = self.reads.kv_dtype if groups or lease.rows is None else lease.rows.dtype
         return self.header(lease, dtype), groups
 
     def stream_bytes(self, lease: Lease) -> int:
@@ -287,106 +289,6 @@ class Handoffs:
         rows = 0 if lease.rows is None else int(lease.rows.shape[2])
         chunks = len(groups) + (1 if rows else 0)
         return len(header.encode()) + 8 * (chunks + 1) + header.total_bytes
-
-    @property
-    def kv_dtype(self) -> torch.dtype:
-        """The dtype the ranks keep their KV in."""
-        if self._dtype is None:
-            engine = self.coord.cfg.engine
-            self._dtype = resolve_dtype(engine.dtype, resolve_device(engine, 0))
-        return self._dtype
-
-    def _block_bytes(self) -> int:
-        cfg, block = self.coord.model_cfg, self.coord.cfg.engine.block_size
-        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
-        return per_token * block * self.kv_dtype.itemsize
-
-    def _read_group(
-        self, lease: Lease, group: list[BlockLocation]
-    ) -> asyncio.Future[tuple[int, Any]]:
-        """Read a run of consecutive blocks from their ranks (one ``KVRead`` per rank,
-        sent now), in sequence order: (tokens, their bytes as the wire wants them)."""
-        pool = self.coord.pool
-        if pool is None:
-            raise RankPoolError("the pool is stopped")
-        loop = asyncio.get_running_loop()
-        block, first = self.coord.cfg.engine.block_size, group[0].depth
-        size = len(group) * self._block_bytes()
-        shm = self._segment(size) if isinstance(pool, RankPool) else None
-        by_rank: dict[int, list[BlockLocation]] = {}
-        for loc in group:
-            by_rank.setdefault(loc.rank, []).append(loc)
-        read_id = next(self._ids)
-        waits = []
-        for cp_rank, locs in sorted(by_rank.items()):
-            device = lease.first_device + cp_rank
-            wait: asyncio.Future[KVData] = loop.create_future()
-            self._reads[(read_id, device)] = wait
-            waits.append((locs, wait))
-            slots = tuple(loc.slot for loc in locs)
-            if shm is None:
-                pool.send(device, KVRead(read_id, slots))
-            else:
-                at = tuple((loc.depth - first) * block for loc in locs)
-                pool.send(device, KVRead(read_id, slots, shm.name, len(group) * block, at))
-
-        async def gather() -> tuple[int, Any]:
-            try:
-                timeout = self.coord.cfg.engine.rank_timeout_s
-                answers = await asyncio.wait_for(asyncio.gather(*(w for _, w in waits)), timeout)
-                if shm is not None:
-                    assert shm.buf is not None
-                    return len(group) * block, bytes(shm.buf[:size])
-            finally:
-                for key in [k for k in self._reads if k[0] == read_id]:
-                    del self._reads[key]
-                if shm is not None:
-                    self._free.append(shm)
-            rows = [answer.data for answer in answers if answer.data is not None]
-            assert len(rows) == len(answers), "a rank answered a read without its data"
-            if len(rows) == 1:
-                return len(group) * block, _bytes_of(rows[0])
-            out = torch.empty((*rows[0].shape[:2], len(group) * block, *rows[0].shape[3:]))
-            out = out.to(rows[0].dtype)
-            for (locs, _), data in zip(waits, rows, strict=True):
-                for i, loc in enumerate(locs):
-                    at = (loc.depth - first) * block
-                    out[:, :, at : at + block] = data[:, :, i * block : (i + 1) * block]
-            return len(group) * block, _bytes_of(out)
-
-        return asyncio.ensure_future(gather())
-
-    def _segment(self, size: int) -> shared_memory.SharedMemory:
-        """A free segment of at least ``size`` bytes (made when none is)."""
-        for shm in self._free:
-            if shm.size >= size:
-                self._free.remove(shm)
-                return shm
-        if len(self._segments) >= SEGMENTS and self._free:
-            old = self._free.pop(0)  # too small for this read: make room for a larger one
-            self._segments.remove(old)
-            old.close()
-            old.unlink()
-        shm = shared_memory.SharedMemory(create=True, size=max(size, CHUNK_BYTES))
-        self._segments.append(shm)
-        return shm
-
-    def answer(self, msg: KVData | RankFailed) -> None:
-        """A rank's answer to a ``KVRead`` (fed by the rank link)."""
-        if isinstance(msg, KVData):
-            wait = self._reads.get((msg.read_id, msg.rank))
-            if wait is not None and not wait.done():
-                wait.set_result(msg)
-            return
-        for (read_id, _), wait in list(self._reads.items()):
-            if read_id == msg.read_id and not wait.done():
-                wait.set_exception(RankPoolError(f"rank {msg.rank}: {msg.error}"))
-
-    def fail(self, error: str, ranks: set[int] | None = None) -> None:
-        """Fail the reads waiting on ``ranks`` (None: every read)."""
-        for (_, rank), wait in list(self._reads.items()):
-            if (ranks is None or rank in ranks) and not wait.done():
-                wait.set_exception(RankPoolError(error))
 
     def view(self) -> dict[str, Any]:
         return {
@@ -406,8 +308,3 @@ async def _write_header(write: Callable[[Any], Awaitable[None]], header: KVHeade
     head = header.encode()
     await write(head)
     return len(head)
-
-
-def _bytes_of(rows: Tensor) -> memoryview:
-    """The bytes of [2, layers, t, Hkv, D] rows (K, then V), without a copy."""
-    return rows.contiguous().view(torch.uint8).numpy().data.cast("B")

@@ -33,7 +33,7 @@ from vertumnus.runtime.pool import RankPoolError, Ranks
 from vertumnus.runtime.rank_watch import RankWatch
 
 if TYPE_CHECKING:
-    from vertumnus.runtime.handoff import Handoffs
+    from vertumnus.runtime.kv_reads import KVReads
 
 log = structlog.get_logger("vertumnus")
 
@@ -56,7 +56,7 @@ class RankLink:
         copier: KVCopier,
         on_exit: Callable[[int], None],
         on_pool_failed: Callable[[str], None],
-        reads: Handoffs | None = None,
+        reads: KVReads | None = None,
     ) -> None:
         """``on_exit(rank)``: a rank process ended; ``on_pool_failed(error)``: a rank
         failed outside anything that waits (the pool is unusable). ``reads``: where

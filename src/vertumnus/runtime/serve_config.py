@@ -16,9 +16,10 @@ pool can be simulated from its own file. Of its own, ``serve`` reads::
     [handoff]     lease_s = 30, max_leases = 1024, secret (or
                   $VERTUMNUS_HANDOFF_SECRET), advertise_host: the KV hand-off to
                   a decode pool (``HandoffConfig``)
-    [decode]      url = "http://host:port" (a separate decode server), or local =
-                  true (the default: one decode process beside the pool), or
-                  local = false and no url (prefill only: max_tokens = 1)
+    [decode]      url = "http://host:port" (a separate decode server; api_key or
+                  $VERTUMNUS_DECODE_API_KEY: its bearer), or local = true (the
+                  default: one decode process beside the pool), or local = false
+                  and no url (prefill only: max_tokens = 1)
 
 The embedded default (no file) is the ``tiny`` model on two CPU ranks, starting as
 two degree-1 workers that may merge into one degree-2 worker (the shipped
@@ -118,6 +119,8 @@ class DecodeConfig:
     url: str | None = None
     local: bool = True
     restart_s: float = 1.0  # wait before restarting a local decode process that died
+    # The bearer for ``url``'s API (its --api-key; or $VERTUMNUS_DECODE_API_KEY)
+    api_key: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.url is not None and not self.url.startswith(("http://", "https://")):
@@ -265,10 +268,13 @@ def load(
     handoff = dict(raw.get("handoff", {}))
     if os.environ.get("VERTUMNUS_HANDOFF_SECRET"):
         handoff["secret"] = os.environ["VERTUMNUS_HANDOFF_SECRET"]
+    decode = dict(raw.get("decode", {}))
+    if os.environ.get("VERTUMNUS_DECODE_API_KEY") and decode.get("url"):
+        decode["api_key"] = os.environ["VERTUMNUS_DECODE_API_KEY"]
     return ServeConfig(
         model=name,
         handoff=build_table(HandoffConfig, handoff, "handoff"),
-        decode=build_table(DecodeConfig, dict(raw.get("decode", {})), "decode"),
+        decode=build_table(DecodeConfig, decode, "decode"),
         pool=PoolConfig.from_table(raw.get("pool", {}), DEFAULT_POOL, topology),
         engine=read_engine(raw, EngineConfig()),
         profile=read_profile(raw, DEFAULT_PROFILE),

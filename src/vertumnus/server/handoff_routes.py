@@ -97,8 +97,14 @@ async def pull(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
     response.content_length = coord.handoffs.stream_bytes(lease)
     await response.prepare(request)
+    transport = request.transport
+    flushed = transport is not None
+    if transport is not None:
+        # Each write waits until its bytes left: the stream then writes the ranks'
+        # shared memory itself, with no copy in this process.
+        transport.set_write_buffer_limits(high=0)
     try:
-        sent = await coord.handoffs.stream(lease, response.write)
+        sent = await coord.handoffs.stream(lease, response.write, flushed)
     except Exception as exc:  # cut short: the client sees no end mark; the lease stays
         log.error("handoff_pull_failed", handle=handle, error=repr(exc))
         raise

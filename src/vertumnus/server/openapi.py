@@ -35,6 +35,7 @@ def _errors(*codes: int) -> dict[str, Any]:
         404: "No such hand-off",
         409: "Not possible now",
         410: "The hand-off ended (pulled, expired, released or moved)",
+        502: "The decode server failed (its error passed on)",
         503: "Unavailable; retry (Retry-After)",
     }
     return {str(c): {"description": text[c], **_json(_ERROR)} for c in codes}
@@ -116,8 +117,8 @@ OPENAPI: dict[str, Any] = {
                     ),
                 },
                 "responses": {
-                    "200": {"description": "An OpenAI text_completion"},
-                    **_errors(400, 503),
+                    "200": {"description": "An OpenAI text_completion, or its event stream"},
+                    **_errors(400, 502, 503),
                 },
             }
         },

@@ -62,7 +62,10 @@ class DecodeProxy:
     async def start(self, prefill_url: str) -> None:
         """``prefill_url``: where this pool listens, for the local decode process."""
         self._prefill_url = prefill_url
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else None
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None), headers=headers
+        )
         if self.cfg.url is None and self.cfg.local:
             await self._spawn()
             self._supervisor = asyncio.create_task(self._supervise())
@@ -84,8 +87,14 @@ class DecodeProxy:
             str(engine.seed),
             "--dtype",
             engine.dtype,
+            "--device",
+            engine.device,
+            "--parent-pid",
+            str(os.getpid()),
         ]
+        # Told the hand-off secret; its own API (local, loopback only) stays open.
         env = {**os.environ, "VERTUMNUS_PREFILL_KEY": self.coord.handoffs.secret}
+        env.pop("VERTUMNUS_DECODE_API_KEY", None)
         process = await asyncio.create_subprocess_exec(
             *argv, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, env=env
         )
@@ -152,6 +161,9 @@ class DecodeProxy:
             return _error(503, f"unavailable: {exc or 'timed out'}", "unavailable")
         assert result.handoff is not None
         params = transfer_params(request, coord, result)
+        if self.process is not None:  # the local decode process pulls over loopback
+            local = self._prefill_url.removeprefix("http://").rpartition(":")
+            params["remote_host"], params["remote_port"] = local[0], int(local[2])
         forward = {k: v for k, v in body.items() if k not in ("prompt", "kv_transfer_params")}
         forward.update(prompt=tokens, kv_transfer_params=params)
         handle = result.handoff.handle
@@ -210,7 +222,8 @@ class DecodeProxy:
             self._release(handle)
             if not response.prepared:
                 return _error(503, f"the decode server failed: {exc}", "unavailable")
-            event = {"error": {"message": f"the decode server failed: {exc}", "type": "decode"}}
+            message = f"the decode server failed: {exc}"
+            event = {"error": {"message": message, "type": "decode_error"}}
             await response.write(b"data: " + orjson.dumps(event) + b"\n\n")
         if first is not None:
             ttft = first - arrived
@@ -241,6 +254,7 @@ class DecodeProxy:
         return {
             "queue_s": round(result.queue_s, 6),
             "prefill_s": round(result.prefill_s, 6),
+            "rank_compute_s": round(result.rank_compute_s, 6),
             "handoff_s": round(handoff_s, 6),
             "handoff_bytes": decode.get("handoff_bytes"),
             "first_step_s": round(first_step_s, 6),
