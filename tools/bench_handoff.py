@@ -35,6 +35,7 @@ from aiohttp import web
 
 from vertumnus.config import EngineConfig, resolve_model
 from vertumnus.config.pool import PoolConfig
+from vertumnus.handoff import kv_client
 from vertumnus.perfmodel import DegreeCoeffs, Profile
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.runtime.coordinator import Coordinator
@@ -76,13 +77,19 @@ def socket_copy_s(num_bytes: int) -> float:
     return seconds
 
 
-def pull_in_process(url: str, secret: str) -> tuple[int, float]:
-    """In the puller's own process (as a decode server is): GET the stream whole."""
+def pull_in_process(url: str, secret: str, into_tensors: bool) -> tuple[int, float]:
+    """In the puller's own process (as a decode server is): GET the stream whole;
+    ``into_tensors``: with the decode server's own client (``handoff/kv_client.py``:
+    parsed, and put into per-layer K and V tensors), else only read."""
 
     async def pull() -> tuple[int, float]:
         timeout = aiohttp.ClientTimeout(total=600)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             start = time.perf_counter()
+            if into_tensors:
+                base, _, handle = url.rpartition("/v1/kv/")
+                pulled = await kv_client.pull(base, handle, secret, session=session)
+                return pulled.num_bytes, time.perf_counter() - start
             got = 0
             async with session.get(url, headers={"Authorization": f"Bearer {secret}"}) as resp:
                 assert resp.status == 200, await resp.text()
@@ -99,13 +106,14 @@ async def pull_once(
     base: str,
     secret: str,
     tokens: list[int],
+    into_tensors: bool = True,
 ) -> tuple[int, float]:
     body = {"token_ids": tokens, "kv_transfer_params": {"do_remote_decode": True}}
     async with session.post(f"{base}/v1/prefill", json=body) as resp:
         params = (await resp.json())["kv_transfer_params"]
     url = f"{base}/v1/kv/{params['remote_handle']}"
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(puller, pull_in_process, url, secret)
+    return await loop.run_in_executor(puller, pull_in_process, url, secret, into_tensors)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -140,27 +148,35 @@ async def main(args: argparse.Namespace) -> None:
         per_token = 2 * model_cfg.num_hidden_layers * model_cfg.num_key_value_heads
         per_token *= model_cfg.head_dim * 4
         print(f"model {args.model}, layout {layout}: {per_token} KV bytes per token (fp32)")
-        print("| tokens | bytes | pull (s) | pull GB/s | socket (s) | socket GB/s | ratio |")
+        print(
+            "| tokens | bytes | pull into tensors (GB/s) | pull, bytes read only (GB/s) "
+            "| socket copy (GB/s) | ratio (tensors) | ratio (read only) |"
+        )
         print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         puller = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         try:
             timeout = aiohttp.ClientTimeout(total=600)
             async with aiohttp.ClientSession(timeout=timeout) as session:
+                secret = coord.handoffs.secret
                 # The puller's process warms up (imports, a first small pull).
-                await pull_once(session, puller, base, coord.handoffs.secret, [1, 2, 3])
+                await pull_once(session, puller, base, secret, [1, 2, 3])
                 for n in (int(x) for x in args.tokens.split(",")):
-                    pulls = []
-                    for k in range(args.repeat):
+                    runs: dict[str, list[float]] = {"tensors": [], "read": [], "socket": []}
+                    size = 0
+                    for k in range(args.repeat):  # interleaved: the machine's noise hits all
                         rng = random.Random(1000 * k + n)
                         tokens = [rng.randrange(model_cfg.vocab_size) for _ in range(n)]
-                        secret = coord.handoffs.secret
-                        pulls.append(await pull_once(session, puller, base, secret, tokens))
-                    size = pulls[0][0]
-                    pull_s = statistics.median(s for _, s in pulls)
-                    sock_s = statistics.median(socket_copy_s(size) for _ in range(args.repeat))
+                        size, t = await pull_once(session, puller, base, secret, tokens)
+                        runs["tensors"].append(t)
+                        _, t = await pull_once(session, puller, base, secret, tokens, False)
+                        runs["read"].append(t)
+                        runs["socket"].append(socket_copy_s(size))
+                    med = {key: statistics.median(v) for key, v in runs.items()}
+                    rate = {key: size / v / 1e9 for key, v in med.items()}
                     print(
-                        f"| {n} | {size:,} | {pull_s:.4f} | {size / pull_s / 1e9:.2f} | "
-                        f"{sock_s:.4f} | {size / sock_s / 1e9:.2f} | {sock_s / pull_s:.2f} |",
+                        f"| {n} | {size:,} | {rate['tensors']:.2f} | {rate['read']:.2f} | "
+                        f"{rate['socket']:.2f} | {rate['tensors'] / rate['socket']:.2f} | "
+                        f"{rate['read'] / rate['socket']:.2f} |",
                         flush=True,
                     )
         finally:
@@ -176,4 +192,10 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", default="8192,16384,32768")
     parser.add_argument("--blocks", type=int, default=4096, help="KV blocks per rank")
     parser.add_argument("--repeat", type=int, default=3)
-    asyncio.run(main(parser.parse_args()))
+    args = parser.parse_args()
+    try:  # the event loop serve runs on
+        import uvloop
+
+        uvloop.run(main(args))
+    except ImportError:
+        asyncio.run(main(args))

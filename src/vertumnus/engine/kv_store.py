@@ -10,6 +10,7 @@ Layout: ``k``, ``v``: [num_blocks, num_layers, block_size, Hkv, D].
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -82,17 +83,34 @@ class PagedKVStore:
 
     def rows_into(self, slots: Sequence[int], out: Tensor, rows_at: Sequence[int]) -> None:
         """Write the blocks of ``slots`` into ``out`` [2, layers, rows, Hkv, D], slot
-        i's block at rows ``rows_at[i]`` onwards (each a multiple of the block size)."""
+        i's block at rows ``rows_at[i]`` onwards (each a multiple of the block size).
+        Offsets in arithmetic progression (a CP rank's share of a run of blocks: every
+        C-th block) take one gather per layer straight into ``out``; others, two
+        copies."""
         self._check(slots)
         bs = self.block_size
         if len(slots) != len(rows_at) or any(a % bs for a in rows_at):
             raise ValueError("one row offset per slot, each a multiple of the block size")
+        if not slots:
+            return
         idx = torch.as_tensor(list(slots), dtype=torch.long, device=self.k.device)
-        pos = torch.as_tensor([a // bs for a in rows_at], dtype=torch.long, device=out.device)
+        pos = [a // bs for a in rows_at]
         blocks = out.view(2, out.shape[1], out.shape[2] // bs, bs, *out.shape[3:])
+        step = pos[1] - pos[0] if len(pos) > 1 else 1
+        if step > 0 and all(b - a == step for a, b in itertools.pairwise(pos)):
+            span = slice(pos[0], pos[-1] + 1, step)
+            for kv, store in enumerate((self.k, self.v)):
+                for layer in range(store.shape[1]):
+                    dst = blocks[kv, layer, span]
+                    if store.device == out.device:
+                        torch.index_select(store[:, layer], 0, idx, out=dst)
+                    else:
+                        dst.copy_(store[:, layer].index_select(0, idx))
+            return
+        where = torch.as_tensor(pos, dtype=torch.long, device=out.device)
         for kv, store in enumerate((self.k, self.v)):
             picked = store.index_select(0, idx).to(out.device)  # [n, layers, B, Hkv, D]
-            blocks[kv].index_copy_(1, pos, picked.transpose(0, 1))
+            blocks[kv].index_copy_(1, where, picked.transpose(0, 1))
 
     def install(self, slots: Sequence[int], k: Tensor, v: Tensor) -> None:
         """Store blocks exported by ``export`` (of another rank) into ``slots``."""

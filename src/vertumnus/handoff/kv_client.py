@@ -191,16 +191,27 @@ class _Reader:
         self.num_bytes += n
         return data
 
-    async def into(self, buffer: memoryview) -> None:
-        """Fill ``buffer`` from the stream: one copy from the socket's chunks."""
-        filled, n = 0, len(buffer)
-        while filled < n:
-            piece = await self.content.read(n - filled)
+    async def into_layers(
+        self, dest: memoryview, layer_bytes: int, at: int, tokens_bytes: int, layers: int
+    ) -> None:
+        """Read ``layers`` runs of ``tokens_bytes`` (a chunk's K or V: [L, t, Hkv, D])
+        straight into ``dest``, the bytes of a contiguous [L, n, Hkv, D] tensor: run l
+        goes to ``l * layer_bytes + at``. One copy from the socket's pieces."""
+        left, layer, off = layers * tokens_bytes, 0, 0
+        while left:
+            piece = await self.content.read(left)
             if not piece:
-                raise self.truncated(f"a chunk's tensors lack their last {n - filled} bytes")
-            buffer[filled : filled + len(piece)] = piece
-            filled += len(piece)
-        self.num_bytes += n
+                raise self.truncated(f"a chunk's tensors lack their last {left} bytes")
+            left -= len(piece)
+            view = memoryview(piece)
+            while view:
+                n = min(len(view), tokens_bytes - off)
+                start = layer * layer_bytes + at + off
+                dest[start : start + n] = view[:n]
+                view, off = view[n:], off + n
+                if off == tokens_bytes:
+                    layer, off = layer + 1, 0
+        self.num_bytes += layers * tokens_bytes
 
     def truncated(self, detail: str) -> HandoffError:
         return HandoffError(f"{self.what}: the stream was truncated: {detail}", "truncated")
@@ -218,8 +229,10 @@ async def _read_stream(
     dims = (header.num_kv_heads, header.head_dim)
     k = torch.empty((header.num_layers, header.num_tokens, *dims), dtype=dtype)
     v = torch.empty_like(k)
-    row_bytes = header.token_bytes // 2  # K (or V) of one token over every layer
-    staging = bytearray()
+    row_bytes = header.token_bytes // 2 // header.num_layers  # K (or V): one token, one layer
+    layer_bytes = header.num_tokens * row_bytes
+    # (no rows: nothing to write, and a memoryview of an empty tensor cannot be cast)
+    dests = [t.view(torch.uint8).numpy().data.cast("B") for t in (k, v) if t.numel()]
     done = 0
     while (
         tokens := wire.parse_chunk_header(await reader.exactly(wire.CHUNK_HEADER_BYTES))
@@ -229,13 +242,9 @@ async def _read_stream(
                 f"{what}: chunks carry more than the header's {header.num_tokens} tokens",
                 "malformed",
             )
-        if len(staging) < tokens * row_bytes:
-            staging = bytearray(tokens * row_bytes)
-        view = memoryview(staging)[: tokens * row_bytes]
-        for dest in (k, v):
-            await reader.into(view)
-            rows = torch.frombuffer(view, dtype=dtype).view(header.num_layers, tokens, *dims)
-            dest[:, done : done + tokens].copy_(rows)
+        for dest in dests:
+            at, run = done * row_bytes, tokens * row_bytes
+            await reader.into_layers(dest, layer_bytes, at, run, header.num_layers)
         done += tokens
     if done != header.num_tokens:
         raise reader.truncated(f"{done} of the header's {header.num_tokens} tokens came")

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("vertumnus")
 
 REMEMBERED = 4096  # ended handles kept for a 410
+READ_AHEAD = 2  # chunks read from the ranks ahead of the one written
 
 
 class HandoffError(RuntimeError):
@@ -239,17 +240,17 @@ class Handoffs:
         started = time.perf_counter()
         lease.pulling = True
         sent = 0
-        pending: asyncio.Future[tuple[int, Any, Any]] | None = None
+        ahead: deque[asyncio.Future[tuple[int, Any, Any]]] = deque()
         try:
             header, groups = self._layout(lease)
             sent += await _write_header(write, header)
-            pending = self.reads.read(lease.first_device, groups[0], flushed) if groups else None
+            for group in groups[:READ_AHEAD]:
+                ahead.append(self.reads.read(lease.first_device, group, flushed))
             for n in range(len(groups)):
-                assert pending is not None
-                tokens, payload, shm = await pending
-                pending = None
-                if n + 1 < len(groups):
-                    pending = self.reads.read(lease.first_device, groups[n + 1], flushed)
+                tokens, payload, shm = await ahead.popleft()
+                if n + READ_AHEAD < len(groups):
+                    group = groups[n + READ_AHEAD]
+                    ahead.append(self.reads.read(lease.first_device, group, flushed))
                 size = len(payload)
                 try:
                     await write(chunk_header(tokens))
@@ -267,8 +268,8 @@ class Handoffs:
             sent += len(END)
         finally:
             lease.pulling = False
-            if pending is not None:  # cut short: the read ahead gives its memory back
-                pending.add_done_callback(self.reads.give_back)
+            for read in ahead:  # cut short: the reads ahead give their memory back
+                read.add_done_callback(self.reads.give_back)
         self.end(lease.handle, "pulled")
         seconds = time.perf_counter() - started
         self.pulled_bytes += sent

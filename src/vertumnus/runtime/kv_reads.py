@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from vertumnus.runtime.coordinator import Coordinator
 
 CHUNK_BYTES = 8 << 20  # KV read from the ranks per chunk of the stream (at least a block)
-SEGMENTS = 4  # shared-memory segments kept for reads (two per pull under way)
+SEGMENTS = 6  # shared-memory segments kept for reads (three per pull under way)
 
 
 class KVReads:
