@@ -22,6 +22,7 @@ from support.factories import TINY, engine_config, make_profile, make_tokens
 from vertumnus.config.pool import PoolConfig
 from vertumnus.engine.model import Qwen3ForCausalLM, causal_attention
 from vertumnus.handoff import wire
+from vertumnus.handoff.dist_client import pull_dist
 from vertumnus.perfmodel import DegreeCoeffs
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.runtime.coordinator import Coordinator
@@ -213,6 +214,44 @@ def test_a_reshape_ends_the_lease_and_a_dead_decode_server_releases_it(tmp_path:
                 assert pins(coord) == 0
         finally:
             await proxy.close()
+            await coord.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", [(1, 1), (2,)], ids=["cp1", "cp2"])
+def test_the_dist_transport_sends_the_same_kv_point_to_point(
+    tmp_path: Path, tiny_model: Qwen3ForCausalLM, layout: tuple[int, ...]
+) -> None:
+    """``dist`` (gloo here): the ranks send their blocks to the puller over
+    torch.distributed, the rows no block holds come over HTTP; the KV equals the
+    reference, and the lease ends (pulled)."""
+
+    async def main() -> None:
+        coord = Coordinator(make_config(tmp_path, layout))
+        await coord.start()
+        try:
+            app = build_app(coord, Tokenizer.for_model(None, TINY.vocab_size))
+            async with TestClient(TestServer(app)) as client:
+                base = str(client.make_url("")).rstrip("/")
+                for tokens in (make_tokens(83, seed=7), make_tokens(48, seed=8), [4, 5]):
+                    params = await handoff(client, tokens)
+                    pulled = await pull_dist(
+                        base, params["remote_handle"], coord.handoffs.secret, model=TINY
+                    )
+                    got = torch.stack(
+                        [
+                            torch.stack([k for k, _ in pulled.kv]),
+                            torch.stack([v for _, v in pulled.kv]),
+                        ]
+                    )
+                    ref = reference_kv(tiny_model, tokens[:-1])
+                    assert float((got - ref).abs().max()) < ATOL
+                    await asyncio.sleep(0.05)  # the ranks' answers end the lease
+                assert coord.handoffs.counts["pulled"] == 3
+                assert coord.handoffs.view()["open"] == 0 and pins(coord) == 0
+        finally:
             await coord.close()
 
     asyncio.run(main())

@@ -59,6 +59,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="guards /v1/* of this server (default: $VERTUMNUS_DECODE_API_KEY; none: open)",
     )
     p.add_argument(
+        "--transport",
+        default="http",
+        choices=("http", "dist"),
+        help="how the KV comes: the pull stream (http) or sent by the pool's ranks over "
+        "torch.distributed (dist: gloo on CPU, NCCL between GPUs; both sides alike)",
+    )
+    p.add_argument(
         "--parent-pid",
         type=int,
         default=None,
@@ -165,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
         prefill_url=args.prefill.rstrip("/"),
         prefill_key=args.prefill_key or None,
         api_key=args.api_key or None,
+        transport=args.transport,
+        dist_host=args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1",
     )
     tokenizer = Tokenizer.for_model(model_dir, cfg.vocab_size)
     configure_logging()

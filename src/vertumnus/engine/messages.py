@@ -172,6 +172,23 @@ class KVRead:
 
 
 @dataclass(frozen=True)
+class KVSend:
+    """Send the K and V of these slots (as ``KVRead``'s rows) to a decode server
+    over torch.distributed point to point: join the two-member group ``name`` (the
+    decode server is member 0, this rank member 1) through the store the decode
+    server hosts at ``store_host:store_port``, send one tensor, leave. NCCL where the
+    rank is on a GPU, gloo on CPU: both sides must be alike. Answered by a ``KVData``
+    without data (or ``RankFailed``) with ``read_id``."""
+
+    read_id: int
+    slots: tuple[int, ...]
+    store_host: str
+    store_port: int
+    name: str
+    timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
 class KVData(_TensorsAsBytes):
     """The blocks of a ``KVRead`` as rows: [2 (K, V), layers, slots * block_size,
     Hkv, D], in the order the slots were named."""

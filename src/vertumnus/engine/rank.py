@@ -40,6 +40,7 @@ from vertumnus.engine.messages import (
     GroupsReady,
     KVData,
     KVRead,
+    KVSend,
     KVTransfer,
     KVWritten,
     PrefillCommand,
@@ -164,6 +165,16 @@ def _serve(
                     return KVData(m.read_id, rank, None)
 
                 _answer(results, rank, read, "KVRead", read_id=msg.read_id)
+            case KVSend():
+
+                def send(m: KVSend = msg) -> KVData:
+                    wait = timedelta(seconds=m.timeout_s)
+                    peer = dist.TCPStore(m.store_host, m.store_port, is_master=False, timeout=wait)
+                    group = make_group(peer, m.name, (0, 1), 1, device, wait)
+                    group.send([kv.rows(m.slots).contiguous()], 0, 0).wait()
+                    return KVData(m.read_id, rank, None)
+
+                _answer(results, rank, send, "KVSend", read_id=msg.read_id)
             case RebuildGroups():
 
                 def rebuild(m: RebuildGroups = msg) -> GroupsReady:

@@ -51,6 +51,7 @@ from vertumnus.handoff.decode_engine import (
     NewSequence,
     StepOutput,
 )
+from vertumnus.handoff.dist_client import pull_dist
 from vertumnus.handoff.kv_client import (
     DEFAULT_TIMEOUT_S,
     PREFILL_TIMEOUT_S,
@@ -87,11 +88,25 @@ class DecodeSettings:
     prefill_key: str | None = None
     api_key: str | None = None
     pool_timeout_s: float = DEFAULT_TIMEOUT_S  # connect, and between two reads of a pull
+    # How the KV travels: "http" (the pull stream) or "dist" (the pool's ranks send it
+    # point to point; ``dist_host``: this server's address as they reach it)
+    transport: str = "http"
+    dist_host: str = "127.0.0.1"
     prefill_timeout_s: float = PREFILL_TIMEOUT_S  # for the answer of a prefill we ask for
 
 
 SETTINGS = web.AppKey("settings", DecodeSettings)
 TOKENIZER = web.AppKey("tokenizer", Tokenizer)
+
+
+def _pull_dist(host: str) -> Any:
+    """``pull_dist`` reaching this server at ``host`` (the KV lands on the CPU and
+    joins the decode engine's caches from there)."""
+
+    async def fetch(*args: Any, **kwargs: Any) -> PulledKV:
+        return await pull_dist(*args, host=host, **kwargs)
+
+    return fetch
 
 
 @dataclass
@@ -147,7 +162,8 @@ async def _handoff(request: web.Request, req: Completion) -> tuple[PulledKV, flo
             f"'kv_transfer_params.num_tokens' is {transfer.num_tokens}; a prompt of "
             f"{len(req.token_ids)} tokens needs the KV of {n}"
         )
-    pulled = await pull(
+    fetch = pull if settings.transport == "http" else _pull_dist(settings.dist_host)
+    pulled = await fetch(
         transfer.base_url,
         transfer.handle,
         key,

@@ -277,6 +277,36 @@ class Handoffs:
         self.coord.metrics.pulled(sent, seconds)
         return sent
 
+    def send_dist(
+        self, lease: Lease, store: tuple[str, int], prefix: str
+    ) -> tuple[KVHeader, list[dict[str, Any]], memoryview | None]:
+        """The ``dist`` transport: the lease's blocks go from its ranks to the decode
+        server point to point (NCCL between GPUs, gloo on CPU); returns the header,
+        the layout of what the ranks send, and the rows no block holds (which the
+        caller sends over HTTP). The lease ends (pulled) when every rank has sent,
+        or (released) if one failed."""
+        header, _ = self._layout(lease)
+        timeout = self.coord.cfg.engine.rank_timeout_s
+        lease.pulling = True
+        try:
+            layout, done = self.reads.send(lease.first_device, lease.blocks, store, prefix, timeout)
+        except BaseException:
+            lease.pulling = False
+            raise
+
+        def ended(future: asyncio.Future[Any]) -> None:
+            lease.pulling = False
+            failed = future.cancelled() or future.exception() is not None
+            if failed:
+                log.error("handoff_send_failed", handle=lease.handle, error=repr(future))
+            self.end(lease.handle, "released" if failed else "pulled")
+            if not failed:
+                self.pulled_bytes += header.total_bytes
+
+        done.add_done_callback(ended)
+        rows = lease.rows
+        return header, layout, bytes_of(rows) if rows is not None and rows.shape[2] else None
+
     def _layout(self, lease: Lease) -> tuple[KVHeader, list[list[BlockLocation]]]:
         """The stream's header and its chunks of blocks."""
         blocks, per = lease.blocks, max(1, CHUNK_BYTES // self.reads.block_bytes())

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from vertumnus.engine.messages import KVData, KVRead, RankFailed
+from vertumnus.engine.messages import KVData, KVRead, KVSend, RankFailed
 from vertumnus.engine.rank import resolve_device
 from vertumnus.engine.weights import resolve_dtype
 from vertumnus.policy.cache_index import BlockLocation
@@ -75,6 +75,46 @@ class KVReads:
         """An ``in_place`` read's segment, once its bytes left."""
         payload.release()
         self._free.append(shm)
+
+    def send(
+        self,
+        first_device: int,
+        blocks: list[BlockLocation],
+        store: tuple[str, int],
+        prefix: str,
+        timeout_s: float,
+    ) -> tuple[list[dict[str, Any]], asyncio.Future[Any]]:
+        """Have each rank holding some of ``blocks`` send them to a decode server
+        point to point (``KVSend``, group ``prefix/<CP rank>``): the layout the
+        decode server receives by (per rank: its group and the blocks' depths, in the
+        order sent), and a future of every rank's answer."""
+        pool = self.coord.pool
+        if pool is None:
+            raise RankPoolError("the pool is stopped")
+        loop = asyncio.get_running_loop()
+        by_rank: dict[int, list[BlockLocation]] = {}
+        for loc in blocks:
+            by_rank.setdefault(loc.rank, []).append(loc)
+        read_id = next(self._ids)
+        layout, waits = [], []
+        for cp_rank, locs in sorted(by_rank.items()):
+            device = first_device + cp_rank
+            wait: asyncio.Future[KVData] = loop.create_future()
+            self._reads[(read_id, device)] = wait
+            waits.append(wait)
+            name = f"{prefix}/{cp_rank}"
+            slots = tuple(loc.slot for loc in locs)
+            pool.send(device, KVSend(read_id, slots, store[0], store[1], name, timeout_s))
+            layout.append({"group": name, "depths": [loc.depth for loc in locs]})
+
+        async def done() -> None:
+            try:
+                await asyncio.wait_for(asyncio.gather(*waits), timeout_s)
+            finally:
+                for key in [k for k in self._reads if k[0] == read_id]:
+                    del self._reads[key]
+
+        return layout, asyncio.ensure_future(done())
 
     def read(
         self, first_device: int, group: list[BlockLocation], in_place: bool = False

@@ -119,6 +119,9 @@ class DecodeConfig:
     url: str | None = None
     local: bool = True
     restart_s: float = 1.0  # wait before restarting a local decode process that died
+    # How the local decode process takes the KV: "http" (the pull) or "dist" (the
+    # ranks send it over torch.distributed: gloo on CPU, NCCL between GPUs)
+    transport: str = "http"
     # The bearer for ``url``'s API (its --api-key; or $VERTUMNUS_DECODE_API_KEY)
     api_key: str | None = dataclasses.field(default=None, repr=False)
 
@@ -127,6 +130,8 @@ class DecodeConfig:
             raise ConfigError(f"[decode] url must start with http:// or https://, got {self.url!r}")
         if self.restart_s < 0:
             raise ConfigError("[decode] restart_s must be >= 0")
+        if self.transport not in ("http", "dist"):
+            raise ConfigError(f"[decode] transport must be http or dist, got {self.transport!r}")
 
     @property
     def enabled(self) -> bool:

@@ -5,6 +5,8 @@ for a decode server, and its pull.
                                         true}: the answer carries kv_transfer_params
                                         naming where and how to pull the KV
     GET    /v1/kv/{handle}              the KV, streamed (``handoff/wire.py``)
+    POST   /v1/kv/{handle}/dist         the ``dist`` transport: the ranks send the
+                                        blocks point to point (NCCL / gloo)
     DELETE /v1/kv/{handle}              the decode side gave up: the lease ends
     GET    /v1/handoffs                 the leases: open, pinned, ended, bytes pulled
 
@@ -17,12 +19,15 @@ each a JSON error like the rest of the API.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 from typing import Any
 
+import orjson
 import structlog
 from aiohttp import web
 
+from vertumnus.handoff.wire import END, chunk_header
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.handoff import HandoffError
 from vertumnus.runtime.request_path import PrefillResult
@@ -113,6 +118,49 @@ async def pull(request: web.Request) -> web.StreamResponse:
     return response
 
 
+async def send_dist(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/kv/{handle}/dist`` ``{"store_host", "store_port", "prefix"}``: the
+    ``dist`` transport. The ranks send the lease's blocks to the decode server over
+    torch.distributed (it hosts the store and is member 0 of each group); the answer
+    is the layout (a length-prefixed JSON: the stream's header, per rank its group
+    and the depths of its blocks, ``rows_from``), then the rows no block holds as
+    one wire chunk, then the end mark."""
+    coord: Coordinator = request.app[COORDINATOR]
+    handle = request.match_info["handle"]
+    try:
+        body = await request.json()
+        host, port, prefix = body["store_host"], body["store_port"], body["prefix"]
+        if not (isinstance(host, str) and isinstance(port, int) and isinstance(prefix, str)):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        message = 'expected {"store_host": str, "store_port": int, "prefix": str}'
+        return web.json_response(
+            {"error": {"message": message, "type": "invalid_request"}}, status=400
+        )
+    try:
+        lease = coord.handoffs.lookup(handle)
+        if lease.pulling:
+            raise HandoffError(409, f"the KV hand-off {handle!r} is being pulled")
+        header, ranks, rows = coord.handoffs.send_dist(lease, (host, port), prefix)
+    except HandoffError as exc:
+        return _gone(exc)
+    layout = {
+        "header": dataclasses.asdict(header),
+        "ranks": ranks,
+        "rows_from": header.num_tokens - (0 if rows is None else len(rows) // header.token_bytes),
+    }
+    response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+    await response.prepare(request)
+    body_json = orjson.dumps(layout)
+    await response.write(len(body_json).to_bytes(4, "little") + body_json)
+    if rows is not None:
+        await response.write(chunk_header(len(rows) // header.token_bytes))
+        await response.write(rows)
+    await response.write(END)
+    await response.write_eof()
+    return response
+
+
 async def release(request: web.Request) -> web.Response:
     coord: Coordinator = request.app[COORDINATOR]
     handle = request.match_info["handle"]
@@ -131,6 +179,7 @@ async def leases(request: web.Request) -> web.Response:
 
 ROUTES = [
     web.get("/v1/kv/{handle}", pull),
+    web.post("/v1/kv/{handle}/dist", send_dist),
     web.delete("/v1/kv/{handle}", release),
     web.get("/v1/handoffs", leases),
 ]

@@ -180,6 +180,31 @@ OPENAPI: dict[str, Any] = {
                 },
             },
         },
+        "/v1/kv/{handle}/dist": {
+            "post": {
+                "summary": "The dist transport: the ranks send the KV point to point to the "
+                "caller's torch.distributed store (docs/api.md, Transport)",
+                "parameters": _HANDLE,
+                "requestBody": {
+                    "required": True,
+                    **_json(
+                        {
+                            "type": "object",
+                            "properties": {
+                                "store_host": {"type": "string"},
+                                "store_port": {"type": "integer"},
+                                "prefix": {"type": "string"},
+                            },
+                            "required": ["store_host", "store_port", "prefix"],
+                        }
+                    ),
+                },
+                "responses": {
+                    "200": {"description": "application/octet-stream: the layout, then rows"},
+                    **_errors(400, 401, 404, 409, 410),
+                },
+            }
+        },
         "/v1/handoffs": {
             "get": {
                 "summary": "KV hand-off leases: open, pinned, ended, bytes pulled",

@@ -91,6 +91,8 @@ class DecodeProxy:
             engine.device,
             "--parent-pid",
             str(os.getpid()),
+            "--transport",
+            self.cfg.transport,
         ]
         # Told the hand-off secret; its own API (local, loopback only) stays open.
         env = {**os.environ, "VERTUMNUS_PREFILL_KEY": self.coord.handoffs.secret}
