@@ -36,6 +36,7 @@ from aiohttp import web
 from vertumnus.config import EngineConfig, resolve_model
 from vertumnus.config.pool import PoolConfig
 from vertumnus.handoff import kv_client
+from vertumnus.handoff.dist_client import pull_dist
 from vertumnus.perfmodel import DegreeCoeffs, Profile
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.runtime.coordinator import Coordinator
@@ -77,18 +78,23 @@ def socket_copy_s(num_bytes: int) -> float:
     return seconds
 
 
-def pull_in_process(url: str, secret: str, into_tensors: bool) -> tuple[int, float]:
-    """In the puller's own process (as a decode server is): GET the stream whole;
-    ``into_tensors``: with the decode server's own client (``handoff/kv_client.py``:
-    parsed, and put into per-layer K and V tensors), else only read."""
+def pull_in_process(url: str, secret: str, mode: str) -> tuple[int, float]:
+    """In the puller's own process (as a decode server is): the KV of one hand-off.
+    ``mode``: "tensors", with the decode server's own client (``handoff/kv_client.py``:
+    the stream parsed, and put into per-layer K and V tensors); "read", the stream
+    only read; "dist", the ranks send it over torch.distributed (gloo here) into
+    tensors (``handoff/dist_client.py``)."""
 
     async def pull() -> tuple[int, float]:
         timeout = aiohttp.ClientTimeout(total=600)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             start = time.perf_counter()
-            if into_tensors:
-                base, _, handle = url.rpartition("/v1/kv/")
+            base, _, handle = url.rpartition("/v1/kv/")
+            if mode == "tensors":
                 pulled = await kv_client.pull(base, handle, secret, session=session)
+                return pulled.num_bytes, time.perf_counter() - start
+            if mode == "dist":
+                pulled = await pull_dist(base, handle, secret, session=session)
                 return pulled.num_bytes, time.perf_counter() - start
             got = 0
             async with session.get(url, headers={"Authorization": f"Bearer {secret}"}) as resp:
@@ -106,14 +112,14 @@ async def pull_once(
     base: str,
     secret: str,
     tokens: list[int],
-    into_tensors: bool = True,
+    mode: str = "tensors",
 ) -> tuple[int, float]:
     body = {"token_ids": tokens, "kv_transfer_params": {"do_remote_decode": True}}
     async with session.post(f"{base}/v1/prefill", json=body) as resp:
         params = (await resp.json())["kv_transfer_params"]
     url = f"{base}/v1/kv/{params['remote_handle']}"
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(puller, pull_in_process, url, secret, into_tensors)
+    return await loop.run_in_executor(puller, pull_in_process, url, secret, mode)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -150,9 +156,10 @@ async def main(args: argparse.Namespace) -> None:
         print(f"model {args.model}, layout {layout}: {per_token} KV bytes per token (fp32)")
         print(
             "| tokens | bytes | pull into tensors (GB/s) | pull, bytes read only (GB/s) "
-            "| socket copy (GB/s) | ratio (tensors) | ratio (read only) |"
+            "| dist transport (GB/s) | socket copy (GB/s) | ratio (tensors) "
+            "| ratio (read only) | ratio (dist) |"
         )
-        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         puller = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         try:
             timeout = aiohttp.ClientTimeout(total=600)
@@ -161,22 +168,31 @@ async def main(args: argparse.Namespace) -> None:
                 # The puller's process warms up (imports, a first small pull).
                 await pull_once(session, puller, base, secret, [1, 2, 3])
                 for n in (int(x) for x in args.tokens.split(",")):
-                    runs: dict[str, list[float]] = {"tensors": [], "read": [], "socket": []}
+                    runs: dict[str, list[float]] = {
+                        "tensors": [],
+                        "read": [],
+                        "dist": [],
+                        "socket": [],
+                    }
                     size = 0
                     for k in range(args.repeat):  # interleaved: the machine's noise hits all
                         rng = random.Random(1000 * k + n)
                         tokens = [rng.randrange(model_cfg.vocab_size) for _ in range(n)]
                         size, t = await pull_once(session, puller, base, secret, tokens)
                         runs["tensors"].append(t)
-                        _, t = await pull_once(session, puller, base, secret, tokens, False)
+                        _, t = await pull_once(session, puller, base, secret, tokens, "read")
                         runs["read"].append(t)
+                        _, t = await pull_once(session, puller, base, secret, tokens, "dist")
+                        runs["dist"].append(t)
                         runs["socket"].append(socket_copy_s(size))
                     med = {key: statistics.median(v) for key, v in runs.items()}
                     rate = {key: size / v / 1e9 for key, v in med.items()}
                     print(
                         f"| {n} | {size:,} | {rate['tensors']:.2f} | {rate['read']:.2f} | "
-                        f"{rate['socket']:.2f} | {rate['tensors'] / rate['socket']:.2f} | "
-                        f"{rate['read'] / rate['socket']:.2f} |",
+                        f"{rate['dist']:.2f} | {rate['socket']:.2f} | "
+                        f"{rate['tensors'] / rate['socket']:.2f} | "
+                        f"{rate['read'] / rate['socket']:.2f} | "
+                        f"{rate['dist'] / rate['socket']:.2f} |",
                         flush=True,
                     )
         finally:
