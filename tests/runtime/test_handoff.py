@@ -14,8 +14,10 @@ import random
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import torch
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from support.factories import TINY, engine_config, make_profile, make_tokens
@@ -253,5 +255,61 @@ def test_the_dist_transport_sends_the_same_kv_point_to_point(
                 assert coord.handoffs.view()["open"] == 0 and pins(coord) == 0
         finally:
             await coord.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(240)
+def test_a_client_that_leaves_stops_its_decode(tmp_path: Path) -> None:
+    """A non-streamed completion whose client closes its connection: the proxy drops
+    its call to the decode server (whose handler is cancelled with it), and the
+    lease is released."""
+    cancelled = asyncio.Event()
+
+    async def slow_decode(request: web.Request) -> web.Response:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return web.json_response({})
+
+    async def main() -> None:
+        decoder = web.Application()
+        decoder.router.add_post("/v1/completions", slow_decode)
+        runner = web.AppRunner(decoder, handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        cfg = dataclasses.replace(make_config(tmp_path, (1, 1)), decode=DecodeConfig(url=url))
+        coord = Coordinator(cfg)
+        await coord.start()
+        proxy = DecodeProxy(coord, cfg.decode, cfg.model)
+        try:
+            app = build_app(coord, Tokenizer.for_model(None, TINY.vocab_size), proxy)
+            async with TestClient(TestServer(app)) as client:
+                await proxy.start(f"http://127.0.0.1:{client.port}")
+                body = orjson.dumps({"prompt": make_tokens(40, seed=5), "max_tokens": 50})
+                _reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+                writer.write(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\n"
+                    + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
+                await writer.drain()
+                await asyncio.sleep(1.0)  # prefilled by now, waiting for its decode
+                writer.close()  # the client leaves
+                await asyncio.wait_for(cancelled.wait(), 5.0)
+                for _ in range(50):
+                    if coord.handoffs.view()["released"] == 1:
+                        break
+                    await asyncio.sleep(0.1)
+                view = coord.handoffs.view()
+                assert (view["open"], view["released"]) == (0, 1) and pins(coord) == 0
+        finally:
+            await proxy.close()
+            await coord.close()
+            await runner.cleanup()
 
     asyncio.run(main())

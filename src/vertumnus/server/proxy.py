@@ -19,6 +19,7 @@ queue, prefill, hand-off, first decode step, and the time per output token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
@@ -38,12 +39,37 @@ from vertumnus.server.handoff_routes import transfer_params
 log = structlog.get_logger("vertumnus.proxy")
 
 START_TIMEOUT_S = 120.0  # a local decode process's start (it imports torch, builds the model)
+GONE_CHECK_S = 0.25  # how often a non-streamed completion looks for its client
 
 
 def _error(status: int, message: str, kind: str) -> web.Response:
     headers = {"Retry-After": "2"} if status == 503 else None
     body = orjson.dumps({"error": {"message": message, "type": kind}})
     return web.Response(body=body, status=status, content_type="application/json", headers=headers)
+
+
+class ClientGone(RuntimeError):
+    """The client of a non-streamed completion closed its connection."""
+
+
+async def _unless_gone(request: web.Request, work: Any) -> Any:
+    """``work``'s result; cancelled (``ClientGone``) as soon as the client's
+    connection closes, or with this handler, so that the decode server stops
+    decoding for nobody (its own handler ends with the connection it answers)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=GONE_CHECK_S)
+            if done:
+                return task.result()
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                raise ClientGone("the client closed its connection")
+    except (ClientGone, asyncio.CancelledError):  # (a server that cancels its handlers)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise
 
 
 class DecodeProxy:
@@ -173,16 +199,21 @@ class DecodeProxy:
         try:
             if body.get("stream"):
                 return await self._stream(request, url, forward, result, arrived, handle)
-            async with self._session.post(url, json=forward) as answer:
-                data = await answer.read()
-                if answer.status != 200:
-                    self._release(handle)
-                    return web.Response(
-                        body=data, status=answer.status, content_type="application/json"
-                    )
+            status, data = await _unless_gone(request, self._answer(url, forward))
+            if status != 200:
+                self._release(handle)
+                return web.Response(body=data, status=status, content_type="application/json")
         except (aiohttp.ClientError, ConnectionError) as exc:
             self._release(handle)
             return _error(503, f"the decode server failed: {exc}", "unavailable")
+        except ClientGone:  # its decode stopped with the connection to the decode server
+            self._release(handle)
+            log.info("client_gone", request_id=result.request_id)
+            return web.Response(status=499)
+        except asyncio.CancelledError:  # the same, where the server cancels its handlers
+            self._release(handle)
+            log.info("client_gone", request_id=result.request_id)
+            raise
         out = orjson.loads(data)
         out["timings"] = self._timings(result, out.get("timings", {}), arrived)
         usage = out.setdefault("usage", {})
@@ -232,6 +263,11 @@ class DecodeProxy:
             log.info("streamed", request_id=result.request_id, ttft_s=round(ttft, 6))
         await response.write_eof()
         return response
+
+    async def _answer(self, url: str, forward: dict[str, Any]) -> tuple[int, bytes]:
+        assert self._session is not None
+        async with self._session.post(url, json=forward) as answer:
+            return answer.status, await answer.read()
 
     def _last_event(self, line: bytes, result: PrefillResult, arrived: float) -> bytes:
         """The decode server's last event (it carries the usage): with the pool's
