@@ -139,7 +139,7 @@ def simulate(
     ]
     assert requests[0].block_tokens == cfg.engine.block_size
     model, _ = resolve_model(cfg.model)
-    kv_bytes = 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * 4
+    kv_bytes = model.kv_bytes(4)
     per_token = timings.get("ext_s_per_token", 0.0)
     settings = SimSettings(
         window_phase_s=window_phase_s,

@@ -151,8 +151,7 @@ async def main(args: argparse.Namespace) -> None:
         port = runner.addresses[0][1]
         app[ADDRESS].extend(["127.0.0.1", port])
         base = f"http://127.0.0.1:{port}"
-        per_token = 2 * model_cfg.num_hidden_layers * model_cfg.num_key_value_heads
-        per_token *= model_cfg.head_dim * 4
+        per_token = model_cfg.kv_bytes(4)
         print(f"model {args.model}, layout {layout}: {per_token} KV bytes per token (fp32)")
         print(
             "| tokens | bytes | pull into tensors (GB/s) | pull, bytes read only (GB/s) "

@@ -20,12 +20,11 @@ import torch
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from support.factories import TINY, engine_config, make_profile, make_tokens
+from support.factories import TINY, cpu_profile, engine_config, make_tokens
 from vertumnus.config.pool import PoolConfig
 from vertumnus.engine.model import Qwen3ForCausalLM, causal_attention
 from vertumnus.handoff import wire
 from vertumnus.handoff.dist_client import pull_dist
-from vertumnus.perfmodel import DegreeCoeffs
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.serve_config import DecodeConfig, HandoffConfig, ServeConfig
@@ -38,17 +37,10 @@ ATOL = 1e-4
 
 
 def make_config(tmp_path: Path, layout: tuple[int, ...], **handoff: Any) -> ServeConfig:
-    coeffs = {
-        1: DegreeCoeffs(d=0.004, c=3e-5, alpha=3e-8),
-        2: DegreeCoeffs(d=0.009, c=4e-5, alpha=2e-8),
-    }
-    profile = make_profile(coeffs, {1: 10.0, 2: 15.0}, model="tiny", hardware="cpu")
-    path = tmp_path / "profile.json"
-    profile.save(path)
     return ServeConfig(
         pool=PoolConfig((1, 2), layout),
         engine=engine_config(),
-        profile=str(path),
+        profile=cpu_profile(tmp_path),
         policy=PolicyConfig(adaptive=False, replication=False),
         handoff=HandoffConfig(**handoff),
     )
@@ -174,7 +166,11 @@ def test_no_lease_or_pin_is_left_after_pulls_releases_and_abandonment(tmp_path: 
                 counts = coord.handoffs.counts
                 assert counts["pulled"] == fates.count("pull")
                 assert counts["released"] == fates.count("release")
-                await asyncio.sleep(0.7)  # past every lease
+                # Past every lease (0.5 s), allowing a loaded machine's late timer.
+                for _ in range(50):
+                    await asyncio.sleep(0.1)
+                    if not coord.handoffs.leases:
+                        break
                 view = coord.handoffs.view()
                 assert (view["open"], view["pinned_blocks"], view["held_rows"]) == (0, 0, 0)
                 assert counts["expired"] == fates.count("abandon") and counts["opened"] == 1000

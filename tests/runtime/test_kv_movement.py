@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.factories import engine_config, make_profile, make_tokens
+from support.factories import cpu_profile, engine_config, make_tokens
 from vertumnus.blocks import block_ids
 from vertumnus.config.pool import PoolConfig
-from vertumnus.perfmodel import DegreeCoeffs
 from vertumnus.policy.cache_plans import CacheManagerConfig
 from vertumnus.policy.lattice import WorkerState
 from vertumnus.policy.pool_config import PolicyConfig
@@ -29,13 +28,6 @@ ATOL = 1e-4
 
 
 def make_config(tmp_path: Path, ranks: int, layout: tuple[int, ...]) -> ServeConfig:
-    coeffs = {
-        1: DegreeCoeffs(d=0.004, c=3e-5, alpha=3e-8),
-        2: DegreeCoeffs(d=0.009, c=4e-5, alpha=2e-8),
-    }
-    profile = make_profile(coeffs, {1: 10.0, 2: 15.0}, model="tiny", hardware="cpu")
-    path = tmp_path / "profile.json"
-    profile.save(path)
     # A fixed composition and no periodic scans: each test scans and reshapes itself.
     policy = PolicyConfig(
         adaptive=False,
@@ -44,7 +36,8 @@ def make_config(tmp_path: Path, ranks: int, layout: tuple[int, ...]) -> ServeCon
     )
     pool = PoolConfig((1, 2), layout)
     assert pool.ranks == ranks
-    return ServeConfig(pool=pool, engine=engine_config(), profile=str(path), policy=policy)
+    profile = cpu_profile(tmp_path)
+    return ServeConfig(pool=pool, engine=engine_config(), profile=profile, policy=policy)
 
 
 async def only(coord: Coordinator, worker: int, prompt: list[int]):  # type: ignore[no-untyped-def]

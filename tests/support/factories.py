@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from vertumnus.config import PRESETS, EngineConfig, ModelConfig
@@ -54,3 +55,15 @@ def make_profile(
     if kappa_s is not None:
         profile.capacity = {c: {"kappa_s": k} for c, k in kappa_s.items()}
     return profile
+
+
+def cpu_profile(folder: Path) -> str:
+    """A profile of degrees 1 and 2 for ``tiny`` on CPU ranks (made-up coefficients of
+    the measured size), saved in ``folder``: the path, for a ``ServeConfig``."""
+    coeffs = {
+        1: DegreeCoeffs(d=0.004, c=3e-5, alpha=3e-8),
+        2: DegreeCoeffs(d=0.009, c=4e-5, alpha=2e-8),
+    }
+    path = folder / "profile.json"
+    make_profile(coeffs, {1: 10.0, 2: 15.0}, model="tiny", hardware="cpu").save(path)
+    return str(path)

@@ -103,7 +103,11 @@ class ModelConfig:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token over all layers, at 2 bytes per element (bf16)."""
-        return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * 2
+        return self.kv_bytes(2)
+
+    def kv_bytes(self, itemsize: int) -> int:
+        """Bytes of K and V per token over all layers, at ``itemsize`` per element."""
+        return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * itemsize
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], name: str = "custom") -> ModelConfig:

@@ -28,6 +28,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -99,16 +100,6 @@ SETTINGS = web.AppKey("settings", DecodeSettings)
 TOKENIZER = web.AppKey("tokenizer", Tokenizer)
 
 
-def _pull_dist(host: str) -> Any:
-    """``pull_dist`` reaching this server at ``host`` (the KV lands on the CPU and
-    joins the decode engine's caches from there)."""
-
-    async def fetch(*args: Any, **kwargs: Any) -> PulledKV:
-        return await pull_dist(*args, host=host, **kwargs)
-
-    return fetch
-
-
 @dataclass
 class Resources:
     """What lives as long as the app: the decode thread (started with the app,
@@ -162,7 +153,7 @@ async def _handoff(request: web.Request, req: Completion) -> tuple[PulledKV, flo
             f"'kv_transfer_params.num_tokens' is {transfer.num_tokens}; a prompt of "
             f"{len(req.token_ids)} tokens needs the KV of {n}"
         )
-    fetch = pull if settings.transport == "http" else _pull_dist(settings.dist_host)
+    fetch = pull if settings.transport == "http" else partial(pull_dist, host=settings.dist_host)
     pulled = await fetch(
         transfer.base_url,
         transfer.handle,

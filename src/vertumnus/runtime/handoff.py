@@ -286,10 +286,9 @@ class Handoffs:
         caller sends over HTTP). The lease ends (pulled) when every rank has sent,
         or (released) if one failed."""
         header, _ = self._layout(lease)
-        timeout = self.coord.cfg.engine.rank_timeout_s
         lease.pulling = True
         try:
-            layout, done = self.reads.send(lease.first_device, lease.blocks, store, prefix, timeout)
+            layout, done = self.reads.send(lease.first_device, lease.blocks, store, prefix)
         except BaseException:
             lease.pulling = False
             raise

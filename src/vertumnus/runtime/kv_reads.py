@@ -61,8 +61,7 @@ class KVReads:
 
     def block_bytes(self) -> int:
         cfg, block = self.coord.model_cfg, self.coord.cfg.engine.block_size
-        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
-        return per_token * block * self.kv_dtype.itemsize
+        return cfg.kv_bytes(self.kv_dtype.itemsize) * block
 
     def give_back(self, read: asyncio.Future[tuple[int, Any, Any]]) -> None:
         """A read's segment back (a done callback of a read nobody will write)."""
@@ -76,18 +75,12 @@ class KVReads:
         payload.release()
         self._free.append(shm)
 
-    def send(
-        self,
-        first_device: int,
-        blocks: list[BlockLocation],
-        store: tuple[str, int],
-        prefix: str,
-        timeout_s: float,
-    ) -> tuple[list[dict[str, Any]], asyncio.Future[Any]]:
-        """Have each rank holding some of ``blocks`` send them to a decode server
-        point to point (``KVSend``, group ``prefix/<CP rank>``): the layout the
-        decode server receives by (per rank: its group and the blocks' depths, in the
-        order sent), and a future of every rank's answer."""
+    def _dispatch(
+        self, first_device: int, blocks: list[BlockLocation], command: Any
+    ) -> tuple[int, list[tuple[int, list[BlockLocation], asyncio.Future[KVData]]]]:
+        """Send ``command(read_id, cp_rank, locs)`` to each rank holding some of
+        ``blocks`` (one read id for all), each answer awaited: the read id, and per
+        rank in CP order its blocks and the future of its answer."""
         pool = self.coord.pool
         if pool is None:
             raise RankPoolError("the pool is stopped")
@@ -96,25 +89,46 @@ class KVReads:
         for loc in blocks:
             by_rank.setdefault(loc.rank, []).append(loc)
         read_id = next(self._ids)
-        layout, waits = [], []
+        sent = []
         for cp_rank, locs in sorted(by_rank.items()):
             device = first_device + cp_rank
             wait: asyncio.Future[KVData] = loop.create_future()
             self._reads[(read_id, device)] = wait
-            waits.append(wait)
-            name = f"{prefix}/{cp_rank}"
+            sent.append((cp_rank, locs, wait))
+            pool.send(device, command(read_id, cp_rank, locs))
+        return read_id, sent
+
+    async def _answers(
+        self, read_id: int, sent: list[tuple[int, list[BlockLocation], asyncio.Future[KVData]]]
+    ) -> list[KVData]:
+        """Every rank's answer to ``read_id`` (a ``RankFailed`` or the timeout raises)."""
+        try:
+            waits = (wait for _, _, wait in sent)
+            timeout = self.coord.cfg.engine.rank_timeout_s
+            return list(await asyncio.wait_for(asyncio.gather(*waits), timeout))
+        finally:
+            for key in [k for k in self._reads if k[0] == read_id]:
+                del self._reads[key]
+
+    def send(
+        self, first_device: int, blocks: list[BlockLocation], store: tuple[str, int], prefix: str
+    ) -> tuple[list[dict[str, Any]], asyncio.Future[Any]]:
+        """Have each rank holding some of ``blocks`` send them to a decode server
+        point to point (``KVSend``, group ``prefix/<CP rank>``): the layout the
+        decode server receives by (per rank: its group and the blocks' depths, in the
+        order sent), and a future of every rank's answer."""
+        timeout_s = self.coord.cfg.engine.rank_timeout_s
+
+        def command(read_id: int, cp_rank: int, locs: list[BlockLocation]) -> KVSend:
             slots = tuple(loc.slot for loc in locs)
-            pool.send(device, KVSend(read_id, slots, store[0], store[1], name, timeout_s))
-            layout.append({"group": name, "depths": [loc.depth for loc in locs]})
+            return KVSend(read_id, slots, store[0], store[1], f"{prefix}/{cp_rank}", timeout_s)
 
-        async def done() -> None:
-            try:
-                await asyncio.wait_for(asyncio.gather(*waits), timeout_s)
-            finally:
-                for key in [k for k in self._reads if k[0] == read_id]:
-                    del self._reads[key]
-
-        return layout, asyncio.ensure_future(done())
+        read_id, sent = self._dispatch(first_device, blocks, command)
+        layout = [
+            {"group": f"{prefix}/{cp_rank}", "depths": [loc.depth for loc in locs]}
+            for cp_rank, locs, _ in sent
+        ]
+        return layout, asyncio.ensure_future(self._answers(read_id, sent))
 
     def read(
         self, first_device: int, group: list[BlockLocation], in_place: bool = False
@@ -122,57 +136,49 @@ class KVReads:
         """Read a run of consecutive blocks from their ranks (one ``KVRead`` per rank,
         sent now), in sequence order: (tokens, their bytes as the wire wants them, the
         shared memory they are in when ``in_place``: the caller gives it back)."""
-        pool = self.coord.pool
-        if pool is None:
-            raise RankPoolError("the pool is stopped")
-        loop = asyncio.get_running_loop()
         block, first = self.coord.cfg.engine.block_size, group[0].depth
+        rows = len(group) * block
         size = len(group) * self.block_bytes()
-        shm = self._segment(size) if isinstance(pool, RankPool) else None
-        by_rank: dict[int, list[BlockLocation]] = {}
-        for loc in group:
-            by_rank.setdefault(loc.rank, []).append(loc)
-        read_id = next(self._ids)
-        waits = []
-        for cp_rank, locs in sorted(by_rank.items()):
-            device = first_device + cp_rank
-            wait: asyncio.Future[KVData] = loop.create_future()
-            self._reads[(read_id, device)] = wait
-            waits.append((locs, wait))
+        shm = self._segment(size) if isinstance(self.coord.pool, RankPool) else None
+
+        def command(read_id: int, cp_rank: int, locs: list[BlockLocation]) -> KVRead:
             slots = tuple(loc.slot for loc in locs)
             if shm is None:
-                pool.send(device, KVRead(read_id, slots))
-            else:
-                at = tuple((loc.depth - first) * block for loc in locs)
-                pool.send(device, KVRead(read_id, slots, shm.name, len(group) * block, at))
+                return KVRead(read_id, slots)
+            at = tuple((loc.depth - first) * block for loc in locs)
+            return KVRead(read_id, slots, shm.name, rows, at)
+
+        try:
+            read_id, sent = self._dispatch(first_device, group, command)
+        except BaseException:
+            if shm is not None:
+                self._free.append(shm)
+            raise
 
         async def gather() -> tuple[int, Any, Any]:
             kept = False
             try:
-                timeout = self.coord.cfg.engine.rank_timeout_s
-                answers = await asyncio.wait_for(asyncio.gather(*(w for _, w in waits)), timeout)
+                answers = await self._answers(read_id, sent)
                 if shm is not None:
                     assert shm.buf is not None
                     if not in_place:
-                        return len(group) * block, bytes(shm.buf[:size]), None
+                        return rows, bytes(shm.buf[:size]), None
                     kept = True
-                    return len(group) * block, shm.buf[:size], shm
+                    return rows, shm.buf[:size], shm
             finally:
-                for key in [k for k in self._reads if k[0] == read_id]:
-                    del self._reads[key]
                 if shm is not None and not kept:
                     self._free.append(shm)
-            rows = [answer.data for answer in answers if answer.data is not None]
-            assert len(rows) == len(answers), "a rank answered a read without its data"
-            if len(rows) == 1:
-                return len(group) * block, bytes_of(rows[0]), None
-            out = torch.empty((*rows[0].shape[:2], len(group) * block, *rows[0].shape[3:]))
-            out = out.to(rows[0].dtype)
-            for (locs, _), data in zip(waits, rows, strict=True):
+            data = [answer.data for answer in answers if answer.data is not None]
+            assert len(data) == len(answers), "a rank answered a read without its data"
+            if len(data) == 1:
+                return rows, bytes_of(data[0]), None
+            shape = (*data[0].shape[:2], rows, *data[0].shape[3:])
+            out = torch.empty(shape, dtype=data[0].dtype)
+            for (_, locs, _), part in zip(sent, data, strict=True):
                 for i, loc in enumerate(locs):
                     at = (loc.depth - first) * block
-                    out[:, :, at : at + block] = data[:, :, i * block : (i + 1) * block]
-            return len(group) * block, bytes_of(out), None
+                    out[:, :, at : at + block] = part[:, :, i * block : (i + 1) * block]
+            return rows, bytes_of(out), None
 
         return asyncio.ensure_future(gather())
 
