@@ -5,21 +5,25 @@
 
 Starts a coordinator with its rank processes (CPU, fp32) and the REST app on
 127.0.0.1, then for each prompt length: one prefill with ``kv_transfer_params.
-do_remote_decode``, and its pull (``GET /v1/kv/{handle}``, read whole by an aiohttp
-client, as the decode server reads it), timed from the request to the last byte. The
-puller runs in a process of its own, as a decode server does. The reference,
+do_remote_decode``, and its pull (``GET /v1/kv/{handle}``) by the decode server's
+own client (``handoff/kv_pull.py``, into its tensors), timed from the request to
+the last byte (``pull``) and from the answer's first bytes to the last
+(``stream``: the bandwidth, without the request's round trip). The puller runs in
+a process of its own, on uvloop, as a decode server does. Also: the stream read
+whole by a plain aiohttp client, and the ``dist`` transport. The reference,
 measured in the same run: the same number of bytes sent over a TCP loopback
 connection by one thread (``sendall`` of one buffer) and received by another
-(``recv_into`` one buffer). Prints per length the KV bytes (and bytes per
-token of the model), seconds, GB/s of each, and the ratio (target: 0.8 or more
-from 8K tokens up). The pull is repeated ``--repeat`` times (a fresh prefill each)
-and the median taken.
+(``recv_into`` one buffer). Prints per length the KV bytes (and bytes per token
+of the model), GB/s of each, and the ratios to the reference (target: 0.8 or
+more from 8K tokens up). The pull is repeated ``--repeat`` times (a fresh prefill
+each), interleaved with the others, and the median taken.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import multiprocessing
 import random
 import socket
@@ -29,6 +33,7 @@ import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -78,32 +83,78 @@ def socket_copy_s(num_bytes: int) -> float:
     return seconds
 
 
-def pull_in_process(url: str, secret: str, mode: str) -> tuple[int, float]:
+def copy_sender(ports: Any) -> None:
+    """A process that sends, to each connection, as many bytes as it asks for (8
+    bytes, little-endian) from one buffer written before: the two-process
+    reference's sending end."""
+    server = socket.create_server(("127.0.0.1", 0))
+    ports.put(server.getsockname()[1])
+    payload = bytearray()
+    while True:
+        conn, _ = server.accept()
+        size = int.from_bytes(conn.recv(8), "little")
+        if size > len(payload):
+            payload = bytearray(size)  # zero-filled: its pages exist before the copy
+        conn.sendall(memoryview(payload)[:size])
+        conn.close()
+
+
+SINKS: dict[int, bytearray] = {}  # the receiving end's buffers, kept warm
+
+
+def copy_receive(port: int, size: int) -> tuple[float, float]:
+    """In the puller's process: ``size`` bytes from ``copy_sender`` into one buffer;
+    seconds from the request, and from the first bytes, to the last."""
+    if size not in SINKS:
+        SINKS[size] = bytearray(size)
+    view, got, first = memoryview(SINKS[size]), 0, None
+    conn = socket.create_connection(("127.0.0.1", port))
+    start = time.perf_counter()
+    conn.sendall(size.to_bytes(8, "little"))
+    while got < size:
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            raise RuntimeError("the copy's sender stopped")
+        first = first or time.perf_counter()
+        got += n
+    end = time.perf_counter()
+    conn.close()
+    return end - start, end - (first or start)
+
+
+def pull_in_process(url: str, secret: str, mode: str) -> tuple[int, float, float | None]:
     """In the puller's own process (as a decode server is): the KV of one hand-off.
     ``mode``: "tensors", with the decode server's own client (``handoff/kv_client.py``:
     the stream parsed, and put into per-layer K and V tensors); "read", the stream
     only read; "dist", the ranks send it over torch.distributed (gloo here) into
     tensors (``handoff/dist_client.py``)."""
 
-    async def pull() -> tuple[int, float]:
+    async def pull() -> tuple[int, float, float | None]:
         timeout = aiohttp.ClientTimeout(total=600)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             start = time.perf_counter()
             base, _, handle = url.rpartition("/v1/kv/")
             if mode == "tensors":
-                pulled = await kv_client.pull(base, handle, secret, session=session)
-                return pulled.num_bytes, time.perf_counter() - start
+                pulled = await kv_client.pull(base, handle, secret)
+                seconds = time.perf_counter() - start
+                pulled.release()  # as the decode server does once the KV is in its cache
+                return pulled.num_bytes, seconds, pulled.stream_s
             if mode == "dist":
                 pulled = await pull_dist(base, handle, secret, session=session)
-                return pulled.num_bytes, time.perf_counter() - start
+                return pulled.num_bytes, time.perf_counter() - start, None
             got = 0
             async with session.get(url, headers={"Authorization": f"Bearer {secret}"}) as resp:
                 assert resp.status == 200, await resp.text()
                 async for chunk in resp.content.iter_any():
                     got += len(chunk)
-            return got, time.perf_counter() - start
+            return got, time.perf_counter() - start, None
 
-    return asyncio.run(pull())
+    try:  # the event loop the decode server runs on
+        import uvloop
+
+        return uvloop.run(pull())
+    except ImportError:
+        return asyncio.run(pull())
 
 
 async def pull_once(
@@ -113,7 +164,7 @@ async def pull_once(
     secret: str,
     tokens: list[int],
     mode: str = "tensors",
-) -> tuple[int, float]:
+) -> tuple[int, float, float | None]:
     body = {"token_ids": tokens, "kv_transfer_params": {"do_remote_decode": True}}
     async with session.post(f"{base}/v1/prefill", json=body) as resp:
         params = (await resp.json())["kv_transfer_params"]
@@ -151,15 +202,23 @@ async def main(args: argparse.Namespace) -> None:
         port = runner.addresses[0][1]
         app[ADDRESS].extend(["127.0.0.1", port])
         base = f"http://127.0.0.1:{port}"
+        gc.freeze()  # as serve does once started
         per_token = model_cfg.kv_bytes(4)
         print(f"model {args.model}, layout {layout}: {per_token} KV bytes per token (fp32)")
         print(
-            "| tokens | bytes | pull into tensors (GB/s) | pull, bytes read only (GB/s) "
-            "| dist transport (GB/s) | socket copy (GB/s) | ratio (tensors) "
-            "| ratio (read only) | ratio (dist) |"
+            "| tokens | bytes | pull | stream | aiohttp client | dist | copy, 2 processes "
+            "| copy, 2 processes, from its first byte | copy, 2 threads | pull / copy "
+            "| stream / copy from its first byte | pull / copy, 2 threads | aiohttp / copy "
+            "| dist / copy |"
         )
-        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        puller = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        print("| ---: " * 14 + "|")
+        ctx = multiprocessing.get_context("spawn")
+        ports = ctx.Queue()
+        sender = ctx.Process(target=copy_sender, args=(ports,), daemon=True)
+        sender.start()
+        copy_port = ports.get(timeout=60)
+        puller = ProcessPoolExecutor(1, mp_context=ctx)
+        loop = asyncio.get_running_loop()
         try:
             timeout = aiohttp.ClientTimeout(total=600)
             async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -167,35 +226,44 @@ async def main(args: argparse.Namespace) -> None:
                 # The puller's process warms up (imports, a first small pull).
                 await pull_once(session, puller, base, secret, [1, 2, 3])
                 for n in (int(x) for x in args.tokens.split(",")):
-                    runs: dict[str, list[float]] = {
-                        "tensors": [],
-                        "read": [],
-                        "dist": [],
-                        "socket": [],
-                    }
+                    keys = ("pull", "stream", "aiohttp", "dist", "copy", "copy_first", "threads")
+                    runs: dict[str, list[float]] = {key: [] for key in keys}
                     size = 0
                     for k in range(args.repeat):  # interleaved: the machine's noise hits all
                         rng = random.Random(1000 * k + n)
                         tokens = [rng.randrange(model_cfg.vocab_size) for _ in range(n)]
-                        size, t = await pull_once(session, puller, base, secret, tokens)
-                        runs["tensors"].append(t)
-                        _, t = await pull_once(session, puller, base, secret, tokens, "read")
-                        runs["read"].append(t)
-                        _, t = await pull_once(session, puller, base, secret, tokens, "dist")
+                        size, t, stream_s = await pull_once(session, puller, base, secret, tokens)
+                        assert stream_s is not None
+                        runs["pull"].append(t)
+                        runs["stream"].append(stream_s)
+                        _, t, _ = await pull_once(session, puller, base, secret, tokens, "read")
+                        runs["aiohttp"].append(t)
+                        _, t, _ = await pull_once(session, puller, base, secret, tokens, "dist")
                         runs["dist"].append(t)
-                        runs["socket"].append(socket_copy_s(size))
-                    med = {key: statistics.median(v) for key, v in runs.items()}
-                    rate = {key: size / v / 1e9 for key, v in med.items()}
+                        copy = await loop.run_in_executor(puller, copy_receive, copy_port, size)
+                        runs["copy"].append(copy[0])
+                        runs["copy_first"].append(copy[1])
+                        runs["threads"].append(socket_copy_s(size))
+                    rate = {key: size / statistics.median(v) / 1e9 for key, v in runs.items()}
+                    ratios = (
+                        rate["pull"] / rate["copy"],
+                        rate["stream"] / rate["copy_first"],
+                        rate["pull"] / rate["threads"],
+                        rate["aiohttp"] / rate["copy"],
+                        rate["dist"] / rate["copy"],
+                    )
                     print(
-                        f"| {n} | {size:,} | {rate['tensors']:.2f} | {rate['read']:.2f} | "
-                        f"{rate['dist']:.2f} | {rate['socket']:.2f} | "
-                        f"{rate['tensors'] / rate['socket']:.2f} | "
-                        f"{rate['read'] / rate['socket']:.2f} | "
-                        f"{rate['dist'] / rate['socket']:.2f} |",
+                        f"| {n} | {size:,} | "
+                        + " | ".join(f"{rate[key]:.2f}" for key in keys)
+                        + " | "
+                        + " | ".join(f"{x:.2f}" for x in ratios)
+                        + " |",
                         flush=True,
                     )
         finally:
             puller.shutdown()
+            sender.kill()
+            sender.join()
             await runner.cleanup()
             await coord.close()
 

@@ -176,6 +176,9 @@ class FakePool:
         header, k, v = lease
         self.ended.add(header.handle)
         response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        chunks = -(-header.num_tokens // self.chunk_tokens)
+        # as the pool does: the whole stream's length (a truncated one falls short)
+        response.content_length = len(header.encode()) + 8 * (chunks + 1) + header.total_bytes
         await response.prepare(request)
         await response.write(header.encode())
         for start in range(0, header.num_tokens, self.chunk_tokens):

@@ -22,10 +22,12 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from support.factories import TINY, cpu_profile, engine_config, make_tokens
 from vertumnus.config.pool import PoolConfig
+from vertumnus.engine.messages import KVRead
 from vertumnus.engine.model import Qwen3ForCausalLM, causal_attention
 from vertumnus.handoff import wire
 from vertumnus.handoff.dist_client import pull_dist
 from vertumnus.policy.pool_config import PolicyConfig
+from vertumnus.runtime import kv_segments
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.serve_config import DecodeConfig, HandoffConfig, ServeConfig
 from vertumnus.server.app import build_app
@@ -61,20 +63,29 @@ def reference_kv(model: Qwen3ForCausalLM, tokens: list[int]) -> torch.Tensor:
     return torch.stack(layers, dim=1)
 
 
-def parse(stream: bytes) -> tuple[wire.KVHeader, torch.Tensor]:
-    """The wire format read back: its header and [2, layers, n, Hkv, D]."""
+def parse(stream: bytes, kinds: set[int] | None = None) -> tuple[wire.KVHeader, torch.Tensor]:
+    """The wire format read back: its header and [2, layers, n, Hkv, D]; the kinds
+    of its chunks are added to ``kinds``."""
     n = wire.header_length(stream[:4])
     header = wire.KVHeader.decode(stream[4 : 4 + n])
     at, parts = 4 + n, []
     shape = (header.num_layers, header.num_kv_heads, header.head_dim)
+    block = header.block_size
     while True:
-        tokens = wire.parse_chunk_header(stream[at : at + 8])
+        chunk = wire.parse_chunk_header(stream[at : at + 8], block)
         at += 8
-        if tokens is None:
+        if chunk is None:
             break
+        kind, tokens = chunk
+        if kinds is not None:
+            kinds.add(kind)
         size = tokens * header.token_bytes
         data = torch.frombuffer(bytearray(stream[at : at + size]), dtype=torch.float32)
-        parts.append(data.view(2, shape[0], tokens, *shape[1:]))
+        if kind == wire.CHUNK_BLOCKS:  # [2, m, L, B, Hkv, D] -> [2, L, m * B, Hkv, D]
+            blocks = data.view(2, tokens // block, shape[0], block, *shape[1:])
+            parts.append(blocks.transpose(1, 2).reshape(2, shape[0], tokens, *shape[1:]))
+        else:
+            parts.append(data.view(2, shape[0], tokens, *shape[1:]))
         at += size
     assert at == len(stream), "bytes after the end mark"
     rows = torch.cat(parts, dim=2) if parts else torch.empty(2, shape[0], 0, *shape[1:])
@@ -96,14 +107,33 @@ def pins(coord: Coordinator) -> int:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout", [(1, 1), (2,)], ids=["cp1", "cp2"])
+@pytest.mark.parametrize(
+    ("layout", "from_store"),
+    [((1, 1), True), ((2,), True), ((2,), False)],
+    ids=["cp1", "cp2", "cp2-through-ranks"],
+)
 def test_the_pull_streams_the_prompts_kv_in_order(
-    tmp_path: Path, tiny_model: Qwen3ForCausalLM, layout: tuple[int, ...]
+    tmp_path: Path,
+    tiny_model: Qwen3ForCausalLM,
+    layout: tuple[int, ...],
+    from_store: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The KV comes whole and in order: straight from the ranks' shared-memory
+    stores (blocks as they lie), or, where shared memory has no room for them,
+    read through the ranks (``KVRead``, rows)."""
+    if not from_store:
+        monkeypatch.setattr(kv_segments, "free_shared_bytes", lambda: 0)
+
     async def main() -> None:
         coord = Coordinator(make_config(tmp_path, layout))
         await coord.start()
         secret = {"Authorization": f"Bearer {coord.handoffs.secret}"}
+        assert coord.pool is not None
+        sent_to_ranks: list[object] = []
+        send = coord.pool.send
+        coord.pool.send = lambda rank, msg: (sent_to_ranks.append(msg), send(rank, msg))[1]  # type: ignore[method-assign]
+        kinds: set[int] = set()
         try:
             app = build_app(coord, Tokenizer.for_model(None, TINY.vocab_size))
             async with TestClient(TestServer(app)) as client:
@@ -118,7 +148,7 @@ def test_the_pull_streams_the_prompts_kv_in_order(
                     assert (await client.get(url)).status == 401  # never open
                     response = await client.get(url, headers=secret)
                     assert response.status == 200
-                    header, rows = parse(await response.read())
+                    header, rows = parse(await response.read(), kinds)
                     assert header.model == "tiny" and header.dtype == "float32"
                     ref = reference_kv(tiny_model, tokens[:-1])
                     assert float((rows - ref).abs().max()) < ATOL
@@ -128,6 +158,11 @@ def test_the_pull_streams_the_prompts_kv_in_order(
                 missing = await client.get("/v1/kv/kv-nothing", headers=secret)
                 assert missing.status == 404 and (await missing.json())["error"]["type"]
                 assert coord.handoffs.view()["open"] == 0 and pins(coord) == 0
+                reads = [m for m in sent_to_ranks if isinstance(m, KVRead)]
+                if from_store:  # no rank was asked: the blocks went from its store
+                    assert not reads and wire.CHUNK_BLOCKS in kinds
+                else:
+                    assert reads and kinds == {wire.CHUNK_ROWS}
         finally:
             await coord.close()
 

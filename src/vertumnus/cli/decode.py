@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -122,6 +123,7 @@ async def serve(args: argparse.Namespace, settings: Any, engine: Any, tokenizer:
     try:
         await web.TCPSite(runner, args.host, args.port).start()
         port = runner.addresses[0][1]
+        gc.freeze()  # start-up's objects out of the collector's sight (as serve does)
         print(f"vertumnus listening on http://{args.host}:{port}", flush=True)
         log.info(
             "listening",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -96,6 +97,10 @@ async def serve(args: argparse.Namespace, cluster: Any, cfg: Any) -> int:
             except (RuntimeError, OSError) as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 1
+        # What start-up made lives as long as the process: out of the collector's
+        # sight, a full collection takes a millisecond instead of about 100 (measured:
+        # 93 ms pauses of the event loop mid-pull before).
+        gc.freeze()
         print(f"vertumnus listening on http://{args.host}:{port}", flush=True)
         structlog.get_logger("vertumnus").info(
             "listening", host=args.host, port=port, decode=proxy and proxy.url

@@ -6,12 +6,19 @@ block: the worker's cache index (``policy/cache_index.py``) allocates slots and 
 prefill command names them; this store only reads and writes.
 
 Layout: ``k``, ``v``: [num_blocks, num_layers, block_size, Hkv, D].
+
+On the CPU the two tensors may live in one shared-memory segment that the
+coordinator made (``runtime/kv_segments.py``: ``k`` first, then ``v``): the
+coordinator then streams a hand-off's blocks straight from it, without asking
+this rank. The segment outlives a restart of the rank; its contents then mean
+nothing until written again (the worker's index starts empty).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from multiprocessing import shared_memory
 
 import torch
 from torch import Tensor
@@ -27,16 +34,18 @@ class PagedKVStore:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        segment: str | None = None,
     ) -> None:
-        shape = (
-            num_blocks,
-            cfg.num_hidden_layers,
-            block_size,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = store_shape(cfg, num_blocks, block_size)
+        self._shm: shared_memory.SharedMemory | None = None
+        if segment is not None:
+            if device.type != "cpu":
+                raise ValueError(f"a shared-memory KV store is on the CPU, not {device}")
+            self._shm = shared_memory.SharedMemory(name=segment)
+            self.k, self.v = store_tensors(self._shm.buf, shape, dtype)
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
 
@@ -123,3 +132,20 @@ class PagedKVStore:
         idx = torch.as_tensor(list(slots), dtype=torch.long, device=self.k.device)
         self.k[idx] = k.to(self.k.device, self.k.dtype)
         self.v[idx] = v.to(self.v.device, self.v.dtype)
+
+
+def store_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """The shape of a store's K (and of its V)."""
+    return (num_blocks, cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim)
+
+
+def store_tensors(
+    buffer: memoryview, shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """K and V of a store laid out in ``buffer`` (K, then V), without a copy; the
+    buffer must outlive them."""
+    count = 1
+    for n in shape:
+        count *= n
+    both = torch.frombuffer(buffer, dtype=dtype, count=2 * count)
+    return both[:count].view(shape), both[count:].view(shape)

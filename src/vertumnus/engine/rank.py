@@ -70,6 +70,9 @@ class RankSpec:
     # Generation of each group (absent: 0); a restarted rank joins the current ones.
     group_generations: tuple[tuple[tuple[int, ...], int], ...] = ()
     local_ranks: int | None = None  # ranks on this host (None: world_size), for threads
+    # Per rank, the shared-memory segment its KV store lives in (None, or past the
+    # end: its own memory); made by the coordinator (``runtime/kv_segments.py``).
+    kv_segments: tuple[str | None, ...] = ()
 
 
 def resolve_device(engine: EngineConfig, rank: int) -> torch.device:
@@ -109,9 +112,9 @@ def rank_main(rank: int, spec: RankSpec, commands: Any, results: Any) -> None:
                 groups[ranks] = make_group(store, name, ranks, rank, device, timeout)
         dtype = resolve_dtype(spec.engine.dtype, device)
         model = build_model(spec.model, spec.model_dir, spec.engine.seed, dtype, device)
-        kv = PagedKVStore(
-            spec.model, spec.engine.kv_blocks_per_rank, spec.engine.block_size, dtype, device
-        )
+        segment = spec.kv_segments[rank] if rank < len(spec.kv_segments) else None
+        blocks, block_size = spec.engine.kv_blocks_per_rank, spec.engine.block_size
+        kv = PagedKVStore(spec.model, blocks, block_size, dtype, device, segment)
     except Exception as exc:
         results.send(RankFailed(rank, None, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return

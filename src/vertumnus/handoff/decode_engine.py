@@ -2,7 +2,7 @@
 server's engine (``DecodeEngine``) and the one thread that steps it (``DecodeLoop``).
 
 A sequence joins with the KV of its prompt but the last token, pulled from the
-prefill pool (per layer K, V [n, Hkv, D]), and that last token. Every ``step`` runs
+prefill pool (``prompt_kv.py``: pieces as they came), and that last token. Every ``step`` runs
 ONE forward over all active sequences, one token each at its own position::
 
     step 1 of a sequence    feeds the prompt's last token at position n (the "first
@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vertumnus.engine.model import Qwen3ForCausalLM
+from vertumnus.handoff.prompt_kv import PromptKV
 from vertumnus.handoff.sampling import SamplingParams, make_generator, sample_rows
 
 # Positions a new cache holds beyond the prompt before its first growth.
@@ -98,32 +99,30 @@ class DecodeEngine:
     def add(
         self,
         seq_id: int,
-        prompt_kv: Sequence[tuple[Tensor, Tensor]],
+        prompt_kv: PromptKV | Sequence[tuple[Tensor, Tensor]],
         last_token: int,
         params: SamplingParams,
         max_tokens: int,
         eos_token_ids: Iterable[int] = (),
         ignore_eos: bool = False,
     ) -> None:
-        """Join the batch at the next step. ``prompt_kv[layer]`` = (K, V) of the
-        prompt but its last token, each [n, Hkv, D] (any dtype and device: copied into
-        this engine's cache); ``last_token``: the prompt's last id, fed by the first
-        step at position n."""
+        """Join the batch at the next step. ``prompt_kv``: the KV of the prompt but
+        its last token, as pulled (``PromptKV``) or per layer (K, V) each [n, Hkv, D]
+        (any dtype and device: copied into this engine's cache); ``last_token``: the
+        prompt's last id, fed by the first step at position n."""
         cfg = self.config
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} is already decoding")
-        if len(prompt_kv) != cfg.num_hidden_layers:
+        if not isinstance(prompt_kv, PromptKV):
+            prompt_kv = self._from_layers(prompt_kv)
+        got = (prompt_kv.num_layers, prompt_kv.num_kv_heads, prompt_kv.head_dim)
+        want = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        if got != want:
             raise ValueError(
-                f"prompt KV of {len(prompt_kv)} layers for a model of {cfg.num_hidden_layers}"
+                f"prompt KV of {got[0]} layers, {got[1]} KV heads, head_dim {got[2]}; the "
+                f"model has {want[0]}, {want[1]}, {want[2]}"
             )
-        n = prompt_kv[0][0].shape[0]
-        want = (n, cfg.num_key_value_heads, cfg.head_dim)
-        for layer, (k, v) in enumerate(prompt_kv):
-            if tuple(k.shape) != want or tuple(v.shape) != want:
-                raise ValueError(
-                    f"prompt KV of layer {layer}: K {tuple(k.shape)}, V {tuple(v.shape)}; "
-                    f"expected {want} ([tokens, kv heads, head dim])"
-                )
+        n = prompt_kv.num_tokens
         if not 0 <= last_token < cfg.vocab_size:
             raise ValueError(f"token id {last_token} outside the vocabulary [0, {cfg.vocab_size})")
         if max_tokens < 1:
@@ -139,9 +138,7 @@ class DecodeEngine:
         device, dtype = self.model.device, self.model.dtype
         k_cache = torch.empty(shape, dtype=dtype, device=device)
         v_cache = torch.empty(shape, dtype=dtype, device=device)
-        for layer, (k, v) in enumerate(prompt_kv):
-            k_cache[layer, :, :n].copy_(k.transpose(0, 1))  # [n, Hkv, D] -> [Hkv, n, D]
-            v_cache[layer, :, :n].copy_(v.transpose(0, 1))
+        prompt_kv.copy_into(k_cache, v_cache)
         self._seqs[seq_id] = _Sequence(
             seq_id=seq_id,
             k=k_cache,
@@ -155,6 +152,21 @@ class DecodeEngine:
             eos_token_ids=frozenset(eos_token_ids),
             ignore_eos=ignore_eos,
         )
+
+    def _from_layers(self, layers: Sequence[tuple[Tensor, Tensor]]) -> PromptKV:
+        cfg = self.config
+        if len(layers) != cfg.num_hidden_layers:
+            raise ValueError(
+                f"prompt KV of {len(layers)} layers for a model of {cfg.num_hidden_layers}"
+            )
+        want = (layers[0][0].shape[0], cfg.num_key_value_heads, cfg.head_dim)
+        for layer, (k, v) in enumerate(layers):
+            if tuple(k.shape) != want or tuple(v.shape) != want:
+                raise ValueError(
+                    f"prompt KV of layer {layer}: K {tuple(k.shape)}, V {tuple(v.shape)}; "
+                    f"expected {want} ([tokens, kv heads, head dim])"
+                )
+        return PromptKV.from_layers(layers)
 
     def remove(self, seq_id: int) -> bool:
         """Leave the batch (a client gone); False when it was not decoding."""
@@ -225,12 +237,14 @@ class DecodeEngine:
 class NewSequence:
     """What a request hands the decode thread: ``DecodeEngine.add``'s arguments."""
 
-    prompt_kv: Sequence[tuple[Tensor, Tensor]]
+    prompt_kv: PromptKV | Sequence[tuple[Tensor, Tensor]]
     last_token: int
     params: SamplingParams
     max_tokens: int
     eos_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # called once the prompt's KV is in the cache (or refused): its memory is free
+    release: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -331,22 +345,28 @@ class DecodeLoop:
             self.engine.remove(seq_id)
             self._deliver.pop(seq_id, None)
         for seq_id, seq, deliver in inbox.adds:
-            if seq_id in inbox.cancels:
-                continue
             try:
-                self.engine.add(
-                    seq_id,
-                    seq.prompt_kv,
-                    seq.last_token,
-                    seq.params,
-                    seq.max_tokens,
-                    seq.eos_token_ids,
-                    seq.ignore_eos,
-                )
-            except (ValueError, RuntimeError) as exc:  # bad KV, or out of memory
-                self._send(deliver, DecodeFailure(seq_id, f"cannot decode: {exc}"))
-                continue
-            self._deliver[seq_id] = deliver
+                if seq_id not in inbox.cancels:
+                    self._add(seq_id, seq, deliver)
+            finally:
+                if seq.release is not None:
+                    seq.release()
+
+    def _add(self, seq_id: int, seq: NewSequence, deliver: Deliver) -> None:
+        try:
+            self.engine.add(
+                seq_id,
+                seq.prompt_kv,
+                seq.last_token,
+                seq.params,
+                seq.max_tokens,
+                seq.eos_token_ids,
+                seq.ignore_eos,
+            )
+        except (ValueError, RuntimeError) as exc:  # bad KV, or out of memory
+            self._send(deliver, DecodeFailure(seq_id, f"cannot decode: {exc}"))
+            return
+        self._deliver[seq_id] = deliver
 
     def _step(self) -> None:
         try:

@@ -153,14 +153,13 @@ async def _handoff(request: web.Request, req: Completion) -> tuple[PulledKV, flo
             f"'kv_transfer_params.num_tokens' is {transfer.num_tokens}; a prompt of "
             f"{len(req.token_ids)} tokens needs the KV of {n}"
         )
-    fetch = pull if settings.transport == "http" else partial(pull_dist, host=settings.dist_host)
+    fetch = (
+        pull
+        if settings.transport == "http"
+        else partial(pull_dist, host=settings.dist_host, session=session)
+    )
     pulled = await fetch(
-        transfer.base_url,
-        transfer.handle,
-        key,
-        model=settings.model,
-        session=session,
-        timeout_s=timeout_s,
+        transfer.base_url, transfer.handle, key, model=settings.model, timeout_s=timeout_s
     )
     if pulled.header.num_tokens != n:
         raise BadRequest(
@@ -193,7 +192,13 @@ async def _decode(request: web.Request, run: Generation) -> AsyncGenerator[StepO
     if run.pulled is None:
         raise RuntimeError("this generation was handed to the decode thread already")
     new = NewSequence(
-        run.pulled.kv, req.token_ids[-1], req.params, req.max_tokens, eos, req.ignore_eos
+        run.pulled.prompt,
+        req.token_ids[-1],
+        req.params,
+        req.max_tokens,
+        eos,
+        req.ignore_eos,
+        run.pulled.release,
     )
     run.pulled = None
     run.submitted = time.perf_counter()

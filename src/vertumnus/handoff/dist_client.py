@@ -38,6 +38,7 @@ from vertumnus.handoff.kv_client import (
     _session,
     check_header,
 )
+from vertumnus.handoff.prompt_kv import PromptKV
 
 
 async def pull_dist(
@@ -99,24 +100,27 @@ async def pull_dist(
         raise HandoffError(f"{what}: the ranks' send failed: {exc}", "unreachable") from exc
     _rows_into(raw[4 + n :], int(layout["rows_from"]), header, k, v, what)
     seconds = time.perf_counter() - start
-    kv = [(k[i], v[i]) for i in range(header.num_layers)]
-    return PulledKV(header, kv, header.total_bytes, seconds)
+    return PulledKV(header, PromptKV.from_rows(k, v), header.total_bytes, seconds)
 
 
 def _rows_into(
     rest: bytes, first: int, header: wire.KVHeader, k: torch.Tensor, v: torch.Tensor, what: str
 ) -> None:
     """The rows no block holds (a wire chunk, or none), then the end mark."""
-    tokens = wire.parse_chunk_header(rest[: wire.CHUNK_HEADER_BYTES])
-    at = wire.CHUNK_HEADER_BYTES
-    if tokens is not None:
+    chunk = wire.parse_chunk_header(rest[: wire.CHUNK_HEADER_BYTES], header.block_size)
+    at, tokens = wire.CHUNK_HEADER_BYTES, None
+    if chunk is not None:
+        if chunk[0] != wire.CHUNK_ROWS:
+            raise HandoffError(f"{what}: the rows come as a chunk of kind {chunk[0]}", "malformed")
+        tokens = chunk[1]
         size = tokens * header.token_bytes
         data = torch.frombuffer(bytearray(rest[at : at + size]), dtype=TORCH_DTYPES[header.dtype])
         rows = data.view(2, header.num_layers, tokens, header.num_kv_heads, header.head_dim)
         k[:, first : first + tokens] = rows[0].to(k.device)
         v[:, first : first + tokens] = rows[1].to(v.device)
         at += size
-        if wire.parse_chunk_header(rest[at : at + wire.CHUNK_HEADER_BYTES]) is not None:
+        end = rest[at : at + wire.CHUNK_HEADER_BYTES]
+        if wire.parse_chunk_header(end, header.block_size) is not None:
             raise HandoffError(f"{what}: more than one chunk of rows", "malformed")
         at += wire.CHUNK_HEADER_BYTES
     if at != len(rest) or first + (tokens or 0) != header.num_tokens:

@@ -5,9 +5,13 @@ A stream is a header, then chunks of consecutive tokens in sequence order, then 
 end mark::
 
     header   u32 little-endian n, then n bytes of JSON (``KVHeader``)
-    chunk    u32 kind (1: rows), u32 t (tokens in the chunk), then
-             K of the t tokens, [num_layers, t, num_kv_heads, head_dim], then
-             V of the same shape, both in ``dtype``, C order, little-endian
+    chunk    u32 kind, u32 t (tokens in the chunk), then K of the t tokens, then V
+             of the same shape, both in ``dtype``, C order, little-endian:
+               kind 1 (rows)    [num_layers, t, num_kv_heads, head_dim]
+               kind 2 (blocks)  [t / block_size, num_layers, block_size,
+                                 num_kv_heads, head_dim]: whole blocks as the
+                                 pool's paged store keeps them, so that it sends
+                                 them as they lie (t a multiple of block_size)
     end      u32 0, u32 0
 
 A stream that stops before its end mark, or whose chunks do not add up to the
@@ -25,6 +29,7 @@ from typing import Any
 import orjson
 
 CHUNK_ROWS = 1
+CHUNK_BLOCKS = 2
 _U32 = struct.Struct("<I")
 _CHUNK = struct.Struct("<II")
 END = _CHUNK.pack(0, 0)
@@ -76,8 +81,8 @@ class KVHeader:
             raise WireError(f"bad hand-off header: {exc}") from None
 
 
-def chunk_header(tokens: int) -> bytes:
-    return _CHUNK.pack(CHUNK_ROWS, tokens)
+def chunk_header(tokens: int, kind: int = CHUNK_ROWS) -> bytes:
+    return _CHUNK.pack(kind, tokens)
 
 
 def header_length(prefix: bytes) -> int:
@@ -88,14 +93,16 @@ def header_length(prefix: bytes) -> int:
     return n
 
 
-def parse_chunk_header(raw: bytes) -> int | None:
-    """Tokens in the chunk that follows, or None at the end mark."""
+def parse_chunk_header(raw: bytes, block_size: int) -> tuple[int, int] | None:
+    """The kind of the chunk that follows and its tokens, or None at the end mark."""
     kind, tokens = _CHUNK.unpack(raw)
     if kind == 0 and tokens == 0:
         return None
-    if kind != CHUNK_ROWS or tokens == 0:
+    if kind not in (CHUNK_ROWS, CHUNK_BLOCKS) or tokens == 0:
         raise WireError(f"bad chunk header: kind {kind}, {tokens} tokens")
-    return tokens
+    if kind == CHUNK_BLOCKS and tokens % block_size:
+        raise WireError(f"a chunk of blocks of {tokens} tokens (blocks of {block_size})")
+    return int(kind), int(tokens)
 
 
 CHUNK_HEADER_BYTES = _CHUNK.size

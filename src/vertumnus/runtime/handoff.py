@@ -6,8 +6,8 @@ first step, as vLLM's disaggregated decode does) under a *lease*:
 
   * the whole blocks of that prefix stay pinned in the worker's cache index (the
     blocks remain in the prefix cache as usual; the pin only keeps them from
-    eviction), read from the ranks when pulled (``KVRead``, block j from CP rank
-    j % C, put back in sequence order);
+    eviction), sent from the ranks' stores when pulled (block j from CP rank
+    j % C, in sequence order);
   * the rows no cache block holds (the partial last block, or blocks the cache could
     not take) come back with the prefill itself (``PrefillCommand.export``, from CP
     rank 0, which holds every computed row after its all-gather) and wait here;
@@ -16,10 +16,13 @@ first step, as vLLM's disaggregated decode does) under a *lease*:
     or when its worker was reshaped or restarted (``moved``: the pinned index is
     gone, and a pull answers 410). Every end unpins and forgets the rows, once.
 
-``stream`` writes the wire format of ``handoff/wire.py``, reading a chunk ahead of
-the one it writes (``runtime/kv_reads.py``: ranks on this host write their blocks
-straight into shared memory, which a pull whose socket writes are flushed sends
-without a copy; ranks under a node agent send them as bytes). The ended handles are
+``stream`` writes the wire format of ``handoff/wire.py`` to a ``Sink`` (the
+route's socket). CPU ranks on this host keep their stores in shared memory that
+this process maps (``runtime/kv_segments.py``): their blocks leave straight from
+there, as whole blocks, one ``writev`` run per run of slots, with no command to
+the ranks and no copy; a switch waits for such pulls on its ranks (``settle``).
+Other ranks (GPUs, ranks under a node agent) are read a chunk ahead of the one
+written (``runtime/kv_reads.py``, ``KVRead``). The ended handles are
 remembered (a bounded number) so that a late pull gets 410 with the reason, and an
 unknown one 404. Nothing here chooses workers or touches the policy's decisions.
 """
@@ -30,18 +33,19 @@ import asyncio
 import secrets
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 import torch
 from torch import Tensor
 
-from vertumnus.handoff.wire import END, KVHeader, chunk_header
+from vertumnus.handoff.wire import CHUNK_BLOCKS, END, KVHeader, chunk_header
 from vertumnus.policy.cache_index import BlockLocation, PrefillLease, WorkerCacheIndex
 from vertumnus.runtime.kv_reads import CHUNK_BYTES, KVReads, bytes_of
-from vertumnus.runtime.pool import RankPoolError
+from vertumnus.runtime.kv_segments import store_runs
+from vertumnus.runtime.pool import RankPool, RankPoolError
 
 if TYPE_CHECKING:
     from vertumnus.runtime.coordinator import Coordinator
@@ -50,6 +54,22 @@ log = structlog.get_logger("vertumnus")
 
 REMEMBERED = 4096  # ended handles kept for a 410
 READ_AHEAD = 2  # chunks read from the ranks ahead of the one written
+SETTLE_S = 5.0  # the longest a switch waits for a pull from its ranks
+
+
+class Sink(Protocol):
+    """Where a pull's stream goes (the route's socket). ``start`` writes the first
+    bytes; ``writev`` queues buffers that must stay untouched until ``flush``
+    returns; ``drain`` waits until what is queued is below the sink's limit,
+    ``flush`` until none is left in this process; ``abort`` drops the connection
+    and what is queued. ``writev`` and both waits raise ``ConnectionError`` once
+    the puller is gone."""
+
+    async def start(self, data: bytes) -> None: ...
+    def writev(self, views: Sequence[Any]) -> None: ...
+    async def drain(self) -> None: ...
+    async def flush(self) -> None: ...
+    def abort(self) -> None: ...
 
 
 class HandoffError(RuntimeError):
@@ -102,6 +122,8 @@ class Handoffs:
         self.pull_s = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self.reads = KVReads(coord)  # the blocks fetched from the ranks
+        # pulls under way: handle -> (devices read, sink, done)
+        self._pulls: dict[str, tuple[set[int], Sink, asyncio.Future[None]]] = {}
 
     # -- opening and ending ------------------------------------------------------------
 
@@ -229,45 +251,62 @@ class Handoffs:
             model=self.coord.cfg.model,
         )
 
-    async def stream(
-        self, lease: Lease, write: Callable[[Any], Awaitable[None]], flushed: bool = False
-    ) -> int:
-        """Write the lease's KV as the wire format; the bytes written. The lease ends
-        (pulled) when the whole stream was written; a failure leaves it open.
-        ``flushed``: ``write`` returns only once the bytes left the process (the pull
-        route sets its socket's buffer limit to 0), so the shared memory the ranks
-        wrote is written straight from, and reused after."""
+    async def stream(self, lease: Lease, sink: Sink) -> int:
+        """Write the lease's KV to ``sink`` as the wire format; the bytes written. The
+        lease ends (pulled) once every byte left this process; a failure leaves it
+        open. Blocks of ranks whose store this process maps (``runtime/
+        kv_segments.py``) go straight from that store, a run per layer and block;
+        the others are read from their ranks (``KVRead``), a chunk ahead."""
         started = time.perf_counter()
         lease.pulling = True
+        done = asyncio.get_running_loop().create_future()
+        devices = {lease.first_device + loc.rank for loc in lease.blocks}
+        self._pulls[lease.handle] = (devices, sink, done)
         sent = 0
         ahead: deque[asyncio.Future[tuple[int, Any, Any]]] = deque()
         try:
             header, groups = self._layout(lease)
-            sent += await _write_header(write, header)
-            for group in groups[:READ_AHEAD]:
-                ahead.append(self.reads.read(lease.first_device, group, flushed))
-            for n in range(len(groups)):
+            stores = self._stores(lease)
+            head = header.encode()
+            await sink.start(head)
+            sent += len(head)
+            if stores is None:
+                for group in groups[:READ_AHEAD]:
+                    ahead.append(self.reads.read(lease.first_device, group, True))
+            for n, group in enumerate(groups):
+                self._check_current(lease)
+                if stores is not None:
+                    size = self.reads.block_bytes() // 2
+                    views = store_runs(stores, lease.first_device, group, size)
+                    tokens = len(group) * self.coord.cfg.engine.block_size
+                    sink.writev([chunk_header(tokens, CHUNK_BLOCKS)])
+                    sink.writev(views)
+                    sent += 8 + sum(len(v) for v in views)
+                    await sink.drain()
+                    continue
                 tokens, payload, shm = await ahead.popleft()
                 if n + READ_AHEAD < len(groups):
-                    group = groups[n + READ_AHEAD]
-                    ahead.append(self.reads.read(lease.first_device, group, flushed))
-                size = len(payload)
+                    read = self.reads.read(lease.first_device, groups[n + READ_AHEAD], True)
+                    ahead.append(read)
+                sent += len(payload) + 8
                 try:
-                    await write(chunk_header(tokens))
-                    await write(payload)
+                    sink.writev([chunk_header(tokens), payload])
+                    await sink.flush()  # the segment is reused next
                 finally:
                     if shm is not None:
                         self.reads.give_back_segment(payload, shm)
-                sent += size + 8
             if lease.rows is not None and lease.rows.shape[2]:
-                await write(chunk_header(int(lease.rows.shape[2])))
                 payload = bytes_of(lease.rows)
-                await write(payload)
+                sink.writev([chunk_header(int(lease.rows.shape[2])), payload])
                 sent += len(payload) + 8
-            await write(END)
+            sink.writev([END])
             sent += len(END)
+            self._check_current(lease)
+            await sink.flush()  # nothing of the store left in a buffer: the pin may go
         finally:
             lease.pulling = False
+            del self._pulls[lease.handle]
+            done.set_result(None)
             for read in ahead:  # cut short: the reads ahead give their memory back
                 read.add_done_callback(self.reads.give_back)
         self.end(lease.handle, "pulled")
@@ -276,6 +315,39 @@ class Handoffs:
         self.pull_s += seconds
         self.coord.metrics.pulled(sent, seconds)
         return sent
+
+    def _check_current(self, lease: Lease) -> None:
+        """A pull under way stops if its worker's index went (a restart)."""
+        if self.coord.indexes.get(lease.worker_id) is not lease.index:
+            raise HandoffError(410, f"the KV hand-off {lease.handle!r} ended: moved")
+
+    def _stores(self, lease: Lease) -> dict[int, tuple[memoryview, memoryview]] | None:
+        """The K and V bytes of the store of every device the lease's blocks are on,
+        mapped here; None if one is not (GPU ranks, ranks under a node agent)."""
+        pool = self.coord.pool
+        if not isinstance(pool, RankPool):
+            return None
+        stores = {}
+        for device in {lease.first_device + loc.rank for loc in lease.blocks}:
+            store = pool.kv_segments.store_bytes(device)
+            if store is None:
+                return None
+            stores[device] = store
+        return stores
+
+    async def settle(self, devices: set[int], timeout_s: float = SETTLE_S) -> None:
+        """Wait for the pulls reading from ``devices`` (a switch is about to give
+        their slots to new workers); those still going after ``timeout_s`` (a
+        puller that stopped reading) are cut off."""
+        waits = [(sink, done) for d, sink, done in self._pulls.values() if d & devices]
+        if not waits:
+            return
+        _, pending = await asyncio.wait([done for _, done in waits], timeout=timeout_s)
+        for sink, done in waits:
+            if done in pending:
+                sink.abort()
+        if pending:
+            await asyncio.wait(pending)
 
     def send_dist(
         self, lease: Lease, store: tuple[str, int], prefix: str
@@ -332,9 +404,3 @@ class Handoffs:
             "pulled_bytes": self.pulled_bytes,
             "pull_s": round(self.pull_s, 6),
         }
-
-
-async def _write_header(write: Callable[[Any], Awaitable[None]], header: KVHeader) -> int:
-    head = header.encode()
-    await write(head)
-    return len(head)

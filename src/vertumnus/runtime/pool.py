@@ -22,6 +22,7 @@ pipes from its event loop.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import socket
 import threading
@@ -38,6 +39,7 @@ from vertumnus.config import EngineConfig, ModelConfig
 from vertumnus.engine.messages import RankFailed, RankReady, Shutdown
 from vertumnus.engine.rank import RankSpec, rank_main
 from vertumnus.policy.lattice import LatticeConfig, worker_slots
+from vertumnus.runtime.kv_segments import KVSegments
 
 
 class RankPoolError(RuntimeError):
@@ -317,6 +319,7 @@ class RankPool(PoolCore):
         super().__init__(model, model_dir, engine, world_size, degrees)
         self._ranks = LocalRanks()
         self._incarnations: dict[int, int] = {}  # restarts of each rank; absent: 0
+        self.kv_segments = KVSegments(model, engine)  # the CPU ranks' KV stores
 
     def __enter__(self) -> RankPool:
         self.start()
@@ -326,7 +329,8 @@ class RankPool(PoolCore):
         self.close()
 
     def _spawn(self, ranks: Sequence[int]) -> None:
-        spec = self._rank_spec("127.0.0.1")
+        segments = self.kv_segments.names(range(self.world_size))
+        spec = dataclasses.replace(self._rank_spec("127.0.0.1"), kv_segments=segments)
         for rank in ranks:
             self._ranks.spawn(rank, spec)
 
@@ -381,6 +385,7 @@ class RankPool(PoolCore):
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask every rank to exit, wait, then terminate stragglers; idempotent."""
         self._ranks.close(timeout_s)
+        self.kv_segments.close()
         self._pending = []
         self._store = None
 

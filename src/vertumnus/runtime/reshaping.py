@@ -3,10 +3,11 @@
 The policy decides and sequences every split and merge (the controller's windows,
 an operator's request): it drains the participants, and when they have parked and
 the channel is free it commits the new epoch and hands the coordinator a
-``Switch``. Here that switch is carried out: every rank of each new worker gets
-``SwitchEpoch`` (its groups exist from start-up, so this only changes which one a
-command names), and each ``EpochAck`` is passed to the policy, which activates the
-new workers after the last. A rank that died meanwhile is skipped (its worker
+``Switch``. Here that switch is carried out: once the hand-off pulls reading from
+its ranks are done, every rank of each new worker gets ``SwitchEpoch`` (its groups
+exist from start-up, so this only changes which one a command names), and each
+``EpochAck`` is passed to the policy, which activates the new workers after the
+last. A rank that died meanwhile is skipped (its worker
 restarts after the switch); one that does not answer within ``rank_timeout_s`` is
 taken down the same way.
 """
@@ -58,6 +59,9 @@ class Reshaping:
         pool, link = coord.pool, coord.link
         assert pool is not None
         transition, epoch = switch.transition, switch.epoch
+        # A hand-off pull may be streaming blocks straight from these ranks' stores:
+        # once switched, their slots may be written for the new workers.
+        await coord.handoffs.settle({r for _, ranks in switch.workers for r in ranks})
         acks = []
         for worker_id, ranks in switch.workers:
             for cp_rank, r in enumerate(ranks):

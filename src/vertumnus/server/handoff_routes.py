@@ -90,6 +90,54 @@ def _gone(exc: HandoffError) -> web.Response:
     return web.json_response({"error": {"message": str(exc), "type": kind}}, status=exc.status)
 
 
+class SocketSink:
+    """A pull's response body, written to its socket directly (``runtime/handoff.py``
+    ``Sink``). After the first write (which sends the HTTP head with it), buffers go
+    to the transport as they are, many at once (uvloop writes them with one
+    ``writev``): the KV store's runs leave the process with no copy here. Flow
+    control is the transport's own: over ``HIGH_BYTES`` queued, the protocol is
+    paused, and ``drain`` waits on aiohttp's writer until it resumes."""
+
+    HIGH_BYTES = 64 << 20
+
+    def __init__(self, response: web.StreamResponse, request: web.Request) -> None:
+        self.response = response
+        transport = request.transport
+        if transport is None:
+            raise ConnectionResetError("the puller went away")
+        self.transport = transport
+        # aiohttp's writer of this response: its drain() waits on the protocol's
+        # pause (StreamResponse.drain is deprecated in favour of write, which this
+        # bypasses for scatter-gather writes).
+        writer = response._payload_writer
+        assert writer is not None, "the response is prepared"
+        self.writer = writer
+
+    async def start(self, data: bytes) -> None:
+        await self.response.write(data)
+        self.transport.set_write_buffer_limits(high=self.HIGH_BYTES)
+
+    def writev(self, views: Any) -> None:
+        if self.transport.is_closing():
+            raise ConnectionResetError("the puller went away")
+        self.transport.writelines(views)
+
+    async def drain(self) -> None:
+        await self.writer.drain()
+        if self.transport.is_closing():
+            raise ConnectionResetError("the puller went away")
+
+    async def flush(self) -> None:
+        self.transport.set_write_buffer_limits(high=0)  # paused until the buffer is empty
+        try:
+            await self.drain()
+        finally:
+            self.transport.set_write_buffer_limits(high=self.HIGH_BYTES)
+
+    def abort(self) -> None:
+        self.transport.abort()
+
+
 async def pull(request: web.Request) -> web.StreamResponse:
     coord: Coordinator = request.app[COORDINATOR]
     handle = request.match_info["handle"]
@@ -102,17 +150,13 @@ async def pull(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
     response.content_length = coord.handoffs.stream_bytes(lease)
     await response.prepare(request)
-    transport = request.transport
-    flushed = transport is not None
-    if transport is not None:
-        # Each write waits until its bytes left: the stream then writes the ranks'
-        # shared memory itself, with no copy in this process.
-        transport.set_write_buffer_limits(high=0)
     try:
-        sent = await coord.handoffs.stream(lease, response.write, flushed)
+        sent = await coord.handoffs.stream(lease, SocketSink(response, request))
     except Exception as exc:  # cut short: the client sees no end mark; the lease stays
         log.error("handoff_pull_failed", handle=handle, error=repr(exc))
-        raise
+        if request.transport is not None:  # the answer has begun: end it at once
+            request.transport.abort()
+        return response
     await response.write_eof()
     log.info("handoff_pulled", handle=handle, tokens=lease.num_tokens, bytes=sent)
     return response
