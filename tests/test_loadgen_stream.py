@@ -39,6 +39,7 @@ def _token_event(prompt: list[int], i: int, finish: str | None) -> dict[str, Any
         details = {"cached_tokens": len(prompt) // 2}
         event["usage"] = {"prompt_tokens": len(prompt), "prompt_tokens_details": details}
         event["timings"] = {"tpot_s": GAP_S}
+        event["worker"], event["cp_degree"] = 1, 2  # where the proxy's pool prefilled it
     return event
 
 
@@ -122,6 +123,7 @@ def test_ttft_tpot_and_itl_come_out_as_the_delays_say() -> None:
         assert o.tpot_s == pytest.approx(statistics.fmean(o.itl_s), rel=1e-9)
         assert o.latency_s == pytest.approx(o.ttft_s + sum(o.itl_s), rel=1e-9)
         assert o.server_tpot_s == GAP_S
+        assert (o.worker, o.cp_degree) == (1, 2)
     # Generous upper margins: the machine is shared; the lower ones are the sleeps.
     assert FIRST_S * 1e3 - 5 <= summary["median_ttft_ms"] <= FIRST_S * 1e3 + 200
     for name in ("mean_tpot_ms", "median_tpot_ms", "mean_itl_ms"):

@@ -40,6 +40,13 @@ T_ext term: ``ext_latency_s`` + tokens * ``kv_bytes_per_token`` /
 ``handoff_bytes_s``, fitted by least squares to the server's own split of each
 request (its TTFT less its queue and prefill) against the request's input tokens.
 The load generator's TPOT and ITL are printed too.
+
+Each comparison is printed twice: with the profile as it is, and with the ranks'
+measured compute (``compute_slowdown``: per degree, the ranks' compute over the
+profile's E for the same requests, read from the answers; the simulated prefills
+take that much longer, the policy still plans with the profile). The second is a
+measured input like the others above; what the simulator still predicts is the
+queueing, placement and reshaping that follow from it.
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ from vertumnus.config import resolve_model
 from vertumnus.perfmodel import Profile
 from vertumnus.runtime import serve_config
 from vertumnus.sim.report import percentile
-from vertumnus.sim.simulator import SimSettings, Simulation
+from vertumnus.sim.simulator import SimSettings, Simulation, biased
 from vertumnus.sim.traces import load_trace
 from vertumnus.sim.workload import SimRequest
 
@@ -117,17 +124,40 @@ def fit_ext(result: loadgen.LoadResult) -> dict[str, float]:
     return {"ext_latency_s": max(0.0, my - slope * mx), "ext_s_per_token": slope}
 
 
+def compute_slowdown(result: loadgen.LoadResult, profile: Profile) -> dict[int, float]:
+    """Per CP degree: the ranks' measured compute over the profile's E for the same
+    requests (sum over sum; 1.0: as profiled). Above 1 when something shares the
+    cores with the ranks, as the local decode process does here."""
+    measured: dict[int, float] = {}
+    predicted: dict[int, float] = {}
+    for o in result.outcomes:
+        if o.server_rank_compute_s is None or o.cp_degree is None or o.cached_tokens is None:
+            continue
+        c = o.cp_degree
+        e = profile.predict(c, o.input_tokens - o.cached_tokens, o.cached_tokens)
+        measured[c] = measured.get(c, 0.0) + o.server_rank_compute_s
+        predicted[c] = predicted.get(c, 0.0) + e
+    return {c: measured[c] / predicted[c] for c in measured if predicted[c] > 0}
+
+
 def simulate(
     requests: list[loadgen.LoadRequest],
     config: Path,
     window_phase_s: float = 0.0,
     timings: dict[str, float] | None = None,
+    slowdown: dict[int, float] | None = None,
 ) -> dict[str, float]:
     """The same requests through the simulator, on the pool and policy the server
-    ran: both read ``config`` (the one dialect), and both build ``PoolPolicy``."""
+    ran: both read ``config`` (the one dialect), and both build ``PoolPolicy``.
+    ``slowdown``: the prefills take that much longer than the profile says (the
+    policy still plans with the profile, as the server's did)."""
     timings = timings or {}
     cfg = serve_config.load(config)
     profile = Profile.load(cfg.profile)
+    bias: dict[int, float] = {}
+    if slowdown:  # the true times scaled; the policy sees them times 1 / slowdown
+        profile = biased(profile, slowdown)
+        bias = {c: 1 / f for c, f in slowdown.items()}
     sim_requests = [
         SimRequest(
             r.index,
@@ -149,6 +179,7 @@ def simulate(
         kv_bytes_per_token=kv_bytes,  # the served model's, fp32 on CPU ranks
         ext_latency_s=timings.get("ext_latency_s", 0.0),
         handoff_bytes_s=kv_bytes / per_token if per_token > 0 else 0.0,
+        profile_bias=bias,
     )
     sim = Simulation(settings, profile, cfg.pool_spec, cfg.policy, sim_requests)
     result = sim.run()
@@ -168,9 +199,9 @@ def simulate(
 
 def serve_once(
     name: str, requests: list[loadgen.LoadRequest], out: Path, output_tokens: int = 1
-) -> tuple[dict[str, Any], float, dict[str, float]]:
+) -> tuple[dict[str, Any], float, dict[str, float], dict[int, float]]:
     """One run of a variant on a fresh server: its summary, how far into its
-    controller period the load started, and its timings."""
+    controller period the load started, its timings and its compute slowdown."""
     config = out / f"{name}.toml"
     # Prefills only, or completions through the server's own decode process.
     decode = "[decode]\nlocal = false\n" if output_tokens == 1 else ""
@@ -193,10 +224,11 @@ def serve_once(
         ]
         if around:
             timing["dispatch_s"] = sum(around) / len(around)
+        slowdown = compute_slowdown(result, Profile.load(serve_config.load(config).profile))
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
-    return loadgen.summarize(result, detailed=False), phase, timing
+    return loadgen.summarize(result, detailed=False), phase, timing, slowdown
 
 
 def compare(
@@ -206,9 +238,29 @@ def compare(
     phase: float,
     timing: dict[str, float],
     real: dict[str, Any],
+    slowdown: dict[int, float] | None = None,
 ) -> dict[str, Any]:
-    """The simulator on the same requests and configuration, against the server."""
-    sim = simulate(requests, config, phase, timing)
+    """The simulator on the same requests and configuration, against the server
+    (with the profile as it is; and with the ranks' measured compute slowdown)."""
+    out = _compare(name, requests, config, phase, timing, real, None)
+    if slowdown:
+        label = ", ".join(f"CP{c} x{f:.2f}" for c, f in sorted(slowdown.items()))
+        print(f"  with the ranks' measured compute ({label}):", flush=True)
+        measured = _compare(name, requests, config, phase, timing, real, slowdown)
+        out["measured_compute"] = measured | {"slowdown": {str(c): f for c, f in slowdown.items()}}
+    return out
+
+
+def _compare(
+    name: str,
+    requests: list[loadgen.LoadRequest],
+    config: Path,
+    phase: float,
+    timing: dict[str, float],
+    real: dict[str, Any],
+    slowdown: dict[int, float] | None,
+) -> dict[str, Any]:
+    sim = simulate(requests, config, phase, timing, slowdown)
     errors = {
         "mean_ttft": sim["mean_ttft_ms"] / real["mean_server_ttft_ms"] - 1,
         "median_ttft": sim["median_ttft_ms"] / real["median_server_ttft_ms"] - 1,
@@ -256,7 +308,9 @@ def main() -> None:
         parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     for repeat in range(args.repeats):
         for name in chosen:
-            summary, phase, timing = serve_once(name, requests, args.out, args.output_tokens)
+            summary, phase, timing, slowdown = serve_once(
+                name, requests, args.out, args.output_tokens
+            )
             summaries.setdefault(name, []).append(summary)
             s = summary
             print(
@@ -274,7 +328,9 @@ def main() -> None:
             )
             if name in ("fixed", "vertumnus"):
                 fidelity.setdefault(name, []).append(
-                    compare(name, requests, args.out / f"{name}.toml", phase, timing, summary)
+                    compare(
+                        name, requests, args.out / f"{name}.toml", phase, timing, summary, slowdown
+                    )
                 )
     medians = {
         name: statistics.median(s["mean_server_ttft_ms"] for s in runs)

@@ -294,6 +294,7 @@ async def _stream(
             timings = event.get("timings") or {}
             for key in ("tpot_s", "ttft_s", "queue_s", "prefill_s", "rank_compute_s"):
                 setattr(out, f"server_{key}", timings.get(key, getattr(out, f"server_{key}")))
+            out.worker, out.cp_degree = event.get("worker"), event.get("cp_degree")
     out.error = f"the stream ended before [DONE], after {out.output_tokens} tokens"
 
 

@@ -216,6 +216,7 @@ class DecodeProxy:
             raise
         out = orjson.loads(data)
         out["timings"] = self._timings(result, out.get("timings", {}), arrived)
+        out["worker"], out["cp_degree"] = result.worker, result.cp_degree
         usage = out.setdefault("usage", {})
         usage["prompt_tokens_details"] = {"cached_tokens": result.cached_tokens}
         return web.Response(body=orjson.dumps(out), content_type="application/json")
@@ -274,6 +275,7 @@ class DecodeProxy:
         share of the request, as a non-streamed answer has it."""
         event = orjson.loads(line[len(b"data: ") :])
         event["timings"] = self._timings(result, event.get("timings") or {}, arrived)
+        event["worker"], event["cp_degree"] = result.worker, result.cp_degree
         usage = event.get("usage")
         if isinstance(usage, dict):
             usage["prompt_tokens_details"] = {"cached_tokens": result.cached_tokens}
