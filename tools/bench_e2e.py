@@ -240,44 +240,37 @@ def compare(
     real: dict[str, Any],
     slowdown: dict[int, float] | None = None,
 ) -> dict[str, Any]:
-    """The simulator on the same requests and configuration, against the server
-    (with the profile as it is; and with the ranks' measured compute slowdown)."""
-    out = _compare(name, requests, config, phase, timing, real, None)
-    if slowdown:
-        label = ", ".join(f"CP{c} x{f:.2f}" for c, f in sorted(slowdown.items()))
-        print(f"  with the ranks' measured compute ({label}):", flush=True)
-        measured = _compare(name, requests, config, phase, timing, real, slowdown)
-        out["measured_compute"] = measured | {"slowdown": {str(c): f for c, f in slowdown.items()}}
+    """The simulator on the same requests and configuration, against the server:
+    with the profile as it is, then (given ``slowdown``) with the ranks' measured
+    compute."""
+    out: dict[str, Any] = {}
+    for scale in (None, slowdown) if slowdown else (None,):
+        if scale:
+            label = ", ".join(f"CP{c} x{f:.2f}" for c, f in sorted(scale.items()))
+            print(f"  with the ranks' measured compute ({label}):", flush=True)
+        sim = simulate(requests, config, phase, timing, scale)
+        errors = {
+            "mean_ttft": sim["mean_ttft_ms"] / real["mean_server_ttft_ms"] - 1,
+            "median_ttft": sim["median_ttft_ms"] / real["median_server_ttft_ms"] - 1,
+            "p90_ttft": sim["p90_ttft_ms"] / real["p90_server_ttft_ms"] - 1,
+            "token_hit_rate": sim["token_hit_rate"] / real["token_hit_rate"] - 1,
+        }
+        print(
+            f"simulated {name:<10} mean {sim['mean_ttft_ms']:7.2f} ms "
+            f"({100 * errors['mean_ttft']:+.1f} %), "
+            f"median {sim['median_ttft_ms']:6.2f} ({100 * errors['median_ttft']:+.1f} %), P90 "
+            f"{sim['p90_ttft_ms']:7.2f} ({100 * errors['p90_ttft']:+.1f} %), hit "
+            f"{sim['token_hit_rate']:.3f} ({100 * errors['token_hit_rate']:+.1f} %); "
+            f"{sim['merges']} merges, {sim['splits']} splits, {sim['copies']} copies; server "
+            + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in timing.items()),
+            flush=True,
+        )
+        result = {"simulated": sim, "server_timings": timing, "relative_error": errors}
+        if scale:
+            out["measured_compute"] = result | {"slowdown": {str(c): f for c, f in scale.items()}}
+        else:
+            out = result
     return out
-
-
-def _compare(
-    name: str,
-    requests: list[loadgen.LoadRequest],
-    config: Path,
-    phase: float,
-    timing: dict[str, float],
-    real: dict[str, Any],
-    slowdown: dict[int, float] | None,
-) -> dict[str, Any]:
-    sim = simulate(requests, config, phase, timing, slowdown)
-    errors = {
-        "mean_ttft": sim["mean_ttft_ms"] / real["mean_server_ttft_ms"] - 1,
-        "median_ttft": sim["median_ttft_ms"] / real["median_server_ttft_ms"] - 1,
-        "p90_ttft": sim["p90_ttft_ms"] / real["p90_server_ttft_ms"] - 1,
-        "token_hit_rate": sim["token_hit_rate"] / real["token_hit_rate"] - 1,
-    }
-    print(
-        f"simulated {name:<10} mean {sim['mean_ttft_ms']:7.2f} ms "
-        f"({100 * errors['mean_ttft']:+.1f} %), "
-        f"median {sim['median_ttft_ms']:6.2f} ({100 * errors['median_ttft']:+.1f} %), P90 "
-        f"{sim['p90_ttft_ms']:7.2f} ({100 * errors['p90_ttft']:+.1f} %), hit "
-        f"{sim['token_hit_rate']:.3f} ({100 * errors['token_hit_rate']:+.1f} %); "
-        f"{sim['merges']} merges, {sim['splits']} splits, {sim['copies']} copies; server "
-        + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in timing.items()),
-        flush=True,
-    )
-    return {"simulated": sim, "server_timings": timing, "relative_error": errors}
 
 
 def main() -> None:

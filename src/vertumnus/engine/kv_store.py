@@ -17,6 +17,7 @@ nothing until written again (the worker's index starts empty).
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from multiprocessing import shared_memory
 
@@ -144,8 +145,6 @@ def store_tensors(
 ) -> tuple[Tensor, Tensor]:
     """K and V of a store laid out in ``buffer`` (K, then V), without a copy; the
     buffer must outlive them."""
-    count = 1
-    for n in shape:
-        count *= n
+    count = math.prod(shape)
     both = torch.frombuffer(buffer, dtype=dtype, count=2 * count)
     return both[:count].view(shape), both[count:].view(shape)

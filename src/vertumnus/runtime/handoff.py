@@ -255,8 +255,9 @@ class Handoffs:
         """Write the lease's KV to ``sink`` as the wire format; the bytes written. The
         lease ends (pulled) once every byte left this process; a failure leaves it
         open. Blocks of ranks whose store this process maps (``runtime/
-        kv_segments.py``) go straight from that store, a run per layer and block;
-        the others are read from their ranks (``KVRead``), a chunk ahead."""
+        kv_segments.py``) go straight from that store, whole blocks, a run per run
+        of slots; the others are read from their ranks (``KVRead``), a chunk
+        ahead."""
         started = time.perf_counter()
         lease.pulling = True
         done = asyncio.get_running_loop().create_future()
@@ -266,28 +267,26 @@ class Handoffs:
         ahead: deque[asyncio.Future[tuple[int, Any, Any]]] = deque()
         try:
             header, groups = self._layout(lease)
-            stores = self._stores(lease)
+            stores = self._stores(devices)
             head = header.encode()
             await sink.start(head)
             sent += len(head)
             if stores is None:
                 for group in groups[:READ_AHEAD]:
-                    ahead.append(self.reads.read(lease.first_device, group, True))
+                    ahead.append(self.reads.read(lease.first_device, group))
             for n, group in enumerate(groups):
                 self._check_current(lease)
                 if stores is not None:
                     size = self.reads.block_bytes() // 2
                     views = store_runs(stores, lease.first_device, group, size)
                     tokens = len(group) * self.coord.cfg.engine.block_size
-                    sink.writev([chunk_header(tokens, CHUNK_BLOCKS)])
-                    sink.writev(views)
+                    sink.writev([chunk_header(tokens, CHUNK_BLOCKS), *views])
                     sent += 8 + sum(len(v) for v in views)
                     await sink.drain()
                     continue
                 tokens, payload, shm = await ahead.popleft()
                 if n + READ_AHEAD < len(groups):
-                    read = self.reads.read(lease.first_device, groups[n + READ_AHEAD], True)
-                    ahead.append(read)
+                    ahead.append(self.reads.read(lease.first_device, groups[n + READ_AHEAD]))
                 sent += len(payload) + 8
                 try:
                     sink.writev([chunk_header(tokens), payload])
@@ -321,14 +320,14 @@ class Handoffs:
         if self.coord.indexes.get(lease.worker_id) is not lease.index:
             raise HandoffError(410, f"the KV hand-off {lease.handle!r} ended: moved")
 
-    def _stores(self, lease: Lease) -> dict[int, tuple[memoryview, memoryview]] | None:
-        """The K and V bytes of the store of every device the lease's blocks are on,
-        mapped here; None if one is not (GPU ranks, ranks under a node agent)."""
+    def _stores(self, devices: set[int]) -> dict[int, tuple[memoryview, memoryview]] | None:
+        """The K and V bytes of the store of each of ``devices``, mapped here; None if
+        one is not (GPU ranks, ranks under a node agent)."""
         pool = self.coord.pool
         if not isinstance(pool, RankPool):
             return None
         stores = {}
-        for device in {lease.first_device + loc.rank for loc in lease.blocks}:
+        for device in devices:
             store = pool.kv_segments.store_bytes(device)
             if store is None:
                 return None

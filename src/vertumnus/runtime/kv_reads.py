@@ -5,10 +5,10 @@ One ``KVRead`` per rank involved, sent at once; ranks on the coordinator's host
 (``RankPool``) write their blocks straight into a shared-memory segment of this
 process (``engine/shared_rows.py``), at their rows, so the reads of a CP worker
 come back already interleaved; ranks under a node agent send their rows as bytes,
-put back in order here. A few segments are reused (``SEGMENTS``): a read made
-``in_place`` hands its segment to the caller, who gives it back once the bytes
-have left (``give_back``); otherwise the bytes are copied out and the segment is
-free at once. Rank answers come through the rank link (``answer``, ``fail``).
+put back in order here. A few segments are reused (``SEGMENTS``): a read hands
+its segment to the caller, who gives it back once the bytes have left
+(``give_back_segment``, or ``give_back`` for a read nobody will write). Rank
+answers come through the rank link (``answer``, ``fail``).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class KVReads:
                 self.give_back_segment(payload, shm)
 
     def give_back_segment(self, payload: memoryview, shm: shared_memory.SharedMemory) -> None:
-        """An ``in_place`` read's segment, once its bytes left."""
+        """A read's segment, once its bytes left."""
         payload.release()
         self._free.append(shm)
 
@@ -131,11 +131,11 @@ class KVReads:
         return layout, asyncio.ensure_future(self._answers(read_id, sent))
 
     def read(
-        self, first_device: int, group: list[BlockLocation], in_place: bool = False
+        self, first_device: int, group: list[BlockLocation]
     ) -> asyncio.Future[tuple[int, Any, Any]]:
         """Read a run of consecutive blocks from their ranks (one ``KVRead`` per rank,
         sent now), in sequence order: (tokens, their bytes as the wire wants them, the
-        shared memory they are in when ``in_place``: the caller gives it back)."""
+        shared memory they are in, or None: the caller gives it back)."""
         block, first = self.coord.cfg.engine.block_size, group[0].depth
         rows = len(group) * block
         size = len(group) * self.block_bytes()
@@ -161,8 +161,6 @@ class KVReads:
                 answers = await self._answers(read_id, sent)
                 if shm is not None:
                     assert shm.buf is not None
-                    if not in_place:
-                        return rows, bytes(shm.buf[:size]), None
                     kept = True
                     return rows, shm.buf[:size], shm
             finally:
