@@ -1,7 +1,7 @@
 """The decode side's pull client (``handoff/kv_pull.py``) against hand-made streams:
 whole blocks and rows received exactly, the receive buffer reused once released,
 an answer without Content-Length refused clearly, and a cancelled pull stopped at
-once (its thread freed)."""
+once (its thread freed); the scheme a pull is to use."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from vertumnus.handoff import wire
+from vertumnus.handoff.kv_client import TransferParams
 from vertumnus.handoff.kv_pull import Arena, HandoffError, pull
 
 L, H, D, B = 2, 2, 8, 4
@@ -125,3 +126,14 @@ def test_a_cancelled_pull_stops_at_once() -> None:
             assert short.num_bytes == len(body) and time.perf_counter() - start < 10
 
     asyncio.run(main())
+
+
+def test_transfer_params_name_the_scheme_to_pull_with() -> None:
+    """``remote_scheme`` (http when absent; https behind TLS), an IPv6 host in
+    brackets, and a clear error for a scheme the client cannot speak."""
+    params = {"remote_host": "pool", "remote_port": 8443, "remote_handle": "kv-1", "num_tokens": 3}
+    assert TransferParams.parse(params).base_url == "http://pool:8443"
+    tls = TransferParams.parse({**params, "remote_scheme": "https", "remote_host": "::1"})
+    assert tls.base_url == "https://[::1]:8443"
+    with pytest.raises(ValueError, match="remote_scheme"):
+        TransferParams.parse({**params, "remote_scheme": "ftp"})

@@ -144,6 +144,7 @@ def test_the_pull_streams_the_prompts_kv_in_order(
                     params = await handoff(client, tokens)
                     assert params["num_tokens"] == len(tokens) - 1
                     assert params["do_remote_prefill"] and params["remote_port"] == client.port
+                    assert params["remote_scheme"] == "http"
                     url = f"/v1/kv/{params['remote_handle']}"
                     assert (await client.get(url)).status == 401  # never open
                     response = await client.get(url, headers=secret)
@@ -157,6 +158,13 @@ def test_the_pull_streams_the_prompts_kv_in_order(
                     assert "pulled" in (await again.json())["error"]["message"]
                 missing = await client.get("/v1/kv/kv-nothing", headers=secret)
                 assert missing.status == 404 and (await missing.json())["error"]["type"]
+                # behind a TLS-terminating proxy, the pull is to go through it too
+                body = {"token_ids": [4, 5, 6], "kv_transfer_params": {"do_remote_decode": True}}
+                tls = {"X-Forwarded-Proto": "https"}
+                behind = await (await client.post("/v1/prefill", json=body, headers=tls)).json()
+                assert behind["kv_transfer_params"]["remote_scheme"] == "https"
+                handle = behind["kv_transfer_params"]["remote_handle"]
+                assert (await client.delete(f"/v1/kv/{handle}", headers=secret)).status == 200
                 assert coord.handoffs.view()["open"] == 0 and pins(coord) == 0
                 reads = [m for m in sent_to_ranks if isinstance(m, KVRead)]
                 if from_store:  # no rank was asked: the blocks went from its store
@@ -235,15 +243,20 @@ def test_a_reshape_ends_the_lease_and_a_dead_decode_server_releases_it(tmp_path:
             async with TestClient(TestServer(app)) as client:
                 await proxy.start(f"http://127.0.0.1:{client.port}")
                 params = await handoff(client, make_tokens(40, seed=3))
+                unasked = await handoff(client, make_tokens(40, seed=5))
                 await coord.begin_reshape(coord.reshape_for("merge", [0, 1]))
                 moved = await client.get(f"/v1/kv/{params['remote_handle']}", headers=secret)
                 assert moved.status == 410
                 assert "moved" in (await moved.json())["error"]["message"]
+                # one nobody asks for is counted as moved when its time is up, too
+                coord.handoffs.leases[unasked["remote_handle"]].expires_s = 0.0
+                assert coord.handoffs.expire() == 1
                 body = {"prompt": make_tokens(30, seed=4), "max_tokens": 5}
                 answer = await client.post("/v1/completions", json=body)
                 assert answer.status == 503 and answer.headers["Retry-After"]
                 view = await (await client.get("/v1/handoffs")).json()
-                assert (view["open"], view["moved"], view["released"]) == (0, 1, 1)
+                assert (view["open"], view["moved"], view["released"]) == (0, 2, 1)
+                assert view["expired"] == 0
                 assert pins(coord) == 0
         finally:
             await proxy.close()

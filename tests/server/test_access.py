@@ -109,6 +109,20 @@ def test_the_api_key_guards_v1_but_not_health() -> None:
     assert open_call[0] == 200
 
 
+@pytest.mark.timeout(60)
+def test_the_pool_lists_its_model_as_openai_clients_expect() -> None:
+    """``GET /v1/models``, behind the API key like the rest of /v1."""
+    refused, listed = calls(
+        ServeConfig(api_key=KEY), [("GET", "/v1/models", {}), ("GET", "/v1/models", bearer(KEY))]
+    )
+    assert refused[0] == 401
+    assert listed[0] == 200
+    (entry,) = listed[1]["data"]
+    assert listed[1]["object"] == "list"
+    assert (entry["id"], entry["object"], entry["owned_by"]) == ("tiny", "model", "vertumnus")
+    assert entry["max_model_len"] > 0
+
+
 def test_tokens_come_from_the_environment_or_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -7,7 +7,7 @@
     GET  /health
 
 A request with ``kv_transfer_params`` (a proxy's, as the prefill pool answered them)
-pulls the KV they name from ``http://{remote_host}:{remote_port}``; without them
+pulls the KV they name from ``{remote_scheme}://{remote_host}:{remote_port}``; without them
 this server asks its prefill pool for the prefill first (``kv_client``). The steps
 run on the decode thread (``DecodeLoop``); each request waits on an asyncio queue
 that thread feeds through ``loop.call_soon_threadsafe``. A client that goes away

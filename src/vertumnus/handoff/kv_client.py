@@ -47,7 +47,7 @@ PREFILL_TIMEOUT_S = 600.0
 class TransferParams:
     """Where a prompt's KV waits: the part of ``kv_transfer_params`` a pull needs."""
 
-    base_url: str  # http://remote_host:remote_port
+    base_url: str  # {remote_scheme}://remote_host:remote_port
     handle: str
     num_tokens: int  # the prompt's length - 1
 
@@ -66,8 +66,11 @@ class TransferParams:
             raise ValueError("'kv_transfer_params.remote_handle' must be a non-empty string")
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
             raise ValueError("'kv_transfer_params.num_tokens' must be an integer >= 0")
+        scheme = params.get("remote_scheme", "http")
+        if scheme not in ("http", "https"):
+            raise ValueError("'kv_transfer_params.remote_scheme' must be 'http' or 'https'")
         host = f"[{host}]" if ":" in host else host  # an IPv6 literal
-        return cls(f"http://{host}:{port}", handle, num_tokens)
+        return cls(f"{scheme}://{host}:{port}", handle, num_tokens)
 
 
 _JSON = {"Content-Type": "application/json"}

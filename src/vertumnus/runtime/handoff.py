@@ -209,9 +209,10 @@ class Handoffs:
 
     def expire(self) -> int:
         now = self.coord.clock()
-        due = [h for h, x in self.leases.items() if x.expires_s <= now and not x.pulling]
-        for handle in due:
-            self.end(handle, "expired")
+        due = [x for x in self.leases.values() if x.expires_s <= now and not x.pulling]
+        for lease in due:
+            current = self.coord.indexes.get(lease.worker_id) is lease.index
+            self.end(lease.handle, "expired" if current else "moved")
         return len(due)
 
     def close(self) -> None:

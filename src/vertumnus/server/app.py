@@ -5,6 +5,7 @@
                                 streams through the decode proxy, ``proxy.py``)
     GET, DELETE /v1/kv/{handle} a prompt's KV kept for a decode server
                                 (``handoff_routes.py``)
+    GET  /v1/models             the served model (OpenAI's list)
     GET  /v1/workers            the workers, their state, queue and cache
     GET  /v1/composition        the composition and configuration epoch
     GET  /v1/cache              the trie: nodes, holders per worker, hit rate
@@ -199,6 +200,18 @@ async def composition(request: web.Request) -> web.Response:
     return json_response(request.app[COORDINATOR].composition_view())
 
 
+async def models(request: web.Request) -> web.Response:
+    """The served model, as OpenAI clients list it (the decode server answers alike)."""
+    coord = request.app[COORDINATOR]
+    entry = {
+        "id": coord.cfg.model,
+        "object": "model",
+        "owned_by": "vertumnus",
+        "max_model_len": coord.model_cfg.max_position_embeddings,
+    }
+    return json_response({"object": "list", "data": [entry]})
+
+
 async def cache(request: web.Request) -> web.Response:
     return json_response(request.app[COORDINATOR].cache_view())
 
@@ -332,6 +345,7 @@ def build_app(coordinator: Coordinator, tokenizer: Tokenizer, proxy: Any = None)
         [
             web.post("/v1/prefill", prefill),
             web.post("/v1/completions", completions),
+            web.get("/v1/models", models),
             web.get("/v1/workers", workers),
             web.get("/v1/composition", composition),
             web.get("/v1/cache", cache),

@@ -59,11 +59,14 @@ def transfer_params(request: web.Request, coord: Coordinator, result: PrefillRes
     host = coord.cfg.handoff.advertise_host or address[0]
     if host in ("0.0.0.0", "::"):
         host = request.url.host
+    # Behind a TLS-terminating proxy the pull goes through it, as this request came.
+    scheme = request.headers.get("X-Forwarded-Proto", request.scheme).split(",")[0].strip()
     return {
         "do_remote_decode": False,
         "do_remote_prefill": True,
         "remote_host": host,
         "remote_port": address[1],
+        "remote_scheme": "https" if scheme == "https" else "http",
         "remote_handle": lease.handle,
         "num_tokens": lease.num_tokens,
         "prompt_tokens": lease.prompt_tokens,

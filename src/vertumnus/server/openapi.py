@@ -122,6 +122,9 @@ OPENAPI: dict[str, Any] = {
                 },
             }
         },
+        "/v1/models": {
+            "get": {"summary": "The served model", "responses": {"200": {"description": "OK"}}}
+        },
         "/v1/workers": {
             "get": {
                 "summary": "Workers, state, queues, cache",

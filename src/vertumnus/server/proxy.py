@@ -192,6 +192,7 @@ class DecodeProxy:
         if self.process is not None:  # the local decode process pulls over loopback
             local = self._prefill_url.removeprefix("http://").rpartition(":")
             params["remote_host"], params["remote_port"] = local[0], int(local[2])
+            params["remote_scheme"] = "http"
         forward = {k: v for k, v in body.items() if k not in ("prompt", "kv_transfer_params")}
         forward.update(prompt=tokens, kv_transfer_params=params)
         handle = result.handoff.handle
