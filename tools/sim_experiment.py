@@ -30,7 +30,12 @@ the workload has phases; ``against_best_fixed``: per rate, and per phase, the fi
 variant of least mean TTFT and every other variant's gap to it in %) and
 ``OUT/comparison.md`` (the same as tables). It also writes ``OUT/comparison.png``,
 which shows TTFT over time for each variant (the adaptive ones' moves marked), or
-TTFT and hit rate against the rate for a sweep.
+TTFT and hit rate against the rate for a sweep, and ``OUT/report.html``: one
+self-contained page with every run's figures in a table and, over time, the
+adaptive variants beside the best run of each fixed policy (``fixed`` and each
+router) at each rate: TTFT, attainment, hit rate, and each one's composition with
+its reshapes (``vertumnus/dashboard.py``; each run's own ``report.html`` has the
+rest).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import orjson
 
 from vertumnus.config import read_toml
 from vertumnus.config.pool import PoolConfig, parse_composition
+from vertumnus.dashboard import comparison_html
 from vertumnus.policy.lattice import LatticeConfig, composition_name, reachable_compositions
 from vertumnus.sim import config as sim_config
 from vertumnus.sim import plots, report
@@ -277,6 +283,7 @@ def run_experiment(
     text = markdown(rows, best) + peers_markdown(peers)
     (out / "comparison.md").write_text(text)
     plots.plot_comparison(rows, timelines, out / "comparison.png", sweep=rates != [None])
+    write_report(config.stem, rows, out)
     if echo:
         print(text)
         print(f"results in {out}")
@@ -296,6 +303,49 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     run_experiment(args.config, args.out, settings=args.set)
+
+
+REPORT_COLUMNS = [
+    "policy",
+    "rate_scale",
+    "composition_start",
+    "composition_end",
+    "mean_ttft_s",
+    "p50_ttft_s",
+    "p90_ttft_s",
+    "p99_ttft_s",
+    "token_slo_attainment",
+    "token_hit_rate",
+    "reshapes",
+    "copies",
+    "reclaims",
+]
+MAX_OVER_TIME = 12  # runs drawn over time in the comparison report
+
+
+def over_time(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs the report draws over time: every adaptive one, and per rate the run
+    of least mean TTFT of each fixed policy (``fixed``, each router)."""
+    best: dict[tuple[Any, str], dict[str, Any]] = {}
+    for row in rows:
+        if row["adaptive"]:
+            continue
+        key = (row["rate_scale"], row["policy"])
+        if key not in best or row["mean_ttft_s"] < best[key]["mean_ttft_s"]:
+            best[key] = row
+    chosen = {id(r) for r in rows if r["adaptive"]} | {id(r) for r in best.values()}
+    return [r for r in rows if id(r) in chosen][:MAX_OVER_TIME]
+
+
+def write_report(name: str, rows: list[dict[str, Any]], out: Path) -> None:
+    """``OUT/report.html`` from the runs' rows and their ``timeline.json``."""
+    runs = [{"name": r["run"], "summary": r} for r in rows]
+    variants = []
+    for row in over_time(rows):
+        timeline = orjson.loads((out / row["run"] / "timeline.json").read_bytes())
+        variants.append({"name": row["run"], **timeline})
+    page = comparison_html(f"Vertumnus experiment · {name}", REPORT_COLUMNS, runs, variants)
+    (out / "report.html").write_text(page, encoding="utf-8")
 
 
 def _mean(row: dict[str, Any], phase: int | None) -> float:

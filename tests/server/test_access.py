@@ -140,3 +140,29 @@ def test_tokens_come_from_the_environment_or_the_file(
     monkeypatch.delenv("VERTUMNUS_ADMIN_TOKEN")
     with pytest.raises(ConfigError, match="at least 16 characters"):
         load(path)
+
+
+@pytest.mark.timeout(60)
+def test_the_dashboard_data_follows_the_api_key_and_its_page_is_served_locally() -> None:
+    """``/v1/timeline`` is behind the API key like the rest of /v1; the page and its
+    assets hold no data and are open (the page asks for the key); 'since' is checked."""
+    refused, timeline, bad, page, script, plotly_js, missing = calls(
+        ServeConfig(api_key=KEY),
+        [
+            ("GET", "/v1/timeline", {}),
+            ("GET", "/v1/timeline?since=0", bearer(KEY)),
+            ("GET", "/v1/timeline?since=nan", bearer(KEY)),
+            ("GET", "/dashboard", {}),
+            ("GET", "/dashboard/dashboard.js", {}),
+            ("GET", "/dashboard/plotly.min.js", {}),
+            ("GET", "/dashboard/other.js", {}),
+        ],
+    )
+    assert refused[0] == 401
+    assert timeline[0] == 200
+    body = timeline[1]
+    assert {"samples", "events", "workers", "composition", "epoch", "window_s"} <= body.keys()
+    assert body["composition"] == "2CP1" and len(body["workers"]) == 2
+    assert bad[0] == 400 and "since" in bad[1]["error"]["message"]
+    assert page[0] == 200 and page[2]["Content-Type"].startswith("text/html")
+    assert script[0] == 200 and plotly_js[0] == 200 and missing[0] == 404

@@ -51,6 +51,10 @@ seed = 5
 """
 
 
+def mean_of(row: dict[str, Any]) -> float:
+    return float(row["mean_ttft_s"])
+
+
 def test_sweep_and_best_fixed_and_decisions(tool: ModuleType, tmp_path: Path) -> None:
     path = tmp_path / "tiny.toml"
     path.write_text(CONFIG)
@@ -105,6 +109,16 @@ def test_sweep_and_best_fixed_and_decisions(tool: ModuleType, tmp_path: Path) ->
     ]
     assert any(d.get("candidates") for d in whatif)
     assert (out / "comparison.png").read_bytes()[:4] == b"\x89PNG"
+    # One page for the experiment: every run in its table; over time the adaptive run
+    # and the best fixed one (each run has its own report too).
+    page = (out / "report.html").read_text()
+    assert page.count('"name":') >= len(runs) and "Vertumnus.compare" in page
+    chosen = tool.over_time(runs)
+    assert [r["run"] for r in chosen] == ["vertumnus", min(fixed, key=mean_of)["run"]]
+    for r in runs:
+        timeline = json.loads((out / r["run"] / "timeline.json").read_text())
+        assert timeline["samples"][-1]["finished"] >= 0 and len(timeline["samples"]) > 100
+        assert "Vertumnus.report" in (out / r["run"] / "report.html").read_text()
 
 
 def test_overrides_merge_and_the_sweep_keeps_the_bounds(tool: ModuleType) -> None:

@@ -69,9 +69,11 @@ class CopyAudit:
     _records: dict[int, ScanRecord] = field(default_factory=dict)  # plan -> its scan's
     _live: dict[tuple[int, int], _Live] = field(default_factory=dict)  # (worker, block)
     _count: int = 0
+    reclaimed_total: int = 0  # replicas reclaimed by every scan so far
 
     def scanned(self, now: float, result: ScanResult, reclaimed: int) -> ScanRecord:
         self._count += 1
+        self.reclaimed_total += reclaimed
         record = ScanRecord(
             self._count,
             now,

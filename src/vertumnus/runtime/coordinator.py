@@ -85,7 +85,8 @@ class Coordinator:
             self.policy = PoolPolicy.build(self.profile, cfg.pool_spec, cfg.policy)
         except (PolicyError, LatticeError, ProfileError) as exc:
             raise ConfigError(f"{exc}") from exc
-        self.metrics = Metrics()
+        window_s = max(cfg.policy.controller.period_s, 5 * cfg.timeline_s)  # as the simulator's
+        self.metrics = Metrics(cfg.timeline_s, cfg.timeline_samples, clock(), window_s)
         self.pool: Ranks | None = None
         self.copier = KVCopier(lambda: self.pool, cfg.engine.rank_timeout_s, self._copy_hung)
         self.handoffs = Handoffs(self)
@@ -302,6 +303,7 @@ class Coordinator:
             log.info("decision", **decision.to_json())
         for transition in outcome.begun:
             log.info("reshape_begin", kind=transition.op.kind, sources=list(transition.op.sources))
+            self.metrics.timeline.reshaped(now, transition.op.kind, decision.to_json())
         self.apply(outcome.actions)
 
     # -- the prefix-cache manager: scans and copies -------------------------------------

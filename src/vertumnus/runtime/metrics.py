@@ -6,6 +6,7 @@ vertumnus_prefill_seconds            histogram of prefill execution time
 vertumnus_requests_total             counter, by worker degree
 vertumnus_cached_tokens_total        prompt tokens reused from a worker's cache
 vertumnus_computed_tokens_total      prompt tokens computed
+vertumnus_workers                    gauge: workers, by cp_degree and state
 vertumnus_worker_queue_depth         gauge per worker: requests queued
 vertumnus_worker_outstanding_seconds gauge per worker: predicted work outstanding
 vertumnus_reconfigurations_total     counter, by kind (split, merge)
@@ -21,19 +22,34 @@ vertumnus_handoff_ended_total        hand-off leases ended, by why (pulled, expi
                                      released, moved)
 vertumnus_handoff_bytes_total        KV bytes pulled by decode servers
 vertumnus_handoff_seconds            histogram of a pull, first byte to last
+
+Also the pool over time for the dashboard (``timeline``, ``policy/timeline.py``):
+the request path reports arrivals and answers to it, the coordinator its reshapes,
+and the app's sampler closes a sample every ``timeline_s``.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from vertumnus.policy.timeline import Timeline
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        timeline_s: float = 1.0,
+        timeline_samples: int = 3600,
+        origin_s: float = 0.0,
+        window_s: float = 30.0,
+    ) -> None:
+        self.timeline = Timeline(timeline_s, timeline_samples, origin_s=origin_s, window_s=window_s)
+        self.started_unix = time.time()  # the wall time of the timeline's t = 0
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
@@ -50,6 +66,9 @@ class Metrics:
         )
         self.cached = Counter("vertumnus_cached_tokens", "Prompt tokens reused", registry=r)
         self.computed = Counter("vertumnus_computed_tokens", "Prompt tokens computed", registry=r)
+        self.workers = Gauge(
+            "vertumnus_workers", "Workers, by degree and state", ["cp_degree", "state"], registry=r
+        )
         self.depth = Gauge(
             "vertumnus_worker_queue_depth", "Requests queued", ["worker"], registry=r
         )
@@ -120,7 +139,10 @@ class Metrics:
 
     def render(self, workers: list[dict[str, Any]], leases: int = 0) -> bytes:
         self.leases.set(leases)
+        for gauge in (self.workers, self.depth, self.outstanding):
+            gauge.clear()  # workers that a reshape ended are gone from the answer
         for w in workers:
+            self.workers.labels(cp_degree=str(w["cp_degree"]), state=w["state"]).inc()
             self.depth.labels(worker=str(w["worker"])).set(w["queued"])
             self.outstanding.labels(worker=str(w["worker"])).set(w["outstanding_s"])
         return generate_latest(self.registry)

@@ -29,6 +29,7 @@ from vertumnus.runtime.handoff import Lease, export_range
 from vertumnus.runtime.pool import RankPoolError
 from vertumnus.runtime.rank_link import WorkerLost
 from vertumnus.runtime.worker import prefill_command
+from vertumnus.slo import DEFAULT_TTFT_SLO
 
 if TYPE_CHECKING:
     from vertumnus.runtime.coordinator import Coordinator
@@ -98,6 +99,7 @@ class RequestPath:
         self.open[rid] = req
         ids = tuple(block_ids(tokens, coord.cfg.engine.block_size))
         try:
+            coord.metrics.timeline.arrived(now)
             coord.apply(coord.policy.arrive(PlacementRequest(rid, len(tokens), ids), now))
             return await asyncio.wait_for(asyncio.shield(req.future), coord.cfg.request_timeout_s)
         finally:
@@ -235,6 +237,10 @@ class RequestPath:
             handoff=lease,
         )
         coord.metrics.request(result)
+        tau_s = DEFAULT_TTFT_SLO.tau_s(len(req.tokens), coord.profile.predict, coord.cfg.degrees)
+        coord.metrics.timeline.finished(
+            end, result.ttft_s, tau_s, len(req.tokens), result.cached_tokens
+        )
         log.info(
             "prefill",
             request_id=rid,

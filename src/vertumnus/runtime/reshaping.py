@@ -46,6 +46,8 @@ class Reshaping:
         log.info(
             "reshape_begin", kind=op.kind, sources=list(op.sources), requeued=len(actions.placed)
         )
+        ops = [{"kind": op.kind, "sources": list(op.sources), "degree": op.target_degree}]
+        coord.metrics.timeline.reshaped(coord.clock(), op.kind, {"rule": "operator", "ops": ops})
         coord.apply(actions)
         return done
 

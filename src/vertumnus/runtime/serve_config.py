@@ -9,7 +9,9 @@ pool can be simulated from its own file. Of its own, ``serve`` reads::
                   step_timeout_s = 60 (a prefill unanswered this long: its worker's
                   ranks are killed and restarted), max_restart_attempts = 5,
                   admin_token (or $VERTUMNUS_ADMIN_TOKEN; none: admin calls
-                  refused), api_key (or $VERTUMNUS_API_KEY; none: /v1 is open)
+                  refused), api_key (or $VERTUMNUS_API_KEY; none: /v1 is open),
+                  timeline_s = 1 and timeline_samples = 3600 (the dashboard's
+                  samples: one per timeline_s, the latest timeline_samples kept)
     [cluster]     listen = "0.0.0.0:7700", hosts = 2: a multi-host pool; the ranks
                   run under node agents (``python -m vertumnus agent``), and
                   [pool] ranks is learned from them (see ``ClusterConfig``)
@@ -150,6 +152,8 @@ class ServeConfig:
     shutdown_grace_s: float = 30.0  # SIGTERM: how long in-flight work may finish
     step_timeout_s: float = 60.0  # a prefill unanswered this long: its worker is restarted
     max_restart_attempts: int = 5  # a failed worker's restarts, 2, 4, 8, ... s apart
+    timeline_s: float = 1.0  # the dashboard's sample period (``policy/timeline.py``)
+    timeline_samples: int = 3600  # samples kept (an hour at one a second)
     # Bearer tokens. The environment (VERTUMNUS_ADMIN_TOKEN, VERTUMNUS_API_KEY)
     # overrides the file. No admin token: every /v1/admin call is refused.
     admin_token: str | None = dataclasses.field(default=None, repr=False)
@@ -165,10 +169,13 @@ class ServeConfig:
             or self.shutdown_grace_s < 0
             or self.step_timeout_s <= 0
             or self.max_restart_attempts < 1
+            or not self.timeline_s > 0
+            or self.timeline_samples < 1
         ):
             raise ConfigError(
                 "[server] need max_queued >= 1, request_timeout_s > 0, shutdown_grace_s >= 0, "
-                "step_timeout_s > 0, max_restart_attempts >= 1"
+                "step_timeout_s > 0, max_restart_attempts >= 1, timeline_s > 0, "
+                "timeline_samples >= 1"
             )
         for name in ("admin_token", "api_key"):
             value = getattr(self, name)
@@ -203,6 +210,8 @@ SERVER_KEYS = (
     "shutdown_grace_s",
     "step_timeout_s",
     "max_restart_attempts",
+    "timeline_s",
+    "timeline_samples",
     "admin_token",
     "api_key",
 )

@@ -7,37 +7,25 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from vertumnus.policy.timeline import worker_rows
+
 if TYPE_CHECKING:
     from vertumnus.runtime.coordinator import Coordinator
 
 
 def workers_view(coord: Coordinator) -> list[dict[str, Any]]:
-    policy, pool = coord.policy, coord.pool
-    scheduler, lattice = policy.scheduler, policy.lattice
-    now = coord.clock()
-    out = []
-    for w in sorted(lattice.workers.values(), key=lambda w: w.first_device):
-        index = policy.indexes.get(w.worker_id)
-        out.append(
-            {
-                "worker": w.worker_id,
-                "cp_degree": w.cp_degree,
-                "ranks": list(w.devices),
-                "hosts": list(w.hosts(lattice.config)),
-                "host_names": list(
-                    dict.fromkeys(pool.host_of(r) for r in w.devices) if pool is not None else ()
-                ),
-                "state": str(w.state),
-                "epoch": w.epoch,
-                "queued": len(scheduler.queued(w.worker_id)),
-                "running": scheduler.running(w.worker_id),
-                "outstanding_s": scheduler.outstanding_s(w.worker_id, now),
-                "cached_blocks": len(index) if index is not None else 0,
-                "pids": [pool.pid(r) if pool is not None else None for r in w.devices],
-                "restarting": coord.recovery.recovering(w.worker_id),
-            }
+    """``timeline.worker_rows`` (what a simulation's report shows too), plus where
+    the ranks run: host names, process ids, and whether the worker is restarting."""
+    pool = coord.pool
+    rows = worker_rows(coord.policy, coord.clock())
+    for row in rows:
+        ranks = row["ranks"]
+        row["host_names"] = list(
+            dict.fromkeys(pool.host_of(r) for r in ranks) if pool is not None else ()
         )
-    return out
+        row["pids"] = [pool.pid(r) if pool is not None else None for r in ranks]
+        row["restarting"] = coord.recovery.recovering(row["worker"])
+    return rows
 
 
 def composition_view(coord: Coordinator) -> dict[str, Any]:

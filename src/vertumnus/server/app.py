@@ -11,6 +11,8 @@
     GET  /v1/cache              the trie: nodes, holders per worker, hit rate
     POST /v1/admin/reconfigure  {"op": "split", "worker": W} | {"op": "merge",
                                 "workers": [W1, W2]} | {"op": ...} (controller chooses)
+    GET  /v1/timeline?since=T   the pool over time, for the dashboard
+    GET  /dashboard             a live page of it (``dashboard_routes.py``)
     GET  /health  /ready  /metrics  /openapi.json
 
 Errors are JSON, ``{"error": {"message": ..., "type": ...}}``, with a 4xx for what the
@@ -34,7 +36,7 @@ from aiohttp import web
 from vertumnus.policy.lattice import LatticeError
 from vertumnus.runtime.coordinator import Coordinator, Overloaded, Unavailable
 from vertumnus.runtime.pool import RankPoolError
-from vertumnus.server import handoff_routes
+from vertumnus.server import dashboard_routes, handoff_routes
 from vertumnus.server.handoff_routes import transfer_params, wants_handoff
 from vertumnus.server.http import (
     BadRequest,
@@ -355,6 +357,8 @@ def build_app(coordinator: Coordinator, tokenizer: Tokenizer, proxy: Any = None)
             web.get("/metrics", metrics),
             web.get("/openapi.json", openapi),
             *handoff_routes.ROUTES,
+            *dashboard_routes.ROUTES,
         ]
     )
+    app.cleanup_ctx.append(dashboard_routes.sampler)
     return app

@@ -122,6 +122,20 @@ OPENAPI: dict[str, Any] = {
                 },
             }
         },
+        "/v1/timeline": {
+            "get": {
+                "summary": "The pool over time: samples and reshape events after 'since'",
+                "parameters": [
+                    {
+                        "name": "since",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "number"},
+                    }
+                ],
+                "responses": {"200": {"description": "OK"}, **_errors(400)},
+            }
+        },
         "/v1/models": {
             "get": {"summary": "The served model", "responses": {"200": {"description": "OK"}}}
         },

@@ -21,23 +21,28 @@
                        blocks used, blocks evicted unused), ``cache_audit.ScanRecord``
 ``DIR/ttft_composition.png``  TTFT and composition over time (the paper's Fig. 13), the
                        decisions that moved the composition marked (split ▲, merge ▼)
+``DIR/report.html``    the run as the server's dashboard draws it (composition with
+                       each reshape's rule, inputs and candidates; TTFT against the
+                       SLO; rate and attainment; cache; queues), the workers at the
+                       end and the summary: one self-contained page (``dashboard.py``)
+``DIR/timeline.json``  the samples and events it draws (``policy/timeline.py``)
 ``DIR/config.json``    the configuration the run used
 """
 
 from __future__ import annotations
 
 import csv
-import dataclasses
-import enum
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from vertumnus.dashboard import report_html
 from vertumnus.policy.lattice import composition_name
+from vertumnus.policy.timeline import plain
 from vertumnus.sim.config import SimConfig
 from vertumnus.sim.plots import plot
 from vertumnus.sim.simulator import RequestRecord, SimResult
@@ -183,29 +188,12 @@ def write(result: SimResult, cfg: SimConfig, out: Path) -> dict[str, Any]:
         for record in result.scans:
             f.write(orjson.dumps(record.as_dict()) + b"\n")
     plot(result, cfg, by_window, out / "ttft_composition.png")
+    timeline = result.timeline.since()
+    (out / "timeline.json").write_bytes(orjson.dumps(timeline))
+    title = f"Vertumnus simulation · {cfg.policy.name} · {out.name}"
+    page = report_html(title, timeline, result.workers, summary)
+    (out / "report.html").write_text(page, encoding="utf-8")
     return summary
-
-
-def plain(value: Any) -> Any:
-    """``value`` as JSON-ready data: mappings (string keys), lists, str, int, float, bool
-    and None; tuples and sets become lists, dataclasses mappings, enums their value,
-    numpy scalars Python numbers, anything else its ``str``."""
-    if value is None or isinstance(value, str | bool | int | float):
-        return value
-    if isinstance(value, enum.Enum):
-        return plain(value.value)
-    if isinstance(value, Mapping):
-        return {str(k): plain(v) for k, v in value.items()}
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return plain(dataclasses.asdict(value))
-    if isinstance(value, list | tuple):
-        return [plain(v) for v in value]
-    if isinstance(value, set | frozenset):
-        return sorted((plain(v) for v in value), key=repr)
-    item = getattr(value, "item", None)  # numpy scalars
-    if callable(item):
-        return plain(item())
-    return str(value)
 
 
 def write_decisions(result: SimResult, path: Path) -> None:

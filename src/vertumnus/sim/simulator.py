@@ -15,6 +15,8 @@ is deterministic for a seed::
     ScanDue (4)       the cache manager's scan (replication on)
     Arrival (5)       a request arrives: placement, statistics, maybe a fetch
     ReservationsDue (6)  slots a reshape reserved go back to their caches
+    SampleDue (7)     the timeline's sample of the pool (``policy/timeline.py``), read
+                      after everything else at that time; it changes nothing
 
 A request that finds no candidate (every worker draining) waits in the policy and
 is placed when a reshape's new workers serve.
@@ -38,6 +40,7 @@ from vertumnus.policy.pool_config import PolicyConfig, PolicyError, PoolSpec
 from vertumnus.policy.pool_policy import PoolPolicy
 from vertumnus.policy.pool_results import Actions, Switch
 from vertumnus.policy.scheduler import PlacementRequest
+from vertumnus.policy.timeline import Timeline, worker_rows
 from vertumnus.sim.time_model import SimSettings, SimulationError, TimeModel
 from vertumnus.sim.workload import SimRequest
 from vertumnus.stats import progress
@@ -87,7 +90,23 @@ class ReservationsDue:
     rank: ClassVar[int] = 6
 
 
-Event = PrefillEnd | CopyLanded | SwitchAcked | WindowDue | ScanDue | Arrival | ReservationsDue
+@dataclass(frozen=True, slots=True)
+class SampleDue:
+    rank: ClassVar[int] = 7
+
+
+Event = (
+    PrefillEnd
+    | CopyLanded
+    | SwitchAcked
+    | WindowDue
+    | ScanDue
+    | Arrival
+    | ReservationsDue
+    | SampleDue
+)
+PERIODIC = (WindowDue, ScanDue, SampleDue)  # due whether or not requests wait
+SAMPLES = 500  # the timeline's samples over the arrivals, unless [sim] sample_s says
 
 
 # -- results ---------------------------------------------------------------------------
@@ -148,6 +167,8 @@ class SimResult:
     wall_s: float
     sim_end_s: float
     devices: int
+    timeline: Timeline  # the pool sampled over the run, as the dashboard shows it
+    workers: list[dict[str, Any]]  # at the run's end (``timeline.worker_rows``)
 
 
 # -- the run ---------------------------------------------------------------------------
@@ -191,6 +212,10 @@ class Simulation:
         self.copies = self.blocks_copied = self.reclaims = 0
         self._done = 0
         self._compute_s: dict[int, float] = {}  # worker -> its running prefill's compute
+        last = max((r.arrival_s for r in self.requests), default=0.0)
+        sample_s = settings.sample_s or max(last, 1.0) / SAMPLES
+        window_s = max(policy.controller.period_s, 5 * sample_s)  # as the server's
+        self.timeline = Timeline(sample_s, None, None, window_s=window_s)
 
     def _push(self, t: float, event: Event) -> None:
         self._seq += 1
@@ -204,6 +229,7 @@ class Simulation:
         self._push(h - self.s.window_phase_s % h, WindowDue())
         if self.config.replication:
             self._push(self.config.scan_interval_s, ScanDue())
+        self._push(self.timeline.next_s, SampleDue())
         now = 0.0
         total = len(self.requests)
         step = max(1, total // 100)
@@ -216,6 +242,7 @@ class Simulation:
                         self.progress(self._done, total, now)
                 case Arrival(request_id):
                     self._window_arrivals += 1
+                    self.timeline.arrived(now)
                     r = self.requests[request_id]
                     request = PlacementRequest(request_id, r.input_tokens, r.block_ids)
                     self._apply(self.policy.arrive(request, now), now)
@@ -232,9 +259,13 @@ class Simulation:
                     self._push(now + self.config.scan_interval_s, ScanDue())
                 case ReservationsDue():
                     self.policy.expire(now)
+                case SampleDue():
+                    self.timeline.sample(now, self.policy)
+                    self._push(self.timeline.next_s, SampleDue())
         if self._done < total:
             raise SimulationError(f"the run stalled: {total - self._done} requests never finished")
         self._window(now, final=True)
+        self.timeline.sample(now, self.policy)
         if self.progress is not None:
             self.progress(total, total, now)
         return SimResult(
@@ -250,6 +281,8 @@ class Simulation:
             wall_s=time.perf_counter() - wall,
             sim_end_s=now,
             devices=self.policy.lattice.config.num_devices,
+            timeline=self.timeline,
+            workers=worker_rows(self.policy, now),
         )
 
     # -- what the policy asks for ------------------------------------------------------
@@ -298,6 +331,8 @@ class Simulation:
         finished = self.policy.finish(worker_id, now, compute_s=self._compute_s.pop(worker_id))
         rec = self.records[finished.request_id]
         rec.end_s = now + self.time.ext_s(rec.input_tokens)  # the first token reaches the client
+        ttft_s = rec.end_s - rec.arrival_s
+        self.timeline.finished(now, ttft_s, rec.tau_s, rec.input_tokens, rec.cached_tokens)
         self._done += 1
         self._apply(finished.actions, now)
         self._try_start(worker_id, now)
@@ -321,6 +356,7 @@ class Simulation:
         elif not self.config.adaptive and decision.ops:
             rule = "fixed"  # a fixed composition: noted, not run
         for transition in outcome.begun:
+            self.timeline.reshaped(now, transition.op.kind, decision.to_json())
             record = ReshapeRecord(transition.op.kind, now, None, None)
             self.reshapes.append(record)
             self._reshape_of[id(transition)] = record
@@ -343,7 +379,7 @@ class Simulation:
             return
         self._idle_windows = self._idle_windows + 1 if self._window_arrivals == 0 else 0
         if self._idle_windows > 10_000 and not any(
-            not isinstance(e, WindowDue | ScanDue) for _, _, _, e in self._events
+            not isinstance(e, PERIODIC) for _, _, _, e in self._events
         ):
             raise SimulationError(f"the run stalled at t = {now:.0f} s with requests waiting")
         self._window_arrivals = 0

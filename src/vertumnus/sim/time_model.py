@@ -61,6 +61,9 @@ class SimSettings:
     # A deliberately wrong profile: the policy sees degree C's coefficients times
     # profile_bias[C] (0.85: 15 % optimistic) while prefills take the true time.
     profile_bias: Mapping[int, float] = field(default_factory=dict)
+    # The timeline's period (``policy/timeline.py``, the report's charts); 0: the
+    # arrivals' span over 500. Its window: the controller's period, or 5 samples.
+    sample_s: float = 0.0
 
     def __post_init__(self) -> None:
         bias = {int(c): float(f) for c, f in dict(self.profile_bias).items()}
@@ -76,12 +79,13 @@ class SimSettings:
             and self.transfer_latency_s >= 0
             and self.handoff_bytes_s >= 0
             and self.ext_latency_s >= 0
+            and self.sample_s >= 0
             and self.intra_host_bytes_s > 0
             and self.inter_host_bytes_s > 0
         ):
             raise SimulationError(
                 "need switch_s >= 0, noise_cv >= 0, dispatch_s >= 0, transfer_latency_s >= 0, "
-                "handoff_bytes_s >= 0, ext_latency_s >= 0 and positive bandwidths"
+                "handoff_bytes_s >= 0, ext_latency_s >= 0, sample_s >= 0 and positive bandwidths"
             )
 
 

@@ -1,0 +1,102 @@
+"""The live dashboard in a real browser (headless Chromium, selenium): a served pool
+under load, ``/dashboard`` opened, its charts filled from ``/v1/timeline``, the
+composition it shows equal to ``/v1/composition`` before and after a reshape (which
+it marks), its worker table equal to ``/v1/workers``, and nothing loaded from
+outside the server. The screenshot is saved in the test's folder."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from support.browser import CHARTS_JS, RESOURCES_JS, chromium, wait_for
+from support.factories import make_tokens
+from support.server import ADMIN_TOKEN, Server, running_server, write_serve_config
+
+pytestmark = [pytest.mark.browser, pytest.mark.multiproc]
+
+
+def charts(browser: Any) -> dict[str, dict[str, int]]:
+    """Per chart: trace name -> points drawn."""
+    drawn = browser.execute_script(CHARTS_JS)
+    return {c["id"]: {t["name"]: t["points"] for t in c["traces"]} for c in drawn}
+
+
+def shown_composition(browser: Any) -> str:
+    from selenium.webdriver.common.by import By
+
+    text: str = browser.find_element(By.ID, "composition").text
+    return text
+
+
+def load(server: Server, n: int, seed: int) -> None:
+    """``n`` prefills at once, some sharing a prefix (so the cache hits)."""
+    shared = make_tokens(96, seed=seed)
+    bodies = [
+        {"token_ids": shared + make_tokens(16 + 24 * i, seed=seed * 100 + i)} for i in range(n)
+    ]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda b: server.call("POST", "/v1/prefill", b), bodies))
+    assert [status for status, _ in answers] == [200] * n, answers
+
+
+@pytest.mark.timeout(300)
+def test_the_live_dashboard_follows_the_pool(tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    config = write_serve_config(
+        tmp_path / "serve.toml", server={"admin_token": ADMIN_TOKEN, "timeline_s": 0.5}
+    )
+    with running_server(config) as server, chromium(tmp_path) as browser:
+        load(server, 12, seed=1)
+        browser.get(server.url + "/dashboard")
+        drawn = wait_for(
+            "the TTFT and composition charts to hold data",
+            lambda: (
+                (c := charts(browser))
+                and c.get("chart-ttft", {}).get("P90", 0) > 0
+                and c.get("chart-composition", {}).get("CP1", 0) > 0
+                and c
+            ),
+        )
+        assert drawn["chart-rate"]["requests / s"] > 0
+        assert drawn["chart-cache"]["hit rate (%)"] > 0
+        _, composition = server.call("GET", "/v1/composition")
+        assert shown_composition(browser) == composition["composition"] == "2CP1"
+
+        # A reshape: the page follows it and marks it.
+        status, merged = server.call("POST", "/v1/admin/reconfigure", {"op": "merge"})
+        assert status == 200, merged
+        load(server, 8, seed=2)
+        wait_for("the merge on the page", lambda: shown_composition(browser) == "1CP2")
+        _, composition = server.call("GET", "/v1/composition")
+        assert composition["composition"] == "1CP2"
+        wait_for(
+            "the reshape's marker",
+            lambda: charts(browser)["chart-composition"].get("operator reshape", 0) == 1,
+        )
+        wait_for("the CP2 worker drawn", lambda: charts(browser)["chart-composition"].get("CP2"))
+
+        # The worker table is /v1/workers.
+        _, workers = server.call("GET", "/v1/workers")
+        rows = browser.find_elements(By.CSS_SELECTOR, "#workers tbody tr")
+        assert [r.find_elements(By.TAG_NAME, "td")[0].text for r in rows] == [
+            str(w["worker"]) for w in workers["workers"]
+        ]
+        assert rows[0].find_elements(By.TAG_NAME, "td")[1].text == "CP2"
+
+        # Everything the page loaded came from the server.
+        loaded = browser.execute_script(RESOURCES_JS)
+        assert len(loaded) >= 4 and all(u.startswith(server.url) for u in loaded), loaded
+        stats = browser.execute_script("return window.vertumnusStats")
+        assert stats["polls"] >= 2 and stats["errors"] == 0, stats
+        browser.save_screenshot(str(tmp_path / "dashboard.png"))
+        # the timeline the page drew from, for the record
+        with urllib.request.urlopen(server.url + "/v1/timeline", timeout=10) as resp:
+            timeline = json.loads(resp.read())
+        assert timeline["events"] and timeline["events"][-1]["rule"] == "operator"
