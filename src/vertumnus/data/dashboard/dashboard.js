@@ -123,13 +123,27 @@
     if (inp.demand_s !== undefined) parts.push(`demand ${fmt(inp.demand_s)} s, capacity ${fmt(inp.capacity_s)} s`);
     if (inp.long_fraction !== undefined) parts.push(`long fraction ${fmt(inp.long_fraction, 3)}`);
     for (const c of (e.candidates || []).slice(0, 8)) {
-      const text = JSON.stringify(c);
-      parts.push("· " + (text.length > 140 ? text.slice(0, 137) + "..." : text));
+      let text;
+      if (c && c.composition !== undefined) { // the what-if controller's candidate
+        const mark = c.composition === inp.chosen ? "→ " : "· ";
+        text = `${mark}${c.composition} (${c.move || ""}): next ${fmt(c.next_s)} s, steady ${fmt(c.steady_s)} s, score ${fmt(c.score_s)} s`;
+      } else {
+        const raw = JSON.stringify(c);
+        text = "· " + (raw.length > 140 ? raw.slice(0, 137) + "..." : raw);
+      }
+      parts.push(text);
     }
     return parts.join("<br>");
   }
 
   // -- the charts ----------------------------------------------------------------------
+
+  function workersAxis(samples) { // whole workers: a tick every 1, 2, 5, ... of them
+    let most = 1;
+    for (const s of samples) most = Math.max(most, Object.values(s.workers || {}).reduce((a, b) => a + b, 0) + (s.not_active || 0));
+    const step = [1, 2, 5, 10, 20, 50, 100, 200, 500].find((d) => most / d <= 8) || 1000;
+    return { title: { text: "workers" }, rangemode: "tozero", dtick: step, tickformat: "d" };
+  }
 
   function compositionTraces(view, samples, events) {
     const traces = degreesOf(samples).map((d, i) => ({
@@ -175,7 +189,7 @@
     {
       id: "composition",
       title: "Composition: workers per degree (▲ split, ▼ merge: hover for the rule, inputs and candidates)",
-      draw: (view) => [compositionTraces(view, view.samples, view.events), layout(view, { yaxis: { title: { text: "workers" }, rangemode: "tozero", tickformat: "d" } })],
+      draw: (view) => [compositionTraces(view, view.samples, view.events), layout(view, { yaxis: workersAxis(view.samples) })],
     },
     {
       id: "ttft",
@@ -289,7 +303,7 @@
         ["rule", (e) => e.rule, "text"],
         ["workers", (e) => (e.ops || []).map((o) => `${(o.sources || []).join("+")} → CP${o.degree}`).join("; "), "text"],
         ["demand / capacity (s)", (e) => (e.inputs && e.inputs.demand_s !== undefined ? `${fmt(e.inputs.demand_s, 2)} / ${fmt(e.inputs.capacity_s, 2)}` : "–")],
-        ["candidates", (e) => String((e.candidates || []).length)],
+        ["candidates", (e) => ((e.candidates || []).length ? `${e.candidates.length}${e.inputs && e.inputs.chosen ? `, chose ${e.inputs.chosen}` : ""}` : "–")],
       ],
       recent,
       "events"
@@ -483,10 +497,10 @@
       const div = el("div", { class: "chart", id: `chart-composition-${v.name}` });
       grid.appendChild(el("div", { class: "card" }, [el("h2", { text: `Composition: ${v.name}` }), div]));
       const view = { t0: null, timeTitle: "simulated time (s)" };
-      pending.push([div, compositionTraces(view, v.samples, v.events), layout(view, { yaxis: { title: { text: "workers" }, rangemode: "tozero" } })]);
+      pending.push([div, compositionTraces(view, v.samples, v.events), layout(view, { yaxis: workersAxis(v.samples) })]);
     }
     const runs = table(
-      [["run", (r) => r.name, "text"]].concat(data.columns.map((k) => [k, (r) => fmt(r.summary[k])])),
+      [["run", (r) => r.name, "name"]].concat(data.columns.map((k) => [k, (r) => fmt(r.summary[k])])),
       data.runs,
       "summary"
     );
