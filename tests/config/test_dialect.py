@@ -177,3 +177,21 @@ def test_an_experiment_file_is_not_a_simulate_configuration(tmp_path: Path) -> N
     path.write_text('[experiment]\nvariants = [{ label = "a", policy = "fixed" }]\n')
     with pytest.raises(ConfigError, match=r"run it with `python tools/sim_experiment\.py"):
         sim_config.load(path, {})
+
+
+def test_the_server_takes_its_dashboard_settings(tmp_path: Path) -> None:
+    """``[server] timeline_s``, ``timeline_samples`` and ``slo`` (read as ``[sim] slo``
+    is); a wrong one is a one-line ConfigError naming the key."""
+    path = tmp_path / "serve.toml"
+    path.write_text('[server]\ntimeline_s = 0.5\ntimeline_samples = 600\nslo = "800ms"\n')
+    cfg = serve_config.load(path)
+    assert (cfg.timeline_s, cfg.timeline_samples, cfg.slo.describe()) == (0.5, 600, "0.8s")
+    assert serve_config.load(None).slo.describe() == "5x"
+    for text, message in (
+        ('[server]\nslo = "fast"\n', r"\[server\] slo: "),
+        ("[server]\ntimeline_s = 0\n", "timeline_s > 0"),
+        ("[server]\ntimeline_samples = 0\n", "timeline_samples >= 1"),
+    ):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            serve_config.load(path)

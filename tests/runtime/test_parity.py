@@ -30,6 +30,7 @@ from vertumnus.policy.cache_plans import CacheManagerConfig
 from vertumnus.policy.controller import ControllerConfig, Decision
 from vertumnus.policy.costs import reuse_curves
 from vertumnus.policy.pool_config import PolicyConfig
+from vertumnus.policy.timeline import Timeline
 from vertumnus.runtime.coordinator import Coordinator, PrefillResult
 from vertumnus.runtime.serve_config import ServeConfig
 from vertumnus.sim.simulator import Simulation
@@ -232,3 +233,10 @@ def test_simulator_and_coordinator_place_and_decide_alike(
         assert sim.copies > 0 and sim.reclaims > 0 and "pull" not in audit
     assert coord.metrics.replication_count == sim.copies
     assert coord.metrics.reclamation_count == sim.reclaims
+
+    # The dashboard's timeline: each reshape begun, at the same time, on the same rule.
+    def events(line: Timeline) -> list[tuple[object, ...]]:
+        return [(e["t"], e["kind"], e["rule"], str(e["ops"])) for e in line.events]
+
+    assert events(coord.metrics.timeline) == events(sim.result.timeline)  # type: ignore[attr-defined]
+    assert len(coord.metrics.timeline.events) == len(sim.reshapes) > 0

@@ -17,6 +17,7 @@ from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.serve_config import ServeConfig, load
 from vertumnus.server.app import build_app
 from vertumnus.server.tokenizer import Tokenizer
+from vertumnus.slo import TtftSlo
 
 ADMIN = "admin-token-0123456789"
 KEY = "api-key-0123456789abcdef"
@@ -147,7 +148,7 @@ def test_the_dashboard_data_follows_the_api_key_and_its_page_is_served_locally()
     """``/v1/timeline`` is behind the API key like the rest of /v1; the page and its
     assets hold no data and are open (the page asks for the key); 'since' is checked."""
     refused, timeline, bad, page, script, plotly_js, missing = calls(
-        ServeConfig(api_key=KEY),
+        ServeConfig(api_key=KEY, slo=TtftSlo.parse("800ms")),
         [
             ("GET", "/v1/timeline", {}),
             ("GET", "/v1/timeline?since=0", bearer(KEY)),
@@ -163,6 +164,7 @@ def test_the_dashboard_data_follows_the_api_key_and_its_page_is_served_locally()
     body = timeline[1]
     assert {"samples", "events", "workers", "composition", "epoch", "window_s"} <= body.keys()
     assert body["composition"] == "2CP1" and len(body["workers"]) == 2
+    assert body["slo"] == "0.8s"  # [server] slo
     assert bad[0] == 400 and "since" in bad[1]["error"]["message"]
     assert page[0] == 200 and page[2]["Content-Type"].startswith("text/html")
     assert script[0] == 200 and plotly_js[0] == 200 and missing[0] == 404

@@ -29,7 +29,6 @@ from vertumnus.runtime.handoff import Lease, export_range
 from vertumnus.runtime.pool import RankPoolError
 from vertumnus.runtime.rank_link import WorkerLost
 from vertumnus.runtime.worker import prefill_command
-from vertumnus.slo import DEFAULT_TTFT_SLO
 
 if TYPE_CHECKING:
     from vertumnus.runtime.coordinator import Coordinator
@@ -237,7 +236,7 @@ class RequestPath:
             handoff=lease,
         )
         coord.metrics.request(result)
-        tau_s = DEFAULT_TTFT_SLO.tau_s(len(req.tokens), coord.profile.predict, coord.cfg.degrees)
+        tau_s = coord.cfg.slo.tau_s(len(req.tokens), coord.profile.predict, coord.cfg.degrees)
         coord.metrics.timeline.finished(
             end, result.ttft_s, tau_s, len(req.tokens), result.cached_tokens
         )

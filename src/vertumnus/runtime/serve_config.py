@@ -11,7 +11,9 @@ pool can be simulated from its own file. Of its own, ``serve`` reads::
                   admin_token (or $VERTUMNUS_ADMIN_TOKEN; none: admin calls
                   refused), api_key (or $VERTUMNUS_API_KEY; none: /v1 is open),
                   timeline_s = 1 and timeline_samples = 3600 (the dashboard's
-                  samples: one per timeline_s, the latest timeline_samples kept)
+                  samples: one per timeline_s, the latest timeline_samples kept),
+                  slo = "5x" (the TTFT target they measure attainment against,
+                  as [sim] slo: ``slo.py``)
     [cluster]     listen = "0.0.0.0:7700", hosts = 2: a multi-host pool; the ranks
                   run under node agents (``python -m vertumnus agent``), and
                   [pool] ranks is learned from them (see ``ClusterConfig``)
@@ -48,6 +50,7 @@ from vertumnus.config.dialect import (
 from vertumnus.config.pool import PoolConfig
 from vertumnus.policy.controller import ControllerConfig
 from vertumnus.policy.pool_config import PolicyConfig, PoolSpec
+from vertumnus.slo import DEFAULT_TTFT_SLO, SloError, TtftSlo
 
 DEFAULT_MODEL = "tiny"
 DEFAULT_POOL = PoolConfig(degrees=(1, 2), layout=(1, 1))
@@ -154,6 +157,7 @@ class ServeConfig:
     max_restart_attempts: int = 5  # a failed worker's restarts, 2, 4, 8, ... s apart
     timeline_s: float = 1.0  # the dashboard's sample period (``policy/timeline.py``)
     timeline_samples: int = 3600  # samples kept (an hour at one a second)
+    slo: TtftSlo = DEFAULT_TTFT_SLO  # the TTFT target the dashboard measures against
     # Bearer tokens. The environment (VERTUMNUS_ADMIN_TOKEN, VERTUMNUS_API_KEY)
     # overrides the file. No admin token: every /v1/admin call is refused.
     admin_token: str | None = dataclasses.field(default=None, repr=False)
@@ -212,6 +216,7 @@ SERVER_KEYS = (
     "max_restart_attempts",
     "timeline_s",
     "timeline_samples",
+    "slo",
     "admin_token",
     "api_key",
 )
@@ -270,6 +275,11 @@ def load(
     kwargs: dict[str, Any] = {key: server.pop(key) for key in SERVER_KEYS if key in server}
     if server:
         raise ConfigError(f"[server] unknown keys {sorted(server)}; known: {list(SERVER_KEYS)}")
+    if "slo" in kwargs:
+        try:
+            kwargs["slo"] = TtftSlo.parse(str(kwargs["slo"]))
+        except SloError as exc:
+            raise ConfigError(f"[server] slo: {exc}") from exc
     for key, env in (("admin_token", "VERTUMNUS_ADMIN_TOKEN"), ("api_key", "VERTUMNUS_API_KEY")):
         if os.environ.get(env):
             kwargs[key] = os.environ[env]

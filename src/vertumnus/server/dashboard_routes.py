@@ -76,7 +76,7 @@ async def timeline(request: web.Request) -> web.Response:
         epoch=view["epoch"],
         degrees=view["degrees"],
         workers=coord.workers_view(),
-        slo="5x the isolated prefill time (docs/slo.md)",
+        slo=coord.cfg.slo.describe(),  # [server] slo: "5x" is 5x the isolated prefill
     )
     return json_response(body)
 
