@@ -2,7 +2,8 @@
 under load, ``/dashboard`` opened, its charts filled from ``/v1/timeline``, the
 composition it shows equal to ``/v1/composition`` before and after a reshape (which
 it marks), its worker table equal to ``/v1/workers``, and nothing loaded from
-outside the server. The screenshot is saved in the test's folder."""
+outside the server; with an API key, the page asks for it. The screenshot is saved
+in the test's folder."""
 
 from __future__ import annotations
 
@@ -100,3 +101,33 @@ def test_the_live_dashboard_follows_the_pool(tmp_path: Path) -> None:
         with urllib.request.urlopen(server.url + "/v1/timeline", timeout=10) as resp:
             timeline = json.loads(resp.read())
         assert timeline["events"] and timeline["events"][-1]["rule"] == "operator"
+
+
+@pytest.mark.timeout(240)
+def test_with_an_api_key_the_page_asks_for_it(tmp_path: Path) -> None:
+    """The page is open, its data is not: it asks for the key, refuses a wrong one
+    with the same form, and draws once given the right one."""
+    from selenium.webdriver.common.by import By
+
+    key = "dashboard-api-key-0123456789"
+    config = write_serve_config(tmp_path / "serve.toml", server={"api_key": key})
+    with running_server(config) as server, chromium(tmp_path) as browser:
+        browser.get(server.url + "/dashboard")
+
+        def submit(text: str) -> None:
+            field = wait_for("the key form", lambda: browser.find_elements(By.ID, "apikey"))[0]
+            field.send_keys(text)
+            browser.find_element(By.CSS_SELECTOR, "form.key button").click()
+
+        submit("not-the-key-at-all")
+        wait_for(
+            "the form again, saying the key was refused",
+            lambda: "refused" in browser.find_element(By.ID, "keyform").text,
+        )
+        submit(key)
+        wait_for(
+            "the composition drawn",
+            lambda: charts(browser).get("chart-composition", {}).get("CP1", 0) > 0,
+        )
+        assert shown_composition(browser) == "2CP1"
+        assert not browser.find_elements(By.ID, "apikey")
