@@ -338,12 +338,13 @@ def over_time(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def write_report(name: str, rows: list[dict[str, Any]], out: Path) -> None:
-    """``OUT/report.html`` from the runs' rows and their ``timeline.json``."""
+    """``OUT/report.html`` from the runs' rows and their ``timeline.json`` (over time,
+    one rate at a time: the page has a select for it)."""
     runs = [{"name": r["run"], "summary": r} for r in rows]
     variants = []
     for row in over_time(rows):
         timeline = orjson.loads((out / row["run"] / "timeline.json").read_bytes())
-        variants.append({"name": row["run"], **timeline})
+        variants.append({"name": row["run"], "rate": row["rate_scale"], **timeline})
     page = comparison_html(f"Vertumnus experiment · {name}", REPORT_COLUMNS, runs, variants)
     (out / "report.html").write_text(page, encoding="utf-8")
 

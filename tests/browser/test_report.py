@@ -93,6 +93,7 @@ def test_a_simulation_report_opens_from_disk(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_an_experiment_report_compares_its_variants(tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
 
     spec = importlib.util.spec_from_file_location(
         "sim_experiment", ROOT / "tools" / "sim_experiment.py"
@@ -102,7 +103,7 @@ def test_an_experiment_report_compares_its_variants(tmp_path: Path) -> None:
     spec.loader.exec_module(tool)
     config = tmp_path / "experiment.toml"
     config.write_text(
-        "[experiment]\nsweep_fixed = true\nvariants = [\n"
+        "[experiment]\nsweep_fixed = true\nrate_scales = [1, 2]\nvariants = [\n"
         '  { label = "vertumnus", policy = "vertumnus" },\n'
         '  { label = "fixed (start)", policy = "fixed" },\n]\n' + CONFIG
     )
@@ -112,7 +113,17 @@ def test_an_experiment_report_compares_its_variants(tmp_path: Path) -> None:
         charts = open_report(browser, out / "report.html")
         table = browser.find_elements(By.CSS_SELECTOR, "table.summary tbody tr")
         assert [r.find_element(By.TAG_NAME, "td").text for r in table] == [r["run"] for r in runs]
-        over_time = [r["run"] for r in tool.over_time(runs)]
-        assert set(charts["chart-ttft_p90_s"]) == set(over_time)
-        assert all(f"chart-composition-{name}" in charts for name in over_time)
-        browser.save_screenshot(str(tmp_path / "experiment.png"))
+        chosen = tool.over_time(runs)  # drawn over time, one rate at a time
+        for rate in (1, 2):
+            if rate == 2:  # the select: the other rate's runs
+                Select(browser.find_element(By.ID, "rate")).select_by_value("2")
+                shown = set(charts)
+                wait_for("the redraw", lambda shown=shown: set(drawn(browser)) != shown)
+                charts = drawn(browser)
+            names = {r["run"] for r in chosen if r["rate_scale"] == rate}
+            assert len(names) == 2 and set(charts["chart-ttft_p90_s"]) == names
+            assert {k for k in charts if k.startswith("chart-composition-")} == {
+                f"chart-composition-{name}" for name in names
+            }
+            if rate == 1:
+                browser.save_screenshot(str(tmp_path / "experiment.png"))

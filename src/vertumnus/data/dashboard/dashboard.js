@@ -69,8 +69,8 @@
   function layout(view, extra) {
     return Object.assign(
       {
-        margin: { l: 56, r: 56, t: 8, b: 36 },
-        legend: { orientation: "h", y: 1.12, x: 0 },
+        margin: { l: 56, r: 56, t: 24, b: 36 },
+        legend: { orientation: "h", yanchor: "bottom", y: 1.02, x: 0, bgcolor: "rgba(0,0,0,0)" },
         xaxis: axis(view),
         hovermode: "x unified",
         uirevision: "keep",
@@ -471,47 +471,60 @@
   }
 
   function compare(root, data) {
+    // Over time, one rate at a time (a select when the experiment ran several).
     root.innerHTML = "";
-    const names = data.variants.map((v) => v.name);
+    const rates = [...new Set(data.variants.map((v) => v.rate))];
+    const picker = el("select", { id: "rate" }, rates.map((r) => el("option", { value: String(r), text: r === null || r === undefined ? "as recorded" : `rate ×${r}` })));
     const header = el("header", {}, [
       el("h1", { text: data.title }),
-      el("span", { class: "fact", id: "composition", text: `${data.runs.length} runs; over time: ${names.join(", ")}` }),
+      el("span", { class: "fact", id: "composition", text: `${data.runs.length} runs` }),
+      el("span", { class: "fact" }, rates.length > 1 ? [el("span", { text: "over time at " }), picker] : []),
     ]);
     const main = el("main", {});
-    const grid = el("div", { class: "grid" });
-    const started = performance.now();
-    const specs = [
-      ["ttft_p90_s", "P90 TTFT, over a trailing window (s)"],
-      ["ttft_mean_s", "Mean TTFT, over a trailing window (s)"],
-      ["slo_attainment", "Token SLO attainment (%)", pct],
-      ["hit_rate", "Token hit rate (%)", pct],
-    ];
-    const pending = [];
-    for (const [key, title, scale] of specs) {
-      const div = el("div", { class: "chart", id: `chart-${key}` });
-      grid.appendChild(el("div", { class: "card" }, [el("h2", { text: title }), div]));
-      const traces = data.variants.map((v, i) => line({ t0: null }, v.samples, key, v.name, { scale: scale, trace: { line: { color: COLORS[i % COLORS.length] } } }));
-      pending.push([div, traces, layout({ t0: null, timeTitle: "simulated time (s)" }, { yaxis: { rangemode: "tozero" } })]);
-    }
-    for (const v of data.variants) {
-      const div = el("div", { class: "chart", id: `chart-composition-${v.name}` });
-      grid.appendChild(el("div", { class: "card" }, [el("h2", { text: `Composition: ${v.name}` }), div]));
-      const view = { t0: null, timeTitle: "simulated time (s)" };
-      pending.push([div, compositionTraces(view, v.samples, v.events), layout(view, { yaxis: workersAxis(v.samples) })]);
-    }
     const runs = table(
       [["run", (r) => r.name, "name"]].concat(data.columns.map((k) => [k, (r) => fmt(r.summary[k])])),
       data.runs,
       "summary"
     );
     main.appendChild(el("div", { class: "card wide" }, [el("h2", { text: "Every run" }), el("div", { class: "scroll" }, [runs])]));
+    const grid = el("div", { class: "grid" });
     main.appendChild(grid);
     root.appendChild(header);
     root.appendChild(main);
-    for (const [div, traces, lay] of pending) Plotly.newPlot(div, traces, lay, CONFIG);
-    stats.renders += 1;
-    stats.lastRenderMs = stats.maxRenderMs = performance.now() - started;
-    document.body.dataset.renders = String(stats.renders);
+    const specs = [
+      ["ttft_p90_s", "P90 TTFT, over a trailing window (s)"],
+      ["ttft_mean_s", "Mean TTFT, over a trailing window (s)"],
+      ["slo_attainment", "Token SLO attainment (%)", pct],
+      ["hit_rate", "Token hit rate (%)", pct],
+    ];
+    const view = { t0: null, timeTitle: "simulated time (s)" };
+
+    function draw(rate) {
+      const started = performance.now();
+      const shown = data.variants.filter((v) => String(v.rate) === String(rate));
+      for (const node of [...grid.querySelectorAll(".js-plotly-plot")]) Plotly.purge(node);
+      grid.replaceChildren();
+      const pending = [];
+      for (const [key, title, scale] of specs) {
+        const div = el("div", { class: "chart", id: `chart-${key}` });
+        grid.appendChild(el("div", { class: "card" }, [el("h2", { text: title }), div]));
+        const traces = shown.map((v, i) => line(view, v.samples, key, v.name, { scale: scale, trace: { line: { color: COLORS[i % COLORS.length] } } }));
+        const yaxis = scale ? { range: [0, 105] } : { rangemode: "tozero" };
+        pending.push([div, traces, layout(view, { yaxis: yaxis })]);
+      }
+      for (const v of shown) {
+        const div = el("div", { class: "chart", id: `chart-composition-${v.name}` });
+        grid.appendChild(el("div", { class: "card" }, [el("h2", { text: `Composition: ${v.name}` }), div]));
+        pending.push([div, compositionTraces(view, v.samples, v.events), layout(view, { yaxis: workersAxis(v.samples) })]);
+      }
+      for (const [div, traces, lay] of pending) Plotly.newPlot(div, traces, lay, CONFIG);
+      stats.renders += 1;
+      stats.lastRenderMs = performance.now() - started;
+      stats.maxRenderMs = Math.max(stats.maxRenderMs, stats.lastRenderMs);
+      document.body.dataset.renders = String(stats.renders);
+    }
+    picker.addEventListener("change", () => draw(picker.value));
+    draw(String(rates[0]));
   }
 
   window.Vertumnus = { live: live, report: report, compare: compare };
