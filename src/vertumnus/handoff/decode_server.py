@@ -69,6 +69,7 @@ from vertumnus.server.http import (
     json_errors,
     json_response,
     matches,
+    model_list,
     parse_json,
 )
 from vertumnus.server.tokenizer import Tokenizer
@@ -304,13 +305,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def models(request: web.Request) -> web.Response:
     cfg = request.app[SETTINGS].model
-    entry = {
-        "id": cfg.name,
-        "object": "model",
-        "owned_by": "vertumnus",
-        "max_model_len": cfg.max_position_embeddings,
-    }
-    return json_response({"object": "list", "data": [entry]})
+    return model_list(cfg.name, cfg.max_position_embeddings)
 
 
 async def health(request: web.Request) -> web.Response:

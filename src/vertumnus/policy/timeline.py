@@ -71,6 +71,12 @@ def _r(x: float | None, digits: int = 6) -> float | None:
     return None if x is None else round(x, digits)
 
 
+def trailing_window_s(controller_period_s: float, period_s: float) -> float:
+    """The window both drivers give a timeline: what the controller sees in one
+    decision, and at least five samples."""
+    return max(controller_period_s, 5 * period_s)
+
+
 def worker_rows(policy: PoolPolicy, now: float) -> list[dict[str, Any]]:
     """Per worker, by first device: degree, state, epoch, ranks, hosts, queue,
     running request, predicted work outstanding, cached blocks."""
@@ -158,9 +164,6 @@ class Timeline:
         if isinstance(candidates, list | tuple):
             event["candidates"] = plain(list(candidates[:MAX_CANDIDATES]))
         self.events.append(event)
-
-    def due(self, now: float) -> bool:
-        return now >= self.next_s
 
     def sample(self, now: float, policy: PoolPolicy) -> dict[str, Any]:
         """Close the period at ``now``: its sample, read from the policy (nothing in

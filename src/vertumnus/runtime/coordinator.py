@@ -85,8 +85,8 @@ class Coordinator:
             self.policy = PoolPolicy.build(self.profile, cfg.pool_spec, cfg.policy)
         except (PolicyError, LatticeError, ProfileError) as exc:
             raise ConfigError(f"{exc}") from exc
-        window_s = max(cfg.policy.controller.period_s, 5 * cfg.timeline_s)  # as the simulator's
-        self.metrics = Metrics(cfg.timeline_s, cfg.timeline_samples, clock(), window_s)
+        period_s = cfg.policy.controller.period_s
+        self.metrics = Metrics(cfg.timeline_s, cfg.timeline_samples, clock(), period_s)
         self.pool: Ranks | None = None
         self.copier = KVCopier(lambda: self.pool, cfg.engine.rank_timeout_s, self._copy_hung)
         self.handoffs = Handoffs(self)

@@ -35,7 +35,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from vertumnus.policy.timeline import Timeline
+from vertumnus.policy.timeline import Timeline, trailing_window_s
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -46,8 +46,10 @@ class Metrics:
         timeline_s: float = 1.0,
         timeline_samples: int = 3600,
         origin_s: float = 0.0,
-        window_s: float = 30.0,
+        controller_period_s: float = 10.0,
     ) -> None:
+        """The timeline's window is the simulator's: ``trailing_window_s``."""
+        window_s = trailing_window_s(controller_period_s, timeline_s)
         self.timeline = Timeline(timeline_s, timeline_samples, origin_s=origin_s, window_s=window_s)
         self.started_unix = time.time()  # the wall time of the timeline's t = 0
         self.registry = CollectorRegistry()

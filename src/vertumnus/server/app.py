@@ -45,6 +45,7 @@ from vertumnus.server.http import (
     json_errors,
     json_response,
     matches,
+    model_list,
     parse_json,
 )
 from vertumnus.server.keys import ADDRESS, COORDINATOR, PROXY, TOKENIZER
@@ -205,13 +206,7 @@ async def composition(request: web.Request) -> web.Response:
 async def models(request: web.Request) -> web.Response:
     """The served model, as OpenAI clients list it (the decode server answers alike)."""
     coord = request.app[COORDINATOR]
-    entry = {
-        "id": coord.cfg.model,
-        "object": "model",
-        "owned_by": "vertumnus",
-        "max_model_len": coord.model_cfg.max_position_embeddings,
-    }
-    return json_response({"object": "list", "data": [entry]})
+    return model_list(coord.cfg.model, coord.model_cfg.max_position_embeddings)
 
 
 async def cache(request: web.Request) -> web.Response:

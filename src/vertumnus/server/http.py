@@ -29,6 +29,12 @@ def json_response(
     )
 
 
+def model_list(name: str, max_model_len: int) -> web.Response:
+    """``GET /v1/models``: the one served model, as OpenAI clients list it."""
+    entry = {"id": name, "object": "model", "owned_by": "vertumnus", "max_model_len": max_model_len}
+    return json_response({"object": "list", "data": [entry]})
+
+
 def error_response(
     status: int,
     message: str,

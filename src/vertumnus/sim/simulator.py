@@ -40,7 +40,7 @@ from vertumnus.policy.pool_config import PolicyConfig, PolicyError, PoolSpec
 from vertumnus.policy.pool_policy import PoolPolicy
 from vertumnus.policy.pool_results import Actions, Switch
 from vertumnus.policy.scheduler import PlacementRequest
-from vertumnus.policy.timeline import Timeline, worker_rows
+from vertumnus.policy.timeline import Timeline, trailing_window_s, worker_rows
 from vertumnus.sim.time_model import SimSettings, SimulationError, TimeModel
 from vertumnus.sim.workload import SimRequest
 from vertumnus.stats import progress
@@ -214,7 +214,7 @@ class Simulation:
         self._compute_s: dict[int, float] = {}  # worker -> its running prefill's compute
         last = max((r.arrival_s for r in self.requests), default=0.0)
         sample_s = settings.sample_s or max(last, 1.0) / SAMPLES
-        window_s = max(policy.controller.period_s, 5 * sample_s)  # as the server's
+        window_s = trailing_window_s(policy.controller.period_s, sample_s)
         self.timeline = Timeline(sample_s, None, None, window_s=window_s)
 
     def _push(self, t: float, event: Event) -> None:

@@ -310,15 +310,12 @@
     );
   }
 
-  function summaryTable(columns, summaries) { // one column per summary, a row per key
-    const keys = [];
-    for (const s of summaries) {
-      for (const [k, v] of Object.entries(s || {})) {
-        if ((v === null || ["number", "string", "boolean"].includes(typeof v)) && !keys.includes(k)) keys.push(k);
-      }
-    }
-    const cols = [["", (k) => k, "text"]].concat(columns.map((name, i) => [name, (k) => fmt((summaries[i] || {})[k])]));
-    return table(cols, keys, "summary");
+  function summaryTable(summary) { // a row per scalar figure of a run's summary
+    const keys = Object.keys(summary || {}).filter((k) => {
+      const v = summary[k];
+      return v === null || ["number", "string", "boolean"].includes(typeof v);
+    });
+    return table([["", (k) => k, "text"], ["value", (k) => fmt(summary[k])]], keys, "summary");
   }
 
   // -- the page ----------------------------------------------------------------------
@@ -466,7 +463,7 @@
     const view = Object.assign(newView(data.title, null), data, { t0: null, timeTitle: "simulated time (s)" });
     skeleton(root, view, true);
     const main = root.querySelector("main");
-    main.appendChild(el("div", { class: "card" }, [el("h2", { text: "Summary" }), summaryTable(["value"], [data.summary])]));
+    main.appendChild(el("div", { class: "card" }, [el("h2", { text: "Summary" }), summaryTable(data.summary)]));
     render(view);
   }
 
