@@ -1,19 +1,30 @@
-"""Soak: the real server under steady load, with periodic splits and merges and one
-rank killed, checked for lost requests, wrong answers and memory growth.
+"""Soak: the real server as users run it (the pool and its local decode process),
+under steady load with periodic splits and merges, one rank killed and one decode
+process killed, checked for lost requests, wrong answers, leaks and memory growth.
 
     .venv/bin/python tools/soak.py [--duration-s 600] [--rate 8] [--reshape-every-s 20]
-        [--kill-at-s DURATION/2] [--hosts 1|2] [--agent-down-s 10] [--out results/soak.json]
+        [--kill-at-s DURATION/2] [--decode-kill-at-s DURATION*0.7] [--hosts 1|2]
+        [--agent-down-s 10] [--out results/soak.json]
 
 It starts ``python -m vertumnus serve`` on the embedded default (tiny, 2 CPU ranks,
-loopback only, the controller off: this tool reshapes by hand), sends Poisson
-arrivals of prompts drawn from 48 prompts over 8 shared prefixes, merges and splits
-every ``--reshape-every-s`` through the admin API, and SIGKILLs one rank of a busy
-worker at ``--kill-at-s``. Every answer's first token is checked against a
-single-process reference forward of the same seeded model (a differing token counts
-as wrong unless the two logits tie within 1e-4). Resident memory (VmRSS) of the
-coordinator and of each rank is sampled every 5 s; growth is measured from the end
-of the warm-up (the first fifth of the run) to the end. Prints a summary, writes
-the JSON, and exits 1 if a request was lost, answered wrongly or answered twice.
+loopback only, its local decode process; the controller off: this tool reshapes by
+hand) and sends Poisson arrivals of prompts drawn from 48 prompts over 8 shared
+prefixes. Of them, 40 % are prefills (``/v1/prefill``) and 60 % completions of 2-32
+tokens through the decode process: non-streamed (25 %), streamed (25 %) and streams
+the client abandons after the first token (10 %). It merges and splits every
+``--reshape-every-s`` through the admin API, SIGKILLs one rank of a busy worker at
+``--kill-at-s`` and the decode process at ``--decode-kill-at-s``. Every answer's
+first token is checked against a single-process reference forward of the same
+seeded model (a differing token counts as wrong unless the two logits tie within
+1e-4), and every completion's length. A completion whose decode process was killed
+under it ends with a clear error (``decode_failed``: answered, with the error); one
+that arrives while the decode process restarts gets a 503 naming why (``refused``).
+``/ready`` is sampled every 0.5 s, and its 503s counted with their reasons. At the end
+no lease, pin or held row may be left, every worker must be active and nothing may
+be logged as a bug. Resident memory (VmRSS) of the coordinator and of each rank is
+sampled every 5 s; growth is measured from the end of the warm-up (the first fifth
+of the run) to the end. Prints a summary, writes the JSON, and exits 1 if a request
+was lost, answered wrongly or twice, or something leaked.
 
 ``--hosts 2`` runs the same two ranks as a two-host pool: two node agents of one
 rank each on loopback (``docs/multi-host.md``), so the degree-2 worker a merge makes
@@ -43,6 +54,8 @@ import orjson
 from _serving import start_server
 
 ADMIN_TOKEN = "soak-admin-token-0123456789"
+KINDS = (("prefill", 0.4), ("complete", 0.25), ("stream", 0.25), ("abandon", 0.1))
+BUGS = ("worker_step_failed", "task_failed", "reshape_step_failed", "internal_error")
 CLUSTER_SECRET = "soak-cluster-secret-0123456789"
 
 
@@ -120,29 +133,23 @@ async def drive(
     outcomes: list[dict[str, Any]] = []
     reshapes: list[dict[str, Any]] = []
     memory: list[dict[str, Any]] = []
+    unready: list[dict[str, Any]] = []
     killed: dict[str, Any] = {}
     start = time.monotonic()
     loop = asyncio.get_running_loop()
 
-    async def one(session: aiohttp.ClientSession, k: int, at: float) -> None:
+    async def one(session: aiohttp.ClientSession, k: int, at: float, kind: str, n: int) -> None:
         await asyncio.sleep(max(0.0, at - (time.monotonic() - start)))
-        rec: dict[str, Any] = {"prompt": k, "sent_s": time.monotonic() - start}
+        rec: dict[str, Any] = {"prompt": k, "kind": kind, "sent_s": time.monotonic() - start}
         try:
-            async with session.post(f"{url}/v1/prefill", json={"token_ids": pool[k]}) as resp:
-                body = await resp.json()
-                rec["status"] = resp.status
-                if resp.status == 200:
-                    rec.update(
-                        first_token=body["first_token"],
-                        request_id=body["request_id"],
-                        ttft_s=body["ttft_s"],
-                        worker=body["worker"],
-                    )
-                else:
-                    rec["error"] = body.get("error", {}).get("message")
+            if kind == "prefill":
+                await prefill(session, url, pool[k], rec)
+            else:
+                await complete(session, url, pool[k], kind, n, rec)
         except Exception as exc:  # the client saw no answer: lost
             rec["status"] = None
             rec["error"] = f"{type(exc).__name__}: {exc}"
+        rec["took_s"] = time.monotonic() - start - rec["sent_s"]
         outcomes.append(rec)
 
     async def reshaper() -> None:
@@ -177,6 +184,22 @@ async def drive(
         os.kill(victim["pids"][0], signal.SIGKILL)
         killed.update(at_s=time.monotonic() - start, worker=victim["worker"], pid=victim["pids"][0])
 
+    async def decode_killer() -> None:
+        await asyncio.sleep(args.decode_kill_at_s)
+        pids = decode_pids(server_pid)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        killed["decode"] = {"at_s": time.monotonic() - start, "pids": pids}
+
+    async def watch_ready() -> None:
+        async with aiohttp.ClientSession() as probe:
+            while time.monotonic() - start < args.duration_s:
+                async with probe.get(f"{url}/ready") as resp:
+                    if resp.status != 200:
+                        reason = (await resp.json())["error"]["message"]
+                        unready.append({"t_s": time.monotonic() - start, "reason": reason})
+                await asyncio.sleep(0.5)
+
     async def sampler() -> None:
         while time.monotonic() - start < args.duration_s:
             ws = (await loop.run_in_executor(None, call, url, "/v1/workers"))["workers"]
@@ -191,15 +214,18 @@ async def drive(
             await asyncio.sleep(5.0)
 
     arrivals, t = [], 0.0
+    kinds, weights = zip(*KINDS, strict=True)
     while True:
         t += rng.expovariate(args.rate)
         if t >= args.duration_s:
             break
-        arrivals.append((rng.randrange(len(pool)), t))
+        kind = rng.choices(kinds, weights)[0]
+        arrivals.append((rng.randrange(len(pool)), t, kind, rng.randrange(2, 33)))
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        side = [asyncio.create_task(c) for c in (reshaper(), killer(), sampler())]
-        await asyncio.gather(*(one(session, k, at) for k, at in arrivals))
+        work = (reshaper(), killer(), decode_killer(), sampler(), watch_ready())
+        side = [asyncio.create_task(c) for c in work]
+        await asyncio.gather(*(one(session, *a) for a in arrivals))
         for task in side:
             task.cancel()
     return {
@@ -208,7 +234,79 @@ async def drive(
         "reshapes": reshapes,
         "killed": killed,
         "memory": memory,
+        "unready": unready,
     }
+
+
+async def prefill(session: Any, url: str, tokens: list[int], rec: dict[str, Any]) -> None:
+    async with session.post(f"{url}/v1/prefill", json={"token_ids": tokens}) as resp:
+        body = await resp.json()
+        rec["status"] = resp.status
+        if resp.status == 200:
+            rec.update(
+                first_token=body["first_token"],
+                request_id=f"prefill-{body['request_id']}",
+                ttft_s=body["ttft_s"],
+                ok=True,
+            )
+        else:
+            rec["error"] = body.get("error", {}).get("message")
+
+
+async def complete(
+    session: Any, url: str, tokens: list[int], kind: str, n: int, rec: dict[str, Any]
+) -> None:
+    """A completion of ``n`` tokens: whole (``complete``), streamed, or a stream the
+    client leaves after its first token (``abandon``)."""
+    body = {"prompt": tokens, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    body["stream"] = kind != "complete"
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        rec["status"] = resp.status
+        if resp.status != 200:
+            rec["error"] = (await resp.json()).get("error", {}).get("message")
+            return
+        if kind == "complete":
+            answer = await resp.json()
+            ids = answer["choices"][0]["token_ids"]
+            rec.update(request_id=answer["id"], ttft_s=answer["timings"]["ttft_s"])
+            rec.update(first_token=ids[0], ok=len(ids) == n)
+            return
+        ids: list[int] = []
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                rec["ok"] = len(ids) == n
+                break
+            event = orjson.loads(data)
+            if "error" in event:  # the decode process failed under it: a clear error
+                rec.update(status="decode_failed", error=event["error"]["message"])
+                return
+            ids += event["choices"][0].get("token_ids", [])
+            rec.setdefault("request_id", event.get("id"))
+            if "timings" in event:
+                rec["ttft_s"] = event["timings"]["ttft_s"]
+            if kind == "abandon" and ids:
+                rec["ok"] = True  # the client leaves: the pool must clean up after it
+                break
+        if ids:
+            rec["first_token"] = ids[0]
+
+
+def decode_pids(server_pid: int) -> list[int]:
+    """The server's local decode processes."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(fields[1]) == server_pid and b"decode" in cmdline:
+            pids.append(int(stat.parent.name))
+    return pids
 
 
 def growth(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, float | None]:
@@ -229,12 +327,31 @@ def growth(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, float | 
     return out
 
 
+def settle(url: str, timeout_s: float = 40.0) -> dict[str, Any]:
+    """After the load: wait for the last leases to end (``lease_s`` = 10 here), then
+    what is left: leases, pins, held rows, the workers' states, bugs counted."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        view = call(url, "/v1/handoffs")
+        if view["open"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    metrics = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return {
+        "handoffs": view,
+        "workers": [w["state"] for w in call(url, "/v1/workers")["workers"]],
+        "ready": urllib.request.urlopen(url + "/ready", timeout=10).status,
+        "metrics": metrics,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
     parser.add_argument("--duration-s", type=float, default=600.0)
     parser.add_argument("--rate", type=float, default=8.0)
     parser.add_argument("--reshape-every-s", type=float, default=20.0)
     parser.add_argument("--kill-at-s", type=float, default=None)
+    parser.add_argument("--decode-kill-at-s", type=float, default=None)
     parser.add_argument("--hosts", type=int, choices=(1, 2), default=1)
     parser.add_argument("--agent-down-s", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -242,12 +359,15 @@ def main() -> int:
     args = parser.parse_args()
     if args.kill_at_s is None:
         args.kill_at_s = args.duration_s / 2
+    if args.decode_kill_at_s is None:
+        args.decode_kill_at_s = args.duration_s * 0.7
     pool = prompts(args.seed)
     expected = reference(pool)
     config = Path(tempfile.mkdtemp()) / "soak.toml"
     config.write_text(
         "[controller]\nenabled = false\n[engine]\nthreads_per_rank = 1\n"
         f'[server]\nadmin_token = "{ADMIN_TOKEN}"\nstep_timeout_s = 20\n'
+        "[handoff]\nlease_s = 10\n[decode]\nrestart_s = 0.5\n"
     )
     agents: dict[str, Any] = {"logs": config.parent}
     env = None
@@ -269,7 +389,7 @@ def main() -> int:
             wall = time.monotonic()
             run = asyncio.run(drive(url, args, proc.pid, agents))
             wall = time.monotonic() - wall
-            metrics = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+            end = settle(url)
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(120)
@@ -281,66 +401,94 @@ def main() -> int:
                     except subprocess.TimeoutExpired:
                         os.killpg(agent.pid, signal.SIGKILL)
                         agent.wait()
+    summary = summarize(run, end, expected, args, wall, log_path)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    for key, value in summary.items():
+        if key not in ("memory", "args", "unready"):
+            print(f"{key:<24} {value}")
+    bad = (
+        summary["lost"]
+        or summary["wrong"]
+        or summary["answered_twice"]
+        or summary["short"]
+        or summary["bugs_logged"]
+        or summary["left_at_end"] != {"leases": 0, "pinned_blocks": 0, "held_rows": 0}
+        or set(summary["workers_at_end"]) != {"active"}
+    )
+    return 1 if bad else 0
+
+
+def summarize(
+    run: dict[str, Any],
+    end: dict[str, Any],
+    expected: list[tuple[int, Any]],
+    args: argparse.Namespace,
+    wall: float,
+    log_path: Path,
+) -> dict[str, Any]:
     outcomes = run["outcomes"]
     answered = [o for o in outcomes if o["status"] == 200]
     lost = [o for o in outcomes if o["status"] is None]
-    refused = [o for o in outcomes if o["status"] not in (None, 200)]
+    decode_failed = [o for o in outcomes if o["status"] == "decode_failed"]
+    refused = [o for o in outcomes if o["status"] not in (None, 200, "decode_failed")]
     wrong = []
     for o in answered:
+        if "first_token" not in o:
+            continue
         token, logits = expected[o["prompt"]]
         if o["first_token"] != token and float(logits[token] - logits[o["first_token"]]) > 1e-4:
             wrong.append(o)
     ids = [o["request_id"] for o in answered]
+    metrics = end["metrics"].splitlines()
     restarts = sum(
         float(line.split()[-1])
-        for line in metrics.splitlines()
+        for line in metrics
         if line.startswith("vertumnus_worker_restarts_total")
     )
-    ttft = [o["ttft_s"] for o in answered]
-    summary = {
+    ttft = [o["ttft_s"] for o in answered if "ttft_s" in o]
+    log = log_path.read_text()
+    view = end["handoffs"]
+    reasons = sorted({u["reason"].split(":")[0] for u in run["unready"]})
+    return {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "wall_s": wall,
         "sent": run["sent"],
+        "sent_by_kind": {k: sum(o["kind"] == k for o in outcomes) for k, _ in KINDS},
         "answered": len(answered),
         "lost": len(lost),
         "refused": len(refused),
+        "decode_failed": len(decode_failed),
         "wrong": len(wrong),
+        "short": sum(not o.get("ok", False) for o in answered),
         "answered_twice": len(ids) - len(set(ids)),
+        "slowest_s": max((o["took_s"] for o in outcomes), default=None),
         "reshapes_done": sum("op" in r for r in run["reshapes"]),
         "reshapes_skipped": sum("skipped" in r for r in run["reshapes"]),
         "reshape_errors": [r["error"] for r in run["reshapes"] if "error" in r],
         "killed": run["killed"],
         "worker_restarts": restarts,
+        "decode_restarts": log.count('"decode_started"') - 1,
+        "unready_samples": len(run["unready"]),
+        "unready_reasons": reasons,
+        "unready": run["unready"],
+        "left_at_end": {
+            "leases": view["open"],
+            "pinned_blocks": view["pinned_blocks"],
+            "held_rows": view["held_rows"],
+        },
+        "leases_ended": {k: view[k] for k in ("pulled", "released", "expired", "moved")},
+        "workers_at_end": end["workers"],
+        "ready_at_end": end["ready"],
+        "bugs_logged": sum(any(b in line for b in BUGS) for line in log.splitlines()),
+        "internal_errors_counted": [m for m in metrics if m.startswith("vertumnus_internal_")],
         "mean_ttft_ms": 1e3 * statistics.fmean(ttft) if ttft else None,
         "p99_ttft_ms": 1e3 * sorted(ttft)[int(0.99 * (len(ttft) - 1))] if ttft else None,
         "rss_growth_after_warmup": growth(run["memory"], args.duration_s / 5),
-        "errors": sorted({str(o.get("error")) for o in lost + refused})[:10],
+        "errors": sorted({str(o.get("error")) for o in lost + refused + decode_failed})[:10],
         "server_log": str(log_path),
         "memory": run["memory"],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
-    for key in (
-        "wall_s",
-        "sent",
-        "answered",
-        "lost",
-        "refused",
-        "wrong",
-        "answered_twice",
-        "reshapes_done",
-        "reshapes_skipped",
-        "reshape_errors",
-        "killed",
-        "worker_restarts",
-        "mean_ttft_ms",
-        "p99_ttft_ms",
-        "rss_growth_after_warmup",
-        "errors",
-    ):
-        print(f"{key:<24} {summary[key]}")
-    bad = summary["lost"] or summary["wrong"] or summary["answered_twice"]
-    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 ``kv_transfer_params.do_remote_decode`` keeps its prompt's KV under a lease; the
 pull streams it in sequence order (gathered from a CP worker's ranks, the rows no
 block holds from the prefill itself) and equals a single-process reference; 404,
-410 and 401 are JSON; a reshape of the worker ends the lease (moved) and a decode
-server that cannot be reached releases it; and no lease, pin or row is left after
-many requests that are pulled, released or abandoned."""
+410 and 401 are JSON; a reshape of the worker waits for its leases (one not pulled
+in time ends as moved) and a decode server that cannot be reached releases it; and
+no lease, pin or row is left after many requests that are pulled, released or
+abandoned."""
 
 from __future__ import annotations
 
@@ -227,12 +228,16 @@ def test_no_lease_or_pin_is_left_after_pulls_releases_and_abandonment(tmp_path: 
 
 
 @pytest.mark.timeout(240)
-def test_a_reshape_ends_the_lease_and_a_dead_decode_server_releases_it(tmp_path: Path) -> None:
-    """A lease whose worker was merged away answers 410 (moved); a completion whose
+def test_a_reshape_waits_for_its_leases_and_a_dead_decode_server_releases_it(
+    tmp_path: Path, tiny_model: Qwen3ForCausalLM
+) -> None:
+    """A merge of workers that hold leases waits for them: one is pulled during the
+    drain (its KV equal to the reference), the other, which nobody pulls, ends as
+    moved after ``reshape_wait_s`` (410), and the merge completes. A completion whose
     decode server cannot be reached is a 503, and its lease is released at once."""
 
     async def main() -> None:
-        cfg = make_config(tmp_path, (1, 1))
+        cfg = make_config(tmp_path, (1, 1), reshape_wait_s=1.0)
         dead = dataclasses.replace(cfg, decode=DecodeConfig(url="http://127.0.0.1:9"))
         coord = Coordinator(dead)
         await coord.start()
@@ -242,21 +247,30 @@ def test_a_reshape_ends_the_lease_and_a_dead_decode_server_releases_it(tmp_path:
             app = build_app(coord, Tokenizer.for_model(None, TINY.vocab_size), proxy)
             async with TestClient(TestServer(app)) as client:
                 await proxy.start(f"http://127.0.0.1:{client.port}")
-                params = await handoff(client, make_tokens(40, seed=3))
+                tokens = make_tokens(40, seed=3)
+                params = await handoff(client, tokens)
                 unasked = await handoff(client, make_tokens(40, seed=5))
-                await coord.begin_reshape(coord.reshape_for("merge", [0, 1]))
-                moved = await client.get(f"/v1/kv/{params['remote_handle']}", headers=secret)
+                merge = asyncio.ensure_future(
+                    coord.begin_reshape(coord.reshape_for("merge", [0, 1]))
+                )
+                await asyncio.sleep(0.2)
+                assert not merge.done()  # the leases hold both workers
+                pulled = await client.get(f"/v1/kv/{params['remote_handle']}", headers=secret)
+                assert pulled.status == 200
+                _, rows = parse(await pulled.read())
+                ref = reference_kv(tiny_model, tokens[:-1])
+                assert float((rows - ref).abs().max()) < ATOL
+                await asyncio.wait_for(merge, 30.0)
+                assert coord.composition_name() == "1CP2"
+                moved = await client.get(f"/v1/kv/{unasked['remote_handle']}", headers=secret)
                 assert moved.status == 410
                 assert "moved" in (await moved.json())["error"]["message"]
-                # one nobody asks for is counted as moved when its time is up, too
-                coord.handoffs.leases[unasked["remote_handle"]].expires_s = 0.0
-                assert coord.handoffs.expire() == 1
                 body = {"prompt": make_tokens(30, seed=4), "max_tokens": 5}
                 answer = await client.post("/v1/completions", json=body)
                 assert answer.status == 503 and answer.headers["Retry-After"]
                 view = await (await client.get("/v1/handoffs")).json()
-                assert (view["open"], view["moved"], view["released"]) == (0, 2, 1)
-                assert view["expired"] == 0
+                assert (view["open"], view["moved"], view["released"]) == (0, 1, 1)
+                assert (view["pulled"], view["expired"]) == (1, 0)
                 assert pins(coord) == 0
         finally:
             await proxy.close()

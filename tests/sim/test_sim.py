@@ -328,3 +328,24 @@ def test_t_ext_adds_the_hand_off_and_first_step_to_every_ttft() -> None:
         assert handed.worker == plain.worker and handed.start_s == plain.start_s
         moved = (plain.input_tokens - 1) * base.kv_bytes_per_token / 10e9
         assert handed.ttft_s == pytest.approx(plain.ttft_s + 0.02 + moved)
+
+
+def test_a_hand_off_holds_its_worker_in_a_drain_until_pulled() -> None:
+    """With hand-offs modelled, a prefill's KV stays held on its worker for the pull
+    (``policy/holds.py``), as on the server: a merge that begins while the prefill
+    runs parks that worker only when the pull ends (here 2 s after the prefill)."""
+    reqs = [SimRequest(0, 0.2, 1001), SimRequest(1, 10.0, 1001)]  # (the run goes on)
+    merge_soon = ControllerConfig(mode="rules", window_s=1.0, merge_after_windows=1)
+    kv = SimSettings().kv_bytes_per_token
+    drains = []
+    for handoff_bytes_s in (0.0, 1000 * kv / 2.0):  # 1,000 tokens pulled in 2 s
+        sim = run(
+            reqs, [4, 4], policy="vertumnus", controller=merge_soon, handoff_bytes_s=handoff_bytes_s
+        )
+        result = sim.result  # type: ignore[attr-defined]
+        (merge,) = result.reshapes
+        assert merge.kind == "merge" and merge.started_s == 1.0
+        drains.append(merge.drain_s)
+    # The prefill runs 0.2 s to 1.2 s (E = d = 1 s): without a hand-off the merge
+    # parks then; with one, when the pull ends at 3.2 s.
+    assert drains == [pytest.approx(0.2), pytest.approx(2.2)]

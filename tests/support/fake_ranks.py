@@ -5,9 +5,11 @@ Every command is answered after the time the simulator's own time model gives it
 prefix the command reuses, a switch after ``switch_s``, a KV copy after the copy
 model's time. Answers go straight to the coordinator's ``RankLink`` (no pipes), on
 the event loop's clock, so on a ``VirtualTimeLoop`` the coordinator lives through
-the same simulated time as the simulator. A test can make ranks hang
-(``hung_on_switch``); killed ranks answer nothing, and restarted ones come back
-``restart_s`` later."""
+the same simulated time as the simulator. A prefill that exports rows (a KV
+hand-off) returns zero rows of ``kv_shape``, and a hand-off's ``KVRead`` is answered
+with zero blocks after the copy model's time for them. A test can make ranks hang
+(``hung_on_switch``, ``hung_on_copy``); killed ranks answer nothing, and restarted
+ones come back ``restart_s`` later."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import torch
 
 from vertumnus.engine.messages import (
     EpochAck,
+    KVData,
+    KVRead,
     KVTransfer,
     KVWritten,
     PrefillCommand,
@@ -33,15 +37,24 @@ from vertumnus.sim.time_model import TimeModel
 
 class FakeRanks:
     def __init__(
-        self, world_size: int, curves: Mapping[int, ReuseCurve], time_model: TimeModel
+        self,
+        world_size: int,
+        curves: Mapping[int, ReuseCurve],
+        time_model: TimeModel,
+        kv_shape: tuple[int, int, int] = (1, 1, 1),
+        block_size: int = 16,
     ) -> None:
+        """``kv_shape``: (layers, KV heads, head dim) of the rows and blocks the fake
+        hands off (float32); ``block_size``: tokens per block."""
         self.world_size = world_size
+        self.kv_shape, self.block_size = kv_shape, block_size
         self.curves, self.time = curves, time_model
         self.deliver: Callable[[object], None] | None = None  # the coordinator's link
         self.on_rejoin: Callable[[list[int]], None] | None = None
         self.sent: list[tuple[int, object]] = []
         self.killed: list[int] = []
         self.hung_on_switch: set[int] = set()  # ranks that never acknowledge an epoch
+        self.hung_on_copy: set[int] = set()  # ranks that never answer a KV copy
         self.restart_s = 1.0  # a restarted rank is ready after this long
         self._prefill_s: dict[int, float] = {}  # request id -> its time, once per worker
         self._incarnation = dict.fromkeys(range(world_size), 0)
@@ -80,13 +93,25 @@ class FakeRanks:
                 if rank == msg.worker_ranks[-1]:
                     del self._prefill_s[msg.request_id]
                 logits = torch.zeros(1, 8) if first else None
-                done = PrefillDone(msg.request_id, rank, seconds, logits, {})
+                exported = None
+                if first and msg.export is not None:
+                    layers, heads, dim = self.kv_shape
+                    rows = msg.export[1] - msg.export[0]
+                    exported = torch.zeros(2, layers, rows, heads, dim)
+                done = PrefillDone(msg.request_id, rank, seconds, logits, {}, exported=exported)
                 self._later(seconds, done, rank)
+            case KVRead():
+                layers, heads, dim = self.kv_shape
+                rows = torch.zeros(2, layers, len(msg.slots) * self.block_size, heads, dim)
+                moves = [(rank, s, rank + 1, s) for s in msg.slots]  # (as far as the wire)
+                self._later(self.time.copy_s(moves), KVData(msg.read_id, rank, rows), rank)
             case SwitchEpoch():
                 if rank not in self.hung_on_switch:
                     self._later(self.time.switch_s, EpochAck(rank, msg.epoch), rank)
             case KVTransfer():
-                self._later(self.time.copy_s(msg.moves), KVWritten(msg.copy_id, rank), rank)
+                if rank not in self.hung_on_copy:
+                    written = KVWritten(msg.copy_id, rank)
+                    self._later(self.time.copy_s(msg.moves), written, rank)
             case Shutdown():
                 pass
             case _:
@@ -104,6 +129,7 @@ class FakeRanks:
         for r in ranks:
             self._incarnation[r] += 1
             self.hung_on_switch.discard(r)
+            self.hung_on_copy.discard(r)
             if r in self.killed:
                 self.killed.remove(r)
 
@@ -118,6 +144,7 @@ class FakeRanks:
 
     def kill(self, rank: int) -> None:
         """The rank is dead: what it owed is never answered."""
+        self._loop = asyncio.get_running_loop()  # (a restart answers on it)
         self._incarnation[rank] += 1
         if rank not in self.killed:
             self.killed.append(rank)
@@ -130,3 +157,56 @@ class FakeRanks:
 
     def close(self, timeout_s: float = 10.0) -> None:
         pass
+
+
+class MemorySink:
+    """A hand-off pull's stream kept in memory (the ``Sink`` of ``runtime/lease.py``);
+    ``aborted`` once cut off, after which its writes fail as a closed socket's do."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.aborted = False
+
+    async def start(self, data: bytes) -> None:
+        self.data += data
+
+    def writev(self, views: Sequence[Any]) -> None:
+        if self.aborted:
+            raise ConnectionResetError("the puller went away")
+        for view in views:
+            self.data += bytes(view)
+
+    async def drain(self) -> None:
+        await asyncio.sleep(0)
+        if self.aborted:
+            raise ConnectionResetError("the puller went away")
+
+    async def flush(self) -> None:
+        await self.drain()
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+async def start_coordinator(cfg: Any, settings: Any) -> tuple[Any, FakeRanks]:
+    """A coordinator on ``cfg`` over ``FakeRanks`` timed by ``settings`` (a
+    ``SimSettings``), on the running loop's clock, started: (coordinator, fake)."""
+    from vertumnus.config import resolve_model
+    from vertumnus.perfmodel import Profile
+    from vertumnus.policy.costs import reuse_curves
+    from vertumnus.runtime.coordinator import Coordinator
+
+    loop = asyncio.get_running_loop()
+    block = cfg.engine.block_size
+    model, _ = resolve_model(cfg.model)
+    fake = FakeRanks(
+        cfg.ranks,
+        reuse_curves(Profile.load(cfg.profile).coeffs),
+        TimeModel(settings, block),
+        (model.num_hidden_layers, model.num_key_value_heads, model.head_dim),
+        block,
+    )
+    coord = Coordinator(cfg, pool=fake, clock=loop.time, offload_decisions=False)
+    fake.deliver = coord.link.on_message
+    await coord.start()
+    return coord, fake

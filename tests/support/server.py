@@ -90,10 +90,11 @@ class Server:
 
 
 @contextmanager
-def running_server(config: Path) -> Iterator[Server]:
-    """Start the server on ``config`` (a free port), wait until ready; on exit,
-    SIGTERM, and check it exited 0 with none of its rank processes left. Its logs go
-    to ``server.log`` beside the config (a pipe nobody reads would fill and block it)."""
+def running_server(config: Path, wait_ready: bool = True) -> Iterator[Server]:
+    """Start the server on ``config`` (a free port), wait until ready (unless not
+    ``wait_ready``: from the moment it listens); on exit, SIGTERM, and check it
+    exited 0 with none of its rank processes left. Its logs go to ``server.log``
+    beside the config (a pipe nobody reads would fill and block it)."""
     log = (config.parent / "server.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "vertumnus", "serve", "--config", str(config), "--port", "0"],
@@ -111,7 +112,7 @@ def running_server(config: Path) -> Iterator[Server]:
             (config.parent / "server.log").read_text()[-2000:],
         )
         srv = Server(proc, line.split()[-1])
-        while time.monotonic() < deadline and srv.call("GET", "/ready")[0] != 200:
+        while wait_ready and time.monotonic() < deadline and srv.call("GET", "/ready")[0] != 200:
             time.sleep(0.2)
         yield srv
     finally:

@@ -4,7 +4,10 @@ next timer instead of sleeping, so ``loop.time()`` is exactly each timer's
 deadline when it fires and a long scenario runs in a moment.
 
 Real I/O still works (a thread's result reaching the loop wakes it), but a test on
-this loop should keep everything in-process (``FakeRanks``)."""
+this loop should keep everything in-process (``FakeRanks``). While a function given
+to ``run_in_executor`` runs, the clock does not jump: the loop waits for it in real
+time, as if it took no simulated time (so a restart's thread always lands before the
+timers after it)."""
 
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ class _JumpingSelector(selectors.DefaultSelector):
         events = super().select(0)
         if events or timeout == 0:
             return events
+        if loop.in_executor:  # a thread's work: wait for it, the clock still
+            return super().select(None)
         due = loop.next_deadline()
         if due is None:
             return super().select(timeout)  # only real I/O can make progress
@@ -45,6 +50,17 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         # to the deadline exactly, and this lets exactly that timer (and any within
         # 1e-12 s of it) run.
         self._clock_resolution = 1e-12
+        self.in_executor = 0  # functions running in an executor
+
+    def run_in_executor(self, executor: Any, func: Any, *args: Any) -> asyncio.Future[Any]:
+        future = super().run_in_executor(executor, func, *args)
+        self.in_executor += 1
+
+        def done(_: asyncio.Future[Any]) -> None:
+            self.in_executor -= 1
+
+        future.add_done_callback(done)
+        return future
 
     def time(self) -> float:
         return self._now

@@ -136,6 +136,12 @@ class Channel:
         self._switches.append(transition)
         self._changed()
 
+    def unqueue_switch(self, transition: Transition) -> None:
+        """A queued switch that will not run (its reshape was rolled back)."""
+        if transition in self._switches:
+            self._switches.remove(transition)
+            self._changed()
+
     def release(self, transition: Transition) -> None:
         """The switch is done with the ranks (no-op if it is not the one under way)."""
         if self.switching is transition:

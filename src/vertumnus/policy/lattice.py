@@ -11,7 +11,8 @@ workers; neighbouring states differ by one split or merge and keep G.
 Worker lifecycle::
 
     ACTIVE --begin--> DRAINING --park--> SWITCHING --commit--> (gone; new workers
-      ^                                                         are SWITCHING)
+      ^  ^                 |                   |                  are SWITCHING)
+      |  +-------------- abort (rolled back) --+
       +------------------------- activate ---------------------- SWITCHING
     any --fail--> UNAVAILABLE --restore--> ACTIVE
 
@@ -289,6 +290,18 @@ class Lattice:
         ]
         self.check()
         return made
+
+    def abort(self, op: Reshape) -> None:
+        """A reshape given up before its commit: DRAINING or SWITCHING -> ACTIVE (a
+        participant that failed meanwhile stays UNAVAILABLE)."""
+        states = (WorkerState.DRAINING, WorkerState.SWITCHING, WorkerState.UNAVAILABLE)
+        for s in op.sources:
+            w = self.workers.get(s)
+            if w is None or w.state not in states:
+                raise LatticeError(f"worker {s} is not a participant of an uncommitted reshape")
+        for s in op.sources:
+            if self.workers[s].state is not WorkerState.UNAVAILABLE:
+                self.workers[s].state = WorkerState.ACTIVE
 
     def activate(self, worker_id: int) -> None:
         """Every rank adopted the epoch: SWITCHING -> ACTIVE."""

@@ -49,6 +49,7 @@ class Outages:
         if worker_id in policy.cache.trie.workers:
             policy.cache.remove_worker(worker_id)
         policy.ledger.drop_ranks(w.devices)
+        policy.holds.drop_worker(worker_id)  # its KV is gone: the hand-offs' pulls are moved
         policy.indexes.pop(worker_id, None)
         return actions
 

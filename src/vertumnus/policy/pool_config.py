@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from vertumnus.perfmodel import Profile
 from vertumnus.policy.cache_plans import CacheManagerConfig
 from vertumnus.policy.controller import ControllerConfig
 from vertumnus.policy.costs import CostWeights
@@ -146,3 +147,19 @@ class PoolSpec:
         object.__setattr__(self, "layout", tuple(self.layout))
         if self.block_tokens < 1 or self.blocks_per_rank < 0:
             raise PolicyError("need block_tokens >= 1 and blocks_per_rank >= 0")
+
+    def check_profile(self, profile: Profile, config: PolicyConfig) -> None:
+        """PolicyError unless ``profile`` has what ``config`` needs of every degree."""
+        degrees = self.lattice.degrees
+        missing = sorted(set(degrees) - set(profile.degrees))
+        if missing:
+            raise PolicyError(
+                f"the profile has no degrees {missing}: profile them "
+                "(`python -m vertumnus profile`) or change [pool] degrees"
+            )
+        no_kappa = [c for c in degrees if "kappa_s" not in profile.capacity.get(c, {})]
+        if config.adaptive and config.controller.mode == "rules" and no_kappa:
+            raise PolicyError(
+                f"the profile has no capacity kappa for degrees {no_kappa}: run "
+                "`python -m vertumnus capacity` on it, or keep the composition fixed"
+            )

@@ -3,36 +3,26 @@ discrete-event simulator and the asyncio coordinator (DESIGN.md §2: one
 implementation, two drivers).
 
 ``PoolPolicy.build(profile, pool, config)`` is the one factory. The stack owns the
-lattice (worker composition), the router (the cost rule or a baseline), the window
-controller (the trie's expected reconciliation traffic breaks its ties), the
-reshape transitions, the prefix-cache manager (trie), one ``WorkerCacheIndex`` per
-worker and the KV ledger. A driver calls it with the time and does what it returns:
+lattice, the router (the cost rule or a baseline), the controller, the reshape
+transitions, the prefix-cache manager (trie), one ``WorkerCacheIndex`` per worker,
+the KV ledger and the hand-offs' holds. A driver calls it with the time:
 
-    arrive(request, now)          a new request: placed (its demand counted once, at its
-                                  first placement), waiting, or refused
+    arrive / replace / drop / abandon   a request placed (or waiting, or refused),
+                                  placed again, answered with an error, given up
     start(worker, now)            the worker is idle: the head of its queue, leased
-    finish(worker, now, ok)       a prefill ended (ok: its KV is written)
-    replace / drop / abandon      a failed prefill placed again or answered; a client
-                                  that gave up
-    end_window(now)               the controller's decision; adaptive: reshapes begin
-    begin_reshape(op, now)        an operator's reshape
-    scan(now)                     the cache manager's scan: reclamations happen now,
-                                  copies queue
-    copy_done(job, ok, now)       a KV copy ended
+    finish(worker, now, ok, hold) a prefill ended; ``hold``: its KV waits for a decode
+    release_hold(hold, now)       server until this (``policy/holds.py``)
+    end_window / begin_reshape    the controller's decision; an operator's reshape
     acknowledge(t, w, rank, now)  a rank of a new worker adopted the epoch
+    abort_reshape(t, now)         a reshape past the driver's bound, rolled back
+    scan / copy_done / expire     the cache manager's scan, a KV copy ended, reserved
+                                  slots whose time is up
     outages.failed / reset / restored / abandoned   rank failures (``outages``)
-    expire(now)                   slots a reshape reserved whose time is up
 
-Every call that changes what the pool must do returns ``Actions``: placements
-(their workers may start), refusals (no worker can take the request and none is
-coming back), the copies or the switch to run now, and workers woken because the
-pull their next request waited for ended (``policy/pulls.py``).
-
-KV copies run at once on disjoint devices, and reshape switches wait for them
-(``policy/channel.py``), as the ranks must run them. The results are ``policy/pool_results.py``'s.
-
-Pure Python, clock-free: time is an argument. Not owned here: moving bytes, timing
-anything, processes (the drivers).
+and does what it returns, ``Actions`` (``policy/pool_results.py``): placements,
+refusals, the copies or the switch the copy lanes allow now (``policy/channel.py``),
+workers woken. Pure Python, clock-free. Not owned here: moving bytes, timing,
+processes (the drivers).
 """
 
 from __future__ import annotations
@@ -41,6 +31,7 @@ from collections.abc import Sequence
 
 from vertumnus.blocks import max_reuse_blocks
 from vertumnus.perfmodel import Profile
+from vertumnus.policy.admission import Admission
 from vertumnus.policy.cache_index import WorkerCacheIndex
 from vertumnus.policy.cache_manager import PrefixCacheManager
 from vertumnus.policy.cache_plans import CopyPlan
@@ -49,10 +40,11 @@ from vertumnus.policy.channel import Channel
 from vertumnus.policy.controller import Controller
 from vertumnus.policy.controllers import build_controller
 from vertumnus.policy.costs import reuse_curves
+from vertumnus.policy.holds import Hold, Holds, held_blocks
 from vertumnus.policy.kv_ledger import CopyJob, KVLedger
 from vertumnus.policy.lattice import Lattice, Reshape, WorkerState, composition_name
 from vertumnus.policy.outages import Outages
-from vertumnus.policy.pool_config import PolicyConfig, PolicyError, PoolSpec
+from vertumnus.policy.pool_config import PolicyConfig, PoolSpec
 from vertumnus.policy.pool_results import (
     Actions,
     Finished,
@@ -73,18 +65,7 @@ from vertumnus.policy.whatif_candidates import PoolInputs
 class PoolPolicy:
     def __init__(self, profile: Profile, pool: PoolSpec, config: PolicyConfig) -> None:
         degrees = pool.lattice.degrees
-        missing = sorted(set(degrees) - set(profile.degrees))
-        if missing:
-            raise PolicyError(
-                f"the profile has no degrees {missing}: profile them "
-                "(`python -m vertumnus profile`) or change [pool] degrees"
-            )
-        no_kappa = [c for c in degrees if "kappa_s" not in profile.capacity.get(c, {})]
-        if config.adaptive and config.controller.mode == "rules" and no_kappa:
-            raise PolicyError(
-                f"the profile has no capacity kappa for degrees {no_kappa}: run "
-                "`python -m vertumnus capacity` on it, or keep the composition fixed"
-            )
+        pool.check_profile(profile, config)
         coeffs = {c: profile.coeffs[c] for c in degrees}
         self.profile, self.pool, self.config = profile, pool, config
         self.block_tokens = pool.block_tokens
@@ -100,8 +81,14 @@ class PoolPolicy:
             self.cache,
         )
         self.controller: Controller = build_controller(self, profile, coeffs)
+        self.holds = Holds()  # KV kept for decode servers (``policy/holds.py``)
         self.reconf = Reconfigurer(
-            self.lattice, self.scheduler, self.cache, self.controller, pool.blocks_per_rank
+            self.lattice,
+            self.scheduler,
+            self.cache,
+            self.controller,
+            pool.blocks_per_rank,
+            self.holds,
         )
         self.indexes: dict[int, WorkerCacheIndex] = {}
         self.ledger = KVLedger(
@@ -109,10 +96,6 @@ class PoolPolicy:
         )
         for w in self.lattice.workers.values():
             self.add_worker(w.worker_id)
-        self._requests: dict[int, PlacementRequest] = {}  # open: arrived, not answered
-        self._recorded: set[int] = set()  # requests whose demand the controller counted
-        self._arrived_s: dict[int, float] = {}  # open requests' arrival times
-        self._waiting: list[int] = []  # no candidate when placed
         self._running: dict[int, Running] = {}  # worker -> its prefill
         self.transitions: list[Transition] = []  # under way
         self.outages = Outages(self)  # rank failures: workers out, reset, back
@@ -125,6 +108,15 @@ class PoolPolicy:
         self.pulls = Pulls(self.cache, self.indexes, pool.block_tokens, self.channel)
         if config.replication and config.cache.pull and config.router == "vertumnus":
             self.pulls.attach(self.scheduler)
+        self.admission = Admission(
+            self.scheduler,
+            self.controller,
+            self.pulls,
+            self.channel,
+            self._someone_coming,
+            pool.block_tokens,
+            config.replication,
+        )
 
     @classmethod
     def build(cls, profile: Profile, pool: PoolSpec, config: PolicyConfig) -> PoolPolicy:
@@ -150,75 +142,38 @@ class PoolPolicy:
 
     @property
     def open_requests(self) -> int:
-        return len(self._requests)
+        return len(self.admission.requests)
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.admission.waiting)
 
-    # -- requests --------------------------------------------------------------------
+    def running(self, worker_id: int) -> Running | None:
+        """The worker's prefill under way, if any."""
+        return self._running.get(worker_id)
+
+    # -- requests (``policy/admission.py``) ---------------------------------------------
 
     def arrive(self, request: PlacementRequest, now: float) -> Actions:
         """A new request: placed on a worker, or waiting for one (while a reshape or a
         restart is under way), or refused (no worker can take it, none is coming)."""
-        if request.request_id in self._requests:
-            raise PolicyError(f"request {request.request_id} arrived twice")
-        self._requests[request.request_id] = request
-        self._arrived_s[request.request_id] = now
-        return self.place(request.request_id, now)
+        return self.admission.arrive(request, now)
 
     def replace(self, request_id: int, now: float) -> Actions:
         """Place an open request again (its prefill failed); its demand was counted."""
-        return self.place(request_id, now)
+        return self.admission.place(request_id, now)
 
     def drop(self, request_id: int) -> None:
         """The driver answered an open request (with an error): forget it."""
-        self._requests.pop(request_id, None)
-        self.pulls.forget(request_id)
-        self._recorded.discard(request_id)
-        self._arrived_s.pop(request_id, None)
+        self.admission.drop(request_id)
 
     def abandon(self, request_id: int, now: float) -> None:
-        """The client gave up: a waiting or queued request leaves (its reservation is
-        released); a running one finishes and is forgotten then."""
-        if request_id not in self._requests:
-            return
-        if request_id in self._waiting:
-            self._waiting.remove(request_id)
-        elif self.scheduler.is_queued(request_id):
-            self.scheduler.cancel(request_id)
-        elif any(run.request_id == request_id for run in self._running.values()):
-            return  # ``finish`` forgets it
-        self.drop(request_id)
+        """The client gave up (``Admission.abandon``)."""
+        running = {run.request_id for run in self._running.values()}
+        self.admission.abandon(request_id, running.__contains__)
 
     def place(self, request_id: int, now: float) -> Actions:
-        request = self._requests[request_id]
-        placed = self.scheduler.place(request, now)
-        if placed is None:
-            if self._someone_coming():
-                self._waiting.append(request_id)
-                return Actions()
-            self.drop(request_id)
-            return Actions(refused=[request_id])
-        if request_id not in self._recorded:
-            self._recorded.add(request_id)
-            self.controller.record(placed.exec_s, request.input_tokens)
-            arrived = self._arrived_s.get(request_id, now)
-            self.controller.placed(request, placed, arrived, self.block_tokens)
-        actions = Actions(placed=[placed])
-        update = placed.update
-        self.pulls.placed(
-            request,
-            placed.worker_id,
-            update.awaits if update is not None else None,
-            placed.reused_tokens if self.config.replication else 0,
-        )
-        if update is not None and update.fetch is not None:
-            if update.fetch.kind == "pull":
-                self.pulls.queued(update.fetch)
-            self.channel.queue_copy(update.fetch)
-            actions.add(self.channel.pump(now))
-        return actions
+        return self.admission.place(request_id, now)
 
     def _someone_coming(self) -> bool:
         """A worker will become a candidate: a reshape or a restart is under way."""
@@ -228,11 +183,7 @@ class PoolPolicy:
         )
 
     def retry_waiting(self, now: float) -> Actions:
-        actions = Actions()
-        waiting, self._waiting = self._waiting, []
-        for request_id in waiting:
-            actions.add(self.place(request_id, now))
-        return actions
+        return self.admission.retry_waiting(now)
 
     # -- a worker's prefills ---------------------------------------------------------
 
@@ -249,7 +200,7 @@ class PoolPolicy:
         if self.pulls.must_wait(request_id):
             return None  # its prefix is on its way: ``Actions.woken`` says when
         self.scheduler.start(request_id, now)
-        request = self._requests[request_id]
+        request = self.admission.requests[request_id]
         index = self.indexes[worker_id]
         usable = max_reuse_blocks(request.input_tokens, self.block_tokens)
         lease = index.begin(request.block_ids, usable)
@@ -268,32 +219,60 @@ class PoolPolicy:
         return Started(request_id, worker_id, w.cp_degree, w.first_device, lease, cached, exec_s)
 
     def finish(
-        self, worker_id: int, now: float, ok: bool = True, compute_s: float | None = None
+        self,
+        worker_id: int,
+        now: float,
+        ok: bool = True,
+        compute_s: float | None = None,
+        hold: bool = False,
     ) -> Finished:
         """The worker's prefill ended. ``ok``: its new blocks are written (they become
         visible); else they are given back, and the request stays open for
         ``replace`` or ``drop``. ``compute_s``: the ranks' own time for it, where the
         driver has it (it calibrates the controller's model; else the time since
-        ``start`` does). A participant of a reshape may park now, and a reshape whose
-        participants have all parked switches (or waits its turn)."""
+        ``start`` does). ``hold``: its KV is handed off, and the prompt's whole blocks
+        stay pinned under ``Finished.hold`` until ``release_hold`` (``policy/holds.py``);
+        on a worker reset meanwhile (its KV is gone) the prefill counts as failed
+        (``Finished.ok`` is False). A participant of a reshape that runs and holds
+        nothing parks now, and a reshape whose participants have all parked switches
+        (or waits its turn)."""
         run = self._running.pop(worker_id)
+        current = self.indexes.get(worker_id) is run.index  # (a reset worker's is gone)
+        ok = ok and (current or not hold)
         if ok:
             self.controller.prefill_done(
                 run.cp_degree, run.input_tokens, run.exec_s, now - run.started_s, compute_s
             )
-            arrived = self._arrived_s.get(run.request_id)
+            arrived = self.admission.arrived_s.get(run.request_id)
             if arrived is not None:
                 self.controller.completed(run.request_id, now - arrived)
-        if self.indexes.get(worker_id) is run.index:  # (a reset worker's is gone)
+        if current:
             report = run.index.commit(run.lease) if ok else run.index.abort(run.lease)
             self.cache.apply_report(report)
+        kept = None
+        if ok and hold:
+            blocks = held_blocks(run.lease, run.input_tokens, self.block_tokens)
+            ids = self.admission.requests[run.request_id].block_ids
+            kept = self.holds.take(run.request_id, worker_id, run.index, ids, blocks)
         self.scheduler.complete(run.request_id)
         if ok:
             self.drop(run.request_id)
+        return Finished(run.request_id, self._parked(worker_id, now), ok, kept)
+
+    def release_hold(self, hold: Hold, now: float) -> Actions:
+        """The decode side has the KV (or gave up, or its time is up): the pin goes, and
+        a draining worker that held nothing else parks (its reshape may switch)."""
+        report = self.holds.release(hold, self.indexes.get(hold.worker_id))
+        if report is not None:
+            self.cache.apply_report(report)
+        return self._parked(hold.worker_id, now)
+
+    def _parked(self, worker_id: int, now: float) -> Actions:
+        """Park ``worker_id`` if it takes part in a reshape and is idle now."""
         for transition in self.transitions:
             if worker_id in transition.op.sources and self.reconf.idle(transition, worker_id, now):
                 self.channel.queue_switch(transition)
-        return Finished(run.request_id, self.channel.pump(now))
+        return self.channel.pump(now)
 
     # -- the controller and reshapes -------------------------------------------------
 
@@ -360,19 +339,23 @@ class PoolPolicy:
         actions.add(self.retry_waiting(now))
         return actions.add(self.channel.pump(now))
 
-    def switch_failed(self, transition: Transition, now: float) -> Actions:
-        """The ranks could not switch (the pool failed): free the channel. The new
-        workers stay out of the candidate set."""
-        if transition in self.transitions:
-            self.transitions.remove(transition)
-        self.channel.release(transition)
-        return self.channel.pump(now)
+    def abort_reshape(self, transition: Transition, now: float) -> Actions:
+        """Roll back a reshape that has not committed (the driver's bound on it
+        passed): its participants serve again as they were, waiting requests are
+        placed (LatticeError once it has committed: finish it instead)."""
+        self.reconf.abort(transition, now)
+        self.transitions.remove(transition)
+        self.channel.unqueue_switch(transition)
+        actions = Actions(woken=list(transition.op.sources))
+        actions.add(self.retry_waiting(now))
+        return actions.add(self.channel.pump(now))
 
     def _commit(self, transition: Transition, now: float) -> Switch:
         retained = self.ledger.collect(transition.op.sources)
         adopt = self.reconf.switch(transition, now)
         for s in transition.op.sources:
             assert s not in self._running, "a parked worker runs a prefill"
+            assert not self.holds.holding(s), "a parked worker holds KV for a hand-off"
             del self.indexes[s]
         for w in transition.new_workers:
             self.add_worker(w)
@@ -410,7 +393,7 @@ class PoolPolicy:
     def copy_done(self, job: CopyJob, ok: bool, now: float) -> Actions:
         """The copy's bytes are in place (``ok``) or the move failed."""
         actions = self.channel.copy_done(job, ok, job.plan.dest_worker in self.indexes, now)
-        self.pulls.ended(job.plan, self._requests)
+        self.pulls.ended(job.plan, self.admission.requests)
         return actions
 
     def expire(self, now: float) -> int:

@@ -4,7 +4,7 @@
     Switch         a committed reshape: the epoch its new workers' ranks must adopt
     Actions        what to do after a call: wake workers, answer refusals, run the
                    copies or the switch the channel allows, note what ended
-    Finished       a prefill's end, and the actions it causes
+    Finished       a prefill's end, the actions it causes, its hand-off's hold
     WindowOutcome  the controller's decision, the reshapes it began, their actions
     ScanOutcome    the cache manager's scan, what it reclaimed, its actions
     WindowPlan     a decision in the making (its replays may run off the loop)
@@ -22,6 +22,7 @@ from vertumnus.policy.cache_audit import ScanRecord
 from vertumnus.policy.cache_index import PrefillLease, WorkerCacheIndex
 from vertumnus.policy.cache_plans import ScanResult
 from vertumnus.policy.controller import Controller, Decision
+from vertumnus.policy.holds import Hold
 from vertumnus.policy.kv_ledger import CopyJob
 from vertumnus.policy.scheduler import Placement
 from vertumnus.policy.transition import Transition
@@ -88,6 +89,8 @@ class Actions:
 class Finished:
     request_id: int
     actions: Actions
+    ok: bool = True  # False: it failed (or its KV went with a reset): place it again or drop it
+    hold: Hold | None = None  # the hand-off's pinned KV, when ``finish`` was asked to hold
 
 
 @dataclass(frozen=True)

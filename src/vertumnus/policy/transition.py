@@ -3,13 +3,16 @@
     begin      participants leave the candidate set (DRAINING); their queued requests
                come back for re-placement on other workers; what runs finishes under
                the old geometry
-    idle       a participant's last prefill ended: it parks (SWITCHING)
+    idle       a participant's last prefill ended and no hand-off holds its KV any
+               more (``policy/holds.py``): it parks (SWITCHING)
     switch     every participant parked (a merge waits for all siblings): a new
                configuration epoch; the lattice swaps the workers; the prefix-cache
                manager hands their prefixes on as pending marks and returns the adopt
                plans; the driver tells the ranks to switch to the pre-created groups
     acknowledge  each rank adopts the epoch; when every rank of every new worker has,
                they become ACTIVE (schedulable) and the controller is told
+    abort      (a driver's bound passed before the commit) the participants are
+               ACTIVE again, as they were: the reshape is rolled back
 
 The ``Transition`` records when each stage ended, so drain and switch times can be
 exported. Pure Python, clock-free: ``now`` is an argument; the driver (coordinator or
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 from vertumnus.policy.cache_manager import PrefixCacheManager
 from vertumnus.policy.cache_plans import CopyPlan
 from vertumnus.policy.controller import Controller
+from vertumnus.policy.holds import Holds
 from vertumnus.policy.lattice import Lattice, LatticeError, Reshape, WorkerState
 from vertumnus.policy.scheduler import PlacementRequest, Scheduler
 
@@ -34,6 +38,7 @@ class Phase(enum.StrEnum):
     SWITCHING = "switching"  # every participant parked, waiting for ``switch``
     ACTIVATING = "activating"  # committed, waiting for the ranks' acknowledgements
     DONE = "done"
+    ROLLED_BACK = "rolled_back"  # given up before its commit: the participants serve again
 
 
 @dataclass
@@ -66,14 +71,17 @@ class Reconfigurer:
         cache: PrefixCacheManager | None = None,
         controller: Controller | None = None,
         blocks_per_rank: int | None = None,
+        holds: Holds | None = None,
     ) -> None:
         """``blocks_per_rank``: KV blocks of one rank, for the room each split child
-        offers to the prefixes it inherits (needed with a cache manager)."""
+        offers to the prefixes it inherits (needed with a cache manager). ``holds``:
+        the KV kept for hand-offs; a participant that holds some does not park."""
         if cache is not None and blocks_per_rank is None:
             raise LatticeError("a cache manager needs blocks_per_rank for splits")
         self.lattice, self.scheduler = lattice, scheduler
         self.cache, self.controller = cache, controller
         self.blocks_per_rank = blocks_per_rank
+        self.holds = holds if holds is not None else Holds()
 
     def begin(self, op: Reshape, now: float) -> tuple[Transition, list[PlacementRequest]]:
         """Start draining; returns the queued requests to place elsewhere."""
@@ -92,7 +100,11 @@ class Reconfigurer:
         if worker_id not in transition.op.sources:
             return False
         worker = self.lattice.workers[worker_id]
-        if worker.state is WorkerState.DRAINING and self.scheduler.running(worker_id) is None:
+        if (
+            worker.state is WorkerState.DRAINING
+            and self.scheduler.running(worker_id) is None
+            and not self.holds.holding(worker_id)
+        ):
             self.lattice.park(worker_id)
         parked = all(
             self.lattice.workers[s].state is WorkerState.SWITCHING for s in transition.op.sources
@@ -134,6 +146,17 @@ class Reconfigurer:
             op.target_degree,
             capacity_blocks=self.blocks_per_rank * op.target_degree,
         )
+
+    def abort(self, transition: Transition, now: float) -> None:
+        """Roll back a reshape that has not committed: its participants serve again as
+        they were (a failed one stays out), and the controller no longer waits for it."""
+        if transition.phase not in (Phase.DRAINING, Phase.SWITCHING):
+            raise LatticeError(f"cannot roll back a transition that is {transition.phase}")
+        self.lattice.abort(transition.op)
+        transition.phase = Phase.ROLLED_BACK
+        transition.active_s = now
+        if self.controller is not None and transition.op in self.controller.in_flight:
+            self.controller.reshape_done(transition.op)
 
     def acknowledge(self, transition: Transition, worker_id: int, rank: int, now: float) -> bool:
         """Rank ``rank`` (0..C-1) of new worker ``worker_id`` adopted the epoch. True

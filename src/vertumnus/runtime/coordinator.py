@@ -8,7 +8,9 @@ each:
     request_path.py   an HTTP request's life: placement, the worker tasks, answers
     rank_link.py      the rank pipes: every answer a rank owes and who waits for it
     reshaping.py      a committed switch carried out on the ranks (SwitchEpoch, acks)
-    kv_copies.py      a copy job's blocks moved rank to rank (KVTransfer, KVWritten)
+    kv_copies.py      the cache manager's scans and copies; a copy job's blocks moved
+                      rank to rank (KVTransfer, KVWritten)
+    readiness.py      whether the pool can dispatch now, and if not, why (``/ready``)
     handoff.py        KV kept for a decode server under leases, and its pull (KVRead)
     recovery.py       a failed rank: its worker out, restarted, back
     views.py          workers, composition and cache for the REST API
@@ -39,16 +41,15 @@ from vertumnus.perfmodel import Profile, ProfileError
 from vertumnus.policy.cache_index import WorkerCacheIndex
 from vertumnus.policy.cache_manager import PrefixCacheManager
 from vertumnus.policy.cache_plans import CopyPlan
-from vertumnus.policy.kv_ledger import CopyJob
 from vertumnus.policy.lattice import Lattice, LatticeError, Reshape, WorkerState
 from vertumnus.policy.pool_config import PolicyError
 from vertumnus.policy.pool_policy import PoolPolicy
-from vertumnus.policy.pool_results import Actions, ScanOutcome, WindowPlan
+from vertumnus.policy.pool_results import Actions, WindowPlan
 from vertumnus.policy.scheduler import Scheduler
 from vertumnus.policy.transition import Transition
-from vertumnus.runtime import views
+from vertumnus.runtime import readiness, views
 from vertumnus.runtime.handoff import Handoffs
-from vertumnus.runtime.kv_copies import KVCopier
+from vertumnus.runtime.kv_copies import CopyRuns, KVCopier
 from vertumnus.runtime.metrics import Metrics
 from vertumnus.runtime.pool import RankPool, Ranks
 from vertumnus.runtime.rank_link import RankLink
@@ -89,6 +90,7 @@ class Coordinator:
         self.metrics = Metrics(cfg.timeline_s, cfg.timeline_samples, clock(), period_s)
         self.pool: Ranks | None = None
         self.copier = KVCopier(lambda: self.pool, cfg.engine.rank_timeout_s, self._copy_hung)
+        self.copies = CopyRuns(self.policy, self.copier, self.metrics, clock, self.apply)
         self.handoffs = Handoffs(self)
         self.link = RankLink(
             self.copier, self._rank_exited, self._rank_pool_failed, self.handoffs.reads
@@ -99,7 +101,6 @@ class Coordinator:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = threading.Event()
         self._background: set[asyncio.Task[Any]] = set()
-        self._copy_waits: dict[int, asyncio.Future[int]] = {}  # plan id -> blocks installed
         self._tick: asyncio.TimerHandle | None = None
         self._next_window = self._next_scan = math.inf
         self._windows_started_s: float | None = None
@@ -185,6 +186,7 @@ class Coordinator:
         self.requests.cancel_all()
         self.requests.fail_all(Unavailable("the server is shutting down"))
         self.handoffs.close()
+        self.reshaping.close()
         self.link.unwatch()
         self._decider.shutdown(wait=False, cancel_futures=True)
         if self.pool is not None:
@@ -193,24 +195,36 @@ class Coordinator:
             self.pool = None
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        """A background task, kept referenced until it ends."""
-        task = asyncio.create_task(coro)
+        """A background task, kept referenced until it ends; one that fails (a bug)
+        is logged with its traceback and counted, never lost in silence."""
+        task = asyncio.create_task(coro, name=getattr(coro, "__qualname__", None))
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._task_ended)
+
+    def _task_ended(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        log.error("task_failed", task=task.get_name(), error=repr(exc), exc_info=exc)
+        self.metrics.internal_error("task")
+
+    def unready_reason(self) -> str | None:
+        """Why the pool cannot dispatch a request now (None: it can): ``/ready``."""
+        return readiness.unready_reason(self)
 
     # -- doing what the policy returns ----------------------------------------------------
 
     def apply(self, actions: Actions) -> None:
+        if self.stopping:
+            return  # (what the stack asks for now would only outlive the ranks)
         for placement in actions.placed:
             self.requests.wake(placement.worker_id)
         for worker_id in actions.woken:
             self.requests.wake(worker_id)
         for request_id in actions.refused:
             self.requests.refuse(request_id, Unavailable("no worker can take the request now"))
-        for plan_id, installed in actions.copies_ended:
-            wait = self._copy_waits.pop(plan_id, None)
-            if wait is not None and not wait.done():
-                wait.set_result(installed)
+        self.copies.ended(actions.copies_ended)
         for transition in actions.activated:
             self.reshaping.activated(transition)
         if actions.switch is not None:
@@ -221,7 +235,7 @@ class Coordinator:
                 self.requests.add_worker(w)
             self.spawn(self.reshaping.run_switch(actions.switch))
         for job in actions.copies:
-            self.spawn(self._run_copy(job))
+            self.spawn(self.copies.run(job))
 
     # -- the periodic work ------------------------------------------------------------------
 
@@ -257,7 +271,7 @@ class Coordinator:
             # After the workers this tick's decision woke have started their
             # prefills (their tasks run first), as the simulator orders it.
             assert self._loop is not None
-            self._loop.call_soon(self._scan, now)
+            self._loop.call_soon(self.copies.scan, now)
         expiry = self.policy.ledger.next_deadline()
         if expiry is not None and now >= expiry:
             released = self.policy.expire(now)
@@ -302,80 +316,26 @@ class Coordinator:
         if self.cfg.policy.adaptive and (decision.ops or "candidates" in decision.inputs):
             log.info("decision", **decision.to_json())
         for transition in outcome.begun:
-            log.info("reshape_begin", kind=transition.op.kind, sources=list(transition.op.sources))
-            self.metrics.timeline.reshaped(now, transition.op.kind, decision.to_json())
+            self.reshaping.begun(transition, decision.to_json(), len(outcome.actions.placed))
         self.apply(outcome.actions)
 
-    # -- the prefix-cache manager: scans and copies -------------------------------------
-
-    def _scan(self, now: float) -> tuple[ScanOutcome, list[asyncio.Future[int]]]:
-        """One scan of the cache manager: its reclamations happen at once, its copies
-        queue on the channel; returns what to wait for to see them end."""
-        outcome = self.policy.scan(now)
-        for _ in range(outcome.reclaimed):
-            self.metrics.reclaimed()
-        waits = [self._wait_copy(plan) for plan in outcome.result.copies]
-        self.apply(outcome.actions)
-        if outcome.result.copies or outcome.result.reclaims:
-            log.info(
-                "scan",
-                candidates=dict(outcome.result.candidates),
-                copies_planned=len(outcome.result.copies),
-                reclaims=outcome.reclaimed,
-            )
-        return outcome, waits
+    # -- the prefix-cache manager: scans and copies (``runtime/kv_copies.py``) ----------
 
     async def scan_now(self) -> dict[str, Any]:
-        """One scan now, waiting for its copies (they run one at a time on the
-        channel): what it did."""
-        outcome, waits = self._scan(self.clock())
-        installed = await asyncio.gather(*waits)
-        return {
-            "candidates": dict(outcome.result.candidates),
-            "copies": sum(n > 0 for n in installed),
-            "blocks_copied": sum(installed),
-            "reclaims": outcome.reclaimed,
-        }
-
-    def _wait_copy(self, plan: CopyPlan) -> asyncio.Future[int]:
-        assert self._loop is not None
-        wait: asyncio.Future[int] = self._loop.create_future()
-        self._copy_waits[plan.plan_id] = wait
-        return wait
+        """One scan now, waiting for its copies: what it did."""
+        return await self.copies.scan_now()
 
     async def run_copy(self, plan: CopyPlan) -> int:
-        """Run a copy plan made outside a scan; the blocks installed (0: it ended as
-        a miss, or failed)."""
-        wait = self._wait_copy(plan)
-        self.apply(self.policy.queue_copy(plan, self.clock()))
-        return await wait
+        """Run a copy plan made outside a scan; the blocks installed."""
+        return await self.copies.run_plan(plan)
 
-    async def _run_copy(self, job: CopyJob) -> None:
-        started = self.clock()
-        ok = await self.copier.transfer(job)
-        actions = self.policy.copy_done(job, ok, self.clock())
-        installed = sum(n for plan_id, n in actions.copies_ended if plan_id == job.plan.plan_id)
-        if ok:
-            seconds = self.clock() - started
-            self.metrics.copied(installed, seconds)
-            log.info(
-                "copy",
-                kind=job.plan.kind,
-                source="retained" if job.src_worker is None else job.src_worker,
-                dest=job.plan.dest_worker,
-                blocks=installed,
-                reshard=job.plan.reshard,
-                seconds=round(seconds, 6),
-            )
-        self.apply(actions)
+    # -- ranks ------------------------------------------------------------------------
 
     def _copy_hung(self, ranks: list[int]) -> None:
         """A KV copy timed out: a rank hung, and the pair groups may be out of step;
         the copy's workers restart (their ranks get new pairs)."""
         for r in ranks:
             self.recovery.rank_down(r, "a KV copy timed out", whole_worker=True)
-
-    # -- ranks ------------------------------------------------------------------------
 
     def _rank_exited(self, rank: int) -> None:
         if not self.stopping:

@@ -4,17 +4,21 @@ A request with ``kv_transfer_params.do_remote_decode`` keeps, after its prefill,
 the KV of its prompt but the last token (the decode side computes that one in its
 first step, as vLLM's disaggregated decode does) under a *lease*:
 
-  * the whole blocks of that prefix stay pinned in the worker's cache index (the
-    blocks remain in the prefix cache as usual; the pin only keeps them from
-    eviction), sent from the ranks' stores when pulled (block j from CP rank
-    j % C, in sequence order);
+  * the whole blocks of that prefix stay pinned in the worker's cache index, as
+    the policy's *hold* (``policy/holds.py``: taken by the prefill's ``finish``,
+    in the step that commits its blocks; the blocks remain in the prefix cache as
+    usual, the pin only keeps them from eviction, and a reshape of the worker waits
+    for it), sent from the ranks' stores when pulled (block j from CP rank j % C,
+    in sequence order);
   * the rows no cache block holds (the partial last block, or blocks the cache could
     not take) come back with the prefill itself (``PrefillCommand.export``, from CP
     rank 0, which holds every computed row after its all-gather) and wait here;
   * the lease ends when the stream was sent whole (``pulled``), when its
     ``lease_s`` passes (``expired``), when the decode side gives up (``released``),
-    or when its worker was reshaped or restarted (``moved``: the pinned index is
-    gone, and a pull answers 410). Every end unpins and forgets the rows, once.
+    or when its worker failed, or was being reshaped and ``reshape_wait_s`` passed
+    before the pull (``moved``: a pull answers 410). Every end releases the hold
+    (the policy may then park the worker and switch its reshape) and forgets the
+    rows, once.
 
 ``stream`` writes the wire format of ``handoff/wire.py`` to a ``Sink`` (the
 route's socket). CPU ranks on this host keep their stores in shared memory that
@@ -34,18 +38,20 @@ import secrets
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
 from torch import Tensor
 
 from vertumnus.handoff.wire import CHUNK_BLOCKS, END, KVHeader, chunk_header
-from vertumnus.policy.cache_index import BlockLocation, PrefillLease, WorkerCacheIndex
+from vertumnus.policy.cache_index import BlockLocation
+from vertumnus.policy.holds import Hold
+from vertumnus.policy.lattice import WorkerState
 from vertumnus.runtime.kv_reads import CHUNK_BYTES, KVReads, bytes_of
 from vertumnus.runtime.kv_segments import store_runs
-from vertumnus.runtime.pool import RankPool, RankPoolError
+from vertumnus.runtime.lease import HandoffError, Lease, Sink
+from vertumnus.runtime.pool import RankPool
 
 if TYPE_CHECKING:
     from vertumnus.runtime.coordinator import Coordinator
@@ -54,59 +60,6 @@ log = structlog.get_logger("vertumnus")
 
 REMEMBERED = 4096  # ended handles kept for a 410
 READ_AHEAD = 2  # chunks read from the ranks ahead of the one written
-SETTLE_S = 5.0  # the longest a switch waits for a pull from its ranks
-
-
-class Sink(Protocol):
-    """Where a pull's stream goes (the route's socket). ``start`` writes the first
-    bytes; ``writev`` queues buffers that must stay untouched until ``flush``
-    returns; ``drain`` waits until what is queued is below the sink's limit,
-    ``flush`` until none is left in this process; ``abort`` drops the connection
-    and what is queued. ``writev`` and both waits raise ``ConnectionError`` once
-    the puller is gone."""
-
-    async def start(self, data: bytes) -> None: ...
-    def writev(self, views: Sequence[Any]) -> None: ...
-    async def drain(self) -> None: ...
-    async def flush(self) -> None: ...
-    def abort(self) -> None: ...
-
-
-class HandoffError(RuntimeError):
-    """A pull that cannot be served: ``status`` 404 (unknown) or 410 (ended)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-@dataclass
-class Lease:
-    handle: str
-    request_id: int
-    worker_id: int
-    first_device: int
-    index: WorkerCacheIndex  # the one the pin is on
-    pin: PrefillLease  # the whole blocks of the prefix, pinned
-    rows: Tensor | None  # K, V of the tokens after them: [2, layers, t, Hkv, D]
-    num_tokens: int  # tokens handed off: the prompt but its last
-    prompt_tokens: int
-    expires_s: float  # on the coordinator's clock
-    expires_unix: float
-    pulling: bool = False
-
-    @property
-    def blocks(self) -> list[BlockLocation]:
-        return self.pin.reused
-
-
-def export_range(lease: PrefillLease, prompt_tokens: int, block: int) -> tuple[int, int]:
-    """The suffix rows [a, b) a hand-off prefill must return: the tokens of the
-    prompt but its last that the lease's blocks (reused and new, a prefix of the
-    prompt) do not hold."""
-    held = min(lease.num_reused_blocks + len(lease.new), (prompt_tokens - 1) // block)
-    prefix = lease.num_reused_blocks * block
-    return held * block - prefix, prompt_tokens - 1 - prefix
 
 
 class Handoffs:
@@ -130,33 +83,21 @@ class Handoffs:
     def full(self) -> bool:
         return len(self.leases) >= self.cfg.max_leases
 
-    def open(
-        self,
-        request_id: int,
-        worker_id: int,
-        first_device: int,
-        ids: Sequence[int],
-        prompt_tokens: int,
-        rows: Tensor | None,
-    ) -> Lease:
-        """Pin the prompt's whole blocks that the rows do not cover, now that the
-        prefill committed them (same step of the loop: nothing evicted them)."""
-        coord, block = self.coord, self.coord.cfg.engine.block_size
-        index = coord.indexes[worker_id]
+    def open(self, hold: Hold, first_device: int, prompt_tokens: int, rows: Tensor | None) -> Lease:
+        """A lease on the KV the policy holds for the request (``finish(hold=True)``)
+        and the rows its prefill exported (the tokens the hold's blocks do not cover)."""
+        block = self.coord.cfg.engine.block_size
         num_rows = 0 if rows is None else int(rows.shape[2])
-        held = (prompt_tokens - 1 - num_rows) // block
-        if len(index.match(ids[:held])) < held:
-            raise RankPoolError(f"request {request_id}: its blocks left worker {worker_id}")
-        pin = index.begin(ids[:held], held)
-        assert not pin.new, "a pin allocates nothing"
-        now = coord.clock()
+        if len(hold.blocks) * block + num_rows != prompt_tokens - 1:
+            raise RuntimeError(
+                f"request {hold.request_id}: {len(hold.blocks)} held blocks and {num_rows} "
+                f"exported rows do not make the {prompt_tokens - 1} tokens of its hand-off"
+            )
+        now = self.coord.clock()
         lease = Lease(
             handle="kv-" + secrets.token_urlsafe(18),
-            request_id=request_id,
-            worker_id=worker_id,
+            hold=hold,
             first_device=first_device,
-            index=index,
-            pin=pin,
             rows=rows,
             num_tokens=prompt_tokens - 1,
             prompt_tokens=prompt_tokens,
@@ -169,19 +110,46 @@ class Handoffs:
         return lease
 
     def end(self, handle: str, why: str) -> bool:
-        """End a lease (``why``: pulled, expired, released, moved); False if not open."""
+        """End a lease (``why``: pulled, expired, released, moved); False if not open.
+        Its hold goes back to the policy, which may park a draining worker."""
         lease = self.leases.pop(handle, None)
         if lease is None:
             return False
         lease.rows = None
-        if self.coord.indexes.get(lease.worker_id) is lease.index:
-            self.coord.cache.apply_report(lease.index.commit(lease.pin))
         self.counts[why] += 1
         self.coord.metrics.lease_ended(why)
         self.ended[handle] = why
         while len(self.ended) > REMEMBERED:
             self.ended.popitem(last=False)
+        coord = self.coord
+        coord.apply(coord.policy.release_hold(lease.hold, coord.clock()))
         return True
+
+    def cut(self, worker_id: int, why: str, only_draining: bool = False) -> int:
+        """End every lease on ``worker_id`` (its rank failed; or, ``only_draining``,
+        its reshape's wait for the pulls is over), pulls under way cut off; how many."""
+        if only_draining:
+            w = self.coord.policy.lattice.workers.get(worker_id)
+            if w is None or w.state is not WorkerState.DRAINING:
+                return 0
+        ended = [lease for lease in self.leases.values() if lease.worker_id == worker_id]
+        for lease in ended:
+            pull = self._pulls.get(lease.handle)
+            if pull is not None:
+                pull[1].abort()  # its writes fail now: the stream stops reading the store
+            self.end(lease.handle, why)
+        if ended:
+            log.warning("handoffs_cut", worker=worker_id, leases=len(ended), why=why)
+        return len(ended)
+
+    def wait_for_pulls(self, workers: Sequence[int]) -> None:
+        """A reshape of ``workers`` began: the leases on them have ``reshape_wait_s``
+        to be pulled; then they end as moved (and the workers park)."""
+        if not any(lease.worker_id in workers for lease in self.leases.values()):
+            return
+        loop = asyncio.get_running_loop()
+        for w in workers:
+            loop.call_later(self.cfg.reshape_wait_s, self.cut, w, "moved", True)
 
     def lookup(self, handle: str) -> Lease:
         lease = self.leases.get(handle)
@@ -196,7 +164,7 @@ class Handoffs:
         if self.coord.indexes.get(lease.worker_id) is not lease.index:
             self.end(handle, "moved")
             raise HandoffError(
-                410, f"the KV hand-off {handle!r} ended: moved (worker {lease.worker_id} reshaped)"
+                410, f"the KV hand-off {handle!r} ended: moved (worker {lease.worker_id} failed)"
             )
         return lease
 
@@ -335,13 +303,15 @@ class Handoffs:
             stores[device] = store
         return stores
 
-    async def settle(self, devices: set[int], timeout_s: float = SETTLE_S) -> None:
+    async def settle(self, devices: set[int], timeout_s: float | None = None) -> None:
         """Wait for the pulls reading from ``devices`` (a switch is about to give
-        their slots to new workers); those still going after ``timeout_s`` (a
-        puller that stopped reading) are cut off."""
+        their slots to new workers); those still going after ``timeout_s`` (default
+        ``reshape_wait_s``: a puller that stopped reading) are cut off."""
         waits = [(sink, done) for d, sink, done in self._pulls.values() if d & devices]
         if not waits:
             return
+        if timeout_s is None:
+            timeout_s = self.cfg.reshape_wait_s
         _, pending = await asyncio.wait([done for _, done in waits], timeout=timeout_s)
         for sink, done in waits:
             if done in pending:

@@ -1,4 +1,9 @@
-"""KV copies on the live ranks: moving a copy job's blocks rank to rank.
+"""KV copies on the live ranks: the cache manager's scans and copies, and moving a
+copy job's blocks rank to rank.
+
+``CopyRuns`` drives the policy's side: a scan (its reclamations happen at once, its
+copies queue on the copy lanes), each copy job the lanes start (moved, then
+``copy_done``), and who waits for a plan to end (``scan_now``, ``run_plan``).
 
 The policy stack decides what to copy and when (one copy at a time, on the channel
 it shares with reshape switches, ``policy/pool_policy.py``); its KV ledger has turned
@@ -20,7 +25,11 @@ from typing import Any
 import structlog
 
 from vertumnus.engine.messages import KVTransfer, KVWritten, RankFailed
+from vertumnus.policy.cache_plans import CopyPlan
 from vertumnus.policy.kv_ledger import CopyJob
+from vertumnus.policy.pool_policy import PoolPolicy
+from vertumnus.policy.pool_results import Actions, ScanOutcome
+from vertumnus.runtime.metrics import Metrics
 from vertumnus.runtime.pool import RankPoolError, Ranks
 
 log = structlog.get_logger("vertumnus")
@@ -94,3 +103,91 @@ class KVCopier:
         for (_, r), wait in list(self._waits.items()):
             if (ranks is None or r in ranks) and not wait.done():
                 wait.set_exception(RankPoolError(error))
+
+
+class CopyRuns:
+    """The scans and copies of the policy's cache manager, carried out: given the
+    stack, the copier, the metrics, the clock and the coordinator's ``apply``."""
+
+    def __init__(
+        self,
+        policy: PoolPolicy,
+        copier: KVCopier,
+        metrics: Metrics,
+        clock: Callable[[], float],
+        apply: Callable[[Actions], None],
+    ) -> None:
+        self.policy, self.copier, self.metrics = policy, copier, metrics
+        self.clock, self.apply = clock, apply
+        self._waits: dict[int, asyncio.Future[int]] = {}  # plan id -> blocks installed
+
+    def scan(self, now: float) -> tuple[ScanOutcome, list[asyncio.Future[int]]]:
+        """One scan of the cache manager: its reclamations happen at once, its copies
+        queue on the lanes; returns what to wait for to see them end."""
+        outcome = self.policy.scan(now)
+        for _ in range(outcome.reclaimed):
+            self.metrics.reclaimed()
+        waits = [self._wait(plan) for plan in outcome.result.copies]
+        self.apply(outcome.actions)
+        if outcome.result.copies or outcome.result.reclaims:
+            log.info(
+                "scan",
+                candidates=dict(outcome.result.candidates),
+                copies_planned=len(outcome.result.copies),
+                reclaims=outcome.reclaimed,
+            )
+        return outcome, waits
+
+    async def scan_now(self) -> dict[str, Any]:
+        """One scan now, waiting for its copies: what it did."""
+        outcome, waits = self.scan(self.clock())
+        installed = await asyncio.gather(*waits)
+        return {
+            "candidates": dict(outcome.result.candidates),
+            "copies": sum(n > 0 for n in installed),
+            "blocks_copied": sum(installed),
+            "reclaims": outcome.reclaimed,
+        }
+
+    async def run_plan(self, plan: CopyPlan) -> int:
+        """Run a copy plan made outside a scan; the blocks installed (0: it ended as
+        a miss, or failed)."""
+        wait = self._wait(plan)
+        self.apply(self.policy.queue_copy(plan, self.clock()))
+        return await wait
+
+    def ended(self, plans: Sequence[tuple[int, int]]) -> None:
+        """Plans that ended (plan id, blocks installed): their waiters learn it."""
+        for plan_id, installed in plans:
+            wait = self._waits.pop(plan_id, None)
+            if wait is not None and not wait.done():
+                wait.set_result(installed)
+
+    def _wait(self, plan: CopyPlan) -> asyncio.Future[int]:
+        wait: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._waits[plan.plan_id] = wait
+        return wait
+
+    async def run(self, job: CopyJob) -> None:
+        """Move a job the lanes started, then tell the policy (once, even if the
+        move raised)."""
+        started = self.clock()
+        ok = False
+        try:
+            ok = await self.copier.transfer(job)
+        finally:
+            actions = self.policy.copy_done(job, ok, self.clock())
+            installed = sum(n for plan_id, n in actions.copies_ended if plan_id == job.plan.plan_id)
+            if ok:
+                seconds = self.clock() - started
+                self.metrics.copied(installed, seconds)
+                log.info(
+                    "copy",
+                    kind=job.plan.kind,
+                    source="retained" if job.src_worker is None else job.src_worker,
+                    dest=job.plan.dest_worker,
+                    blocks=installed,
+                    reshard=job.plan.reshard,
+                    seconds=round(seconds, 6),
+                )
+            self.apply(actions)

@@ -22,6 +22,10 @@ vertumnus_handoff_ended_total        hand-off leases ended, by why (pulled, expi
                                      released, moved)
 vertumnus_handoff_bytes_total        KV bytes pulled by decode servers
 vertumnus_handoff_seconds            histogram of a pull, first byte to last
+vertumnus_internal_errors_total      bugs contained (logged with their traceback), by
+                                     where (worker_step, reshape, task, handoff, api)
+vertumnus_reshapes_rolled_back_total reshapes past [server] reshape_timeout_s, by how
+                                     they ended (rolled_back, forced)
 
 Also the pool over time for the dashboard (``timeline``, ``policy/timeline.py``):
 the request path reports arrivals and answers to it, the coordinator its reshapes,
@@ -116,6 +120,19 @@ class Metrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        self.internal_errors = Counter(
+            "vertumnus_internal_errors",
+            "Bugs contained (logged with their traceback)",
+            ["where"],
+            registry=r,
+        )
+        self.overdue_reshapes = Counter(
+            "vertumnus_reshapes_rolled_back",
+            "Reshapes past their bound: rolled back before the commit, or forced after it",
+            ["how"],
+            registry=r,
+        )
+        self.internal_error_count = 0
         self._cached = self._total = 0
         self.replication_count = self.reclamation_count = 0
 
@@ -163,6 +180,13 @@ class Metrics:
     def pulled(self, num_bytes: int, seconds: float) -> None:
         self.handoff_bytes.inc(num_bytes)
         self.handoff_seconds.observe(seconds)
+
+    def internal_error(self, where: str) -> None:
+        self.internal_errors.labels(where=where).inc()
+        self.internal_error_count += 1
+
+    def reshape_overdue(self, how: str) -> None:
+        self.overdue_reshapes.labels(how=how).inc()
 
     def restarted(self) -> None:
         self.restarts.inc()

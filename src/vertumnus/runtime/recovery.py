@@ -1,14 +1,16 @@
 """Rank failures: a rank that dies, hangs or fails a prefill restarts its worker.
 
 ``rank_down`` kills the suspect ranks, releases what waits on them (``RankLink``),
-takes the worker out of the candidate set (the policy places its queue again) and
-starts ``_recover`` in the background. Recovery waits for any reshape that involves
-the rank to finish (its drain ends when the failed prefill does; the dead rank's
-acknowledgement is skipped), then resets the worker in the policy (its cache is
-gone), restarts its ranks, has their live peers form the groups they share anew
-(``RebuildGroups``) and lets it rejoin with an empty cache. A restart that fails is
-tried again after 2, 4, 8, ... s, up to ``[server] max_restart_attempts``; meanwhile
-the worker stays out and the failed processes are not watched (no crash loop).
+ends the hand-off leases of the worker, takes the worker out of the candidate set
+(the policy places its queue again) and starts ``_recover`` in the background.
+Recovery waits for any reshape that involves the rank to finish (its drain ends when
+the failed prefill does, and a prefill is never sent to a rank known dead; the dead
+rank's acknowledgement is skipped; the reshape's own bound ends it at the latest),
+then resets the worker in the policy (its cache is gone), restarts its ranks, has
+their live peers form the groups they share anew (``RebuildGroups``) and lets it
+rejoin with an empty cache. A restart that fails is tried again after 2, 4, 8, ...
+s, up to ``[server] max_restart_attempts``; meanwhile the worker stays out and the
+failed processes are not watched (no crash loop).
 Requests wait while a worker is coming back and are refused once nothing is.
 """
 
@@ -65,6 +67,9 @@ class Recovery:
         first_failure = not (set(worker.devices) & self.dead_ranks)
         self._mark_dead(fresh, WorkerLost(f"worker {worker.worker_id} failed: {reason}"))
         coord.apply(coord.policy.outages.failed(worker.worker_id, coord.clock()))
+        # Its KV is going: the hand-offs it holds end (a pull answers 410, moved), and
+        # a reshape it drains for no longer waits for them.
+        coord.handoffs.cut(worker.worker_id, "moved")
         log.error("worker_failed", worker=worker.worker_id, ranks=sorted(fresh), reason=reason)
         if first_failure:
             coord.spawn(self._recover(rank, reason))
@@ -80,13 +85,16 @@ class Recovery:
                 self.coord.spawn(self._recover(w.devices[0], "its host is back"))
 
     def new_workers_up(self, workers: Sequence[int]) -> None:
-        """A reshape's new workers serve: one with a dead rank leaves at once (its
-        restart follows, from ``_recover`` waiting on the reshape)."""
+        """A reshape's new workers serve: one with a dead rank leaves at once, and is
+        restarted (a split may have put the dead ranks of one old worker into two new
+        ones; a restart already under way for it makes this one a no-op)."""
         coord = self.coord
         for w in workers:
             lw = coord.policy.lattice.workers.get(w)
-            if lw is not None and set(lw.devices) & self.dead_ranks:
+            dead = set(lw.devices) & self.dead_ranks if lw is not None else set()
+            if lw is not None and dead:
                 coord.apply(coord.policy.outages.failed(w, coord.clock()))
+                coord.spawn(self._recover(min(dead), f"worker {w} has failed ranks {sorted(dead)}"))
 
     def _mark_dead(self, ranks: set[int], lost: WorkerLost) -> None:
         """Kill ``ranks`` (a hung rank is dead from now on) and release what waits on
@@ -120,9 +128,15 @@ class Recovery:
         retrying = False
         try:
             async with self._lock:
-                deadline = coord.clock() + coord.cfg.engine.rank_timeout_s
+                # A reshape it takes part in ends first: its drain ends with the failed
+                # prefill, its switch skips the dead rank; and it is bounded (rolled
+                # back or finished at [server] reshape_timeout_s), so this wait is too.
+                bound_s = coord.cfg.reshape_timeout_s + coord.cfg.engine.rank_timeout_s
+                deadline = coord.clock() + bound_s
                 while self._in_reshape(rank) and coord.clock() < deadline:
                     await asyncio.sleep(0.02)
+                if self._in_reshape(rank):
+                    log.error("recovery_past_reshape", rank=rank, waited_s=bound_s)
                 w = self.worker_of_rank(rank)
                 assert w is not None
                 if not set(w.devices) & self.dead_ranks and w.state is not WorkerState.UNAVAILABLE:

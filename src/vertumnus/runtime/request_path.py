@@ -7,7 +7,10 @@
 
 Owns the open requests (their futures, attempts) and one task per worker. A prefill
 that fails because its worker failed is placed again, up to ``MAX_ATTEMPTS``; a
-client that gives up (time-out) leaves the policy's queues at once. It does not
+client that gives up (time-out) leaves the policy's queues at once. Every request
+is answered exactly once: with its result, or with an error that says why
+(``Unavailable``, ``Overloaded``, or ``InternalError`` for a bug, which is logged
+with its traceback and counted while the worker goes on serving). It does not
 choose workers (the policy) nor restart them (``recovery``).
 """
 
@@ -22,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from vertumnus.blocks import block_ids
-from vertumnus.engine.messages import PrefillDone
-from vertumnus.policy.pool_results import Started
+from vertumnus.engine.messages import PrefillCommand, PrefillDone
+from vertumnus.policy.pool_results import Finished, Started
 from vertumnus.policy.scheduler import PlacementRequest
-from vertumnus.runtime.handoff import Lease, export_range
+from vertumnus.runtime.lease import Lease, export_range
 from vertumnus.runtime.pool import RankPoolError
 from vertumnus.runtime.rank_link import WorkerLost
 from vertumnus.runtime.worker import prefill_command
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("vertumnus")
 
 MAX_ATTEMPTS = 3  # prefills of one request before a failure is the client's answer
+BUG_PAUSE_S = 0.05  # a worker's loop waits this long after a step that failed with a bug
 
 
 class Overloaded(RuntimeError):
@@ -44,6 +48,10 @@ class Overloaded(RuntimeError):
 
 class Unavailable(RuntimeError):
     """No worker can serve the request now (retry later)."""
+
+
+class InternalError(RuntimeError):
+    """A bug stopped the request (logged with its traceback): the answer is a 500."""
 
 
 @dataclass
@@ -97,13 +105,19 @@ class RequestPath:
         req = _Request(rid, list(tokens), now, loop.create_future(), handoff=handoff)
         self.open[rid] = req
         ids = tuple(block_ids(tokens, coord.cfg.engine.block_size))
+        timeout_s = coord.cfg.request_timeout_s
         try:
             coord.metrics.timeline.arrived(now)
             coord.apply(coord.policy.arrive(PlacementRequest(rid, len(tokens), ids), now))
-            return await asyncio.wait_for(asyncio.shield(req.future), coord.cfg.request_timeout_s)
+            return await asyncio.wait_for(asyncio.shield(req.future), timeout_s)
+        except TimeoutError:
+            limit = f"[server] request_timeout_s = {timeout_s:g} s"
+            raise Unavailable(f"request {rid} was not answered within {limit}") from None
         finally:
             self.open.pop(rid, None)
             coord.policy.abandon(rid, coord.clock())  # (nothing if answered)
+            if req.future.done() and not req.future.cancelled():
+                req.future.exception()  # (retrieved: an answer nobody waits for is no bug)
 
     def refuse(self, request_id: int, error: Exception) -> None:
         req = self.open.get(request_id)
@@ -148,29 +162,53 @@ class RequestPath:
             task.cancel()
 
     async def _worker_loop(self, worker_id: int) -> None:
+        """Runs the worker's queue, one prefill at a time, while the worker exists.
+        A bug in one step is contained (``_contain``): that request is answered with
+        an error, the policy's record of the step is closed, and the loop goes on."""
         wake = self._wake[worker_id]
         policy = self.coord.policy
-        try:
-            while True:
-                self._idle.add(worker_id)
-                try:
-                    await wake.wait()
-                finally:
-                    self._idle.discard(worker_id)
-                wake.clear()
-                started = self._next.pop(worker_id, None)
-                if started is None:
-                    started = policy.start(worker_id, self.coord.clock())
-                while started is not None:
+        while True:
+            self._idle.add(worker_id)
+            try:
+                await wake.wait()
+            finally:
+                self._idle.discard(worker_id)
+            wake.clear()
+            started = self._next.pop(worker_id, None)
+            try:
+                while True:
+                    if started is None:
+                        started = policy.start(worker_id, self.coord.clock())
+                        if started is None:
+                            break
                     await self._run_one(started)
-                    started = policy.start(worker_id, self.coord.clock())
-                if worker_id not in policy.lattice.workers:
-                    return
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a bug: say so loudly, the worker is lost
-            log.exception("worker_loop_crashed", worker=worker_id, error=repr(exc))
-            raise
+                    started = None
+            except Exception as exc:  # a bug: say so loudly, keep the worker serving
+                self._contain(worker_id, started, exc)
+                await asyncio.sleep(BUG_PAUSE_S)  # (no tight loop if it fails again)
+                wake.set()
+            if worker_id not in policy.lattice.workers:
+                return
+
+    def _contain(self, worker_id: int, started: Started | None, exc: Exception) -> None:
+        """An unexpected exception in a worker's step: logged with its traceback and
+        counted; a prefill the policy still runs for the request ends as failed; the
+        request is answered once, with an error that names the bug."""
+        coord = self.coord
+        rid = None if started is None else started.request_id
+        log.error(
+            "worker_step_failed", worker=worker_id, request_id=rid, error=repr(exc), exc_info=exc
+        )
+        coord.metrics.internal_error("worker_step")
+        if started is None:
+            return
+        running = coord.policy.running(worker_id)
+        if running is not None and running.request_id == rid:
+            coord.apply(coord.policy.finish(worker_id, coord.clock(), ok=False).actions)
+        coord.policy.drop(started.request_id)
+        req = self.open.get(started.request_id)
+        if req is not None and not req.future.done():
+            req.future.set_exception(InternalError(f"request {rid} failed: {exc!r}"))
 
     async def _run_one(self, started: Started) -> None:
         coord = self.coord
@@ -189,8 +227,12 @@ class RequestPath:
         export = export_range(started.lease, len(req.tokens), block) if req.handoff else None
         cmd = prefill_command(started.lease, req.tokens, block, rid, ranks, export=export)
         answers = coord.link.expect_prefill(rid, ranks)
-        for r in ranks:
-            pool.send(r, cmd)
+        dead = sorted(set(ranks) & coord.recovery.dead_ranks)
+        if dead:  # (failed since the start: no answer will come)
+            answers.set_exception(WorkerLost(f"worker {worker_id} failed: ranks {dead} are down"))
+        else:
+            for r in ranks:
+                pool.send(r, cmd)
         failure: Exception | None = None
         done: dict[int, PrefillDone] = {}
         try:
@@ -213,14 +255,44 @@ class RequestPath:
             self._failed(started, req, failure, end)
             return
         compute_s = max(d.compute_s for d in done.values())
-        finished = policy.finish(worker_id, end, compute_s=compute_s)
+        # The hold (a hand-off's KV pinned) is taken in the step that commits the
+        # blocks: a reshape of this worker now waits for the lease to end.
+        hold = req.handoff and not req.future.done()
+        finished = policy.finish(worker_id, end, compute_s=compute_s, hold=hold)
+        try:
+            if not finished.ok:  # its KV went with a reset of the worker
+                self._failed(started, req, WorkerLost(f"worker {worker_id} was reset"), end, False)
+                return
+            self._answer(started, req, cmd, done, finished, start, end)
+        finally:
+            coord.apply(finished.actions)
+
+    def _answer(
+        self,
+        started: Started,
+        req: _Request,
+        cmd: PrefillCommand,
+        done: dict[int, PrefillDone],
+        finished: Finished,
+        start: float,
+        end: float,
+    ) -> None:
+        """The prefill's answer (with its lease, for a hand-off), once; a lease that
+        cannot be opened gives its hold back and the request an error."""
+        coord = self.coord
+        rid, worker_id, ranks = req.request_id, started.worker_id, tuple(started.devices)
         logits = done[ranks[0]].logits
-        assert logits is not None
         lease = None
-        if req.handoff and not req.future.done():
-            ids = block_ids(req.tokens, block)
-            rows = done[ranks[0]].exported
-            lease = coord.handoffs.open(rid, worker_id, ranks[0], ids, len(req.tokens), rows)
+        try:
+            assert logits is not None, "CP rank 0 answered no logits"
+            if finished.hold is not None:
+                rows = done[ranks[0]].exported
+                lease = coord.handoffs.open(finished.hold, ranks[0], len(req.tokens), rows)
+        except Exception as exc:
+            if finished.hold is not None:
+                coord.apply(coord.policy.release_hold(finished.hold, end))
+            raise InternalError(f"request {rid}: its hand-off could not open: {exc!r}") from exc
+        compute_s = max(d.compute_s for d in done.values())
         result = PrefillResult(
             request_id=rid,
             first_token=int(logits[-1].argmax()),
@@ -253,16 +325,23 @@ class RequestPath:
         )
         if not req.future.done():
             req.future.set_result(result)
-        coord.apply(finished.actions)
+        elif lease is not None:  # (nobody waits for it any more)
+            coord.handoffs.end(lease.handle, "released")
 
-    def _failed(self, started: Started, req: _Request, error: Exception, now: float) -> None:
+    def _failed(
+        self, started: Started, req: _Request, error: Exception, now: float, finish: bool = True
+    ) -> None:
+        """The prefill failed: placed again while attempts remain and its worker was
+        lost, else answered with the error. ``finish``: the policy has not been told
+        yet."""
         coord, policy = self.coord, self.coord.policy
         worker_id = started.worker_id
         if isinstance(error, RankPoolError):  # the worker's group is out of step now
             coord.recovery.rank_down(
                 started.first_device, f"prefill failed: {error}", whole_worker=True
             )
-        coord.apply(policy.finish(worker_id, now, ok=False).actions)
+        if finish:
+            coord.apply(policy.finish(worker_id, now, ok=False).actions)
         lost = isinstance(error, WorkerLost | RankPoolError) or coord.recovery.recovering(worker_id)
         wanted = req.request_id in self.open and not req.future.done()  # (not timed out)
         if lost and req.attempts < MAX_ATTEMPTS and wanted:
@@ -270,5 +349,6 @@ class RequestPath:
             coord.apply(policy.replace(req.request_id, now))
             return
         policy.drop(req.request_id)
-        if not req.future.done():
-            req.future.set_exception(Unavailable(f"worker {worker_id} failed: {error}"))
+        if wanted:
+            why = str(error) if isinstance(error, WorkerLost) else f"worker {worker_id}: {error}"
+            req.future.set_exception(Unavailable(why))

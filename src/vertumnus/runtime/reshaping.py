@@ -1,29 +1,39 @@
-"""Reshapes on the live ranks: the switch of a committed epoch, and who waits for it.
+"""Reshapes on the live ranks: the switch of a committed epoch, who waits for it, and
+the bound on a reshape's life.
 
 The policy decides and sequences every split and merge (the controller's windows,
-an operator's request): it drains the participants, and when they have parked and
-the channel is free it commits the new epoch and hands the coordinator a
-``Switch``. Here that switch is carried out: once the hand-off pulls reading from
-its ranks are done, every rank of each new worker gets ``SwitchEpoch`` (its groups
-exist from start-up, so this only changes which one a command names), and each
-``EpochAck`` is passed to the policy, which activates the new workers after the
-last. A rank that died meanwhile is skipped (its worker
-restarts after the switch); one that does not answer within ``rank_timeout_s`` is
-taken down the same way.
+an operator's request): it drains the participants (a participant parks once it
+runs nothing and no hand-off holds its KV: the leases on it have
+``[handoff] reshape_wait_s`` to be pulled), and when they have parked and the copy
+lanes are free it commits the new epoch and hands the coordinator a ``Switch``.
+Here that switch is carried out: once the hand-off pulls reading from its ranks
+are done, every rank of each new worker gets ``SwitchEpoch`` (its groups exist from
+start-up, so this only changes which one a command names), and each ``EpochAck``
+is passed to the policy, which activates the new workers after the last. A rank
+that died meanwhile is skipped (its worker restarts after the switch); one that does
+not answer within ``rank_timeout_s`` is taken down the same way, and so is every
+rank still owing its acknowledgement when a step of the switch fails: a committed
+reshape always finishes.
+
+Every reshape is bounded: one not done ``[server] reshape_timeout_s`` after it
+began is rolled back if it has not committed (its participants serve again as they
+were; ``PoolPolicy.abort_reshape``), or finished by taking down the ranks that have
+not acknowledged. Either is logged and counted
+(``vertumnus_reshapes_rolled_back_total``).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from vertumnus.engine.messages import SwitchEpoch
 from vertumnus.policy.lattice import Reshape
 from vertumnus.policy.pool_results import Switch
-from vertumnus.policy.transition import Transition
+from vertumnus.policy.transition import Phase, Transition
 
 if TYPE_CHECKING:
     from vertumnus.runtime.coordinator import Coordinator
@@ -31,56 +41,82 @@ if TYPE_CHECKING:
 log = structlog.get_logger("vertumnus")
 
 
+class ReshapeFailed(RuntimeError):
+    """A reshape that was rolled back (the operator's call answers 503 with this)."""
+
+
 class Reshaping:
     def __init__(self, coord: Coordinator) -> None:
         self.coord = coord
         self._waits: dict[int, asyncio.Future[Transition]] = {}  # id(transition) -> done
+        self._bounds: dict[int, asyncio.TimerHandle] = {}  # id(transition) -> its bound
 
     def begin(self, op: Reshape) -> asyncio.Future[Transition]:
         """Drain ``op``'s workers now; the future resolves when the new workers serve
-        (LatticeError if the lattice cannot run ``op`` now)."""
+        (LatticeError if the lattice cannot run ``op`` now; ReshapeFailed if it was
+        rolled back)."""
         coord = self.coord
         transition, actions = coord.policy.begin_reshape(op, coord.clock())
         done = asyncio.get_running_loop().create_future()
         self._waits[id(transition)] = done
-        log.info(
-            "reshape_begin", kind=op.kind, sources=list(op.sources), requeued=len(actions.placed)
-        )
         ops = [{"kind": op.kind, "sources": list(op.sources), "degree": op.target_degree}]
-        coord.metrics.timeline.reshaped(coord.clock(), op.kind, {"rule": "operator", "ops": ops})
+        self.begun(transition, {"rule": "operator", "ops": ops}, len(actions.placed))
         coord.apply(actions)
         return done
+
+    def begun(self, transition: Transition, decision: dict[str, Any], requeued: int) -> None:
+        """A reshape began (the controller's or an operator's): logged, on the
+        timeline, its bound set, and the leases on its workers given their wait."""
+        coord, op = self.coord, transition.op
+        log.info("reshape_begin", kind=op.kind, sources=list(op.sources), requeued=requeued)
+        coord.metrics.timeline.reshaped(coord.clock(), op.kind, decision)
+        coord.handoffs.wait_for_pulls(op.sources)
+        loop = asyncio.get_running_loop()
+        self._bounds[id(transition)] = loop.call_later(
+            coord.cfg.reshape_timeout_s, self._overdue, transition
+        )
 
     def choose(self, op_name: str, workers: Sequence[int] | None) -> Reshape:
         """The admin endpoint's request as a lattice operation (or the least loaded
         option when ``workers`` is empty); LatticeError when it cannot be done."""
         return self.coord.policy.choose_reshape(op_name, workers, self.coord.clock())
 
+    def overdue(self) -> list[Transition]:
+        """Reshapes under way past ``reshape_timeout_s`` (none, but for a moment, while
+        the bound does its work)."""
+        coord = self.coord
+        limit = coord.clock() - coord.cfg.reshape_timeout_s
+        return [t for t in coord.policy.transitions if t.started_s < limit]
+
     async def run_switch(self, switch: Switch) -> None:
         coord = self.coord
         pool, link = coord.pool, coord.link
         assert pool is not None
         transition, epoch = switch.transition, switch.epoch
-        # A hand-off pull may be streaming blocks straight from these ranks' stores:
-        # once switched, their slots may be written for the new workers.
-        await coord.handoffs.settle({r for _, ranks in switch.workers for r in ranks})
-        acks = []
-        for worker_id, ranks in switch.workers:
-            for cp_rank, r in enumerate(ranks):
+        devices = dict(switch.workers)
+        owed = [
+            (worker_id, cp_rank, r)
+            for worker_id, ranks in switch.workers
+            for cp_rank, r in enumerate(ranks)
+        ]
+        try:
+            # A hand-off pull may be streaming blocks straight from these ranks' stores:
+            # once switched, their slots may be written for the new workers.
+            await coord.handoffs.settle({r for _, _, r in owed})
+            acks = []
+            for worker_id, _, r in owed:
                 ack = link.expect_ack(r, epoch)
                 if r in coord.recovery.dead_ranks:
                     ack.set_result(None)  # restarted after this switch, all groups new
                 else:
-                    pool.send(r, SwitchEpoch(epoch, ranks))
-                acks.append((worker_id, cp_rank, r, ack))
-        try:
-            for worker_id, cp_rank, r, ack in acks:
+                    pool.send(r, SwitchEpoch(epoch, devices[worker_id]))
+                acks.append(ack)
+            for (worker_id, cp_rank, r), ack in zip(list(owed), acks, strict=True):
                 try:
                     await asyncio.wait_for(asyncio.shield(ack), coord.cfg.engine.rank_timeout_s)
                 except TimeoutError:
                     coord.recovery.rank_down(r, f"no EpochAck for epoch {epoch}")
-                    if not ack.done():
-                        raise
+                owed.remove((worker_id, cp_rank, r))
                 coord.apply(coord.policy.acknowledge(transition, worker_id, cp_rank, coord.clock()))
             log.info(
                 "reshape_done",
@@ -94,18 +130,91 @@ class Reshaping:
                 reserved_blocks=switch.reserved_blocks,
                 composition=coord.composition_name(),
             )
-        except Exception as exc:  # the pool failed mid-switch
-            log.error("reshape_failed", error=str(exc))
-            done = self._waits.pop(id(transition), None)
-            if done is not None and not done.done():
-                done.set_exception(exc)
-            coord.apply(coord.policy.switch_failed(transition, coord.clock()))
+        except Exception as exc:  # the pool failed, or a bug: the switch finishes anyway
+            log.error("reshape_step_failed", epoch=epoch, error=repr(exc), exc_info=exc)
+            coord.metrics.internal_error("reshape")
+            self._finish(transition, owed, f"the switch to epoch {epoch} failed: {exc!r}")
         finally:
             link.forget_acks(epoch)
+
+    def _finish(self, transition: Transition, owed: list[tuple[int, int, int]], why: str) -> None:
+        """Finish a committed switch whose ``owed`` acknowledgements will not come:
+        their ranks are taken down (their workers restart once it is done), and the
+        policy is told they acknowledged."""
+        coord = self.coord
+        for _, _, r in owed:
+            coord.recovery.rank_down(r, why)
+        for worker_id, cp_rank, r in list(owed):
+            owed.remove((worker_id, cp_rank, r))
+            if transition.phase is Phase.ACTIVATING:
+                coord.apply(coord.policy.acknowledge(transition, worker_id, cp_rank, coord.clock()))
+
+    def _overdue(self, transition: Transition) -> None:
+        """The bound of a reshape passed: roll it back before its commit, or finish it
+        after (the ranks that did not acknowledge are taken down)."""
+        try:
+            self._end_overdue(transition)
+        except Exception as exc:  # a bug: logged with its traceback, counted
+            log.error("reshape_step_failed", step="bound", error=repr(exc), exc_info=exc)
+            self.coord.metrics.internal_error("reshape")
+
+    def _end_overdue(self, transition: Transition) -> None:
+        coord = self.coord
+        self._bounds.pop(id(transition), None)
+        if transition not in coord.policy.transitions or coord.stopping:
+            return
+        op, now = transition.op, coord.clock()
+        waited_s = round(now - transition.started_s, 3)
+        if transition.phase in (Phase.DRAINING, Phase.SWITCHING):
+            busy = {
+                s: {
+                    "running": coord.policy.running(s) is not None,
+                    "holds": len(coord.policy.holds.of(s)),
+                }
+                for s in op.sources
+            }
+            log.error(
+                "reshape_rolled_back",
+                kind=op.kind,
+                sources=list(op.sources),
+                phase=str(transition.phase),
+                waited_s=waited_s,
+                participants=busy,
+            )
+            coord.metrics.reshape_overdue("rolled_back")
+            coord.apply(coord.policy.abort_reshape(transition, now))
+            done = self._waits.pop(id(transition), None)
+            if done is not None and not done.done():
+                done.set_exception(
+                    ReshapeFailed(
+                        f"the {op.kind} of workers {list(op.sources)} was rolled back: not "
+                        f"done after {waited_s} s ([server] reshape_timeout_s)"
+                    )
+                )
+            return
+        owed = [
+            (w, cp_rank, r)
+            for w, acked in transition.acks.items()
+            for cp_rank, r in enumerate(coord.policy.lattice.workers[w].devices)
+            if cp_rank not in acked
+        ]
+        log.error("reshape_forced", kind=op.kind, epoch=coord.lattice.epoch, owed=len(owed))
+        coord.metrics.reshape_overdue("forced")
+        for _, _, r in owed:  # their acknowledgements are skipped: run_switch goes on
+            coord.recovery.rank_down(r, f"no EpochAck after {waited_s} s")
+
+    def close(self) -> None:
+        """The server stops: no bound fires any more."""
+        for bound in self._bounds.values():
+            bound.cancel()
+        self._bounds.clear()
 
     def activated(self, transition: Transition) -> None:
         """Every rank acknowledged: the new workers serve."""
         coord = self.coord
+        bound = self._bounds.pop(id(transition), None)
+        if bound is not None:
+            bound.cancel()
         coord.metrics.reshape(transition)
         coord.recovery.new_workers_up(transition.new_workers)
         done = self._waits.pop(id(transition), None)

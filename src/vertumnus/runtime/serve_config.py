@@ -7,7 +7,9 @@ pool can be simulated from its own file. Of its own, ``serve`` reads::
     [model]       name = "tiny"                 # preset or Hugging Face folder
     [server]      max_queued = 1024, request_timeout_s = 120, shutdown_grace_s = 30,
                   step_timeout_s = 60 (a prefill unanswered this long: its worker's
-                  ranks are killed and restarted), max_restart_attempts = 5,
+                  ranks are killed and restarted), reshape_timeout_s = 180 (a
+                  reshape not done by then is rolled back, or finished by
+                  restarting the ranks that did not switch), max_restart_attempts = 5,
                   admin_token (or $VERTUMNUS_ADMIN_TOKEN; none: admin calls
                   refused), api_key (or $VERTUMNUS_API_KEY; none: /v1 is open),
                   timeline_s = 1 and timeline_samples = 3600 (the dashboard's
@@ -17,7 +19,7 @@ pool can be simulated from its own file. Of its own, ``serve`` reads::
     [cluster]     listen = "0.0.0.0:7700", hosts = 2: a multi-host pool; the ranks
                   run under node agents (``python -m vertumnus agent``), and
                   [pool] ranks is learned from them (see ``ClusterConfig``)
-    [handoff]     lease_s = 30, max_leases = 1024, secret (or
+    [handoff]     lease_s = 30, max_leases = 1024, reshape_wait_s = 5, secret (or
                   $VERTUMNUS_HANDOFF_SECRET), advertise_host: the KV hand-off to
                   a decode pool (``HandoffConfig``)
     [decode]      url = "http://host:port" (a separate decode server; api_key or
@@ -100,16 +102,19 @@ class HandoffConfig:
     cluster secret or this ``secret`` (``$VERTUMNUS_HANDOFF_SECRET``; none: a random
     one per start, handed to the local decode process), never nothing.
     ``advertise_host``: the host a decode server should pull from (None: the address
-    the server listens on)."""
+    the server listens on). ``reshape_wait_s``: how long a reshape waits for the
+    leases on its workers to be pulled (and a switch for the pulls under way); then
+    they end (moved, 410) and the reshape goes on."""
 
     lease_s: float = 30.0
     max_leases: int = 1024
+    reshape_wait_s: float = 5.0
     secret: str | None = dataclasses.field(default=None, repr=False)
     advertise_host: str | None = None
 
     def __post_init__(self) -> None:
-        if not (self.lease_s > 0 and self.max_leases >= 1):
-            raise ConfigError("[handoff] need lease_s > 0 and max_leases >= 1")
+        if not (self.lease_s > 0 and self.max_leases >= 1 and self.reshape_wait_s > 0):
+            raise ConfigError("[handoff] need lease_s > 0, max_leases >= 1 and reshape_wait_s > 0")
         if self.secret is not None and len(self.secret) < 16:
             raise ConfigError("[handoff] secret must be at least 16 characters")
 
@@ -124,6 +129,7 @@ class DecodeConfig:
     url: str | None = None
     local: bool = True
     restart_s: float = 1.0  # wait before restarting a local decode process that died
+    restart_max_s: float = 30.0  # the wait doubles while it keeps failing, up to this
     # How the local decode process takes the KV: "http" (the pull) or "dist" (the
     # ranks send it over torch.distributed: gloo on CPU, NCCL between GPUs)
     transport: str = "http"
@@ -133,8 +139,8 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"[decode] url must start with http:// or https://, got {self.url!r}")
-        if self.restart_s < 0:
-            raise ConfigError("[decode] restart_s must be >= 0")
+        if not 0 <= self.restart_s <= self.restart_max_s:
+            raise ConfigError("[decode] need 0 <= restart_s <= restart_max_s")
         if self.transport not in ("http", "dist"):
             raise ConfigError(f"[decode] transport must be http or dist, got {self.transport!r}")
 
@@ -154,6 +160,9 @@ class ServeConfig:
     request_timeout_s: float = 120.0
     shutdown_grace_s: float = 30.0  # SIGTERM: how long in-flight work may finish
     step_timeout_s: float = 60.0  # a prefill unanswered this long: its worker is restarted
+    # A reshape not done this long after it began is rolled back (before its commit)
+    # or finished by restarting the ranks that did not switch (after it)
+    reshape_timeout_s: float = 180.0
     max_restart_attempts: int = 5  # a failed worker's restarts, 2, 4, 8, ... s apart
     timeline_s: float = 1.0  # the dashboard's sample period (``policy/timeline.py``)
     timeline_samples: int = 3600  # samples kept (an hour at one a second)
@@ -172,14 +181,15 @@ class ServeConfig:
             or self.request_timeout_s <= 0
             or self.shutdown_grace_s < 0
             or self.step_timeout_s <= 0
+            or self.reshape_timeout_s <= self.step_timeout_s
             or self.max_restart_attempts < 1
             or not self.timeline_s > 0
             or self.timeline_samples < 1
         ):
             raise ConfigError(
                 "[server] need max_queued >= 1, request_timeout_s > 0, shutdown_grace_s >= 0, "
-                "step_timeout_s > 0, max_restart_attempts >= 1, timeline_s > 0, "
-                "timeline_samples >= 1"
+                "step_timeout_s > 0, reshape_timeout_s > step_timeout_s, "
+                "max_restart_attempts >= 1, timeline_s > 0, timeline_samples >= 1"
             )
         for name in ("admin_token", "api_key"):
             value = getattr(self, name)
@@ -213,6 +223,7 @@ SERVER_KEYS = (
     "request_timeout_s",
     "shutdown_grace_s",
     "step_timeout_s",
+    "reshape_timeout_s",
     "max_restart_attempts",
     "timeline_s",
     "timeline_samples",

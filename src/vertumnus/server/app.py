@@ -36,6 +36,8 @@ from aiohttp import web
 from vertumnus.policy.lattice import LatticeError
 from vertumnus.runtime.coordinator import Coordinator, Overloaded, Unavailable
 from vertumnus.runtime.pool import RankPoolError
+from vertumnus.runtime.request_path import InternalError
+from vertumnus.runtime.reshaping import ReshapeFailed
 from vertumnus.server import dashboard_routes, handoff_routes
 from vertumnus.server.handoff_routes import transfer_params, wants_handoff
 from vertumnus.server.http import (
@@ -97,10 +99,10 @@ async def _serve_prefill(coord: Coordinator, tokens: list[int], handoff: bool = 
         return await coord.prefill(tokens, handoff)
     except Overloaded as exc:
         return error_response(503, f"overloaded: {exc}", "overloaded", retry_after_s=1)
-    except (TimeoutError, Unavailable, RankPoolError) as exc:
-        return error_response(
-            503, f"unavailable: {exc or 'timed out'}", "unavailable", retry_after_s=2
-        )
+    except (Unavailable, RankPoolError) as exc:
+        return error_response(503, f"unavailable: {exc}", "unavailable", retry_after_s=2)
+    except InternalError as exc:  # (logged with its traceback where it happened)
+        return error_response(500, f"internal error: {exc}", "internal_error")
 
 
 async def prefill(request: web.Request) -> web.Response:
@@ -230,15 +232,17 @@ async def reconfigure(request: web.Request) -> web.Response:
             )
         op = coord.reshape_for(str(op_name), chosen)
         done = coord.begin_reshape(op)
-        transition = await asyncio.wait_for(done, coord.cfg.request_timeout_s)
+        timeout_s = coord.cfg.request_timeout_s
+        transition = await asyncio.wait_for(asyncio.shield(done), timeout_s)
     except BadRequest as exc:
         return error_response(400, str(exc), "invalid_request")
     except LatticeError as exc:
         return error_response(409, str(exc), "conflict")
-    except (TimeoutError, RankPoolError) as exc:
-        return error_response(
-            503, f"unavailable: {exc or 'timed out'}", "unavailable", retry_after_s=2
-        )
+    except TimeoutError:
+        message = f"the reshape is not done after [server] request_timeout_s = {timeout_s:g} s"
+        return error_response(503, f"unavailable: {message}", "unavailable", retry_after_s=2)
+    except (ReshapeFailed, RankPoolError) as exc:
+        return error_response(503, f"unavailable: {exc}", "unavailable", retry_after_s=2)
     return json_response(
         {
             "op": op.kind,
@@ -266,10 +270,14 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
+    """200 while the pool can dispatch a request (and its decode server, if it has
+    one, is up); else 503 naming why (``runtime/readiness.py``, ``proxy.py``)."""
     coord = request.app[COORDINATOR]
-    if coord.ready:
+    proxy = request.app.get(PROXY)
+    reason = coord.unready_reason() or (proxy.unready_reason() if proxy is not None else None)
+    if reason is None:
         return json_response({"ready": True})
-    return error_response(503, coord.rank_error or "starting", "unavailable", retry_after_s=1)
+    return error_response(503, reason, "unavailable", retry_after_s=1)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -330,9 +338,8 @@ async def access(request: web.Request, handler: Any) -> web.StreamResponse:
 def build_app(coordinator: Coordinator, tokenizer: Tokenizer, proxy: Any = None) -> web.Application:
     """``proxy``: the decode proxy (``server/proxy.py``), for completions of more
     than one token; None: prefills only."""
-    app = web.Application(
-        client_max_size=MAX_BODY_BYTES, middlewares=[json_errors("vertumnus.api"), access]
-    )
+    bug = json_errors("vertumnus.api", lambda: coordinator.metrics.internal_error("api"))
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[bug, access])
     app[COORDINATOR] = coordinator
     app[TOKENIZER] = tokenizer
     app[ADDRESS] = []  # [host, port] once ``serve`` has bound

@@ -29,7 +29,7 @@ from aiohttp import web
 
 from vertumnus.handoff.wire import END, chunk_header
 from vertumnus.runtime.coordinator import Coordinator
-from vertumnus.runtime.handoff import HandoffError
+from vertumnus.runtime.lease import HandoffError
 from vertumnus.runtime.request_path import PrefillResult
 from vertumnus.server.keys import ADDRESS, COORDINATOR
 
@@ -156,7 +156,11 @@ async def pull(request: web.Request) -> web.StreamResponse:
     try:
         sent = await coord.handoffs.stream(lease, SocketSink(response, request))
     except Exception as exc:  # cut short: the client sees no end mark; the lease stays
-        log.error("handoff_pull_failed", handle=handle, error=repr(exc))
+        if isinstance(exc, ConnectionError | HandoffError):  # the puller left, or 410
+            log.warning("handoff_pull_cut", handle=handle, error=repr(exc))
+        else:  # a bug: logged with its traceback, counted
+            log.error("handoff_pull_failed", handle=handle, error=repr(exc), exc_info=exc)
+            coord.metrics.internal_error("handoff")
         if request.transport is not None:  # the answer has begun: end it at once
             request.transport.abort()
         return response

@@ -73,8 +73,11 @@ def matches(given: str | None, expected: str | None) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
-def json_errors(logger: str) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
-    """Middleware: HTTP errors and bugs (logged with their traceback) as JSON."""
+def json_errors(
+    logger: str, on_bug: Callable[[], None] | None = None
+) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """Middleware: HTTP errors and bugs (logged with their traceback, and counted by
+    ``on_bug``) as JSON."""
     log = structlog.get_logger(logger)
 
     @web.middleware
@@ -87,6 +90,8 @@ def json_errors(logger: str) -> Callable[[web.Request, Handler], Awaitable[web.S
             return error_response(exc.status, exc.reason or "error", "http_error")
         except Exception as exc:  # a bug: logged, answered as JSON
             log.exception("internal_error", path=request.path, error=repr(exc))
+            if on_bug is not None:
+                on_bug()
             return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
 
     return middleware

@@ -9,8 +9,9 @@ bootstrap room):
     decode --tokens (JSON, or server-sent events)--> proxy --> client
 
 The decode server is a local process (``[decode] local``, the default: started
-beside the pool, told the hand-off secret, restarted when it dies) or a separate
-one (``[decode] url``, possibly on another host). A decode server that fails or
+beside the pool in the background, told the hand-off secret, restarted with backoff
+whenever it dies or fails to start, while ``/ready`` says so and prefills go on) or
+a separate one (``[decode] url``, possibly on another host). A decode server that fails or
 dies mid-stream gives the client an error event; the lease is released if it was
 not pulled; the pool keeps serving. Each answer carries where its time went:
 queue, prefill, hand-off, first decode step, and the time per output token.
@@ -32,13 +33,14 @@ from aiohttp import web
 
 from vertumnus.runtime.coordinator import Coordinator, Overloaded, Unavailable
 from vertumnus.runtime.pool import RankPoolError
-from vertumnus.runtime.request_path import PrefillResult
+from vertumnus.runtime.request_path import InternalError, PrefillResult
 from vertumnus.runtime.serve_config import DecodeConfig
 from vertumnus.server.handoff_routes import transfer_params
 
 log = structlog.get_logger("vertumnus.proxy")
 
 START_TIMEOUT_S = 120.0  # a local decode process's start (it imports torch, builds the model)
+STABLE_S = 30.0  # a decode process up this long had served: its restart backoff starts over
 GONE_CHECK_S = 0.25  # how often a non-streamed completion looks for its client
 
 
@@ -82,19 +84,30 @@ class DecodeProxy:
         self._supervisor: asyncio.Task[None] | None = None
         self._closing = False
         self._prefill_url = ""
+        self._state = (
+            "the local decode process is starting"
+            if cfg.url is None
+            else "the decode proxy is starting"
+        )
 
     # -- the local decode process ---------------------------------------------------------
 
     async def start(self, prefill_url: str) -> None:
-        """``prefill_url``: where this pool listens, for the local decode process."""
+        """``prefill_url``: where this pool listens, for the local decode process,
+        which starts in the background (``unready_reason`` says until it is up)."""
         self._prefill_url = prefill_url
         headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else None
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None), headers=headers
         )
         if self.cfg.url is None and self.cfg.local:
-            await self._spawn()
             self._supervisor = asyncio.create_task(self._supervise())
+
+    def unready_reason(self) -> str | None:
+        """None when completions can be decoded now; else why not."""
+        if self.url is not None and self._session is not None:
+            return None
+        return self._state
 
     async def _spawn(self) -> None:
         engine = self.coord.cfg.engine
@@ -135,29 +148,39 @@ class DecodeProxy:
             raise RuntimeError("the local decode process did not start in time") from None
         text = line.decode().strip()
         if "http://" not in text:
-            await process.wait()
-            raise RuntimeError(f"the local decode process failed to start: {text!r}")
+            code = await process.wait()
+            said = f": {text!r}" if text else ""
+            raise RuntimeError(f"the local decode process exited with code {code}{said}")
         self.url = text[text.index("http://") :]
         self.process = process
         log.info("decode_started", url=self.url, pid=process.pid, restarts=self.restarts)
 
     async def _supervise(self) -> None:
-        """Restart the local decode process whenever it ends (until ``close``)."""
+        """Start the local decode process, and again whenever it ends or fails to
+        start (until ``close``): after ``restart_s``, doubling while it keeps failing,
+        up to ``restart_max_s``. The pool serves prefills meanwhile."""
+        delay = self.cfg.restart_s
         while not self._closing:
-            process = self.process
-            if process is None:
-                return
-            code = await process.wait()
-            if self._closing:
-                return
-            self.url = None
-            log.error("decode_exited", pid=process.pid, code=code)
-            await asyncio.sleep(self.cfg.restart_s)
+            began = time.monotonic()
             try:
-                self.restarts += 1
                 await self._spawn()
-            except (RuntimeError, OSError) as exc:
-                log.error("decode_restart_failed", error=str(exc))
+                assert self.process is not None
+                code = await self.process.wait()
+                if self._closing:
+                    return
+                self.url = None
+                log.error("decode_exited", pid=self.process.pid, code=code, retry_in_s=delay)
+                if time.monotonic() - began > STABLE_S:
+                    delay = self.cfg.restart_s  # it had served a while: not a crash loop
+                what = f"exited with code {code}"
+            except Exception as exc:  # (a start that failed, or a bug here: retried)
+                log.error("decode_start_failed", error=str(exc), retry_in_s=delay, exc_info=exc)
+                what = f"failed to start ({exc})"
+            self._state = f"the local decode process {what}; it restarts in {delay:g} s"
+            await asyncio.sleep(delay)
+            self.restarts += 1
+            self._state = "the local decode process is restarting"
+            delay = min(self.cfg.restart_max_s, max(2 * delay, 1.0))
 
     async def close(self) -> None:
         self._closing = True
@@ -180,13 +203,16 @@ class DecodeProxy:
     ) -> web.StreamResponse:
         coord, arrived = self.coord, time.perf_counter()
         if self.url is None or self._session is None:
-            return _error(503, "the decode server is (re)starting", "unavailable")
+            reason = self.unready_reason() or "the decode server is not up"
+            return _error(503, f"unavailable: {reason}", "unavailable")
         try:
             result = await coord.prefill(tokens, handoff=True)
         except Overloaded as exc:
             return _error(503, f"overloaded: {exc}", "overloaded")
-        except (TimeoutError, Unavailable, RankPoolError) as exc:
-            return _error(503, f"unavailable: {exc or 'timed out'}", "unavailable")
+        except (Unavailable, RankPoolError) as exc:
+            return _error(503, f"unavailable: {exc}", "unavailable")
+        except InternalError as exc:  # (logged with its traceback where it happened)
+            return _error(500, f"internal error: {exc}", "internal_error")
         assert result.handoff is not None
         params = transfer_params(request, coord, result)
         if self.process is not None:  # the local decode process pulls over loopback
@@ -232,7 +258,8 @@ class DecodeProxy:
         handle: str,
     ) -> web.StreamResponse:
         """Relay the decode server's events as they come; a failure after the first
-        byte becomes an error event, then the end."""
+        byte becomes an error event, then the end. A client that goes away ends the
+        relay, and with it the call to the decode server (which stops decoding)."""
         assert self._session is not None
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -252,18 +279,27 @@ class DecodeProxy:
                         first = time.perf_counter()
                     if line.startswith(b"data: {") and b'"usage"' in line:
                         line = self._last_event(line, result, arrived)
-                    await response.write(line)
+                    try:
+                        await response.write(line)
+                    except ConnectionError:  # the client left: nothing more to send
+                        self._release(handle)
+                        log.info("client_gone", request_id=result.request_id, stream=True)
+                        return response
         except (aiohttp.ClientError, ConnectionError, asyncio.IncompleteReadError) as exc:
             self._release(handle)
             if not response.prepared:
                 return _error(503, f"the decode server failed: {exc}", "unavailable")
             message = f"the decode server failed: {exc}"
             event = {"error": {"message": message, "type": "decode_error"}}
-            await response.write(b"data: " + orjson.dumps(event) + b"\n\n")
+            try:
+                await response.write(b"data: " + orjson.dumps(event) + b"\n\n")
+            except ConnectionError:  # (the client has gone too)
+                return response
         if first is not None:
             ttft = first - arrived
             log.info("streamed", request_id=result.request_id, ttft_s=round(ttft, 6))
-        await response.write_eof()
+        with contextlib.suppress(ConnectionError):  # (a client that left just now)
+            await response.write_eof()
         return response
 
     async def _answer(self, url: str, forward: dict[str, Any]) -> tuple[int, bytes]:

@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 from vertumnus.perfmodel import COEFF_NAMES, DegreeCoeffs, Profile
 from vertumnus.policy.cache_audit import ScanRecord
 from vertumnus.policy.controller import Decision
+from vertumnus.policy.holds import Hold
 from vertumnus.policy.kv_ledger import CopyJob
 from vertumnus.policy.pool_config import PolicyConfig, PolicyError, PoolSpec
 from vertumnus.policy.pool_policy import PoolPolicy
@@ -95,6 +96,12 @@ class SampleDue:
     rank: ClassVar[int] = 7
 
 
+@dataclass(frozen=True, slots=True)
+class HandoffEnd:  # the decode server has the prompt's KV: its hold ends
+    rank: ClassVar[int] = 8
+    hold: Hold
+
+
 Event = (
     PrefillEnd
     | CopyLanded
@@ -104,6 +111,7 @@ Event = (
     | Arrival
     | ReservationsDue
     | SampleDue
+    | HandoffEnd
 )
 PERIODIC = (WindowDue, ScanDue, SampleDue)  # due whether or not requests wait
 SAMPLES = 500  # the timeline's samples over the arrivals, unless [sim] sample_s says
@@ -259,6 +267,8 @@ class Simulation:
                     self._push(now + self.config.scan_interval_s, ScanDue())
                 case ReservationsDue():
                     self.policy.expire(now)
+                case HandoffEnd(hold):
+                    self._apply(self.policy.release_hold(hold, now), now)
                 case SampleDue():
                     self.timeline.sample(now, self.policy)
                     self._push(self.timeline.next_s, SampleDue())
@@ -328,8 +338,14 @@ class Simulation:
         self._push(now + seconds, PrefillEnd(worker_id))
 
     def _prefill_end(self, worker_id: int, now: float) -> None:
-        finished = self.policy.finish(worker_id, now, compute_s=self._compute_s.pop(worker_id))
-        rec = self.records[finished.request_id]
+        running = self.policy.running(worker_id)
+        assert running is not None, "a prefill ended on an idle worker"
+        rec = self.records[running.request_id]
+        pull_s = self.time.handoff_s(rec.input_tokens)
+        compute_s = self._compute_s.pop(worker_id)
+        finished = self.policy.finish(worker_id, now, compute_s=compute_s, hold=pull_s is not None)
+        if finished.hold is not None and pull_s is not None:
+            self._push(now + pull_s, HandoffEnd(finished.hold))
         rec.end_s = now + self.time.ext_s(rec.input_tokens)  # the first token reaches the client
         ttft_s = rec.end_s - rec.arrival_s
         self.timeline.finished(now, ttft_s, rec.tau_s, rec.input_tokens, rec.cached_tokens)

@@ -122,10 +122,14 @@ class TimeModel:
 
     def ext_s(self, input_tokens: int) -> float:
         """T_ext of a request: its KV hand-off and first decode step."""
+        return self.s.ext_latency_s + (self.handoff_s(input_tokens) or 0.0)
+
+    def handoff_s(self, input_tokens: int) -> float | None:
+        """How long the prompt's KV is pulled by the decode server, its blocks held on
+        the worker meanwhile (None: no hand-off is modelled)."""
         if not self.s.handoff_bytes_s:
-            return self.s.ext_latency_s
-        moved = max(0, input_tokens - 1) * self.s.kv_bytes_per_token
-        return self.s.ext_latency_s + moved / self.s.handoff_bytes_s
+            return None
+        return max(0, input_tokens - 1) * self.s.kv_bytes_per_token / self.s.handoff_bytes_s
 
     @property
     def switch_s(self) -> float:

@@ -1,0 +1,74 @@
+"""What a KV hand-off is, on the prefill side: a lease on a prompt's KV, the rows
+its prefill exports, its errors, and where a pull's stream goes (``Sink``). The
+leases themselves, their ends and their pulls are ``runtime/handoff.py``'s."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torch import Tensor
+
+from vertumnus.policy.cache_index import BlockLocation, PrefillLease, WorkerCacheIndex
+from vertumnus.policy.holds import Hold, held_blocks
+
+
+class Sink(Protocol):
+    """Where a pull's stream goes (the route's socket). ``start`` writes the first
+    bytes; ``writev`` queues buffers that must stay untouched until ``flush``
+    returns; ``drain`` waits until what is queued is below the sink's limit,
+    ``flush`` until none is left in this process; ``abort`` drops the connection
+    and what is queued. ``writev`` and both waits raise ``ConnectionError`` once
+    the puller is gone."""
+
+    async def start(self, data: bytes) -> None: ...
+    def writev(self, views: Sequence[Any]) -> None: ...
+    async def drain(self) -> None: ...
+    async def flush(self) -> None: ...
+    def abort(self) -> None: ...
+
+
+class HandoffError(RuntimeError):
+    """A pull that cannot be served: ``status`` 404 (unknown) or 410 (ended)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Lease:
+    handle: str
+    hold: Hold  # the policy's pin on the prompt's whole blocks
+    first_device: int
+    rows: Tensor | None  # K, V of the tokens after them: [2, layers, t, Hkv, D]
+    num_tokens: int  # tokens handed off: the prompt but its last
+    prompt_tokens: int
+    expires_s: float  # on the coordinator's clock
+    expires_unix: float
+    pulling: bool = False
+
+    @property
+    def request_id(self) -> int:
+        return self.hold.request_id
+
+    @property
+    def worker_id(self) -> int:
+        return self.hold.worker_id
+
+    @property
+    def index(self) -> WorkerCacheIndex:
+        return self.hold.index
+
+    @property
+    def blocks(self) -> list[BlockLocation]:
+        return self.hold.blocks
+
+
+def export_range(lease: PrefillLease, prompt_tokens: int, block: int) -> tuple[int, int]:
+    """The suffix rows [a, b) a hand-off prefill must return: the tokens of the
+    prompt but its last that the hold's blocks (``held_blocks``) do not hold."""
+    held = held_blocks(lease, prompt_tokens, block)
+    prefix = lease.num_reused_blocks * block
+    return held * block - prefix, prompt_tokens - 1 - prefix
