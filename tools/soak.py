@@ -55,7 +55,18 @@ from _serving import start_server
 
 ADMIN_TOKEN = "soak-admin-token-0123456789"
 KINDS = (("prefill", 0.4), ("complete", 0.25), ("stream", 0.25), ("abandon", 0.1))
-BUGS = ("worker_step_failed", "task_failed", "reshape_step_failed", "internal_error")
+BUGS = (  # log events that mean a bug was contained, or a reshape needed its bound
+    "worker_step_failed",
+    "task_failed",
+    "reshape_step_failed",
+    "internal_error",
+    "tick_failed",
+    "scan_failed",
+    "handoff_expiry_failed",
+    "handoff_pull_failed",
+    "reshape_rolled_back",
+    "reshape_forced",
+)
 CLUSTER_SECRET = "soak-cluster-secret-0123456789"
 
 

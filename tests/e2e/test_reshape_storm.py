@@ -36,7 +36,18 @@ pytestmark = pytest.mark.multiproc
 
 STORM_S = 40.0
 SECRET = "storm-handoff-secret-0123456789"
-BUGS = ("worker_step_failed", "task_failed", "reshape_step_failed", "internal_error")
+BUGS = (
+    "worker_step_failed",
+    "task_failed",
+    "reshape_step_failed",
+    "internal_error",
+    "tick_failed",
+    "scan_failed",
+    "handoff_expiry_failed",
+    "handoff_pull_failed",
+    "reshape_rolled_back",
+    "reshape_forced",
+)
 READY_REASONS = ("no worker can take requests now", "reshape_timeout_s", "decode process")
 
 

@@ -49,6 +49,10 @@ BAD_EVENTS = {
     "internal_error",
     "reshape_rolled_back",  # (nothing here should need the bound)
     "reshape_forced",
+    "tick_failed",
+    "scan_failed",
+    "handoff_expiry_failed",
+    "recovery_past_reshape",
 }
 FATES = ("pull", "release", "expire", "cut", "leave", "leave-late")
 

@@ -36,7 +36,15 @@ from vertumnus.runtime.serve_config import HandoffConfig, ServeConfig
 from vertumnus.sim.time_model import SimSettings
 
 SETTINGS = SimSettings(switch_s=0.02, transfer_latency_s=0.001, kv_bytes_per_token=2048)
-BAD_EVENTS = {"worker_step_failed", "task_failed", "reshape_step_failed", "internal_error"}
+BAD_EVENTS = {
+    "worker_step_failed",
+    "task_failed",
+    "reshape_step_failed",
+    "internal_error",
+    "tick_failed",
+    "scan_failed",
+    "handoff_expiry_failed",
+}
 
 
 def make_config(tmp_path: Path, **overrides: Any) -> ServeConfig:

@@ -261,24 +261,38 @@ class Coordinator:
             self._tick = loop.call_later(max(0.0, due - self.clock()), self._on_tick)
 
     def _on_tick(self) -> None:
+        """The periodic work that is due; the next tick is set whatever happens (a
+        bug in one piece is logged with its traceback and counted)."""
         self._tick = None
         now = self.clock()
-        if now >= self._next_window:
-            self._next_window += self.cfg.policy.controller.period_s
-            self._end_window(now)
-        if now >= self._next_scan:
-            self._next_scan += self.cfg.policy.scan_interval_s
-            # After the workers this tick's decision woke have started their
-            # prefills (their tasks run first), as the simulator orders it.
-            assert self._loop is not None
-            self._loop.call_soon(self.copies.scan, now)
-        expiry = self.policy.ledger.next_deadline()
-        if expiry is not None and now >= expiry:
-            released = self.policy.expire(now)
-            if released:
-                log.info("retained_released", blocks=released)
-        if not self.stopping:
-            self._schedule_tick()
+        try:
+            if now >= self._next_window:
+                self._next_window += self.cfg.policy.controller.period_s
+                self._end_window(now)
+            if now >= self._next_scan:
+                self._next_scan += self.cfg.policy.scan_interval_s
+                # After the workers this tick's decision woke have started their
+                # prefills (their tasks run first), as the simulator orders it.
+                assert self._loop is not None
+                self._loop.call_soon(self._scan, now)
+            expiry = self.policy.ledger.next_deadline()
+            if expiry is not None and now >= expiry:
+                released = self.policy.expire(now)
+                if released:
+                    log.info("retained_released", blocks=released)
+        except Exception as exc:
+            log.error("tick_failed", error=repr(exc), exc_info=exc)
+            self.metrics.internal_error("task")
+        finally:
+            if not self.stopping:
+                self._schedule_tick()
+
+    def _scan(self, now: float) -> None:
+        try:
+            self.copies.scan(now)
+        except Exception as exc:
+            log.error("scan_failed", error=repr(exc), exc_info=exc)
+            self.metrics.internal_error("task")
 
     def _end_window(self, now: float) -> None:
         """The controller's decision: the pool is read now, the replays run on the

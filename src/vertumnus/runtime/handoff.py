@@ -200,8 +200,13 @@ class Handoffs:
 
         def due() -> None:
             self._timer = None
-            self.expire()
-            self._schedule()
+            try:
+                self.expire()
+            except Exception as exc:  # a bug: logged, counted; the timer goes on
+                log.error("handoff_expiry_failed", error=repr(exc), exc_info=exc)
+                self.coord.metrics.internal_error("handoff")
+            finally:
+                self._schedule()
 
         self._timer = loop.call_later(delay + 1e-3, due)
 
