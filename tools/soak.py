@@ -19,7 +19,9 @@ seeded model (a differing token counts as wrong unless the two logits tie within
 1e-4), and every completion's length. A completion whose decode process was killed
 under it ends with a clear error (``decode_failed``: answered, with the error); one
 that arrives while the decode process restarts gets a 503 naming why (``refused``).
-``/ready`` is sampled every 0.5 s, and its 503s counted with their reasons. At the end
+``/ready`` is sampled every 0.5 s between two reads of ``/v1/workers``, its 503s
+counted with their reasons; where the two reads agree, the pool's readiness must be
+exactly "some worker is active" (``ready_disagreed`` counts the samples where not). At the end
 no lease, pin or held row may be left, every worker must be active and nothing may
 be logged as a bug. Resident memory (VmRSS) of the coordinator and of each rank is
 sampled every 5 s; growth is measured from the end of the warm-up (the first fifth
@@ -145,6 +147,7 @@ async def drive(
     reshapes: list[dict[str, Any]] = []
     memory: list[dict[str, Any]] = []
     unready: list[dict[str, Any]] = []
+    checks = {"ready_samples": 0, "ready_checked": 0, "ready_disagreed": 0}
     killed: dict[str, Any] = {}
     start = time.monotonic()
     loop = asyncio.get_running_loop()
@@ -203,12 +206,27 @@ async def drive(
         killed["decode"] = {"at_s": time.monotonic() - start, "pids": pids}
 
     async def watch_ready() -> None:
+        """``/ready`` every 0.5 s, between two reads of ``/v1/workers``: where both
+        reads agree, the pool could dispatch exactly when some worker was active."""
         async with aiohttp.ClientSession() as probe:
+
+            async def active() -> bool:
+                async with probe.get(f"{url}/v1/workers") as resp:
+                    return any(w["state"] == "active" for w in (await resp.json())["workers"])
+
             while time.monotonic() - start < args.duration_s:
+                before = await active()
                 async with probe.get(f"{url}/ready") as resp:
-                    if resp.status != 200:
-                        reason = (await resp.json())["error"]["message"]
-                        unready.append({"t_s": time.monotonic() - start, "reason": reason})
+                    status = resp.status
+                    reason = None if status == 200 else (await resp.json())["error"]["message"]
+                after = await active()
+                checks["ready_samples"] += 1
+                if reason is not None:
+                    unready.append({"t_s": time.monotonic() - start, "reason": reason})
+                if before == after:
+                    checks["ready_checked"] += 1
+                    pool_ready = reason is None or "decode process" in reason
+                    checks["ready_disagreed"] += pool_ready != before
                 await asyncio.sleep(0.5)
 
     async def sampler() -> None:
@@ -246,6 +264,7 @@ async def drive(
         "killed": killed,
         "memory": memory,
         "unready": unready,
+        "checks": checks,
     }
 
 
@@ -424,6 +443,7 @@ def main() -> int:
         or summary["answered_twice"]
         or summary["short"]
         or summary["bugs_logged"]
+        or summary["ready_disagreed"]
         or summary["left_at_end"] != {"leases": 0, "pinned_blocks": 0, "held_rows": 0}
         or set(summary["workers_at_end"]) != {"active"}
     )
@@ -480,7 +500,10 @@ def summarize(
         "killed": run["killed"],
         "worker_restarts": restarts,
         "decode_restarts": log.count('"decode_started"') - 1,
+        "ready_samples": run["checks"]["ready_samples"],
         "unready_samples": len(run["unready"]),
+        "ready_checked": run["checks"]["ready_checked"],
+        "ready_disagreed": run["checks"]["ready_disagreed"],
         "unready_reasons": reasons,
         "unready": run["unready"],
         "left_at_end": {

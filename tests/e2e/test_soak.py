@@ -59,6 +59,7 @@ def test_short_soak_loses_nothing(tmp_path: Path) -> None:
     assert s["left_at_end"] == {"leases": 0, "pinned_blocks": 0, "held_rows": 0}
     assert set(s["workers_at_end"]) == {"active"} and s["ready_at_end"] == 200
     assert s["bugs_logged"] == 0 and s["internal_errors_counted"] == []
+    assert s["ready_checked"] > 20 and s["ready_disagreed"] == 0
     time.sleep(0.5)
     pids = {int(p) for sample in s["memory"] for p in sample["ranks_kib"]}
     assert pids and not [p for p in pids if is_running(p)]

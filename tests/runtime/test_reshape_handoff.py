@@ -281,3 +281,30 @@ def test_a_rank_that_dies_ends_the_leases_of_its_worker(tmp_path: Path) -> None:
             await coord.close()
 
     run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_lease_opened_while_its_worker_drains_gets_the_whole_wait(tmp_path: Path) -> None:
+    """A hand-off prefill that runs when a split begins opens its lease during the
+    drain; nobody pulls it: it ends (moved) ``reshape_wait_s`` after it opened,
+    not at the lease's own expiry (30 s), and the split completes then."""
+
+    async def main() -> None:
+        cfg = make_config(tmp_path, pool=PoolConfig((1, 2), (2,)))
+        coord, _ = await start_coordinator(cfg, SETTINGS)
+        loop = asyncio.get_running_loop()
+        try:
+            work = asyncio.ensure_future(coord.prefill(make_tokens(300, seed=11), handoff=True))
+            await asyncio.sleep(0.001)  # it runs now
+            split = coord.begin_reshape(coord.reshape_for("split", [0]))
+            result = await work
+            assert result.handoff is not None
+            opened = loop.time()
+            await asyncio.wait_for(split, 60.0)
+            assert loop.time() - opened == pytest.approx(5.0, abs=0.1)
+            assert coord.handoffs.counts["moved"] == 1 and pins(coord) == 0
+            assert coord.composition_name() == "2CP1" and all_active(coord)
+        finally:
+            await coord.close()
+
+    run_virtual(main())

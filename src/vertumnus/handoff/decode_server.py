@@ -39,7 +39,6 @@ from aiohttp.typedefs import Handler
 
 from vertumnus.config import ModelConfig
 from vertumnus.handoff.completion import (
-    BadRequest,
     Completion,
     Detokenizer,
     Generation,
@@ -64,6 +63,7 @@ from vertumnus.handoff.kv_client import (
     request_prefill,
 )
 from vertumnus.server.http import (
+    BadRequest,
     bearer,
     error_response,
     json_errors,

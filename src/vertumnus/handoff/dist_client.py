@@ -23,7 +23,7 @@ from datetime import timedelta
 import aiohttp
 import orjson
 import torch
-import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from vertumnus.config import ModelConfig
 from vertumnus.engine.comm import make_group
@@ -58,7 +58,7 @@ async def pull_dist(
     what = f"dist pull of KV {handle!r} from {base}"
     wait = timedelta(seconds=timeout_s)
     start = time.perf_counter()
-    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=wait)
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=wait)
     body = {"store_host": host, "store_port": store.port, "prefix": f"kv/{uuid.uuid4().hex}"}
     url = f"{base.rstrip('/')}/v1/kv/{handle}/dist"
     try:

@@ -87,7 +87,7 @@ def chunk_header(tokens: int, kind: int = CHUNK_ROWS) -> bytes:
 
 def header_length(prefix: bytes) -> int:
     """The JSON header's length from the stream's first 4 bytes."""
-    (n,) = _U32.unpack(prefix)
+    n = int(_U32.unpack(prefix)[0])
     if not 0 < n <= MAX_HEADER_BYTES:
         raise WireError(f"hand-off header of {n} bytes")
     return n

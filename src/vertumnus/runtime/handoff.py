@@ -107,6 +107,9 @@ class Handoffs:
         self.leases[lease.handle] = lease
         self.counts["opened"] += 1
         self._schedule()
+        w = self.coord.policy.lattice.workers.get(hold.worker_id)
+        if w is not None and w.state is WorkerState.DRAINING:
+            self._cut_later(hold.worker_id)  # (a reshape waits for this one too)
         return lease
 
     def end(self, handle: str, why: str) -> bool:
@@ -143,13 +146,15 @@ class Handoffs:
         return len(ended)
 
     def wait_for_pulls(self, workers: Sequence[int]) -> None:
-        """A reshape of ``workers`` began: the leases on them have ``reshape_wait_s``
-        to be pulled; then they end as moved (and the workers park)."""
-        if not any(lease.worker_id in workers for lease in self.leases.values()):
-            return
-        loop = asyncio.get_running_loop()
+        """A reshape of ``workers`` began: the leases on them, and those their last
+        prefills open while they drain, have ``reshape_wait_s`` to be pulled; then
+        they end as moved (and the workers park)."""
         for w in workers:
-            loop.call_later(self.cfg.reshape_wait_s, self.cut, w, "moved", True)
+            self._cut_later(w)
+
+    def _cut_later(self, worker_id: int) -> None:
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.cfg.reshape_wait_s, self.cut, worker_id, "moved", True)
 
     def lookup(self, handle: str) -> Lease:
         lease = self.leases.get(handle)

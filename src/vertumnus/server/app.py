@@ -42,6 +42,7 @@ from vertumnus.server import dashboard_routes, handoff_routes
 from vertumnus.server.handoff_routes import transfer_params, wants_handoff
 from vertumnus.server.http import (
     BadRequest,
+    Handler,
     bearer,
     error_response,
     json_errors,
@@ -293,7 +294,7 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 @web.middleware
-async def access(request: web.Request, handler: Any) -> web.StreamResponse:
+async def access(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The admin token for /v1/admin/*, the API key (when set) for the rest of /v1."""
     cfg = request.app[COORDINATOR].cfg
     path = request.path

@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 import structlog
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -73,9 +74,7 @@ def matches(given: str | None, expected: str | None) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
-def json_errors(
-    logger: str, on_bug: Callable[[], None] | None = None
-) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def json_errors(logger: str, on_bug: Callable[[], None] | None = None) -> Middleware:
     """Middleware: HTTP errors and bugs (logged with their traceback, and counted by
     ``on_bug``) as JSON."""
     log = structlog.get_logger(logger)

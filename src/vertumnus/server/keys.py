@@ -22,5 +22,7 @@ class Completer(Protocol):
         self, request: web.Request, body: dict[str, Any], tokens: list[int]
     ) -> web.StreamResponse: ...
 
+    def unready_reason(self) -> str | None: ...
+
 
 PROXY = web.AppKey("proxy", Completer)  # the decode proxy, if there is one
