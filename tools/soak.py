@@ -435,7 +435,7 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     for key, value in summary.items():
-        if key not in ("memory", "args", "unready"):
+        if key not in ("memory", "args", "unready", "refused_at_s"):
             print(f"{key:<24} {value}")
     bad = (
         summary["lost"]
@@ -489,6 +489,7 @@ def summarize(
         "answered": len(answered),
         "lost": len(lost),
         "refused": len(refused),
+        "refused_at_s": [round(o["sent_s"], 3) for o in refused],
         "decode_failed": len(decode_failed),
         "wrong": len(wrong),
         "short": sum(not o.get("ok", False) for o in answered),

@@ -50,8 +50,9 @@ def test_short_soak_loses_nothing(tmp_path: Path) -> None:
     s = orjson.loads(out.read_bytes())
     assert s["sent"] > 100 and s["answered"] + s["refused"] + s["decode_failed"] == s["sent"]
     assert (s["lost"], s["wrong"], s["answered_twice"], s["short"]) == (0, 0, 0, 0)
-    assert s["answered"] >= 0.9 * s["sent"]
     assert all("decode process" in e for e in s["errors"]), s["errors"]
+    decode_killed_s = s["killed"]["decode"]["at_s"]  # refusals only while it restarted
+    assert all(decode_killed_s <= t <= decode_killed_s + 60 for t in s["refused_at_s"])
     assert s["sent_by_kind"]["prefill"] < s["sent"] / 2
     assert s["reshapes_done"] >= 3 and s["reshape_errors"] == []
     assert s["killed"]["pid"] > 0 and s["worker_restarts"] == 1
