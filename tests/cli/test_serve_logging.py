@@ -1,0 +1,36 @@
+"""``serve``'s log lines are JSON, and one logged with an exception carries its
+traceback (before issue 29, ``worker_loop_crashed`` said ``"exc_info": true`` and
+nothing more)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.multiproc
+
+SCRIPT = """
+import structlog
+from vertumnus.cli.serve import configure_logging
+configure_logging()
+log = structlog.get_logger("vertumnus")
+try:
+    {}["missing"]
+except KeyError as exc:
+    log.error("worker_step_failed", worker=2, error=repr(exc), exc_info=exc)
+log.info("after", n=1)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_logged_exception_carries_its_traceback() -> None:
+    run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=50)
+    assert run.returncode == 0, run.stderr
+    failed, after = (json.loads(line) for line in run.stderr.splitlines())
+    assert failed["event"] == "worker_step_failed" and failed["level"] == "error"
+    assert "Traceback (most recent call last)" in failed["exception"]
+    assert "KeyError: 'missing'" in failed["exception"]
+    assert (after["event"], after["n"]) == ("after", 1) and "exception" not in after
