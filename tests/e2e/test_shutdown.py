@@ -36,10 +36,12 @@ def test_sigterm_finishes_accepted_work_and_leaves_nothing(tmp_path: Path) -> No
             futures = [
                 pool.submit(server.call, "POST", "/v1/prefill", {"token_ids": p}) for p in prompts
             ]
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:  # some running, more queued
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # all eight accepted: some running, more queued
                 ws = server.call("GET", "/v1/workers")[1]["workers"]
-                if any(w["running"] is not None for w in ws):
+                inside = sum(w["queued"] + (w["running"] is not None) for w in ws)
+                answered = sum(f.done() for f in futures)
+                if any(w["running"] is not None for w in ws) and inside + answered >= 8:
                     break
                 time.sleep(0.01)
             server.proc.send_signal(signal.SIGTERM)
