@@ -1,6 +1,6 @@
-"""``serve``'s log lines are JSON, and one logged with an exception carries its
-traceback (before issue 29, ``worker_loop_crashed`` said ``"exc_info": true`` and
-nothing more)."""
+"""``serve``'s log lines are JSON, and a contained bug's (``Metrics.bug``) carries
+its traceback and the ``bug`` mark that soaks and tests look for (before issue 29,
+``worker_loop_crashed`` said ``"exc_info": true`` and nothing more)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ pytestmark = pytest.mark.multiproc
 SCRIPT = """
 import structlog
 from vertumnus.cli.serve import configure_logging
+from vertumnus.runtime.metrics import Metrics
 configure_logging()
-log = structlog.get_logger("vertumnus")
 try:
     {}["missing"]
 except KeyError as exc:
-    log.error("worker_step_failed", worker=2, error=repr(exc), exc_info=exc)
-log.info("after", n=1)
+    Metrics().bug("worker_step", "worker_step_failed", exc, worker=2)
+structlog.get_logger("vertumnus").info("after", n=1)
 """
 
 
@@ -31,6 +31,7 @@ def test_a_logged_exception_carries_its_traceback() -> None:
     assert run.returncode == 0, run.stderr
     failed, after = (json.loads(line) for line in run.stderr.splitlines())
     assert failed["event"] == "worker_step_failed" and failed["level"] == "error"
+    assert failed["bug"] is True and failed["where"] == "worker_step" and failed["worker"] == 2
     assert "Traceback (most recent call last)" in failed["exception"]
     assert "KeyError: 'missing'" in failed["exception"]
     assert (after["event"], after["n"]) == ("after", 1) and "exception" not in after

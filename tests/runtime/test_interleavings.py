@@ -42,18 +42,8 @@ from vertumnus.sim.time_model import SimSettings
 
 SETTINGS = SimSettings(switch_s=0.05, transfer_latency_s=0.002, kv_bytes_per_token=2048)
 REQUEST_TIMEOUT_S = 600.0
-BAD_EVENTS = {
-    "worker_step_failed",
-    "task_failed",
-    "reshape_step_failed",
-    "internal_error",
-    "reshape_rolled_back",  # (nothing here should need the bound)
-    "reshape_forced",
-    "tick_failed",
-    "scan_failed",
-    "handoff_expiry_failed",
-    "recovery_past_reshape",
-}
+# Besides a contained bug (logged with "bug": true), none of this should be needed.
+BOUND_EVENTS = {"reshape_rolled_back", "reshape_forced", "recovery_past_reshape"}
 FATES = ("pull", "release", "expire", "cut", "leave", "leave-late")
 
 
@@ -185,7 +175,7 @@ async def scenario(folder: Path, drawn: list[Any]) -> None:
             ends = await asyncio.wait_for(asyncio.gather(*clients), REQUEST_TIMEOUT_S)
             await asyncio.wait_for(asyncio.gather(*others), REQUEST_TIMEOUT_S)
             await asyncio.sleep(60.0)  # leases expire, restarts end, copies land
-        bugs = [e for e in logs if e["event"] in BAD_EVENTS]
+        bugs = [e for e in logs if e.get("bug") or e["event"] in BOUND_EVENTS]
         assert not bugs, bugs
         assert len(ends) == len(clients)
         refused = [e for e in ends if e.startswith("503")]

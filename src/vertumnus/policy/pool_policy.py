@@ -169,8 +169,9 @@ class PoolPolicy:
 
     def abandon(self, request_id: int, now: float) -> None:
         """The client gave up (``Admission.abandon``)."""
-        running = {run.request_id for run in self._running.values()}
-        self.admission.abandon(request_id, running.__contains__)
+        self.admission.abandon(
+            request_id, lambda rid: any(run.request_id == rid for run in self._running.values())
+        )
 
     def place(self, request_id: int, now: float) -> Actions:
         return self.admission.place(request_id, now)
@@ -343,7 +344,7 @@ class PoolPolicy:
         """Roll back a reshape that has not committed (the driver's bound on it
         passed): its participants serve again as they were, waiting requests are
         placed (LatticeError once it has committed: finish it instead)."""
-        self.reconf.abort(transition, now)
+        self.reconf.abort(transition)
         self.transitions.remove(transition)
         self.channel.unqueue_switch(transition)
         actions = Actions(woken=list(transition.op.sources))

@@ -147,14 +147,13 @@ class Reconfigurer:
             capacity_blocks=self.blocks_per_rank * op.target_degree,
         )
 
-    def abort(self, transition: Transition, now: float) -> None:
+    def abort(self, transition: Transition) -> None:
         """Roll back a reshape that has not committed: its participants serve again as
         they were (a failed one stays out), and the controller no longer waits for it."""
         if transition.phase not in (Phase.DRAINING, Phase.SWITCHING):
             raise LatticeError(f"cannot roll back a transition that is {transition.phase}")
         self.lattice.abort(transition.op)
         transition.phase = Phase.ROLLED_BACK
-        transition.active_s = now
         if self.controller is not None and transition.op in self.controller.in_flight:
             self.controller.reshape_done(transition.op)
 

@@ -203,11 +203,9 @@ class Coordinator:
 
     def _task_ended(self, task: asyncio.Task[Any]) -> None:
         self._background.discard(task)
-        if task.cancelled() or task.exception() is None:
-            return
-        exc = task.exception()
-        log.error("task_failed", task=task.get_name(), error=repr(exc), exc_info=exc)
-        self.metrics.internal_error("task")
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None:
+            self.metrics.bug("task", "task_failed", exc, task=task.get_name())
 
     def unready_reason(self) -> str | None:
         """Why the pool cannot dispatch a request now (None: it can): ``/ready``."""
@@ -281,8 +279,7 @@ class Coordinator:
                 if released:
                     log.info("retained_released", blocks=released)
         except Exception as exc:
-            log.error("tick_failed", error=repr(exc), exc_info=exc)
-            self.metrics.internal_error("task")
+            self.metrics.bug("task", "tick_failed", exc)
         finally:
             if not self.stopping:
                 self._schedule_tick()
@@ -291,8 +288,7 @@ class Coordinator:
         try:
             self.copies.scan(now)
         except Exception as exc:
-            log.error("scan_failed", error=repr(exc), exc_info=exc)
-            self.metrics.internal_error("task")
+            self.metrics.bug("task", "scan_failed", exc)
 
     def _end_window(self, now: float) -> None:
         """The controller's decision: the pool is read now, the replays run on the

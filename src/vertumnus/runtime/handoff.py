@@ -208,8 +208,7 @@ class Handoffs:
             try:
                 self.expire()
             except Exception as exc:  # a bug: logged, counted; the timer goes on
-                log.error("handoff_expiry_failed", error=repr(exc), exc_info=exc)
-                self.coord.metrics.internal_error("handoff")
+                self.coord.metrics.bug("handoff", "handoff_expiry_failed", exc)
             finally:
                 self._schedule()
 

@@ -37,9 +37,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from vertumnus.policy.timeline import Timeline, trailing_window_s
+
+log = structlog.get_logger("vertumnus")
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -184,6 +187,12 @@ class Metrics:
     def internal_error(self, where: str) -> None:
         self.internal_errors.labels(where=where).inc()
         self.internal_error_count += 1
+
+    def bug(self, where: str, event: str, exc: BaseException, **fields: Any) -> None:
+        """A bug contained: one log line with its traceback, marked ``bug`` (what a
+        soak or a test looks for), and its count in ``vertumnus_internal_errors_total``."""
+        log.error(event, where=where, error=repr(exc), exc_info=exc, bug=True, **fields)
+        self.internal_error(where)
 
     def reshape_overdue(self, how: str) -> None:
         self.overdue_reshapes.labels(how=how).inc()

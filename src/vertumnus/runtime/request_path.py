@@ -196,10 +196,8 @@ class RequestPath:
         request is answered once, with an error that names the bug."""
         coord = self.coord
         rid = None if started is None else started.request_id
-        log.error(
-            "worker_step_failed", worker=worker_id, request_id=rid, error=repr(exc), exc_info=exc
-        )
-        coord.metrics.internal_error("worker_step")
+        fields = {"worker": worker_id, "request_id": rid}
+        coord.metrics.bug("worker_step", "worker_step_failed", exc, **fields)
         if started is None:
             return
         running = coord.policy.running(worker_id)

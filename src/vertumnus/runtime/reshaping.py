@@ -131,8 +131,7 @@ class Reshaping:
                 composition=coord.composition_name(),
             )
         except Exception as exc:  # the pool failed, or a bug: the switch finishes anyway
-            log.error("reshape_step_failed", epoch=epoch, error=repr(exc), exc_info=exc)
-            coord.metrics.internal_error("reshape")
+            coord.metrics.bug("reshape", "reshape_step_failed", exc, epoch=epoch)
             self._finish(transition, owed, f"the switch to epoch {epoch} failed: {exc!r}")
         finally:
             link.forget_acks(epoch)
@@ -155,8 +154,7 @@ class Reshaping:
         try:
             self._end_overdue(transition)
         except Exception as exc:  # a bug: logged with its traceback, counted
-            log.error("reshape_step_failed", step="bound", error=repr(exc), exc_info=exc)
-            self.coord.metrics.internal_error("reshape")
+            self.coord.metrics.bug("reshape", "reshape_step_failed", exc, step="bound")
 
     def _end_overdue(self, transition: Transition) -> None:
         coord = self.coord

@@ -159,8 +159,7 @@ async def pull(request: web.Request) -> web.StreamResponse:
         if isinstance(exc, ConnectionError | HandoffError):  # the puller left, or 410
             log.warning("handoff_pull_cut", handle=handle, error=repr(exc))
         else:  # a bug: logged with its traceback, counted
-            log.error("handoff_pull_failed", handle=handle, error=repr(exc), exc_info=exc)
-            coord.metrics.internal_error("handoff")
+            coord.metrics.bug("handoff", "handoff_pull_failed", exc, handle=handle)
         if request.transport is not None:  # the answer has begun: end it at once
             request.transport.abort()
         return response

@@ -88,7 +88,7 @@ def json_errors(logger: str, on_bug: Callable[[], None] | None = None) -> Middle
                 raise
             return error_response(exc.status, exc.reason or "error", "http_error")
         except Exception as exc:  # a bug: logged, answered as JSON
-            log.exception("internal_error", path=request.path, error=repr(exc))
+            log.exception("internal_error", path=request.path, error=repr(exc), bug=True)
             if on_bug is not None:
                 on_bug()
             return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
