@@ -17,7 +17,12 @@ The file is a ``simulate`` configuration (see ``vertumnus.sim.config``) plus an
     ]
 
 A variant's ``policy`` is a preset (``--policy``); its tables override the file's,
-key by key (``composition = X`` is ``pool = { composition = X }``).
+key by key (``composition = X`` is ``pool = { composition = X }``). A variant that
+starts at ``composition = "auto"`` needs what it starts from, in its ``pool`` or the
+file's (``start_rate = 15.0``, or ``start_workload = "FILE"``: ``config/start.py``);
+with ``rate_scales``, that ``start_rate`` (or ``start_rate_scale``) is scaled with
+the run's rate too: an operator knows the rate they run at, never the requests to
+come.
 
 ``sweep_fixed = true`` adds a variant ``{ label = "fixed 6CP4-2CP8", policy = "fixed",
 composition = "6CP4/2CP8" }`` for every composition the lattice allows (its bounds
@@ -66,9 +71,12 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-")
 
 
-def variant_overrides(variant: dict[str, Any], rate: float | None) -> dict[str, dict[str, Any]]:
+def variant_overrides(
+    variant: dict[str, Any], rate: float | None, raw: dict[str, Any] | None = None
+) -> dict[str, dict[str, Any]]:
     """The variant's tables as ``sim_config.load`` overrides, merged key by key:
-    ``composition`` goes into ``pool`` and the rate scale into ``workload``."""
+    ``composition`` goes into ``pool`` and the rate scale into ``workload`` (and
+    into the start's rate, read from the file ``raw`` with the variant over it)."""
     overrides: dict[str, dict[str, Any]] = {
         k: dict(v) for k, v in variant.items() if isinstance(v, dict)
     }
@@ -83,6 +91,14 @@ def variant_overrides(variant: dict[str, Any], rate: float | None) -> dict[str, 
         pool["composition"] = variant["composition"]
     if rate is not None:
         overrides.setdefault("workload", {})["rate_scale"] = rate
+        # The operator knows the rate they run at (never the requests to come): the
+        # rate of what "auto" starts from scales with the run's.
+        start = _pool_table(raw or {}, variant)
+        if start.get("start_workload") is not None:
+            scale = float(start.get("start_rate_scale", 1.0)) * rate
+            overrides.setdefault("pool", {})["start_rate_scale"] = scale
+        elif start.get("start_rate") is not None:
+            overrides.setdefault("pool", {})["start_rate"] = float(start["start_rate"]) * rate
     return overrides
 
 
@@ -251,7 +267,7 @@ def run_experiment(
             name = slug(label) + (f"@{rate:g}" if rate is not None else "")
             cfg = sim_config.load(
                 None,
-                variant_overrides(variant, rate),
+                variant_overrides(variant, rate, raw),
                 raw=copy.deepcopy(raw),
                 preset=variant.get("policy"),
             )

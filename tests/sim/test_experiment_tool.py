@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import sys
+import tomllib
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -38,6 +39,7 @@ variants = [
 [pool]
 composition = "4CP4"
 degrees = [4, 8]
+start_rate = 6.0  # what "auto" starts from: the built-in mix at the first phase's rate
 
 [workload]
 seed = 5
@@ -145,6 +147,58 @@ def test_overrides_merge_and_the_sweep_keeps_the_bounds(tool: ModuleType) -> Non
         {"label": f"fixed {name}", "policy": "fixed", "composition": name.replace("-", "/")}
         for name in ("2CP4-4CP8", "6CP4-2CP8", "8CP4-1CP8")
     ]
+
+
+def test_the_start_rate_scales_with_the_run(tool: ModuleType) -> None:
+    auto = {"label": "v", "policy": "vertumnus", "pool": {"composition": "auto", "ranks": 40}}
+    raw = {"pool": {"start_rate": 3.4}}
+    assert tool.variant_overrides(auto, 2.0, raw) == {
+        "pool": {"composition": "auto", "ranks": 40, "start_rate": 6.8},
+        "workload": {"rate_scale": 2.0},
+    }
+    given = {**auto, "pool": {**auto["pool"], "start_workload": "w.jsonl", "start_rate": 3.0}}
+    assert tool.variant_overrides(given, 4.0)["pool"]["start_rate_scale"] == 4.0
+    assert "start_rate" not in tool.variant_overrides(auto, None, raw).get("pool", {})
+
+
+EXPERIMENTS = sorted((TOOL.parents[1] / "configs" / "sim").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=[p.stem for p in EXPERIMENTS])
+def test_the_experiments_start_from_what_a_server_has(tool: ModuleType, path: Path) -> None:
+    """Every variant at "auto" names a start source that is not the workload it
+    serves, and only a variant labelled as an oracle could start from that."""
+    from vertumnus.config.pool import PoolConfig
+    from vertumnus.sim import config as sim_config
+
+    raw = tomllib.loads(path.read_text())
+    served = raw.get("workload", {}).get("trace")
+    for variant in raw["experiment"]["variants"]:
+        table = tool._pool_table(raw, variant)
+        if table.get("composition") != "auto":
+            continue
+        start = PoolConfig.from_table(table, sim_config.DEFAULT_POOL).start
+        assert start.auto  # (and a source: the configuration says which, or refuses)
+        if "oracle" not in variant["label"]:
+            assert start.start_workload is None or start.start_workload != served
+
+
+def test_the_time_varying_experiment_starts_from_the_builtin_mix(tool: ModuleType) -> None:
+    from vertumnus.sim import config as sim_config
+
+    path = TOOL.parents[1] / "configs" / "sim" / "time-varying.toml"
+    raw = tomllib.loads(path.read_text())
+    variant = raw.pop("experiment")["variants"][0]
+    assert variant["label"] == "vertumnus"
+    cfg = sim_config.load(None, tool.variant_overrides(variant, None, raw), raw=raw)
+    assert cfg.start is not None and cfg.start.source == "builtin_mix"
+    assert cfg.start.origin == "builtin:mooncake-conversation at 15 requests/s"
+    assert sum(cfg.layout) == 40 and set(cfg.start.predicted_s) == {
+        "2CP4/4CP8",
+        "4CP4/3CP8",
+        "6CP4/2CP8",
+        "8CP4/1CP8",
+    }
 
 
 def test_the_cache_table_measures_the_manager_against_its_bound(tmp_path: Path) -> None:

@@ -287,7 +287,9 @@ def test_slo_of_the_summary_is_token_weighted() -> None:
     sim = run(reqs, [4], policy="fixed", slo=TtftSlo(scale=None, fixed_s=1.5))
     result = sim.result  # type: ignore[attr-defined]
 
-    cfg = SimpleNamespace(settings=sim.s, policy=sim.config, composition={4: 1}, phase_bounds=[])
+    cfg = SimpleNamespace(
+        settings=sim.s, policy=sim.config, composition={4: 1}, phase_bounds=[], start=None
+    )
     summary = summarize(result, cfg)  # type: ignore[arg-type]
     # TTFTs 1 s and 2 s against 1.5 s: 100 of 400 tokens met.
     assert summary["token_slo_attainment"] == pytest.approx(0.25)

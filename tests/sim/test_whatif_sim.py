@@ -1,6 +1,6 @@
-"""The what-if controller in the simulator: the starting composition chosen from the
-workload (``[pool] composition = "auto"``), a deliberately biased profile
-(``[sim] profile_bias``) and what calibration does about it."""
+"""The what-if controller in the simulator: a deliberately biased profile
+(``[sim] profile_bias``) and what calibration does about it. (The starting
+composition, ``[pool] composition = "auto"``: ``tests/sim/test_start.py``.)"""
 
 from __future__ import annotations
 
@@ -10,15 +10,12 @@ import random
 import pytest
 
 from support.factories import make_profile
-from vertumnus.config.tables import ConfigError
 from vertumnus.perfmodel import DegreeCoeffs
 from vertumnus.policy.controller import ControllerConfig
 from vertumnus.policy.lattice import LatticeConfig
 from vertumnus.policy.pool_config import PolicyConfig, PoolSpec
 from vertumnus.policy.whatif import WhatIfController
-from vertumnus.sim import config as sim_config
 from vertumnus.sim.simulator import Simulation
-from vertumnus.sim.start import choose_start, start_samples
 from vertumnus.sim.time_model import SimSettings, SimulationError
 from vertumnus.sim.workload import SimRequest
 
@@ -34,42 +31,6 @@ def poisson(rate: float, seconds: float, tokens: int, seed: int = 1) -> list[Sim
         if t >= seconds:
             return out
         out.append(SimRequest(len(out), t, tokens))
-
-
-def test_auto_start_picks_the_composition_the_workload_wants() -> None:
-    lattice = LatticeConfig(8, (2, 4))
-    profile = make_profile(COEFFS)
-    policy = PolicyConfig()
-    long_requests = poisson(2.0, 60.0, 4000)
-    layout, choice = choose_start(lattice, profile, policy, long_requests, 512)
-    assert layout == [4, 4] and choice.composition == {4: 2}
-    short_busy = poisson(80.0, 60.0, 100)
-    layout, choice = choose_start(lattice, profile, policy, short_busy, 512)
-    assert layout == [2, 2, 2, 2]
-    assert set(choice.predicted_s) == {"2CP4", "2CP2/1CP4", "4CP2"}
-    assert choice.predicted_s["4CP2"] < choice.predicted_s["2CP2/1CP4"]
-
-
-def test_start_samples_reuse_what_earlier_requests_of_the_sample_had() -> None:
-    reqs = [
-        SimRequest(0, 0.0, 1500, (1, 2)),
-        SimRequest(1, 1.0, 2000, (1, 2, 3)),
-        SimRequest(2, 99.0, 2000, (1, 2, 3)),  # past the span
-    ]
-    samples = start_samples(reqs, 60.0, 512)
-    assert [s.floor_tokens for s in samples] == [0, 1024]
-
-
-def test_auto_needs_ranks_and_is_the_simulators_only(tmp_path: object) -> None:
-    raw = {"workload": {"phases": [{"duration_s": 30, "rate": 2.0, "long_fraction": 0.0}]}}
-    with pytest.raises(ConfigError, match="needs \\[pool\\] ranks"):
-        sim_config.load(None, {"pool": {"composition": "auto"}}, raw=raw)
-    cfg = sim_config.load(None, {"pool": {"composition": "auto", "ranks": 8}}, raw=raw)
-    assert sum(cfg.layout) == 8
-    from vertumnus.config.pool import PoolConfig
-
-    with pytest.raises(ConfigError, match="simulator's"):
-        PoolConfig.from_table({"composition": "auto"}, cfg.pool)
 
 
 def test_a_biased_profile_mispredicts_by_its_factor_and_prefills_take_the_true_time() -> None:

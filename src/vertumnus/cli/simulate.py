@@ -6,15 +6,18 @@ prefill times come from a profile (``vertumnus.sim``). Defaults: the preset
 {4, 8} starting as 4CP4/3CP8. ``--composition`` also sets the pool size. The
 configuration file uses the dialect ``serve`` uses (``vertumnus/config/dialect.py``).
 Writes ``DIR/summary.json``, ``requests.jsonl``, ``timeline.csv``,
-``ttft_composition.png`` and ``config.json``; prints a summary.
+``ttft_composition.png`` and ``config.json``, and the composition it ends with into
+``[pool] state_file`` if one is given (as ``serve`` keeps it); prints a summary.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from vertumnus.config import ConfigError
+from vertumnus.config.start import write_state
 from vertumnus.perfmodel import ProfileError
 from vertumnus.policy.pool_config import PRESETS
 from vertumnus.policy.routers import ROUTERS
@@ -89,12 +92,22 @@ def run(args: argparse.Namespace) -> int:
     }
     try:
         cfg = sim_config.load(args.config, overrides, preset=args.policy, choices=choices)
+        if cfg.start is not None:
+            for why in cfg.start.warnings:
+                print(f"warning: {why}", file=sys.stderr)
+            print(f"start {cfg.start.composition}, from {cfg.start.origin}", file=sys.stderr)
         sim = Simulation(
             cfg.settings, cfg.profile, cfg.spec, cfg.policy, cfg.requests, terminal_progress
         )
         result = sim.run()
     except (SimulationError, TraceError, WorkloadError, SloError, ProfileError) as exc:
         raise ConfigError(str(exc)) from exc
+    state_file = cfg.pool.start.state_file
+    if state_file is not None:  # the composition it ends with, for the next start
+        try:
+            write_state(state_file, sim.policy.lattice.config, sim.policy.lattice.layout())
+        except OSError as exc:
+            print(f"warning: the state file {state_file} was not written ({exc})", file=sys.stderr)
     summary = report.write(result, cfg, args.out)
     print(
         f"{summary['policy']} on {summary['devices']} devices "

@@ -10,6 +10,16 @@
     max_workers      = {"4" = 8}
     devices_per_host = 8             hosts in the lattice (a multi-host server learns
                                      it from its agents)
+    composition      = "auto"        the start chosen from what a server has
+                                     (``config/start.py``), from the first of:
+    start_workload   = "FILE"        a representative trace (Mooncake JSONL or Azure
+                                     CSV), its rate times start_rate_scale (1.0)
+    state_file       = "PATH"        the composition the previous run left there
+                                     (written on every reshape and at shutdown,
+                                     with or without "auto")
+    start_rate       = 12.0          the built-in length mix, Poisson at this rate
+                                     (requests/s)
+    start_span_s     = 60.0          how much of the workload is replayed
 
 The same keys for ``serve`` and ``simulate``. The lattice checks everything a layout
 must satisfy, so a pool it accepts the rank pool accepts too.
@@ -17,6 +27,8 @@ must satisfy, so a pool it accepts the rank pool accepts too.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,13 +59,69 @@ def parse_composition(text: str) -> dict[int, int]:
     return counts
 
 
+START_KEYS = ("start_workload", "start_rate_scale", "start_span_s", "start_rate", "state_file")
+
+
+@dataclass(frozen=True)
+class StartConfig:
+    """Where the first composition comes from (``auto``: ``composition = "auto"``;
+    otherwise the start keys are not read), and the file that keeps the composition
+    for the next start. The fields are the ``[pool]`` keys of the same names."""
+
+    auto: bool = False
+    start_workload: str | None = None  # a trace file: the operator's representative workload
+    start_rate_scale: float = 1.0  # its arrival rate times this
+    start_span_s: float = 60.0  # seconds of the workload replayed
+    start_rate: float | None = None  # requests/s of the built-in mix (the last resort)
+    state_file: str | None = None  # None: the composition is not kept
+
+    def __post_init__(self) -> None:
+        for name in ("start_rate_scale", "start_span_s", "start_rate"):
+            value = getattr(self, name)
+            if value is None and name == "start_rate":
+                continue
+            if not (_is_number(value) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"[pool] {name} must be a number > 0, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        for name in ("start_workload", "state_file"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ConfigError(f"[pool] {name} must be a path, got {value!r}")
+        sources = (self.start_workload, self.start_rate, self.state_file)
+        if self.auto and all(source is None for source in sources):
+            raise ConfigError(NO_START_SOURCE)
+
+    @classmethod
+    def from_table(cls, values: dict[str, Any], auto: bool) -> StartConfig:
+        """Pops the start keys of ``values`` (a ``[pool]`` table)."""
+        given = {k: values.pop(k) for k in START_KEYS if k in values}
+        return cls(auto, **given)
+
+
+NO_START_SOURCE = (
+    '[pool] composition = "auto" needs what a server knows to choose from: '
+    'start_workload = "FILE" (a representative trace), a state_file holding the '
+    "composition of a previous run of this pool, or start_rate = REQUESTS_PER_S "
+    "(the built-in length mix at that rate)"
+)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class PoolConfig:
+    """``layout`` is the start. With ``start.auto`` it stands in (every device a
+    worker of the smallest degree) until the loaders replace it with the layout
+    ``config.start.resolve_start`` chooses."""
+
     degrees: tuple[int, ...]
     layout: tuple[int, ...]  # worker degrees in device order
     min_workers: Mapping[int, int] = field(default_factory=dict)
     max_workers: Mapping[int, int] = field(default_factory=dict)
     devices_per_host: int | None = None
+    start: StartConfig = field(default_factory=StartConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "degrees", tuple(sorted(self.degrees)))
@@ -107,6 +175,27 @@ class PoolConfig:
         """``[pool]`` over ``default``; ``topology`` (ranks, devices per host) comes from
         a multi-host pool's agents, and then ``ranks`` may not be given."""
         values = dict(table)
+        auto = values.get("composition") == "auto"
+        if auto:
+            del values["composition"]
+            if values.get("layout") is not None:
+                raise ConfigError('[pool] composition = "auto" chooses the layout: remove layout')
+            if values.get("ranks") is None and topology is None:
+                raise ConfigError(
+                    '[pool] composition = "auto" needs [pool] ranks (how many devices to compose)'
+                )
+        start = StartConfig.from_table(values, auto)
+        config = cls._layout_from_table(values, table, default, topology)
+        return config if start == StartConfig() else dataclasses.replace(config, start=start)
+
+    @classmethod
+    def _layout_from_table(
+        cls,
+        values: dict[str, Any],
+        table: Mapping[str, Any],
+        default: PoolConfig,
+        topology: tuple[int, int] | None,
+    ) -> PoolConfig:
         degrees = tuple(int(c) for c in values.pop("degrees", default.degrees))
         composition = values.pop("composition", None)
         layout = values.pop("layout", None)
@@ -119,7 +208,8 @@ class PoolConfig:
         if values:
             raise ConfigError(
                 f"[pool] unknown keys {sorted(values)}; known: composition, degrees, "
-                "devices_per_host, layout, max_workers, min_workers, ranks"
+                "devices_per_host, layout, max_workers, min_workers, ranks, "
+                + ", ".join(sorted(START_KEYS))
             )
         if layout is not None and composition is not None:
             raise ConfigError("[pool] give layout or composition, not both")
@@ -138,12 +228,6 @@ class PoolConfig:
             **bounds,
             "devices_per_host": None if hosts is None else int(hosts),
         }
-        if composition == "auto":
-            raise ConfigError(
-                '[pool] composition = "auto" is the simulator\'s (it chooses from the '
-                "workload's first minute); a server starts from the composition given, "
-                "and its what-if controller moves from there"
-            )
         if composition is not None:
             counts = parse_composition(str(composition))
             outside = sorted(set(counts) - set(degrees))

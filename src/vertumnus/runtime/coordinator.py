@@ -15,12 +15,13 @@ each:
     recovery.py       a failed rank: its worker out, restarted, back
     views.py          workers, composition and cache for the REST API
 
-and here: life (start, drain, close), ``apply`` (doing what the policy returns:
-wake workers, refuse requests, run the copies or the switch the lanes allow), and
-one timer for the periodic work: the controller's window, the cache manager's scan
-and the expiry of reserved KV, in that order when they fall together (as in the
-simulator). Time is ``clock`` (``time.monotonic`` unless given; the parity test
-gives the event loop's own, simulated, clock, and then deadlines are exact).
+and here: life (start, drain, close; the composition kept in ``[pool] state_file``),
+``apply`` (doing what the policy returns: wake workers, refuse requests, run the
+copies or the switch the lanes allow), and one timer for the periodic work: the
+controller's window, the cache manager's scan and the expiry of reserved KV, in
+that order when they fall together (as in the simulator). Time is ``clock``
+(``time.monotonic`` unless given; the parity test gives the event loop's own,
+simulated, clock, and then deadlines are exact).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 import structlog
 
 from vertumnus.config import ConfigError, resolve_model
+from vertumnus.config.start import write_state
 from vertumnus.perfmodel import Profile, ProfileError
 from vertumnus.policy.cache_index import WorkerCacheIndex
 from vertumnus.policy.cache_manager import PrefixCacheManager
@@ -144,6 +146,10 @@ class Coordinator:
 
     async def start(self) -> None:
         self._loop = loop = asyncio.get_running_loop()
+        if self.cfg.start is not None:  # [pool] composition = "auto" (config/start.py)
+            for why in self.cfg.start.warnings:
+                log.warning("start_source_skipped", reason=why)
+            log.info("start_chosen", **self.cfg.start.to_json())
         pool: Ranks = self._given_pool or RankPool(
             self.model_cfg, self.model_dir, self.cfg.engine, self.cfg.ranks, self.cfg.degrees
         )
@@ -187,12 +193,23 @@ class Coordinator:
         self.requests.fail_all(Unavailable("the server is shutting down"))
         self.handoffs.close()
         self.reshaping.close()
+        self.save_composition()
         self.link.unwatch()
         self._decider.shutdown(wait=False, cancel_futures=True)
         if self.pool is not None:
             assert self._loop is not None
             await self._loop.run_in_executor(None, self.pool.close)
             self.pool = None
+
+    def save_composition(self) -> None:
+        """The composition the pool has, into ``[pool] state_file`` (if one is
+        configured) for the next start: on every completed reshape and at shutdown."""
+        path = self.cfg.pool.start.state_file
+        if path is not None:
+            try:
+                write_state(path, self.lattice.config, self.lattice.layout())
+            except OSError as exc:
+                log.warning("state_file_not_written", path=path, error=str(exc))
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """A background task, kept referenced until it ends; one that fails (a bug)

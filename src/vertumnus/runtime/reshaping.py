@@ -208,13 +208,15 @@ class Reshaping:
         self._bounds.clear()
 
     def activated(self, transition: Transition) -> None:
-        """Every rank acknowledged: the new workers serve."""
+        """Every rank acknowledged: the new workers serve, and the composition is
+        kept for the next start (``[pool] state_file``)."""
         coord = self.coord
         bound = self._bounds.pop(id(transition), None)
         if bound is not None:
             bound.cancel()
         coord.metrics.reshape(transition)
         coord.recovery.new_workers_up(transition.new_workers)
+        coord.save_composition()
         done = self._waits.pop(id(transition), None)
         if done is not None and not done.done():
             done.set_result(transition)

@@ -31,7 +31,9 @@ The embedded default (no file) is the ``tiny`` model on two CPU ranks, starting 
 two degree-1 workers that may merge into one degree-2 worker (the shipped
 ``tiny-cpu`` profile covers degrees 1 and 2, and this development machine has two
 cores), with 10 s controller windows. On CUDA, give ``[pool] ranks`` = the number of
-GPUs (one rank per GPU) and a profile of them.
+GPUs (one rank per GPU) and a profile of them. ``[pool] composition = "auto"`` is
+chosen here, on loading (``config/start.py``: a start workload, the state file or the
+built-in mix); the coordinator logs the choice and keeps ``[pool] state_file``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ from vertumnus.config.dialect import (
     read_profile,
 )
 from vertumnus.config.pool import PoolConfig
+from vertumnus.config.start import StartDecision, resolve_start
+from vertumnus.perfmodel import Profile, ProfileError
 from vertumnus.policy.controller import ControllerConfig
 from vertumnus.policy.pool_config import PolicyConfig, PoolSpec
 from vertumnus.slo import DEFAULT_TTFT_SLO, SloError, TtftSlo
@@ -174,6 +178,8 @@ class ServeConfig:
     cluster: ClusterConfig | None = None  # None: the ranks are this process's children
     handoff: HandoffConfig = dataclasses.field(default_factory=HandoffConfig)
     decode: DecodeConfig = dataclasses.field(default_factory=DecodeConfig)
+    # How [pool] composition = "auto" chose the start (None: the composition was given)
+    start: StartDecision | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -306,14 +312,23 @@ def load(
     decode = dict(raw.get("decode", {}))
     if os.environ.get("VERTUMNUS_DECODE_API_KEY") and decode.get("url"):
         decode["api_key"] = os.environ["VERTUMNUS_DECODE_API_KEY"]
+    pool = PoolConfig.from_table(raw.get("pool", {}), DEFAULT_POOL, topology)
+    profile = read_profile(raw, DEFAULT_PROFILE)
+    start = None
+    if pool.start.auto:  # chosen now: a configuration's mistakes show before anything starts
+        try:
+            pool, start = resolve_start(pool, Profile.load(profile), policy)
+        except ProfileError as exc:
+            raise ConfigError(f"{exc}") from exc
     return ServeConfig(
         model=name,
         handoff=build_table(HandoffConfig, handoff, "handoff"),
         decode=build_table(DecodeConfig, decode, "decode"),
-        pool=PoolConfig.from_table(raw.get("pool", {}), DEFAULT_POOL, topology),
+        pool=pool,
         engine=read_engine(raw, EngineConfig()),
-        profile=read_profile(raw, DEFAULT_PROFILE),
+        profile=profile,
         policy=policy,
         cluster=cluster,
+        start=start,
         **kwargs,
     )

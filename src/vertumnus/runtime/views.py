@@ -36,6 +36,9 @@ def composition_view(coord: Coordinator) -> dict[str, Any]:
         "devices": lattice.config.num_devices,
         "degrees": list(lattice.config.degrees),
         "layout": lattice.layout(),
+        # Where the start came from: "config" (given), or [pool] composition = "auto"'s
+        # source: "start_workload", "state_file" or "builtin_mix" (config/start.py)
+        "start_source": "config" if coord.cfg.start is None else coord.cfg.start.source,
         # The controller and its latest decisions (the what-if controller's list the
         # candidates it weighed, their predicted mean TTFT, the margin, the choice).
         "controller": {

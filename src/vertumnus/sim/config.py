@@ -21,8 +21,11 @@ block) and 293 of them per rank (about 150K tokens of that model's KV on an 80 G
 GPU), and the preset ``vertumnus``. A workload's prefix blocks must be
 ``[engine] block_size`` tokens (Mooncake's are 512), or every reuse would be
 mispriced: a mismatch is an error. Paths are relative to the working directory.
-With phases, the trace (if any) is the pool the phases draw from; without, the
-trace is replayed as it is.
+``[pool] composition = "auto"`` is resolved as ``serve`` resolves it
+(``config/start.py``), never from this workload; a ``[pool] state_file`` is read
+then, and written at the end of the run (``cli/simulate.py``). With phases, the
+trace (if any) is the pool the phases draw from; without, the trace is replayed as
+it is.
 """
 
 from __future__ import annotations
@@ -43,12 +46,12 @@ from vertumnus.config.dialect import (
 )
 from vertumnus.config.engine import EngineConfig
 from vertumnus.config.pool import PoolConfig
+from vertumnus.config.start import StartDecision, resolve_start
 from vertumnus.config.tables import ConfigError, build_table, read_toml
 from vertumnus.perfmodel import Profile
 from vertumnus.policy.composition import layout_for
 from vertumnus.policy.lattice import LatticeConfig
 from vertumnus.policy.pool_config import PolicyConfig, PoolSpec
-from vertumnus.sim.start import choose_start
 from vertumnus.sim.time_model import SimSettings
 from vertumnus.sim.traces import load_trace
 from vertumnus.sim.workload import (
@@ -78,6 +81,7 @@ class SimConfig:
     requests: list[SimRequest]
     phase_bounds: list[tuple[float, float]]  # (start, end) of each phase, seconds
     raw: dict[str, Any]  # the merged configuration, as run
+    start: StartDecision | None = None  # how "auto" chose the start (None: it was given)
 
     @property
     def spec(self) -> PoolSpec:
@@ -111,19 +115,13 @@ def load(
     check_tables(source, where)
     merged = apply_preset(with_overrides(source, overrides), preset)
     merged = with_overrides(merged, choices or {})
-    pool_table = dict(merged.get("pool", {}))
-    auto_start = pool_table.get("composition") == "auto"
-    if auto_start:
-        del pool_table["composition"]
-        if "ranks" not in pool_table:
-            raise ConfigError(
-                '[pool] composition = "auto" needs [pool] ranks (how many devices to compose)'
-            )
-    pool = PoolConfig.from_table(pool_table, DEFAULT_POOL)
+    pool = PoolConfig.from_table(merged.get("pool", {}), DEFAULT_POOL)
     engine = read_engine(merged, DEFAULT_ENGINE)
     policy = read_policy(merged, DEFAULT_POLICY)
     profile_path = read_profile(merged, DEFAULT_PROFILE)
     profile = Profile.load(profile_path)
+    # "auto": from what a server has (config/start.py), never from the workload below.
+    pool, start = resolve_start(pool, profile, policy)
     sim = dict(merged.get("sim", {}))
     # One host size for the lattice and the copy model.
     hosts = pool.devices_per_host
@@ -145,14 +143,8 @@ def load(
             f"is {engine.block_size}: the policy would misprice every reuse; set "
             f"[engine] block_size = {block_tokens}"
         )
-    if auto_start:
-        missing = sorted(set(pool.degrees) - set(profile.coeffs))
-        if missing:
-            raise ConfigError(f"the profile has no degrees {missing} to choose a start from")
-        layout, _ = choose_start(pool.lattice, profile, policy, requests, engine.block_size)
-        pool = dataclasses.replace(pool, layout=tuple(layout))
     return SimConfig(
-        settings, policy, pool, engine, profile, profile_path, requests, bounds, merged
+        settings, policy, pool, engine, profile, profile_path, requests, bounds, merged, start
     )
 
 

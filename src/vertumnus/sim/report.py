@@ -86,6 +86,8 @@ def summarize(result: SimResult, cfg: SimConfig) -> dict[str, Any]:
         "cache_audit": result.cache_audit,
         "devices": result.devices,
         "composition_start": composition_name(cfg.composition),
+        # "config" (given), or the source of [pool] composition = "auto" (config/start.py)
+        "start_source": "config" if cfg.start is None else cfg.start.source,
         "composition_end": result.windows[-1].composition if result.windows else None,
         "slo": cfg.settings.slo.describe(),
         "simulated_s": result.sim_end_s,
