@@ -124,6 +124,15 @@ def test_the_audit_error_is_the_mean_relative_error_of_the_last_few() -> None:
     assert cal.audit_log[3] == {"period": 3, "predicted_s": 2.0, "measured_s": 1.0}
 
 
+def test_the_bias_is_the_signed_mean_of_measured_over_predicted() -> None:
+    cal = calibration()
+    assert cal.bias == 0.0
+    cal.audit(0, 2.0, 1.0)  # twice as slow predicted: -50 %
+    cal.audit(1, 1.0, 1.5)  # faster predicted: +50 %
+    cal.audit(2, 1.0, 1.25)
+    assert cal.bias == pytest.approx((-0.5 + 0.5 + 0.25) / 3, rel=1e-12)
+
+
 def test_the_audit_log_keeps_the_last_hundred() -> None:
     cal = calibration()
     for k in range(150):
@@ -143,4 +152,5 @@ def test_to_json() -> None:
         "overhead_s": 0.002,
         "switch_s": 2.5,
         "audit_error": pytest.approx(0.2, rel=1e-12),
+        "audit_bias": pytest.approx(1.0 / 1.2 - 1.0, rel=1e-12),  # measured / predicted - 1
     }

@@ -457,3 +457,47 @@ def test_a_warm_replay_reuses_each_prefix_wherever_the_trie_matched_it() -> None
     assert cold.e_pred[0] == (curves[1].time_s(1000, 0),)
     assert cold.holders[0] == ((3, (curves[1].time_s(1000, 256),)),)
     assert warm.e_pred[0] == (curves[1].time_s(1000, 768),) and warm.holders[0] == ()
+
+
+# -- cycles: the load continued, the backlog carried ---------------------------------------
+
+
+def test_cycles_continue_the_forecast_from_the_state_the_last_left() -> None:
+    # One degree-1 worker, two 1024-token requests at 0 and 0.5 s (1 s each), a span of
+    # 1 s: each cycle brings 2 s of work in 1 s, a second of backlog more.
+    replay = model()
+    forecast = replay.prepare([req(0, 0.0, 1024), req(1, 0.5, 1024)], 0.0, span_s=1.0)
+    result = replay.run(forecast, workers((1, 0.0)), cycles=3)
+    # cycle c: its requests wait c and c + 1/2 s before their second of service
+    assert result.cycle_ttft_s == pytest.approx((1.25, 2.25, 3.25), rel=1e-12)
+    assert result.mean_ttft_s == pytest.approx(2.25, rel=1e-12)
+    assert result.requests == 6
+    # the work queued past each cycle's end: 1, 2, 3 s
+    assert result.backlog_s == pytest.approx((1.0, 2.0, 3.0), rel=1e-12)
+    # busy: the first cycle's service
+    assert result.busy_s == pytest.approx(2.0, rel=1e-12)
+    # The same as the forecast laid out three times by hand.
+    by_hand = [req(k, 0.5 * k, 1024) for k in range(6)]
+    assert run(by_hand, workers((1, 0.0))).mean_ttft_s == pytest.approx(2.25, rel=1e-12)
+
+
+def test_a_head_is_placed_once_before_the_cycles() -> None:
+    replay = model()
+    forecast = replay.prepare([req(0, 0.0, 512)], 0.0, span_s=1.0)
+    head = replay.prepare([req(9, 0.0, 1024)], 0.0)
+    result = replay.run(forecast, workers((1, 0.0)), head=head, cycles=2)
+    # the head's 1 s first; then the cycle's request at 0 waits 1 s (0.5 s of service),
+    # the next cycle's at 1 s waits 0.5 s
+    assert result.cycle_ttft_s == pytest.approx((1.5, 1.0), rel=1e-12)
+    assert result.mean_ttft_s == pytest.approx((1.0 + 1.5 + 1.0) / 3, rel=1e-12)
+
+
+def test_batches_are_runs_of_consecutive_arrivals_over_every_cycle() -> None:
+    replay = model()
+    samples = [req(k, 0.25 * k, 256 * (k + 1)) for k in range(4)]
+    forecast = replay.prepare(samples, 0.0, span_s=4.0)
+    result = replay.run(forecast, workers((1, 0.0), (1, 0.0)), cycles=2, batches=2)
+    # two idle workers, no queue: each request's TTFT is its service time
+    first = (e(1, 256) + e(1, 512)) / 2
+    second = (e(1, 768) + e(1, 1024)) / 2
+    assert result.batch_ttft_s == pytest.approx((first, second), rel=1e-12)

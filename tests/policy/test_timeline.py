@@ -103,6 +103,18 @@ def test_a_reshape_event_keeps_its_rule_inputs_and_a_few_candidates() -> None:
     assert event["candidates"][1] == {"ops": [1], "mean_ttft_s": 0.1}
 
 
+def test_each_move_audit_a_decision_closed_is_an_event() -> None:
+    line = Timeline(origin_s=10.0)
+    audit = {"move": "1 split", "predicted_s": 0.2, "measured_s": 0.25, "vs_hold": 0.1}
+    line.decided(12.5, {"move_audits": [audit, {**audit, "move": "2 merge"}]})
+    line.decided(13.0, {"gain": 0.0})  # (none closed: no event; a rules decision too)
+    assert [(e["t"], e["kind"], e["rule"], e["ops"]) for e in line.events] == [
+        (2.5, "audit", "audit of 1 split", []),
+        (2.5, "audit", "audit of 2 merge", []),
+    ]
+    assert line.events[0]["inputs"] == audit
+
+
 def test_a_sample_reads_the_policy_and_changes_nothing() -> None:
     policy = make_policy((1, 1, 2))
     tokens = list(range(200))

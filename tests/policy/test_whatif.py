@@ -52,9 +52,7 @@ def make_policy(
     max_tokens_per_rank: int | None = None,
     **controller: Any,
 ) -> PoolPolicy:
-    settings_: dict[str, Any] = dict(
-        mode="whatif", decision_s=1.0, horizon_s=1.0, min_requests=10, warmup_s=0.0
-    )
+    settings_: dict[str, Any] = dict(mode="whatif", decision_s=1.0, horizon_s=1.0, min_requests=10)
     settings_.update(controller)
     pool = PoolSpec(LatticeConfig(sum(layout), (1, 2)), layout, BLOCK_SIZE, 64)
     config = PolicyConfig(
@@ -150,64 +148,79 @@ def test_an_overload_of_short_requests_splits_at_once() -> None:
     assert decision.rule == "split:urgent"
     assert inputs["urgent"] is True and inputs["rate_changed"] is False
     assert inputs["busy_fraction"] == pytest.approx(150 * E2_SHORT / 4, rel=1e-9)
+    assert inputs["band"] == "saturated"
     assert inputs["margin"] == 0.015  # nothing audited yet
     cands = inputs["candidates"]
-    # At most half the workers move at once: 1 or 2 splits.
+    # Near saturation a move is staged: one split is priced (and taken) at a time.
     assert [(c["composition"], c["move"], c["level"]) for c in cands] == [
         ("4CP2", "hold", 0),
         ("2CP1/3CP2", "1 split", 2),
-        ("4CP1/2CP2", "2 split", 2),
     ]
-    # Four degree-1 workers take one request in four, 26.7 ms apart: no queue.
-    assert cands[2]["steady_s"] == pytest.approx(E1_SHORT, rel=1e-9)
-    # Every one could beat holding (its steady state alone does): all fully replayed.
-    for c, ops in zip(cands, (0, 1, 2), strict=True):
-        blend = 0.25 * c["next_s"] + 0.75 * c["steady_s"]
-        assert c["score_s"] == pytest.approx(blend * (1 + 0.005 * ops), rel=1e-12)
-    best = min(range(3), key=lambda k: cands[k]["score_s"])
-    assert best > 0 and inputs["chosen"] == cands[best]["composition"]
-    hold = cands[0]["score_s"]
-    assert inputs["gain"] == pytest.approx((hold - cands[best]["score_s"]) / hold, rel=1e-12)
-    assert inputs["gain"] >= 0.08
-    # The splits go to the workers that drain first (least outstanding work).
-    least = sorted(loads, key=lambda w: (loads[w], w))[:best]
+    hold, split = cands
+    # Priced over the payback horizon (120 s of 1-s forecast spans), holding over the
+    # same one; the move at its live mean times its one operation's cost.
+    assert hold["horizon_cycles"] == split["horizon_cycles"] == 120
+    assert split["hold_s"] == hold["live_s"] == hold["score_s"]
+    assert split["score_s"] == pytest.approx(split["live_s"] * 1.005, rel=1e-12)
+    # The gain is pessimistic: the move at J * (1 + the prior of its audited error).
+    assert inputs["gain"] == pytest.approx(
+        (hold["live_s"] - split["score_s"] * 1.05) / hold["live_s"], rel=1e-12
+    )
+    # The first span alone is slower (the transition), the horizon much faster.
+    assert split["next_s"] > hold["next_s"] and inputs["gain"] > 0.9
+    assert inputs["z"] >= 3.0
+    # The split goes to the worker that drains first (least outstanding work).
+    least = sorted(loads, key=lambda w: (loads[w], w))[:1]
     assert [op.sources for op in decision.ops] == [(w,) for w in least]
     assert all(op.kind == "split" and op.target_degree == 1 for op in decision.ops)
     assert policy.controller.in_flight == list(decision.ops)
     assert all(policy.lattice.workers[w].state is not WorkerState.ACTIVE for w in least)
 
 
-def test_a_gain_under_urgent_must_be_confirmed() -> None:
-    policy = make_policy(layout=(2, 2, 2, 2), urgent_gain=0.99, confirm_decisions=3)
-    rules = run_periods(policy, [150, 150, 150])
-    assert rules == ["hold:confirming", "hold:confirming", "split:whatif"]
+def test_a_significant_gain_where_the_load_did_not_move_acts_on_its_second_decision() -> None:
+    # z_urgent out of reach: the overload's split is not taken at once; it is the
+    # best, significant (z >= z_confirm), two decisions in a row.
+    policy = make_policy(layout=(2, 2, 2, 2), z_urgent=1e9)
+    rules = run_periods(policy, [150, 150])
+    assert rules == ["hold:confirming", "split:whatif"]
     history = policy.controller.history
-    assert [len(d.ops) for d in history] == [0, 0, len(history[2].ops)]
-    assert history[2].ops and all(d.inputs["gain"] >= 0.015 for d in history)
-    assert all(d.inputs["urgent"] is False for d in history)
+    assert [len(d.ops) for d in history] == [0, 1]
+    assert all(d.inputs["z"] >= 2.0 and d.inputs["urgent"] is False for d in history)
+    assert [d.inputs["streak"] for d in history] == [1, 2]
 
 
-def test_a_large_gain_without_overload_is_confirmed_like_a_small_one() -> None:
-    # 30 requests a second on two degree-2 workers: busy 0.57. Judged on the steady
-    # state alone (next_weight 0) a split gains 31 %, over urgent_gain, yet the load
-    # did not move: it must win three decisions.
-    policy = make_policy(next_weight=0.0)
-    rules = run_periods(policy, [30, 30, 30])
-    assert rules == ["hold:confirming", "hold:confirming", "split:whatif"]
+def test_a_gain_of_little_significance_must_win_confirm_limit_decisions() -> None:
+    policy = make_policy(layout=(2, 2, 2, 2), z_urgent=1e9, z_confirm=1e9)
+    rules = run_periods(policy, [150, 150, 150, 150])
+    assert rules == ["hold:confirming"] * 3 + ["split:whatif"]
+
+
+def test_a_large_gain_without_overload_is_confirmed() -> None:
+    # 30 requests a second on two degree-2 workers: busy 0.57. A split gains about
+    # 26 % (E_1 / E_2 over the horizon, less its transition, op_cost and the prior
+    # pessimism), yet the load did not move: it must win twice.
+    policy = make_policy()
+    rules = run_periods(policy, [30, 30])
+    assert rules == ["hold:confirming", "split:whatif"]
     first = policy.controller.history[0].inputs
     assert first["busy_fraction"] == pytest.approx(30 * E2_SHORT / 2, rel=1e-9)
-    # no queue either way: the gain is E_1 / E_2, less the split's op_cost
-    assert first["gain"] == pytest.approx(1 - 1.005 * E1_SHORT / E2_SHORT, rel=1e-9)
-    assert first["urgent"] is False
+    hold, split = first["candidates"]
+    assert hold["live_s"] == pytest.approx(E2_SHORT, rel=1e-9)  # no queue
+    assert first["gain"] == pytest.approx(
+        (E2_SHORT - split["live_s"] * 1.005 * 1.05) / E2_SHORT, rel=1e-9
+    )
+    assert E1_SHORT < split["live_s"] < 1.05 * E1_SHORT  # the transition, amortised
+    assert first["urgent"] is False and first["band"] == "light"
 
 
 def test_the_warm_up_holds_a_gain_unless_the_pool_is_overloaded() -> None:
+    # The forecast still holds the cold start (horizon_s 2 s, the decision at 1 s).
     # Busy 0.57: a gain, not urgent: the warm-up holds it.
-    rules = run_periods(make_policy(next_weight=0.0, warmup_s=60.0), [30])
+    rules = run_periods(make_policy(horizon_s=2.0), [30])
     assert rules == ["hold:warm-up"]
     # Busy 0.95 (over overload_utilisation 0.9; these prompts share no prefix, so the
     # warm cache the warm-up replays with is this one): urgent, it acts at once.
-    policy = make_policy(layout=(2, 2, 2, 2), next_weight=0.0, warmup_s=60.0)
+    policy = make_policy(layout=(2, 2, 2, 2), horizon_s=2.0)
     assert run_periods(policy, [100]) == ["split:urgent"]
     inputs = policy.controller.history[0].inputs
     assert inputs["urgent"] is True and inputs["warming"] is True
@@ -215,23 +228,67 @@ def test_the_warm_up_holds_a_gain_unless_the_pool_is_overloaded() -> None:
 
 
 def test_while_a_reshape_runs_only_an_urgent_move_starts_another() -> None:
-    # One move at a time (max_moves_fraction 1/4 of 4 workers): the overload splits one
-    # worker. The split is committed but never acknowledged, so it stays in flight; the
-    # pool it heads for (2CP1/3CP2) is still a little overloaded and splitting another
-    # still gains, but less than urgent_gain.
-    policy = make_policy(layout=(2, 2, 2, 2), max_moves_fraction=0.25)
-    rules = run_periods(policy, [150, 150])
-    assert rules == ["split:urgent", "hold:reshapes-in-flight"]
+    # One move at a time (max_moves_fraction 1/4 of 4 workers). The split is
+    # committed but never acknowledged, so it stays in flight; the pool it heads for
+    # (2CP1/3CP2) still gains by splitting another, but nothing is urgent.
+    policy = make_policy(layout=(2, 2, 2, 2), max_moves_fraction=0.25, z_urgent=1e9)
+    rules = run_periods(policy, [150, 150, 150])
+    assert rules == ["hold:confirming", "split:whatif", "hold:reshapes-in-flight"]
     history = policy.controller.history
-    assert len(policy.controller.in_flight) == 1 and history[1].ops == ()
-    second = history[1].inputs
-    assert 0.015 <= second["gain"] < 0.08 and second["urgent"] is False
+    assert len(policy.controller.in_flight) == 1 and history[2].ops == ()
+    third = history[2].inputs
+    assert third["gain"] >= 0.015 and third["urgent"] is False
     # The candidates start from the pool the reshape under way makes.
-    assert [c["composition"] for c in second["candidates"]] == ["2CP1/3CP2", "4CP1/2CP2"]
+    assert [c["composition"] for c in third["candidates"]] == ["2CP1/3CP2", "4CP1/2CP2"]
 
 
-def test_the_audit_error_widens_the_margin_up_to_urgent_gain() -> None:
-    for error, margin in ((0.1, 0.015 + 0.25 * 0.1), (1.0, 0.08)):
+def test_the_horizon_extends_until_the_backlog_of_a_transition_drains() -> None:
+    # Busy 0.95 on four degree-2 workers; a payback of 2 s (two 1-s spans). The split's
+    # drain and switch build a backlog its first two spans do not clear: its horizon
+    # doubles to 4 spans, where its last span is back at its steady state, and
+    # holding is priced over the same 4 (a split is then worse: hold).
+    policy = make_policy(layout=(2, 2, 2, 2), payback_s=2.0, max_payback_s=16.0)
+    assert run_periods(policy, [100]) == ["hold"]
+    hold, split = policy.controller.history[0].inputs["candidates"]
+    assert hold["horizon_cycles"] == 2 and split["horizon_cycles"] == 4
+    assert split["hold_s"] == pytest.approx(E2_SHORT, rel=1e-9)  # no queue at holding
+    assert split["next_s"] > split["live_s"] > split["steady_s"]
+    assert split["live_s"] > split["hold_s"]
+    # Overloaded (150 a second), the split's own pool keeps a backlog: the horizon
+    # stops at max_payback_s, and holding, whose backlog only grows, over as long.
+    policy = make_policy(layout=(2, 2, 2, 2), payback_s=2.0, max_payback_s=16.0)
+    assert run_periods(policy, [150]) == ["split:urgent"]
+    hold, split = policy.controller.history[0].inputs["candidates"]
+    assert split["horizon_cycles"] == 16 and split["hold_s"] > hold["live_s"]
+
+
+def test_every_move_is_audited_and_its_error_feeds_the_pessimism() -> None:
+    # A split at busy 0.57 on its second decision (t = 2 s). This driver never
+    # acknowledges a switch: the split's worker drains and never comes back, so the
+    # pool does worse than the move's replay (which has the two new workers serve
+    # after the switch): a positive error for splits at light load.
+    policy = make_policy()
+    rules = run_periods(policy, [30] * 4)
+    assert rules[:2] == ["hold:confirming", "split:whatif"]
+    audits = [a for d in policy.controller.history for a in d.inputs["move_audits"]]
+    (audit,) = audits
+    assert (audit["at_s"], audit["span_s"], audit["move"], audit["band"]) == (
+        2.0, 1.0, "1 split", "light",
+    )  # fmt: skip
+    assert audit["requests"] == 30 and audit["overlapped"] is False
+    move = policy.controller.history[1].inputs["candidates"][1]
+    assert audit["predicted_s"] == move["next_s"]  # the first span, as predicted
+    assert audit["measured_s"] > audit["replayed_s"] > 0 and audit["error"] > 0
+    ctl = policy.controller
+    assert isinstance(ctl, WhatIfController)
+    expected = (2 * 0.05 + audit["error"]) / 3
+    assert ctl.move_audits.pessimism("split", "light") == pytest.approx(expected, rel=1e-12)
+    last = policy.controller.history[-1].inputs
+    assert last["pessimism"] == {"split:light": {"audits": 1, "pessimism": expected}}
+
+
+def test_the_audit_error_widens_the_margin() -> None:
+    for error, margin in ((0.1, 0.015 + 0.25 * 0.1), (1.0, 0.015 + 0.25 * 1.0)):
         policy = make_policy(layout=(2, 2, 2, 2))
         ctl = policy.controller
         assert isinstance(ctl, WhatIfController)
@@ -287,8 +344,8 @@ def test_no_split_into_workers_too_small_for_the_requests() -> None:
 
 @pytest.mark.parametrize("rates", [[150, 150, 150], [30, 30, 30]], ids=["overload", "moderate"])
 def test_three_steps_decide_as_one(rates: list[float]) -> None:
-    one = make_policy(layout=(2, 2, 2, 2), urgent_gain=0.3)
-    three = make_policy(layout=(2, 2, 2, 2), urgent_gain=0.3)
+    one = make_policy(layout=(2, 2, 2, 2), z_urgent=1e9)
+    three = make_policy(layout=(2, 2, 2, 2), z_urgent=1e9)
     rules = run_periods(one, rates)
     assert run_periods(three, rates, three_step=True) == rules
     assert one.controller.history == three.controller.history
@@ -334,7 +391,11 @@ def test_evaluate_touches_nothing() -> None:
     assert list(inner.candidates) == candidates_before  # type: ignore[attr-defined]
     assert inner.forecast == forecast_before  # type: ignore[attr-defined]
     decision = policy.finish_window(plan, first, 2.0).decision
-    assert decision.rule == "hold:reshapes-in-flight"
+    # Still overloaded: the next stage (another split, of another worker) is urgent.
+    assert decision.rule == "split:urgent"
+    assert not {s for op in decision.ops for s in op.sources} & {
+        s for op in policy.controller.history[0].ops for s in op.sources
+    }
 
 
 # -- the audit ------------------------------------------------------------------------------

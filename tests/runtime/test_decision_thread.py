@@ -28,7 +28,7 @@ def make_config(tmp_path: Path) -> ServeConfig:
     coeffs = {1: DegreeCoeffs(d=0.002, c=2e-6), 2: DegreeCoeffs(d=0.003, c=1.2e-6)}
     path = tmp_path / "profile.json"
     make_profile(coeffs).save(path)
-    controller = ControllerConfig(decision_s=0.2, warmup_s=0.0, min_requests=20)
+    controller = ControllerConfig(decision_s=0.2, horizon_s=0.2, min_requests=20)
     return ServeConfig(
         pool=PoolConfig((1, 2), (2, 2)),
         engine=EngineConfig(),

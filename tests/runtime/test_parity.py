@@ -82,8 +82,8 @@ def write_trace(path: Path, seed: int = 5, burst_rate: float = 30.0) -> None:
 
 
 # The what-if controller, on this short slice: decisions as often as the rules'
-# windows, no warm-up, a forecast of the last 5 s.
-WHATIF = ControllerConfig(decision_s=2.5, warmup_s=0.0, horizon_s=5.0, min_requests=40)
+# windows, a forecast of the last 5 s (the warm-up: its first 5 s).
+WHATIF = ControllerConfig(decision_s=2.5, horizon_s=5.0, min_requests=40)
 RULES = ControllerConfig(mode="rules", window_s=2.5)
 
 
@@ -234,9 +234,20 @@ def test_simulator_and_coordinator_place_and_decide_alike(
     assert coord.metrics.replication_count == sim.copies
     assert coord.metrics.reclamation_count == sim.reclaims
 
-    # The dashboard's timeline: each reshape begun, at the same time, on the same rule.
+    # The dashboard's timeline: each reshape begun, at the same time, on the same rule,
+    # and each move's audit with the same figures.
     def events(line: Timeline) -> list[tuple[object, ...]]:
-        return [(e["t"], e["kind"], e["rule"], str(e["ops"])) for e in line.events]
+        # (an audit's measured figures are each driver's own: its identity is shared)
+        same = ("audit", "window", "at_s", "move", "band", "composition", "requests")
+        return [
+            (e["t"], e["kind"], e["rule"], str(e["ops"]), [e["inputs"].get(k) for k in same])
+            if e["kind"] == "audit"
+            else (e["t"], e["kind"], e["rule"], str(e["ops"]))
+            for e in line.events
+        ]
 
     assert events(coord.metrics.timeline) == events(sim.result.timeline)  # type: ignore[attr-defined]
-    assert len(coord.metrics.timeline.events) == len(sim.reshapes) > 0
+    kinds_seen = [e["kind"] for e in coord.metrics.timeline.events]
+    assert len([k for k in kinds_seen if k != "audit"]) == len(sim.reshapes) > 0
+    if controller.mode == "whatif":
+        assert "audit" in kinds_seen  # every move is audited, alike in both drivers

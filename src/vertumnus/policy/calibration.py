@@ -13,7 +13,8 @@ time of a reshape's switch (commit to every rank's acknowledgement), with a prio
 
 The audit compares each undisturbed period's measured mean TTFT with a replay of
 its own arrivals; ``error`` is the mean relative error of the last ``audits`` of
-them, by which the decision margins widen.
+them, by which the decision margins widen; ``bias`` is their signed mean (measured
+over predicted, minus one), which the audit of a move takes out of its error.
 
 Pure Python. Not owned here: the replay (``replay``), the decision (``whatif``).
 """
@@ -45,6 +46,7 @@ class Calibration:
         self.switch_s = switch_prior_s
         self._switches = 0
         self._errors: deque[float] = deque(maxlen=audits)
+        self._signed: deque[float] = deque(maxlen=audits)  # measured / predicted - 1
         self.audit_log: list[dict[str, float]] = []
 
     # -- inputs ----------------------------------------------------------------------
@@ -80,6 +82,8 @@ class Calibration:
             return
         error = abs(predicted_s - measured_s) / measured_s
         self._errors.append(error)
+        if predicted_s > 0:
+            self._signed.append(measured_s / predicted_s - 1.0)
         self.audit_log.append(
             {"period": period, "predicted_s": predicted_s, "measured_s": measured_s}
         )
@@ -90,6 +94,11 @@ class Calibration:
     @property
     def error(self) -> float:
         return sum(self._errors) / len(self._errors) if self._errors else 0.0
+
+    @property
+    def bias(self) -> float:
+        """The model's signed error on undisturbed periods (> 0: slower than predicted)."""
+        return sum(self._signed) / len(self._signed) if self._signed else 0.0
 
     @property
     def overhead_s(self) -> float:
@@ -113,6 +122,7 @@ class Calibration:
             "overhead_s": self.overhead_s,
             "switch_s": self.switch_s,
             "audit_error": self.error,
+            "audit_bias": self.bias,
         }
 
 

@@ -44,79 +44,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from vertumnus.policy.controller_config import CONTROLLER_MODES, ControllerConfig
 from vertumnus.policy.lattice import Lattice, LatticeError, Reshape, WorkerState
 from vertumnus.policy.scheduler import Placement, PlacementRequest
 
-CONTROLLER_MODES = ("whatif", "rules")
-
-
-@dataclass(frozen=True)
-class ControllerConfig:
-    # "whatif": predict each candidate composition's TTFT and act on the gain
-    # (policy/whatif.py, the default); "rules": the paper's threshold rules below.
-    mode: str = "whatif"
-    window_s: float = 30.0  # the rules' window (and the capacity kappa's)
-    # -- the what-if controller (DESIGN.md §6b) -----------------------------------
-    decision_s: float = 10.0  # its decision period
-    horizon_s: float = 30.0  # forecast: the arrivals of at least this long ...
-    min_requests: int = 400  # ... or this many ...
-    max_horizon_s: float = 90.0  # ... never older than this
-    margin: float = 0.015  # least predicted gain to reshape (widened by the audit)
-    urgent_gain: float = 0.08  # a gain this large acts at once (else confirm)
-    confirm_decisions: int = 3  # a smaller gain must win this many decisions in a row
-    op_cost: float = 0.005  # each operation of a candidate adds this to its score
-    next_weight: float = 0.25  # J = w * next + (1 - w) * steady
-    audit_weight: float = 0.25  # margins widen by this times the audit's error
-    calibrate: bool = True  # scale predictions by measured over predicted service
-    replay_requests: int = 1500  # replays thin a larger forecast (time dilation)
-    warmup_s: float = 60.0  # cold cache: only urgent moves, and only when overloaded
-    overload_utilisation: float = 0.9  # predicted busy fraction that is overload
-    max_moves_fraction: float = 0.5  # of the workers, reshaping at once (at least 1)
-    # -- the rules -----------------------------------------------------------------
-    upper_fraction: float = 0.85
-    lower_fraction: float = 0.45
-    split_after_windows: int = 1
-    merge_after_windows: int = 3
-    long_tokens: int = 32_768
-    long_shift: float = 0.10
-    stable_demand: float = 0.15
-    long_after_windows: int = 3
-    max_splits_per_window: int = 4
-    max_concurrent_reshapes: int = 2
-
-    def __post_init__(self) -> None:
-        if self.mode not in CONTROLLER_MODES:
-            raise LatticeError(
-                f"mode must be one of {', '.join(CONTROLLER_MODES)}, got {self.mode!r}"
-            )
-        if not self.window_s > 0 or not self.decision_s > 0:
-            raise LatticeError("window_s and decision_s must be > 0")
-        if not 0 < self.horizon_s <= self.max_horizon_s or self.min_requests < 1:
-            raise LatticeError("need 0 < horizon_s <= max_horizon_s and min_requests >= 1")
-        if not 0 <= self.margin <= self.urgent_gain:
-            raise LatticeError("need 0 <= margin <= urgent_gain")
-        if self.confirm_decisions < 1 or self.replay_requests < 50:
-            raise LatticeError("need confirm_decisions >= 1 and replay_requests >= 50")
-        if not (0 <= self.next_weight <= 1 and self.op_cost >= 0 and self.audit_weight >= 0):
-            raise LatticeError("need 0 <= next_weight <= 1, op_cost >= 0, audit_weight >= 0")
-        if not (0 < self.max_moves_fraction <= 1 and self.overload_utilisation > 0):
-            raise LatticeError("need 0 < max_moves_fraction <= 1, overload_utilisation > 0")
-        if self.warmup_s < 0:
-            raise LatticeError("warmup_s must be >= 0")
-        if not 0 < self.lower_fraction < self.upper_fraction:
-            raise LatticeError("need 0 < lower_fraction < upper_fraction")
-        windows = (self.split_after_windows, self.merge_after_windows, self.long_after_windows)
-        if min(windows) < 1:
-            raise LatticeError("persistence must be at least one window")
-        if self.max_splits_per_window < 1 or self.max_concurrent_reshapes < 1:
-            raise LatticeError("max_splits_per_window and max_concurrent_reshapes must be >= 1")
-        if not (self.long_shift > 0 and self.stable_demand >= 0 and self.long_tokens >= 1):
-            raise LatticeError("long_shift must be > 0, stable_demand >= 0, long_tokens >= 1")
-
-    @property
-    def period_s(self) -> float:
-        """How often the driver asks for a decision."""
-        return self.decision_s if self.mode == "whatif" else self.window_s
+__all__ = ["CONTROLLER_MODES", "Controller", "ControllerConfig", "Decision", "TrafficFn"]
 
 
 @dataclass(frozen=True)

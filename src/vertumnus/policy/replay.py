@@ -57,8 +57,15 @@ class ReplayWorker:
 class ReplayResult:
     mean_ttft_s: float
     requests: int
-    busy_s: float  # service time of the whole forecast, in real seconds
-    span_s: float  # arrival span of the replayed requests, real seconds
+    busy_s: float  # service time of the first cycle's requests, in real seconds
+    span_s: float  # arrival span of the replayed requests (one cycle), real seconds
+    # per cycle: the mean TTFT of its arrivals, and the backlog left at its end
+    # (the work queued past it, summed over workers, real seconds)
+    cycle_ttft_s: tuple[float, ...] = ()
+    backlog_s: tuple[float, ...] = ()
+    # the forecast cut into ``batches`` runs of consecutive arrivals: each run's
+    # mean TTFT over every cycle (the paired comparison's sample)
+    batch_ttft_s: tuple[float, ...] = ()
 
 
 # Per request, uncalibrated and undilated: (input bucket, E per degree at its floor
@@ -174,13 +181,22 @@ class ReplayModel:
         workers: Sequence[ReplayWorker],
         remap: Mapping[int, tuple[int, ...]] | None = None,
         lost: Mapping[int, float] | None = None,
+        head: PreparedForecast | None = None,
+        cycles: int = 1,
+        batches: int = 0,
     ) -> ReplayResult:
         """Mean TTFT of ``forecast`` on ``workers``. A holder id found in ``remap``
         stands for the workers it maps to (a reshape's targets: a request's prefix
         goes to one of them, by its prefix key); one neither there nor among
         ``workers`` holds nothing now. ``lost``: per remapped holder, the share of
         its prefixes the reshape leaves out of place (a prefix is lost or kept by
-        its key); the first request of a lost prefix misses, the ones after it hit."""
+        its key); the first request of a lost prefix misses, the ones after it hit.
+
+        ``head``: requests placed once at t = 0, before the forecast (a reshape's
+        requeued requests). ``cycles``: the forecast is replayed that many times,
+        one after the other (cycle c shifted by c times its span), from the state
+        the one before left: the same load continued, so a backlog a transition
+        builds is priced until it drains. ``batches``: see ``ReplayResult``."""
         m = forecast.dilation
         degrees = self.degrees
         index = {c: k for k, c in enumerate(degrees)}
@@ -207,67 +223,105 @@ class ReplayModel:
         lost = lost or {}
         restored: set[int] = set()
         heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
+        n_tail = len(forecast.offsets)
+        if not n_tail and (head is None or not head.offsets):
+            return ReplayResult(0.0, 0, 0.0, forecast.span_s)
+        # One cycle lasts the forecast's span (at least its last arrival), dilated.
+        period = max(forecast.span_s * m, forecast.offsets[-1] if n_tail else 0.0, 1e-9)
+        nb = max(0, min(batches, n_tail))
+        batch_sum = [0.0] * nb
+        batch_n = [0] * nb
+        cycle_means: list[float] = []
+        backlogs: list[float] = []
         total = busy = 0.0
-        skipped = 0
-        for t, key, b, pred, held in zip(
-            forecast.offsets,
-            forecast.keys,
-            forecast.buckets,
-            forecast.e_pred,
-            forecast.holders,
-            strict=True,
-        ):
-            best_cost = best_q = float("inf")
-            best_k = best_w = -1
-            best_e = 0.0
-            for k in present:
-                h = heaps[k]
-                fa, w = h[0]
-                while fa != free[w]:
-                    heappop(h)
+        served = 0
+        passes: list[tuple[PreparedForecast, float, bool]] = []
+        if head is not None and head.offsets:
+            passes.append((head, 0.0, False))
+        passes += [(forecast, c * period, True) for c in range(max(1, cycles))]
+        for number, (part, shift, is_cycle) in enumerate(passes):
+            part_total = 0.0
+            part_n = 0
+            first = number == (1 if passes[0][2] is False else 0)
+            position = 0
+            for t0, key, b, pred, held in zip(
+                part.offsets, part.keys, part.buckets, part.e_pred, part.holders, strict=True
+            ):
+                t = t0 + shift
+                best_cost = best_q = float("inf")
+                best_k = best_w = -1
+                best_e = 0.0
+                for k in present:
+                    h = heaps[k]
                     fa, w = h[0]
-                q = fa - t if fa > t else 0.0
-                e = pred[k] * m
-                cost = q * inv_scale[k] + factor[k] * e
-                if cost < best_cost or (cost == best_cost and (q, k, w) < (best_q, best_k, best_w)):
-                    best_cost, best_q, best_k, best_w, best_e = cost, q, k, w, e
-            missed = False
-            for holder, h_pred in held:
-                if remap:
-                    targets = remap.get(holder)
-                    if targets is not None:
-                        share = lost.get(holder, 0.0)
-                        if share > 0 and key not in restored and unit(key, holder) < share:
-                            missed = True
-                            continue
-                        holder = targets[key % len(targets)] if targets else -1
-                held_free = free.get(holder)
-                if held_free is None:
-                    continue
-                k = degree_of[holder]
-                q = held_free - t if held_free > t else 0.0
-                e = h_pred[k] * m
-                cost = q * inv_scale[k] + factor[k] * e
-                if cost < best_cost or (
-                    cost == best_cost and (q, k, holder) < (best_q, best_k, best_w)
-                ):
-                    best_cost, best_q, best_k, best_w, best_e = cost, q, k, holder, e
-            if best_w < 0:
-                skipped += 1  # no worker here can hold it (the scheduler refuses it)
-                continue
-            if missed:
-                restored.add(key)  # computed (or fetched) now: the next one hits
-            best_e = best_e * scales[best_k][b] + overhead  # what it really takes
-            end = t + best_q + best_e
-            free[best_w] = end
-            h = heaps[best_k]
-            if h[0][1] == best_w:
-                heapreplace(h, (end, best_w))
-            else:
-                heappush(h, (end, best_w))
-            total += best_q + best_e
-            busy += best_e
-        n_req = len(forecast.offsets) - skipped
+                    while fa != free[w]:
+                        heappop(h)
+                        fa, w = h[0]
+                    q = fa - t if fa > t else 0.0
+                    e = pred[k] * m
+                    cost = q * inv_scale[k] + factor[k] * e
+                    if cost < best_cost or (
+                        cost == best_cost and (q, k, w) < (best_q, best_k, best_w)
+                    ):
+                        best_cost, best_q, best_k, best_w, best_e = cost, q, k, w, e
+                missed = False
+                for holder, h_pred in held:
+                    if remap:
+                        targets = remap.get(holder)
+                        if targets is not None:
+                            share = lost.get(holder, 0.0)
+                            if share > 0 and key not in restored and unit(key, holder) < share:
+                                missed = True
+                                continue
+                            holder = targets[key % len(targets)] if targets else -1
+                    held_free = free.get(holder)
+                    if held_free is None:
+                        continue
+                    k = degree_of[holder]
+                    q = held_free - t if held_free > t else 0.0
+                    e = h_pred[k] * m
+                    cost = q * inv_scale[k] + factor[k] * e
+                    if cost < best_cost or (
+                        cost == best_cost and (q, k, holder) < (best_q, best_k, best_w)
+                    ):
+                        best_cost, best_q, best_k, best_w, best_e = cost, q, k, holder, e
+                if best_w < 0:
+                    position += 1
+                    continue  # no worker here can hold it (the scheduler refuses it)
+                if missed:
+                    restored.add(key)  # computed (or fetched) now: the next one hits
+                best_e = best_e * scales[best_k][b] + overhead  # what it really takes
+                end = t + best_q + best_e
+                free[best_w] = end
+                h = heaps[best_k]
+                if h[0][1] == best_w:
+                    heapreplace(h, (end, best_w))
+                else:
+                    heappush(h, (end, best_w))
+                ttft = best_q + best_e
+                part_total += ttft
+                part_n += 1
+                if first:
+                    busy += best_e
+                if is_cycle and nb:
+                    j = position * nb // n_tail
+                    batch_sum[j] += ttft
+                    batch_n[j] += 1
+                position += 1
+            total += part_total
+            served += part_n
+            if is_cycle:
+                cycle_means.append(part_total / part_n / m if part_n else 0.0)
+                edge = shift + period
+                backlogs.append(sum(f - edge for f in free.values() if f > edge) / m)
         # busy: the thinned requests' dilated service time, which is the whole
         # forecast's service time in real seconds.
-        return ReplayResult(total / n_req / m if n_req else 0.0, n_req, busy, forecast.span_s)
+        return ReplayResult(
+            total / served / m if served else 0.0,
+            served,
+            busy,
+            forecast.span_s,
+            tuple(cycle_means),
+            tuple(backlogs),
+            tuple(s / n / m if n else 0.0 for s, n in zip(batch_sum, batch_n, strict=True)),
+        )

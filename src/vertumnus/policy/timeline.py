@@ -7,9 +7,11 @@ requests answered (with the median SLO ``tau`` they were held to) and the token
 hit rate; and at the sample's time, the queues and the predicted work
 outstanding, the KV copies in flight and the replications and reclamations so far.
 One event per reshape begun: its kind, the rule that fired, its inputs and, from the
-what-if controller, the candidates it weighed. Samples and events sit in bounded
-rings (``capacity``, ``max_events``; None: unbounded, for a simulation's whole run);
-``since(t)`` answers what came after ``t``, which is what a page that polls asks for.
+what-if controller, the candidates it weighed; and one per audit of a move that a
+decision closed (kind ``audit``: predicted, measured and holding's counterfactual).
+Samples and events sit in bounded rings (``capacity``, ``max_events``; None:
+unbounded, for a simulation's whole run); ``since(t)`` answers what came after
+``t``, which is what a page that polls asks for.
 
 Pure: both drivers feed the same object in the same way, the coordinator (its
 request path, its decisions, and a sampler every period) and the simulator (its
@@ -164,6 +166,19 @@ class Timeline:
         if isinstance(candidates, list | tuple):
             event["candidates"] = plain(list(candidates[:MAX_CANDIDATES]))
         self.events.append(event)
+
+    def decided(self, now: float, inputs: Mapping[str, Any]) -> None:
+        """A decision was made (``Decision.inputs``): the move audits it closed."""
+        for audit in inputs.get("move_audits", ()):
+            self.events.append(
+                {
+                    "t": round(now - self.origin_s, 3),
+                    "kind": "audit",
+                    "rule": f"audit of {audit.get('move', 'a move')}",
+                    "ops": [],
+                    "inputs": plain(audit),
+                }
+            )
 
     def sample(self, now: float, policy: PoolPolicy) -> dict[str, Any]:
         """Close the period at ``now``: its sample, read from the policy (nothing in

@@ -1,5 +1,6 @@
-"""The what-if controller: predict each reachable composition's TTFT, then act
-(DESIGN.md §6b; the paper's threshold rules are ``controller.Controller``).
+"""The what-if controller: predict each reachable composition's TTFT, then act,
+and never do harm (DESIGN.md §6b, §6c; the paper's threshold rules are
+``controller.Controller``).
 
 Every ``decision_s`` seconds (10 s by default, apart from the capacity window):
 
@@ -7,28 +8,31 @@ Every ``decision_s`` seconds (10 s by default, apart from the capacity window):
      its prefix was reusable;
   2. candidates: hold, and k splits or k merges at one level within the lattice's
      bounds (``whatif_candidates``);
-  3. replay the forecast over each candidate through the scheduler's own cost rule
-     (``replay``), calibrated per degree and length bucket (``calibration``):
-     ``next`` from today's backlog, the candidate's new workers serving only after
-     drain plus switch, and ``steady`` from empty queues. Its score is
+  3. replay each candidate from the live state to the end of its consequences
+     (``whatif_search``): backlogs, drains, switches, the cache it disturbs, and
+     the forecast continued for ``payback_s``, longer while the backlog its
+     transition built drains; holding over the same horizon. Near saturation
+     moves are staged (``saturated_moves`` operations at a time);
+  4. act, pessimistically: a candidate's score ``J`` is priced at
+     ``J * (1 + pessimism)``, the audited error of its kind of move and load band
+     (``move_audit``), and its gain over holding, ``(hold - J') / hold``, must
+     clear the margin (``margin`` plus ``audit_weight`` times the undisturbed
+     audit's error). Then the evidence decides when: a gain whose significance
+     ``z`` (a paired comparison over batches of the forecast) is at least
+     ``z_urgent`` acts at once where the load moved (the pool overloaded, or the
+     forecast just saw the rate change); one at ``z_confirm`` or more must be the
+     best, with the same kind of move, two decisions in a row; a weaker one
+     ``confirm_limit`` in a row, their mean gain above the margin. While a reshape
+     is under way only an urgent move starts another. While the forecast still
+     holds the cold start (the first ``horizon_s`` after the first arrival) the
+     replays see the cache as it will be warm (each prefix reusable wherever the
+     trie matched it: a cold cache alone looks like overload) and only an urgent
+     move under overload is made.
 
-        J = w * next + (1 - w) * steady,   times (1 + op_cost * #operations)
-
-     so a move pays its transition once and its gain counts over about 1/w
-     decisions;
-  4. act: the best candidate's gain over holding, (J_hold - J) / J_hold, must clear
-     the margin (``margin`` plus ``audit_weight`` times the audit's error). A gain of
-     ``urgent_gain`` or more acts at once; a smaller one must win
-     ``confirm_decisions`` decisions in a row with the same kind of move (direction
-     and level), their mean gain above the margin. Urgent means the load moved: the
-     pool is overloaded (the predicted busy fraction of holding at least
-     ``overload_utilisation``) or the forecast just saw the rate change; a large gain
-     elsewhere is confirmed like a small one. While a reshape is under way only an
-     urgent move starts another. In the cold-cache warm-up (``warmup_s`` after the
-     first arrival) the replays see the cache as it will be warm (each prefix
-     reusable wherever the trie matched it, as the start choice assumes: a cold
-     cache alone looks like overload), and only an urgent move under overload is
-     made.
+Every move is audited (``move_audit``): once the arrivals of the span after it are
+answered, their measured mean TTFT is compared with the move replayed on them and
+with holding replayed on them from the same state; the error feeds the next
+decisions' pessimism, and every audit is listed in the decision that closed it.
 
 The decision is cut in three so that a server computes the replays off its event
 loop: ``prepare`` (reads the pool: on the loop), ``evaluate`` (the replays: pure,
@@ -36,9 +40,9 @@ touches nothing shared, safe in a thread) and ``conclude`` (the guards and the
 bookkeeping: on the loop). Every ``Decision`` lists the candidates with their
 predictions, the margin and the choice.
 
-The audit: each period the pool spent undisturbed (no reshape under way, every
-worker serving) is replayed once all its requests ended, from its starting backlog,
-and its measured mean TTFT compared with that prediction.
+The undisturbed audit: each period the pool spent undisturbed (no reshape under
+way, every worker serving) is replayed once all its requests ended, from its
+starting backlog, and its measured mean TTFT compared with that prediction.
 
 Pure Python, clock-free. Not owned here: executing reshapes (``transition``).
 """
@@ -56,6 +60,7 @@ from vertumnus.policy.controller import Controller, ControllerConfig, Decision, 
 from vertumnus.policy.costs import CostWeights, ReuseCurve
 from vertumnus.policy.forecast import ArrivalSample, Forecast, ForecastConfig, make_sample
 from vertumnus.policy.lattice import Lattice, Reshape, WorkerState
+from vertumnus.policy.move_audit import MoveAudits, band_of
 from vertumnus.policy.replay import (
     ReplayModel,
     ReplayWorker,
@@ -63,7 +68,8 @@ from vertumnus.policy.replay import (
 )
 from vertumnus.policy.scheduler import Placement, PlacementRequest
 from vertumnus.policy.whatif_candidates import Candidate, PoolInputs, candidates
-from vertumnus.policy.whatif_search import Evaluation, WhatIfPlan, evaluate
+from vertumnus.policy.whatif_guards import Streak, candidate_rows, pessimistic_gains
+from vertumnus.policy.whatif_search import Evaluation, MoveAuditInput, WhatIfPlan, evaluate
 
 
 @dataclass
@@ -110,12 +116,16 @@ class WhatIfController(Controller):
             )
         )
         self.calibration = Calibration(lattice.config.degrees)
-        self._streak: tuple[tuple[str, int], list[float]] | None = None
+        # consecutive decisions whose best is the same kind of move
+        self._streak = Streak(config.z_confirm, config.confirm_limit)
+        self.move_audits = MoveAudits(config.move_error_prior, config.move_error_weight)
+        self._audited: list[dict[str, Any]] = []  # closed since the last decision
         self._period: _Period | None = None
         self._periods: dict[int, _Period] = {}  # closed, waiting for their requests
         self._period_of: dict[int, int] = {}  # request -> the period it arrived in
         self._shares: dict[Reshape, tuple[float, float]] = {}  # op -> (when, share)
         self._times: dict[int, Times] = {}  # request -> its E per degree (the replay's)
+        self._due: dict[int, Any] = {}  # move audits being replayed, by id
 
     # -- inputs ------------------------------------------------------------------------
 
@@ -144,6 +154,7 @@ class WhatIfController(Controller):
             self._period = _Period(self.window, sample.arrival_s, workers, self._undisturbed())
         self._period.samples.append(sample)
         self._period_of[sample.request_id] = self._period.index
+        self.move_audits.arrived(sample)
 
     def prefill_done(
         self, cp_degree: int, input_tokens: int, predicted_s: float, busy_s: float,
@@ -160,6 +171,7 @@ class WhatIfController(Controller):
         self.calibration.switch(switch_s)
 
     def completed(self, request_id: int, ttft_s: float) -> None:
+        self.move_audits.completed(request_id, ttft_s)
         index = self._period_of.pop(request_id, None)
         if index is None:
             return
@@ -189,7 +201,7 @@ class WhatIfController(Controller):
         # In the cold-cache warm-up, the replay sees the cache as it will be: each
         # prefix reusable wherever the trie matched it (as the start choice does).
         first = self.forecast.first_arrival_s
-        warming = first is None or now - first < cfg.warmup_s
+        warming = first is None or now - first < cfg.horizon_s
         forecast = model.prepare(
             window.samples,
             window.start_s,
@@ -253,8 +265,21 @@ class WhatIfController(Controller):
             # Requests never answered (abandoned, refused): no audit, nothing kept.
             for sample in self._periods.pop(index).samples:
                 self._period_of.pop(sample.request_id, None)
+        moves: list[MoveAuditInput] = []
+        self._due = {}
+        for audit, moved, held in self.move_audits.due(now, self.lattice.workers):
+            d = max(1.0, len(moved) / cfg.replay_requests)
+            start = audit.start_s
+            moves.append((audit.audit_id, model.prepare(moved, start, d),
+                          model.prepare(held, start, d), audit.chosen, audit.holding))  # fmt: skip
+            self._due[audit.audit_id] = audit
+        span = max(window.span_s, cfg.decision_s)
         return WhatIfPlan(now, model, forecast, tuple(cands), tuple(audits), n,
-                          window.rate_changed, cfg.next_weight, cfg.op_cost, warming)  # fmt: skip
+                          window.rate_changed, cfg.op_cost, warming,
+                          max(1, math.ceil(cfg.payback_s / span)),
+                          max(1, math.ceil(cfg.max_payback_s / span)),
+                          cfg.significance_batches, cfg.overload_utilisation,
+                          cfg.saturated_moves, tuple(moves))  # fmt: skip
 
     @staticmethod
     def evaluate(plan: WhatIfPlan) -> Evaluation:
@@ -262,47 +287,38 @@ class WhatIfController(Controller):
         return evaluate(plan)
 
     def conclude(self, plan: WhatIfPlan, evaluation: Evaluation) -> Decision:
-        cfg, cal = self.config, self.calibration
+        cfg, cal, audits, streak = self.config, self.calibration, self.move_audits, self._streak
         for index, predicted, measured in evaluation.audits:
             cal.audit(index, predicted, measured)
-        scores = [math.inf if s is None else s for s in evaluation.scores]
-        hold = scores[0]
-        best = min(range(len(scores)), key=lambda k: (scores[k], k))
-        gain = (hold - scores[best]) / hold if 0 < hold < math.inf else 0.0
-        margin = min(cfg.urgent_gain, cfg.margin + cfg.audit_weight * cal.error)
-        steady_hold = evaluation.steady[0]
-        n_hold = len(plan.candidates[0].steady_workers)
-        busy = (
-            steady_hold.busy_s / (n_hold * steady_hold.span_s)
-            if steady_hold is not None and steady_hold.span_s
-            else 0.0
-        )
-        # A large gain acts at once only where the load moved: overload, or a rate
-        # change the forecast just saw. Elsewhere it is confirmed like a small one
-        # (a single forecast can flatter a candidate by chance).
+        audited = [
+            audits.record(self._due.pop(audit_id), move_s, hold_s, cal.bias)
+            for audit_id, move_s, hold_s in evaluation.move_audits
+            if audit_id in self._due
+        ]
+        busy = evaluation.busy_fraction
+        band = band_of(busy, cfg.overload_utilisation)
+        # Pessimistic: each candidate at J * (1 + its kind's audited error), against
+        # holding over the same horizon.
+        gains = pessimistic_gains(plan, evaluation, lambda kind: audits.pessimism(kind, band))
+        best = max(range(len(gains)), key=lambda k: (gains[k], -k))
+        gain = gains[best]
+        z = (evaluation.z[best] if best < len(evaluation.z) else None) or 0.0
+        margin = cfg.margin + cfg.audit_weight * cal.error
         overloaded = busy >= cfg.overload_utilisation
-        urgent = gain >= cfg.urgent_gain and (overloaded or plan.rate_changed)
-        warming = plan.warming
+        urgent = gain >= margin and z >= cfg.z_urgent and (overloaded or plan.rate_changed)
         chosen = plan.candidates[best]
         ops: tuple[Reshape, ...] = ()
-        # The streak: consecutive decisions whose best candidate is the same kind of
-        # move (direction and level), with their gains.
         key = (chosen.kind, chosen.level)
-        if plan.forecast_requests == 0 or best == 0 or plan.warming:
+        if plan.forecast_requests == 0 or best == 0 or gain < margin or plan.warming:
             # (the warm-up's replays assume a warm cache: they confirm nothing later)
-            self._streak = None
-        elif self._streak is not None and self._streak[0] == key:
-            self._streak = (key, [*self._streak[1], gain][-cfg.confirm_decisions :])
+            streak.reset()
         else:
-            self._streak = (key, [gain])
-        gains = self._streak[1] if self._streak is not None else []
-        confirmed = (
-            len(gains) >= cfg.confirm_decisions
-            and sum(gains[-cfg.confirm_decisions :]) / cfg.confirm_decisions >= margin
-        )
-        if plan.forecast_requests == 0 or best == 0 or (gain < margin and not confirmed):
+            streak.add(key, gain, z)
+        confirmed = streak.confirmed(margin)
+        streak_n = len(streak.entries)
+        if plan.forecast_requests == 0 or best == 0 or gain < margin:
             rule = "hold"
-        elif warming and not (urgent and overloaded):
+        elif plan.warming and not (urgent and overloaded):
             # (overload as the warm cache will have it: a cold one alone looks like it)
             rule = "hold:warm-up"
         elif self.in_flight and not urgent:
@@ -312,8 +328,10 @@ class WhatIfController(Controller):
         else:
             ops = tuple(op for op in chosen.ops if self._still_possible(op))
             rule = f"{chosen.kind}:{'urgent' if urgent else 'whatif'}" if ops else "hold:stale"
-            self._streak = None
+            streak.reset()
         self.in_flight.extend(ops)
+        if ops:
+            self._open_audit(plan, evaluation, best, band, gain)
         inputs: dict[str, Any] = {
             "mode": "whatif",
             "forecast_requests": plan.forecast_requests,
@@ -321,33 +339,40 @@ class WhatIfController(Controller):
             "rate_changed": plan.rate_changed,
             "margin": margin,
             "gain": gain,
+            "z": z if math.isfinite(z) else None,
+            "streak": streak_n,
             "urgent": urgent,
-            "warming": warming,
+            "warming": plan.warming,
             "busy_fraction": busy,
+            "band": band,
             "chosen": chosen.name if ops else plan.candidates[0].name,
-            "candidates": [
-                {
-                    "composition": c.name,
-                    "move": c.kind if not c.ops else f"{len(c.ops)} {c.kind}",
-                    "level": c.level,
-                    "next_s": None if nx is None else nx.mean_ttft_s,
-                    "steady_s": st.mean_ttft_s,
-                    "score_s": score,
-                }
-                for c, nx, st, score in zip(
-                    plan.candidates,
-                    evaluation.next,
-                    evaluation.steady,
-                    evaluation.scores,
-                    strict=True,
-                )
-                if st is not None  # (not replayed: past where its kind stopped improving)
-            ],
+            "candidates": candidate_rows(plan, evaluation, gains),
             "calibration": cal.to_json(),
+            "pessimism": self.move_audits.to_json(),
+            "move_audits": audited,
         }
         decision = self._close(rule, ops, inputs)
         self._open_period(plan.now, plan.candidates[0], bool(ops))
         return decision
+
+    def _open_audit(
+        self, plan: WhatIfPlan, evaluation: Evaluation, best: int, band: str, gain: float
+    ) -> None:
+        """The move's audit: the next forecast span's arrivals, as predicted now."""
+        live, hold = evaluation.next[best], evaluation.next[0]
+        if live is None or hold is None or not live.cycle_ttft_s or not hold.cycle_ttft_s:
+            return
+        chosen = plan.candidates[best]
+        sources = {
+            s: self.lattice.workers[s].devices
+            for op in chosen.ops
+            for s in op.sources
+            if s in self.lattice.workers
+        }
+        span = max(plan.forecast.span_s, self.config.decision_s)
+        predicted, predicted_hold = live.cycle_ttft_s[0], hold.cycle_ttft_s[0]
+        self.move_audits.open(self.window, plan.now, span, chosen, plan.candidates[0], band,
+                              predicted, predicted_hold, gain, sources)  # fmt: skip
 
     def _still_possible(self, op: Reshape) -> bool:
         """The pool may have moved while the replays ran (a server): the op's

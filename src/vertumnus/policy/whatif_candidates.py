@@ -78,6 +78,8 @@ class Candidate:
     # per reshaped worker: the share of its cache left out of place (``next`` only)
     lost: Mapping[int, float]
     requeued: tuple[ArrivalSample, ...] = field(default=())
+    # per op, the replay's ids of the workers it makes (in its target_firsts order)
+    made: tuple[tuple[int, ...], ...] = field(default=())
 
     @property
     def name(self) -> str:
@@ -216,9 +218,11 @@ def _candidate(
     remap = dict(base_remap)
     lost = dict(base_lost)
     requeued: list[ArrivalSample] = []
+    made_ids: list[tuple[int, ...]] = []
     for op in ops:
         ready = drain_s(op) + switch_s
         made = tuple(new_id() for _ in op.target_firsts)
+        made_ids.append(made)
         share = disturbed(op)
         for s in op.sources:
             remap[s] = made
@@ -233,7 +237,7 @@ def _candidate(
     counts = Counter(w.cp_degree for w in steady)
     return Candidate(
         kind, level, tuple(ops), dict(counts), tuple(nxt), tuple(steady), remap, lost,
-        tuple(requeued),
+        tuple(requeued), tuple(made_ids),
     )  # fmt: skip
 
 

@@ -4,15 +4,44 @@
 loop (``WhatIfController.prepare``); ``evaluate`` replays it and touches nothing
 else, so a server runs it on its decision thread; the controller then concludes
 (``WhatIfController.conclude``). Pure Python.
+
+A candidate is priced from the live state to the end of its consequences:
+
+    live    from the pool as it is (backlogs, the running prefills' drain, the
+            holders), the candidate's reshapes started now, and the forecast
+            replayed ``cycles`` times over: the same load continued for the
+            payback horizon. Where the candidate's last cycle is still slower than
+            its steady state (the backlog its transition built has not drained),
+            the horizon doubles, up to ``max_cycles``.
+    steady  the candidate's workers from empty queues, one cycle (its steady state,
+            and the search's bound: a candidate whose steady TTFT is no better
+            than holding's live one cannot beat it).
+
+Holding is replayed over the same horizon as each candidate, so every gain is
+against holding still over the same arrivals: ``gain = (hold - J) / hold`` with
+``J`` the candidate's live mean TTFT times ``1 + op_cost * operations``. Its
+significance is a paired comparison: the forecast cut into ``batches`` runs of
+consecutive arrivals, each run's mean TTFT under holding minus under the
+candidate, ``z = mean / (sd / sqrt(batches))``.
+
+Near saturation (holding's predicted busy fraction at least
+``overload_utilisation``) a move is staged: only candidates of at most
+``saturated_moves`` operations are priced, and the next stage is a decision of
+its own, priced from the state the first one left.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from vertumnus.policy.forecast import ArrivalSample
 from vertumnus.policy.replay import PreparedForecast, ReplayModel, ReplayResult, ReplayWorker
 from vertumnus.policy.whatif_candidates import Candidate
+
+# (audit id, the actual arrivals in the move's world, the same in holding's world)
+MoveAuditInput = tuple[int, PreparedForecast, PreparedForecast, Candidate, Candidate]
 
 
 @dataclass(frozen=True)
@@ -24,65 +53,75 @@ class WhatIfPlan:
     audits: tuple[tuple[int, PreparedForecast, tuple[ReplayWorker, ...], float], ...]
     forecast_requests: int
     rate_changed: bool
-    next_weight: float
     op_cost: float
     warming: bool = False  # the cold-cache warm-up: replayed with a warm cache
+    cycles: int = 4  # the payback horizon, in forecast spans
+    max_cycles: int = 16  # ... extended to at most this while a backlog drains
+    batches: int = 8
+    overload_utilisation: float = 0.9
+    saturated_moves: int = 1
+    move_audits: tuple[MoveAuditInput, ...] = field(default=())
 
 
 @dataclass(frozen=True)
 class Evaluation:
     # per candidate; None where the search did not need that replay
-    next: tuple[ReplayResult | None, ...]
+    next: tuple[ReplayResult | None, ...]  # live, over the candidate's horizon
     steady: tuple[ReplayResult | None, ...]
     scores: tuple[float | None, ...]  # J, times the operations' cost
     audits: tuple[tuple[int, float, float], ...]  # (period, predicted, measured)
+    # per candidate: holding's live mean TTFT over the same horizon, and the gain's z
+    hold_scores: tuple[float | None, ...] = ()
+    z: tuple[float | None, ...] = ()
+    busy_fraction: float = 0.0  # holding's, predicted
+    # (audit id, the move replayed on the actual arrivals, holding replayed on them)
+    move_audits: tuple[tuple[int, float, float], ...] = ()
 
 
 def evaluate(plan: WhatIfPlan) -> Evaluation:
     """The replays: a pure function of the plan (safe off the event loop).
 
     Holding first. Then each kind of move (direction and level) by growing k:
-    ``steady`` first, and ``next`` only for a candidate that could still win
-    (``next`` is rarely below ``steady``, so a candidate whose steady score is
-    no better than holding's J cannot beat it); the search along a kind stops
-    once its steady score stops improving with k."""
+    ``steady`` first, and ``live`` only for a candidate that could still win; the
+    search along a kind stops once its steady score stops improving with k, or at
+    ``saturated_moves`` operations near saturation."""
     model, forecast = plan.model, plan.forecast
     n = len(plan.candidates)
-    nexts: list[ReplayResult | None] = [None] * n
+    lives: list[ReplayResult | None] = [None] * n
     steadies: list[ReplayResult | None] = [None] * n
     scores: list[float | None] = [None] * n
+    holds: list[float | None] = [None] * n
+    zs: list[float | None] = [None] * n
+    move_audits = tuple(_move_audit(plan, entry) for entry in plan.move_audits)
     if not forecast.offsets:
-        return Evaluation(tuple(nexts), tuple(steadies), tuple(scores), ())
-    w, op_cost = plan.next_weight, plan.op_cost
+        return Evaluation(tuple(lives), tuple(steadies), tuple(scores), (), tuple(holds),
+                          tuple(zs), 0.0, move_audits)  # fmt: skip
+    op_cost = plan.op_cost
+    heads = [_head(model, cand.requeued, forecast.dilation) for cand in plan.candidates]
 
-    def replay_next(k: int) -> ReplayResult:
+    def live(k: int, cycles: int) -> ReplayResult:
         cand = plan.candidates[k]
-        head = model.prepare(
-            [
-                ArrivalSample(
-                    s.request_id, 0.0, s.input_tokens, s.holders, s.prefix_key, s.floor_tokens
-                )
-                for s in cand.requeued
-            ],
-            0.0,
-            forecast.dilation,
-        )
-        combined = _concat(head, forecast) if head.offsets else forecast
-        return model.run(combined, cand.next_workers, cand.remap, cand.lost)
+        return model.run(forecast, cand.next_workers, cand.remap, cand.lost, heads[k],
+                         cycles, plan.batches)  # fmt: skip
 
     holding = plan.candidates[0]
     steady_hold = model.run(forecast, holding.steady_workers, holding.remap)
-    next_hold = replay_next(0)
-    steadies[0], nexts[0] = steady_hold, next_hold
-    hold = w * next_hold.mean_ttft_s + (1 - w) * steady_hold.mean_ttft_s
-    scores[0] = hold
+    hold_by_cycles = {plan.cycles: live(0, plan.cycles)}
+    lives[0], steadies[0] = hold_by_cycles[plan.cycles], steady_hold
+    hold = hold_by_cycles[plan.cycles].mean_ttft_s
+    scores[0] = holds[0] = hold
+    n_hold = len(holding.steady_workers)
+    busy = steady_hold.busy_s / (n_hold * steady_hold.span_s) if steady_hold.span_s else 0.0
+    most_ops = plan.saturated_moves if busy >= plan.overload_utilisation else None
     groups: dict[tuple[str, int], list[int]] = {}
     for k, cand in enumerate(plan.candidates[1:], start=1):
         groups.setdefault((cand.kind, cand.level), []).append(k)
     for members in groups.values():
-        previous = float("inf")
+        previous = math.inf
         for k in members:
             cand = plan.candidates[k]
+            if most_ops is not None and len(cand.ops) > most_ops:
+                break  # staged: the next operations are later decisions
             steady = model.run(forecast, cand.steady_workers, cand.remap)
             steadies[k] = steady
             factor = 1 + op_cost * len(cand.ops)
@@ -92,23 +131,60 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
             previous = bound
             if bound >= hold:
                 continue  # cannot beat holding
-            nxt = replay_next(k)
-            nexts[k] = nxt
-            scores[k] = (w * nxt.mean_ttft_s + (1 - w) * steady.mean_ttft_s) * factor
+            cycles = plan.cycles
+            result = live(k, cycles)
+            # Until the backlog the transition built has drained: the last cycle
+            # back within 5 % of the candidate's steady state.
+            while cycles < plan.max_cycles and result.cycle_ttft_s[-1] > 1.05 * steady.mean_ttft_s:
+                cycles = min(plan.max_cycles, 2 * cycles)
+                result = live(k, cycles)
+            if cycles not in hold_by_cycles:
+                hold_by_cycles[cycles] = live(0, cycles)
+            against = hold_by_cycles[cycles]
+            lives[k] = result
+            scores[k] = result.mean_ttft_s * factor
+            holds[k] = against.mean_ttft_s
+            zs[k] = _z(against.batch_ttft_s, result.batch_ttft_s, factor)
     audits = tuple(
         (index, model.run(replayed, workers).mean_ttft_s, measured)
         for index, replayed, workers, measured in plan.audits
     )
-    return Evaluation(tuple(nexts), tuple(steadies), tuple(scores), audits)
+    return Evaluation(tuple(lives), tuple(steadies), tuple(scores), audits, tuple(holds),
+                      tuple(zs), busy, move_audits)  # fmt: skip
 
 
-def _concat(head: PreparedForecast, tail: PreparedForecast) -> PreparedForecast:
-    return PreparedForecast(
-        head.offsets + tail.offsets,
-        head.keys + tail.keys,
-        head.buckets + tail.buckets,
-        head.e_pred + tail.e_pred,
-        head.holders + tail.holders,
-        tail.dilation,
-        tail.span_s,
-    )
+def _head(
+    model: ReplayModel, requeued: Sequence[ArrivalSample], dilation: float
+) -> PreparedForecast | None:
+    """A reshape's requeued requests, placed again at t = 0."""
+    if not requeued:
+        return None
+    at_zero = [
+        ArrivalSample(s.request_id, 0.0, s.input_tokens, s.holders, s.prefix_key, s.floor_tokens)
+        for s in requeued
+    ]
+    return model.prepare(at_zero, 0.0, dilation)
+
+
+def _z(hold: Sequence[float], cand: Sequence[float], factor: float) -> float:
+    """The paired gain's significance over the batches (inf: every batch gains alike)."""
+    diffs = [h - c * factor for h, c in zip(hold, cand, strict=True)]
+    b = len(diffs)
+    if b < 2:
+        return 0.0
+    mean = sum(diffs) / b
+    var = sum((d - mean) ** 2 for d in diffs) / (b - 1)
+    if var <= 0:
+        return math.inf if mean > 0 else (0.0 if mean == 0 else -math.inf)
+    return mean / math.sqrt(var / b)
+
+
+def _move_audit(plan: WhatIfPlan, entry: MoveAuditInput) -> tuple[int, float, float]:
+    """A move replayed on the arrivals that came, and holding (the counterfactual)
+    replayed on them from the same state."""
+    audit_id, moved, held, chosen, holding = entry
+    model = plan.model
+    head = _head(model, chosen.requeued, moved.dilation)
+    move_s = model.run(moved, chosen.next_workers, chosen.remap, chosen.lost, head).mean_ttft_s
+    hold_s = model.run(held, holding.next_workers, holding.remap, holding.lost).mean_ttft_s
+    return audit_id, move_s, hold_s

@@ -342,6 +342,7 @@ class Coordinator:
         del self.policy.controller.history[:-1000]  # a server runs for days
         if self.cfg.policy.adaptive and (decision.ops or "candidates" in decision.inputs):
             log.info("decision", **decision.to_json())
+        self.metrics.timeline.decided(now, decision.inputs)
         for transition in outcome.begun:
             self.reshaping.begun(transition, decision.to_json(), len(outcome.actions.placed))
         self.apply(outcome.actions)

@@ -371,6 +371,7 @@ class Simulation:
             rule = "end"
         elif not self.config.adaptive and decision.ops:
             rule = "fixed"  # a fixed composition: noted, not run
+        self.timeline.decided(now, decision.inputs)
         for transition in outcome.begun:
             self.timeline.reshaped(now, transition.op.kind, decision.to_json())
             record = ReshapeRecord(transition.op.kind, now, None, None)

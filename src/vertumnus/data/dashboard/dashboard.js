@@ -304,6 +304,7 @@
         ["workers", (e) => (e.ops || []).map((o) => `${(o.sources || []).join("+")} → CP${o.degree}`).join("; "), "text"],
         ["demand / capacity (s)", (e) => (e.inputs && e.inputs.demand_s !== undefined ? `${fmt(e.inputs.demand_s, 2)} / ${fmt(e.inputs.capacity_s, 2)}` : "–")],
         ["candidates", (e) => ((e.candidates || []).length ? `${e.candidates.length}${e.inputs && e.inputs.chosen ? `, chose ${e.inputs.chosen}` : ""}` : "–")],
+        ["audit: predicted / measured (s), vs holding", (e) => (e.kind === "audit" && e.inputs ? `${fmt(e.inputs.predicted_s, 3)} / ${fmt(e.inputs.measured_s, 3)}, ${fmt(100 * e.inputs.vs_hold, 1)} %` : "–")],
       ],
       recent,
       "events"
@@ -340,7 +341,7 @@
     if (withTables) {
       const tables = el("div", { class: "grid" }, [
         el("div", { class: "card" }, [el("h2", { text: "Workers" }), el("div", { class: "scroll", id: "workers" })]),
-        el("div", { class: "card" }, [el("h2", { text: "Reshapes (latest first)" }), el("div", { class: "scroll", id: "events" })]),
+        el("div", { class: "card" }, [el("h2", { text: "Reshapes and their audits (latest first)" }), el("div", { class: "scroll", id: "events" })]),
       ]);
       main.appendChild(tables);
     }

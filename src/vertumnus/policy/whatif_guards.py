@@ -1,0 +1,93 @@
+"""The what-if controller's guards: the pessimistic gains, the streak of evidence
+that confirms a move, and the rows a decision reports (DESIGN.md §6c).
+
+    gain_k = (hold_k - J_k * (1 + pessimism(kind_k))) / hold_k
+
+with ``hold_k`` holding's live mean TTFT over candidate k's horizon and ``J_k``
+its score (``whatif_search``). The streak is the run of consecutive decisions
+whose best is the same kind of move (direction and level) with a gain over the
+margin; it confirms a move at two decisions whose significance is at least
+``z_confirm`` each, or at ``confirm_limit`` decisions whose mean gain clears the
+margin. Pure Python.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vertumnus.policy.whatif_search import Evaluation, WhatIfPlan
+
+
+def pessimistic_gains(
+    plan: WhatIfPlan, evaluation: Evaluation, pessimism: Callable[[str], float]
+) -> list[float]:
+    """Per candidate (0 for holding and for those not priced)."""
+    gains = [0.0] * len(plan.candidates)
+    for k, (cand, score, hold) in enumerate(
+        zip(plan.candidates, evaluation.scores, evaluation.hold_scores, strict=False)
+    ):
+        if k == 0 or score is None or hold is None or not 0 < hold < math.inf:
+            continue
+        gains[k] = (hold - score * (1.0 + pessimism(cand.kind))) / hold
+    return gains
+
+
+@dataclass
+class Streak:
+    z_confirm: float
+    confirm_limit: int
+    key: tuple[str, int] | None = None
+    entries: list[tuple[float, float]] = field(default_factory=list)  # (gain, z)
+
+    def reset(self) -> None:
+        self.key, self.entries = None, []
+
+    def add(self, key: tuple[str, int], gain: float, z: float) -> None:
+        if key != self.key:
+            self.key, self.entries = key, []
+        self.entries = [*self.entries, (gain, z)][-self.confirm_limit :]
+
+    def confirmed(self, margin: float) -> bool:
+        e = self.entries
+        if len(e) >= 2 and min(z for _, z in e[-2:]) >= self.z_confirm:
+            return True
+        return len(e) >= self.confirm_limit and sum(g for g, _ in e) / len(e) >= margin
+
+
+def candidate_rows(
+    plan: WhatIfPlan, evaluation: Evaluation, gains: list[float]
+) -> list[dict[str, Any]]:
+    """The priced candidates, as a decision lists them (one not replayed, past
+    where its kind stopped improving, is left out)."""
+    holds = evaluation.hold_scores or (None,) * len(plan.candidates)
+    rows = []
+    for k, (c, live, steady, score, hold) in enumerate(
+        zip(plan.candidates, evaluation.next, evaluation.steady, evaluation.scores, holds,
+            strict=True)
+    ):  # fmt: skip
+        if steady is None:
+            continue
+        cycles = live.cycle_ttft_s if live is not None else ()
+        rows.append(
+            {
+                "composition": c.name,
+                "move": c.kind if not c.ops else f"{len(c.ops)} {c.kind}",
+                "level": c.level,
+                "next_s": cycles[0] if cycles else None,  # the first span
+                "live_s": None if live is None else live.mean_ttft_s,  # the horizon
+                "horizon_cycles": len(cycles) if cycles else None,
+                "hold_s": hold,  # holding, over the same horizon
+                "steady_s": steady.mean_ttft_s,
+                "score_s": score,
+                "gain": gains[k] if k else None,
+                "z": _finite(evaluation.z[k]) if k and k < len(evaluation.z) else None,
+            }
+        )
+    return rows
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
