@@ -1,0 +1,121 @@
+"""``tools/robustness.py`` on one scenario shrunk to seconds: every run, the ratios and
+targets in the JSON and the markdown, and the baselines taken from the cache on a
+second call (their files untouched)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "robustness.py"
+SEED = 101  # a system-prompt scenario with a burst: about 270 requests at this scale
+SCALE = 0.01
+
+
+@pytest.fixture(scope="module")
+def tool() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("robustness", TOOL)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("robustness", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def without_wall(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {k: {f: v for f, v in r.items() if f != "wall_s"} for k, r in runs.items()}
+
+
+def test_seeds_parse(tool: ModuleType) -> None:
+    assert tool.parse_seeds("1,4,10-12") == [1, 4, 10, 11, 12]
+    assert len(tool.parse_seeds("report")) == 60 and len(tool.parse_seeds("tune")) == 16
+    assert set(tool.parse_seeds("all")) == set(
+        tool.parse_seeds("report") + tool.parse_seeds("tune")
+    )
+
+
+def test_one_scenario_then_the_cache(tool: ModuleType, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    first = tool.run_suite([SEED], out, jobs=1, duration_scale=SCALE, echo=False)
+    # Fixed at the 6 compositions, vertumnus from three starts, then the three peers at
+    # the fixed pool's two best compositions.
+    assert first["runs"] == {"cached": 0, "ran": 15}
+    report = json.loads((out / "robustness.json").read_text())
+    (entry,) = report["scenarios"]
+    assert len(entry["runs"]) == 15 and entry["scenario"]["seed"] == SEED
+    assert entry["realised"]["requests"] > 50
+    runs = entry["runs"]
+    assert {r["policy"] for r in runs.values()} == {
+        "fixed",
+        "sglang-cache-aware",
+        "dynamo-kv",
+        "llm-d",
+        "vertumnus",
+    }
+    for run in runs.values():
+        assert run["completed"] == run["requests"] == entry["realised"]["requests"]
+        assert run["mean_ttft_s"] > 0 and run["p90_ttft_s"] >= 0
+        if run["policy"] != "vertumnus":
+            assert run["reshapes"] == 0 and run["moves"] == []
+            assert run["composition_end"] == run["composition_start"]
+    pairs = report["pairs"]
+    assert [p["start"] for p in pairs] == entry["scenario"]["starts"]
+    fixed = [r["mean_ttft_s"] for r in runs.values() if r["policy"] == "fixed"]
+    by_mean = sorted(
+        (r for r in runs.values() if r["policy"] == "fixed"), key=lambda r: r["mean_ttft_s"]
+    )
+    best_two = [r["composition_start"] for r in by_mean[:2]]
+    assert {k.split("@")[1] for k, r in runs.items() if r["policy"] in tool.PEERS} == set(best_two)
+    for p in pairs:
+        v, hold = runs[f"vertumnus@{p['start']}"], runs[f"fixed@{p['start']}"]
+        assert p["v_hold"] == pytest.approx(v["mean_ttft_s"] / hold["mean_ttft_s"])
+        assert p["v_hold_p90"] == pytest.approx(v["p90_ttft_s"] / hold["p90_ttft_s"])
+        assert p["best_fixed_mean_s"] == min(fixed)
+        assert p["v_best_fixed"] == pytest.approx(v["mean_ttft_s"] / min(fixed))
+        assert p["best_peer"].split("@")[0] in tool.PEERS and p["v_best_peer"] > 0
+        # the peers ran at the fixed pool's two best compositions
+        assert p["best_peer"].split("@")[1] in best_two
+        assert p["reshapes"] == v["reshapes"] == sum(len(m["kinds"]) for m in p["moves"])
+        for move in p["moves"]:
+            assert {"time_s", "kinds", "rule", "gain", "busy_fraction"} <= move.keys()
+    assert [t["target"] for t in report["targets"]] == [
+        "v/hold mean <= 1.01",
+        "v/hold P90 <= 1.03",
+        "v/best fixed <= 1.03",
+        "v/best fixed <= 1.10",
+        "v <= best peer",
+    ]
+    assert all(t["total"] == 3 for t in report["targets"])
+    assert set(report["distribution"]) == {"v_hold", "v_hold_p90", "v_best_fixed", "v_best_peer"}
+    text = (out / "robustness.md").read_text()
+    for heading in ("## Targets", "## Ratios", "## Worst five by vertumnus / hold"):
+        assert heading in text
+    assert text.count(f"| {SEED} |") == 3
+
+    cache = sorted((out / "cache").iterdir())
+    assert len(cache) == 12 + 1  # the baselines, and the scenario's pilots
+    stamps = {p: p.stat().st_mtime_ns for p in cache}
+    second = tool.run_suite([SEED], out, jobs=1, duration_scale=SCALE, echo=False)
+    assert second["runs"] == {"cached": 12, "ran": 3}
+    assert {p: p.stat().st_mtime_ns for p in (out / "cache").iterdir()} == stamps
+    again = second["scenarios"][0]["runs"]
+    assert without_wall(again) == without_wall(runs)  # and the same vertumnus runs again
+    # --only vertumnus: a scenario without cached baselines is left out, not run.
+    only = tool.run_suite([SEED, SEED + 1], out, 1, SCALE, only="vertumnus", echo=False)
+    assert only["left_out"] == [SEED + 1] and only["runs"] == {"cached": 12, "ran": 3}
+
+
+@pytest.mark.multiproc
+def test_processes_give_what_one_process_gives(tool: ModuleType, tmp_path: Path) -> None:
+    serial = tool.run_suite([SEED], tmp_path / "a", jobs=1, duration_scale=SCALE, echo=False)
+    parallel = tool.run_suite([SEED], tmp_path / "b", jobs=2, duration_scale=SCALE, echo=False)
+
+    assert without_wall(parallel["scenarios"][0]["runs"]) == without_wall(
+        serial["scenarios"][0]["runs"]
+    )
