@@ -37,7 +37,7 @@ class ControllerConfig:
     # confirm_limit decisions in a row, their mean pessimistic gain over the margin.
     z_confirm: float = 2.0
     z_urgent: float = 3.0
-    confirm_limit: int = 4
+    confirm_limit: int = 3
     significance_batches: int = 8
     # The audit of every move: a candidate's J is priced at J * (1 + pessimism),
     # the audited error of its kind of move and load band, with this prior

@@ -309,14 +309,14 @@ class WhatIfController(Controller):
         chosen = plan.candidates[best]
         ops: tuple[Reshape, ...] = ()
         key = (chosen.kind, chosen.level)
-        if plan.forecast_requests == 0 or best == 0 or gain < margin or plan.warming:
+        if plan.forecast_requests == 0 or best == 0 or plan.warming:
             # (the warm-up's replays assume a warm cache: they confirm nothing later)
             streak.reset()
         else:
             streak.add(key, gain, z)
         confirmed = streak.confirmed(margin)
         streak_n = len(streak.entries)
-        if plan.forecast_requests == 0 or best == 0 or gain < margin:
+        if plan.forecast_requests == 0 or best == 0 or (gain < margin and not confirmed):
             rule = "hold"
         elif plan.warming and not (urgent and overloaded):
             # (overload as the warm cache will have it: a cold one alone looks like it)

@@ -5,10 +5,9 @@ that confirms a move, and the rows a decision reports (DESIGN.md §6c).
 
 with ``hold_k`` holding's live mean TTFT over candidate k's horizon and ``J_k``
 its score (``whatif_search``). The streak is the run of consecutive decisions
-whose best is the same kind of move (direction and level) with a gain over the
-margin; it confirms a move at two decisions whose significance is at least
-``z_confirm`` each, or at ``confirm_limit`` decisions whose mean gain clears the
-margin. Pure Python.
+whose best is the same kind of move (direction and level); it confirms a move at
+two decisions whose gain clears the margin at a significance of at least
+``z_confirm`` each, or at ``confirm_limit`` decisions whose mean gain clears it. Pure Python.
 """
 
 from __future__ import annotations
@@ -52,9 +51,11 @@ class Streak:
 
     def confirmed(self, margin: float) -> bool:
         e = self.entries
-        if len(e) >= 2 and min(z for _, z in e[-2:]) >= self.z_confirm:
+        last = e[-2:]
+        if len(last) == 2 and all(g >= margin and z >= self.z_confirm for g, z in last):
             return True
-        return len(e) >= self.confirm_limit and sum(g for g, _ in e) / len(e) >= margin
+        n = self.confirm_limit
+        return len(e) >= n and sum(g for g, _ in e[-n:]) / n >= margin
 
 
 def candidate_rows(
