@@ -274,8 +274,33 @@ def compare(entry: dict[str, Any]) -> list[dict[str, Any]]:
                 "reshapes": v["reshapes"],
                 "composition_end": v["composition_end"],
                 "moves": v["moves"],
+                "audits": v.get("audits", []),
             }
         )
+    return out
+
+
+def audit_summary(pairs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The move audits of every adaptive run (``policy/move_audit.py``), those no other
+    move overlapped, per load band and in all: how far the transition's predicted mean
+    TTFT (at the decision, from the forecast) and its replay on the arrivals that came
+    were from the measured one, and the share within 25 %."""
+    audits = [a for p in pairs for a in p["audits"] if not a["overlapped"] and a["measured_s"]]
+    out: dict[str, dict[str, Any]] = {}
+    for band in ("all", "light", "loaded", "saturated"):
+        mine = [a for a in audits if band == "all" or a["band"] == band]
+        if not mine:
+            continue
+        forecast = [abs(a["predicted_s"] / a["measured_s"] - 1) for a in mine]
+        replayed = [abs(a["replayed_s"] / a["measured_s"] - 1) for a in mine]
+        out[band] = {
+            "audits": len(mine),
+            "predicted_error_median": percentile(forecast, 50),
+            "predicted_within_25pct": sum(e <= 0.25 for e in forecast) / len(mine),
+            "replayed_error_median": percentile(replayed, 50),
+            "replayed_within_25pct": sum(e <= 0.25 for e in replayed) / len(mine),
+            "vs_hold_median": percentile([a["vs_hold"] for a in mine], 50),
+        }
     return out
 
 
@@ -380,6 +405,14 @@ def markdown(report: dict[str, Any]) -> str:
     quantiles = [(k, *(_f(d[q]) for q in QUANTILES)) for k, d in report["distribution"].items()]
     lines += ["## Targets\n", *_table(("target", "met", "of", "needed", "ok"), goals)]
     lines += ["\n## Ratios\n", *_table(("ratio", *QUANTILES), quantiles)]
+    head_a = ("band", "audits", "predicted: median error", "within 25 %", "replayed: median error")
+    audit_rows = [
+        (band, a["audits"], _f(a["predicted_error_median"]), f"{a['predicted_within_25pct']:.0%}",
+         _f(a["replayed_error_median"]), f"{a['replayed_within_25pct']:.0%}")
+        for band, a in report["audits"].items()
+    ]  # fmt: skip
+    lines += ["\n## Move audits: the transition's mean TTFT, predicted against measured\n"]
+    lines += _table((*head_a, "within 25 %"), audit_rows)
     for title, key in (("vertumnus / hold", "v_hold"), ("vertumnus / best fixed", "v_best_fixed")):
         lines.append(f"\n## Worst five by {title}\n")
         for p in worst(pairs, key):
@@ -509,6 +542,7 @@ def run_suite(
         "targets": targets(pairs),
         "distribution": distribution(pairs),
         "worst": {key: worst(pairs, key) for key in ("v_hold", "v_best_fixed")},
+        "audits": audit_summary(pairs),
         "pairs": pairs,
         "scenarios": entries,
     }

@@ -16,11 +16,12 @@ periods after it, as the live replay's first cycle predicted them.
 
 and the relative error ``x = measured / replayed - 1 - bias`` (``bias``: the
 model's signed error on undisturbed periods, which holding shares) is kept per
-kind of move and load band. ``pessimism(kind, band)`` is the mean of ``max(0, x)``
-over the last ``keep`` audits of that key, with ``prior`` counted
-``prior_weight`` times: the controller prices a candidate at ``J * (1 +
-pessimism)``, so a kind of move that did worse than predicted must predict a
-larger gain the next time (no audit yet: the prior). Holders recorded after the
+kind of move and load band. ``pessimism(kind, band)`` is the mean of ``|x|`` over
+the last ``keep`` audits of that key, with ``prior`` counted ``prior_weight``
+times: the controller prices a candidate at ``J * (1 + pessimism)``, so where the
+model's moves were mispredicted (either way: the counterfactual is a replay too,
+so an error is an error of the gain as well) a move must predict a larger gain
+the next time (no audit yet: the prior). Holders recorded after the
 move name the new workers; they are translated back into the replay's ids of
 each world (the move's made workers; holding's sources).
 
@@ -181,10 +182,14 @@ class MoveAudits:
 
     # -- outputs -----------------------------------------------------------------------
 
+    def watching(self, now: float) -> bool:
+        """A move's span is still being watched (its audit has not seen its arrivals)."""
+        return any(now < audit.end_s for audit in self._open)
+
     def pessimism(self, kind: str, band: str) -> float:
         errors = self._errors.get((kind, band), ())
         w = self.prior_weight
-        return (w * self.prior + sum(max(0.0, x) for x in errors)) / (w + len(errors))
+        return (w * self.prior + sum(abs(x) for x in errors)) / (w + len(errors))
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -254,8 +254,11 @@ class WhatIfController(Controller):
         done = [i for i, p in sorted(self._periods.items()) if len(p.ttft_s) >= len(p.samples)]
         for index in done:
             period = self._periods.pop(index)
-            # One audit a decision (the latest): it is a replay of its own.
-            if index != done[-1] or not period.undisturbed or not period.samples:
+            # One audit a decision (the latest): it is a replay of its own. A period
+            # of the cold start is not one (its cache was filling: the model's error
+            # there says nothing of the next decisions').
+            cold = first is None or period.start_s < first + cfg.horizon_s
+            if index != done[-1] or not period.undisturbed or not period.samples or cold:
                 continue
             measured = sum(period.ttft_s.values()) / len(period.ttft_s)
             d = max(1.0, 3 * len(period.samples) / cfg.replay_requests)  # (a third as many)
@@ -316,13 +319,16 @@ class WhatIfController(Controller):
             streak.add(key, gain, z)
         confirmed = streak.confirmed(margin)
         streak_n = len(streak.entries)
-        if plan.forecast_requests == 0 or best == 0 or (gain < margin and not confirmed):
-            rule = "hold"
+        if plan.forecast_requests == 0 or best == 0 or gain < margin:
+            rule = "hold"  # (no harm: the present pessimistic gain must clear the margin)
         elif plan.warming and not (urgent and overloaded):
             # (overload as the warm cache will have it: a cold one alone looks like it)
             rule = "hold:warm-up"
         elif self.in_flight and not urgent:
             rule = "hold:reshapes-in-flight"
+        elif audits.watching(plan.now):
+            # (staged: the next move once the last one's span has been seen)
+            rule = "hold:auditing"
         elif not urgent and not confirmed:
             rule = "hold:confirming"
         else:
@@ -358,7 +364,8 @@ class WhatIfController(Controller):
     def _open_audit(
         self, plan: WhatIfPlan, evaluation: Evaluation, best: int, band: str, gain: float
     ) -> None:
-        """The move's audit: the next forecast span's arrivals, as predicted now."""
+        """The move's audit: the arrivals of the next ``horizon_s`` (or the forecast's
+        span, if longer), as predicted now (the live replays' first cycles over it)."""
         live, hold = evaluation.next[best], evaluation.next[0]
         if live is None or hold is None or not live.cycle_ttft_s or not hold.cycle_ttft_s:
             return
@@ -369,8 +376,11 @@ class WhatIfController(Controller):
             for s in op.sources
             if s in self.lattice.workers
         }
-        span = max(plan.forecast.span_s, self.config.decision_s)
-        predicted, predicted_hold = live.cycle_ttft_s[0], hold.cycle_ttft_s[0]
+        cycle_s = max(plan.forecast.span_s, 1e-9)
+        span = max(cycle_s, self.config.horizon_s, self.config.decision_s)
+        k = max(1, math.ceil(span / cycle_s - 1e-9))
+        first, first_hold = live.cycle_ttft_s[:k], hold.cycle_ttft_s[:k]
+        predicted, predicted_hold = sum(first) / len(first), sum(first_hold) / len(first_hold)
         self.move_audits.open(self.window, plan.now, span, chosen, plan.candidates[0], band,
                               predicted, predicted_hold, gain, sources)  # fmt: skip
 

@@ -141,15 +141,8 @@ class Scenario:
     def mean_rate(self) -> float:
         """Requests/s over the run, on average."""
         r0, r1, d = self.base_rate, self.second_rate, self.duration_s
-        if self.shape == "step":
-            change = self.change_s or 0.0
-            return (r0 * change + r1 * (d - change)) / d
-        if self.shape == "ramp":
-            return (r0 + r1) / 2
-        if self.shape == "burst":
-            burst = self.burst_s or 0.0
-            return r0 + (r1 - r0) * burst / d
-        return r0
+        high_s = {"step": d - (self.change_s or 0.0), "ramp": d / 2, "burst": self.burst_s}
+        return r0 + (r1 - r0) * (high_s.get(self.shape) or 0.0) / d
 
     @property
     def peak_rate(self) -> float:
