@@ -138,3 +138,10 @@ def test_open_audit_fields() -> None:
         3, 10.0, 15.0, "split", 4,
     )  # fmt: skip
     assert (audit.predicted_s, audit.predicted_hold_s, audit.predicted_gain) == (0.2, 0.25, 0.1)
+
+
+def test_a_span_is_watched_until_it_ends() -> None:
+    audits = MoveAudits(prior=0.05, prior_weight=2.0)
+    assert not audits.watching(0.0)
+    opened(audits, now=10.0, span_s=5.0)
+    assert audits.watching(10.0) and audits.watching(14.9) and not audits.watching(15.0)

@@ -40,14 +40,20 @@ class ControllerConfig:
     confirm_limit: int = 3
     significance_batches: int = 8
     # The audit of every move: a candidate's J is priced at J * (1 + pessimism),
-    # the audited error of its kind of move and load band, with this prior
-    # counted move_error_weight times.
-    move_error_prior: float = 0.05
+    # the audited error of its kind of move and load band, with a prior per band
+    # counted move_error_weight times. The priors are the mean absolute errors of
+    # the move audits on the robustness suite's tune seeds (docs/scheduling.md).
+    move_error_prior_light: float = 0.02
+    move_error_prior_loaded: float = 0.07
+    move_error_prior_saturated: float = 0.20
     move_error_weight: float = 2.0
     audit_weight: float = 0.25  # margins widen by this times the audit's error
     calibrate: bool = True  # scale predictions by measured over predicted service
     replay_requests: int = 1500  # replays thin a larger forecast (time dilation)
     overload_utilisation: float = 0.9  # predicted busy fraction that is overload
+    # Scale-in keeps headroom: a merge must be no slower than holding with the
+    # forecast's arrivals this many times as fast (the next burst must fit).
+    headroom_rate: float = 2.0
     saturated_moves: int = 1  # operations priced (and taken) at once near saturation
     max_moves_fraction: float = 0.5  # of the workers, reshaping at once (at least 1)
     # -- the rules -----------------------------------------------------------------
@@ -77,12 +83,16 @@ class ControllerConfig:
             raise LatticeError("need 0 < payback_s <= max_payback_s")
         if not (0 < self.z_confirm <= self.z_urgent and self.confirm_limit >= 2):
             raise LatticeError("need 0 < z_confirm <= z_urgent and confirm_limit >= 2")
+        if self.headroom_rate < 1:
+            raise LatticeError("headroom_rate must be >= 1")
         if self.significance_batches < 2 or self.saturated_moves < 1:
             raise LatticeError("need significance_batches >= 2 and saturated_moves >= 1")
         if not (self.op_cost >= 0 and self.audit_weight >= 0):
             raise LatticeError("need op_cost >= 0 and audit_weight >= 0")
-        if not (self.move_error_prior >= 0 and self.move_error_weight > 0):
-            raise LatticeError("need move_error_prior >= 0 and move_error_weight > 0")
+        priors = (self.move_error_prior_light, self.move_error_prior_loaded,
+                  self.move_error_prior_saturated)  # fmt: skip
+        if not (min(priors) >= 0 and self.move_error_weight > 0):
+            raise LatticeError("need move_error_prior_* >= 0 and move_error_weight > 0")
         if not (0 < self.max_moves_fraction <= 1 and self.overload_utilisation > 0):
             raise LatticeError("need 0 < max_moves_fraction <= 1, overload_utilisation > 0")
         if not 0 < self.lower_fraction < self.upper_fraction:
@@ -94,6 +104,15 @@ class ControllerConfig:
             raise LatticeError("max_splits_per_window and max_concurrent_reshapes must be >= 1")
         if not (self.long_shift > 0 and self.stable_demand >= 0 and self.long_tokens >= 1):
             raise LatticeError("long_shift must be > 0, stable_demand >= 0, long_tokens >= 1")
+
+    @property
+    def move_error_priors(self) -> dict[str, float]:
+        """Per load band (``move_audit.band_of``)."""
+        return {
+            "light": self.move_error_prior_light,
+            "loaded": self.move_error_prior_loaded,
+            "saturated": self.move_error_prior_saturated,
+        }
 
     @property
     def period_s(self) -> float:

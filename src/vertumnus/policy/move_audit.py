@@ -17,8 +17,8 @@ periods after it, as the live replay's first cycle predicted them.
 and the relative error ``x = measured / replayed - 1 - bias`` (``bias``: the
 model's signed error on undisturbed periods, which holding shares) is kept per
 kind of move and load band. ``pessimism(kind, band)`` is the mean of ``|x|`` over
-the last ``keep`` audits of that key, with ``prior`` counted ``prior_weight``
-times: the controller prices a candidate at ``J * (1 + pessimism)``, so where the
+the last ``keep`` audits of that key, with the band's ``prior`` counted
+``prior_weight`` times: the controller prices a candidate at ``J * (1 + pessimism)``, so where the
 model's moves were mispredicted (either way: the counterfactual is a replay too,
 so an error is an error of the gain as well) a move must predict a larger gain
 the next time (no audit yet: the prior). Holders recorded after the
@@ -75,7 +75,10 @@ class OpenAudit:
 
 
 class MoveAudits:
-    def __init__(self, prior: float, prior_weight: float, keep: int = 8) -> None:
+    def __init__(
+        self, prior: float | Mapping[str, float], prior_weight: float, keep: int = 8
+    ) -> None:
+        """``prior``: the error before any audit, one for every band or per band."""
         self.prior = prior
         self.prior_weight = prior_weight
         self.keep = keep
@@ -189,7 +192,8 @@ class MoveAudits:
     def pessimism(self, kind: str, band: str) -> float:
         errors = self._errors.get((kind, band), ())
         w = self.prior_weight
-        return (w * self.prior + sum(abs(x) for x in errors)) / (w + len(errors))
+        prior = self.prior if isinstance(self.prior, int | float) else self.prior[band]
+        return (w * prior + sum(abs(x) for x in errors)) / (w + len(errors))
 
     def to_json(self) -> dict[str, Any]:
         return {

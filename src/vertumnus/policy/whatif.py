@@ -118,7 +118,7 @@ class WhatIfController(Controller):
         self.calibration = Calibration(lattice.config.degrees)
         # consecutive decisions whose best is the same kind of move
         self._streak = Streak(config.z_confirm, config.confirm_limit)
-        self.move_audits = MoveAudits(config.move_error_prior, config.move_error_weight)
+        self.move_audits = MoveAudits(config.move_error_priors, config.move_error_weight)
         self._audited: list[dict[str, Any]] = []  # closed since the last decision
         self._period: _Period | None = None
         self._periods: dict[int, _Period] = {}  # closed, waiting for their requests
@@ -282,7 +282,7 @@ class WhatIfController(Controller):
                           max(1, math.ceil(cfg.payback_s / span)),
                           max(1, math.ceil(cfg.max_payback_s / span)),
                           cfg.significance_batches, cfg.overload_utilisation,
-                          cfg.saturated_moves, tuple(moves))  # fmt: skip
+                          cfg.saturated_moves, tuple(moves), cfg.headroom_rate)  # fmt: skip
 
     @staticmethod
     def evaluate(plan: WhatIfPlan) -> Evaluation:
@@ -326,8 +326,8 @@ class WhatIfController(Controller):
             rule = "hold:warm-up"
         elif self.in_flight and not urgent:
             rule = "hold:reshapes-in-flight"
-        elif audits.watching(plan.now):
-            # (staged: the next move once the last one's span has been seen)
+        elif audits.watching(plan.now) and not urgent:
+            # (the next move once the last one's span has been seen)
             rule = "hold:auditing"
         elif not urgent and not confirmed:
             rule = "hold:confirming"

@@ -4,7 +4,8 @@ that confirms a move, and the rows a decision reports (DESIGN.md §6c).
     gain_k = (hold_k - J_k * (1 + pessimism(kind_k))) / hold_k
 
 with ``hold_k`` holding's live mean TTFT over candidate k's horizon and ``J_k``
-its score (``whatif_search``). The streak is the run of consecutive decisions
+its score (``whatif_search``); 0 for a merge slower than holding at
+``headroom_rate`` times the forecast's rate. The streak is the run of consecutive decisions
 whose best is the same kind of move (direction and level); it confirms a move at
 two decisions whose gain clears the margin at a significance of at least
 ``z_confirm`` each, or at ``confirm_limit`` decisions whose mean gain clears it. Pure Python.
@@ -30,6 +31,9 @@ def pessimistic_gains(
     ):
         if k == 0 or score is None or hold is None or not 0 < hold < math.inf:
             continue
+        stressed = evaluation.headroom[k] if k < len(evaluation.headroom) else None
+        if stressed is not None and stressed[0] > stressed[1]:
+            continue  # a merge without the headroom for a burst: refused
         gains[k] = (hold - score * (1.0 + pessimism(cand.kind))) / hold
     return gains
 
@@ -85,6 +89,8 @@ def candidate_rows(
                 "score_s": score,
                 "gain": gains[k] if k else None,
                 "z": _finite(evaluation.z[k]) if k and k < len(evaluation.z) else None,
+                # a merge's and holding's steady mean at headroom_rate times the rate
+                "headroom_s": evaluation.headroom[k] if k < len(evaluation.headroom) else None,
             }
         )
     return rows

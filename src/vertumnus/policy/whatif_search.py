@@ -24,6 +24,10 @@ significance is a paired comparison: the forecast cut into ``batches`` runs of
 consecutive arrivals, each run's mean TTFT under holding minus under the
 candidate, ``z = mean / (sd / sqrt(batches))``.
 
+Scale-in keeps headroom: a merge is also replayed, with holding, on the forecast's
+arrivals ``headroom_rate`` times as fast (two spans from empty queues); the
+guards refuse one that is slower than holding there (the next burst must fit).
+
 Near saturation (holding's predicted busy fraction at least
 ``overload_utilisation``) a move is staged: only candidates of at most
 ``saturated_moves`` operations are priced, and the next stage is a decision of
@@ -34,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vertumnus.policy.forecast import ArrivalSample
 from vertumnus.policy.replay import PreparedForecast, ReplayModel, ReplayResult, ReplayWorker
@@ -61,6 +65,7 @@ class WhatIfPlan:
     overload_utilisation: float = 0.9
     saturated_moves: int = 1
     move_audits: tuple[MoveAuditInput, ...] = field(default=())
+    headroom_rate: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,9 @@ class Evaluation:
     busy_fraction: float = 0.0  # holding's, predicted
     # (audit id, the move replayed on the actual arrivals, holding replayed on them)
     move_audits: tuple[tuple[int, float, float], ...] = ()
+    # per merge candidate: its steady mean TTFT, and holding's, at headroom_rate times
+    # the rate (None: not a merge, or not priced)
+    headroom: tuple[tuple[float, float] | None, ...] = ()
 
 
 def evaluate(plan: WhatIfPlan) -> Evaluation:
@@ -149,8 +157,20 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
         (index, model.run(replayed, workers).mean_ttft_s, measured)
         for index, replayed, workers, measured in plan.audits
     )
+    headroom: list[tuple[float, float] | None] = [None] * n
+    merges = [k for k, c in enumerate(plan.candidates) if c.kind == "merge" and scores[k]]
+    if merges and plan.headroom_rate > 1:
+        # The forecast's arrivals headroom_rate times as fast, two spans from empty.
+        f = 1.0 / plan.headroom_rate
+        faster = replace(forecast, offsets=tuple(o * f for o in forecast.offsets),
+                         span_s=forecast.span_s * f)  # fmt: skip
+        held = model.run(faster, holding.steady_workers, holding.remap, cycles=2).mean_ttft_s
+        for k in merges:
+            cand = plan.candidates[k]
+            merged = model.run(faster, cand.steady_workers, cand.remap, cycles=2).mean_ttft_s
+            headroom[k] = (merged, held)
     return Evaluation(tuple(lives), tuple(steadies), tuple(scores), audits, tuple(holds),
-                      tuple(zs), busy, move_audits)  # fmt: skip
+                      tuple(zs), busy, move_audits, tuple(headroom))  # fmt: skip
 
 
 def _head(
