@@ -190,6 +190,9 @@ def test_the_time_varying_experiment_starts_from_the_builtin_mix(tool: ModuleTyp
     raw = tomllib.loads(path.read_text())
     variant = raw.pop("experiment")["variants"][0]
     assert variant["label"] == "vertumnus"
+    # The served workload (the shared trace, absent on a bare clone) does not enter
+    # the start: a short generated one stands in for it.
+    raw["workload"] = {"phases": [{"duration_s": 5.0, "rate": 10.0}]}
     cfg = sim_config.load(None, tool.variant_overrides(variant, None, raw), raw=raw)
     assert cfg.start is not None and cfg.start.source == "builtin_mix"
     assert cfg.start.origin == "builtin:mooncake-conversation at 15 requests/s"
