@@ -238,11 +238,12 @@ class ReplayModel:
         passes: list[tuple[PreparedForecast, float, bool]] = []
         if head is not None and head.offsets:
             passes.append((head, 0.0, False))
+        first_cycle = len(passes)  # (busy counts the first cycle only)
         passes += [(forecast, c * period, True) for c in range(max(1, cycles))]
         for number, (part, shift, is_cycle) in enumerate(passes):
             part_total = 0.0
             part_n = 0
-            first = number == (1 if passes[0][2] is False else 0)
+            first = number == first_cycle
             position = 0
             for t0, key, b, pred, held in zip(
                 part.offsets, part.keys, part.buckets, part.e_pred, part.holders, strict=True

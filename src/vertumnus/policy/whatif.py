@@ -60,7 +60,7 @@ from vertumnus.policy.controller import Controller, ControllerConfig, Decision, 
 from vertumnus.policy.costs import CostWeights, ReuseCurve
 from vertumnus.policy.forecast import ArrivalSample, Forecast, ForecastConfig, make_sample
 from vertumnus.policy.lattice import Lattice, Reshape, WorkerState
-from vertumnus.policy.move_audit import MoveAudits, band_of
+from vertumnus.policy.move_audit import MoveAudits, OpenAudit, band_of
 from vertumnus.policy.replay import (
     ReplayModel,
     ReplayWorker,
@@ -125,7 +125,7 @@ class WhatIfController(Controller):
         self._period_of: dict[int, int] = {}  # request -> the period it arrived in
         self._shares: dict[Reshape, tuple[float, float]] = {}  # op -> (when, share)
         self._times: dict[int, Times] = {}  # request -> its E per degree (the replay's)
-        self._due: dict[int, Any] = {}  # move audits being replayed, by id
+        self._due: dict[int, OpenAudit] = {}  # move audits being replayed, by id
 
     # -- inputs ------------------------------------------------------------------------
 
