@@ -15,7 +15,6 @@ from vertumnus.policy.forecast import (
     ForecastConfig,
     ForecastWindow,
     make_sample,
-    sample_of_blocks,
 )
 
 
@@ -208,20 +207,6 @@ def test_a_prefix_every_worker_holds_becomes_the_floor() -> None:
     partial = make_sample(7, 1.5, 100, [(0, 32), (1, 64), (2, 48)], 4, 99)
     assert partial.floor_tokens == 0 and partial.holders == ((1, 64), (2, 48), (0, 32))
     assert make_sample(7, 1.5, 100, [], 4, 0).holders == ()
-
-
-def test_a_sample_names_where_its_holder_prefix_and_match_end_and_its_last_block() -> None:
-    # 5 blocks of 16 tokens (81 tokens: the last block stays reusable); worker 0
-    # holds 2 blocks, the trie matches 4 anywhere.
-    ids = [11, 12, 13, 14, 15]
-    sampled = sample_of_blocks(3, 2.0, 81, [(0, 32)], 2, ids, 4, 16)
-    assert (sampled.prefix_key, sampled.link_key, sampled.leaf_key) == (12, 14, 15)
-    assert sampled.matched_tokens == 64 and sampled.holders == ((0, 32),)
-    # The match is capped where a prefill must compute a token: 80 tokens reuse 4.
-    capped = sample_of_blocks(3, 2.0, 80, [], 2, ids, 5, 16)
-    assert (capped.link_key, capped.matched_tokens) == (14, 64)
-    bare = sample_of_blocks(3, 2.0, 10, [], 2, [], 0, 16)
-    assert (bare.prefix_key, bare.link_key, bare.leaf_key, bare.matched_tokens) == (0, 0, 0, 0)
 
 
 def test_only_the_longest_holders_are_kept() -> None:

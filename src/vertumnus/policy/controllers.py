@@ -29,8 +29,6 @@ def build_controller(
     if config.controller.mode != "whatif":
         return Controller(config.controller, stack.lattice, kappa, stack.traffic)
     trie = cache.trie
-    pulls = config.replication and config.cache.pull and config.router == "vertumnus"
-    copy = config.cache
     return WhatIfController(
         config.controller,
         stack.lattice,
@@ -41,6 +39,4 @@ def build_controller(
         lambda op: cache.reconciliation_share(op.sources, op.target_degree, op.target_firsts),
         lambda w: len(trie.worker_nodes.get(w, ())) + len(trie.worker_pending.get(w, ())),
         config.max_tokens_per_rank,
-        stack.pool.blocks_per_rank * stack.block_tokens,
-        (copy.copy_latency_s, copy.copy_block_s / stack.block_tokens) if pulls else None,
     )

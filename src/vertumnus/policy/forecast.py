@@ -24,8 +24,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from vertumnus.blocks import max_reuse_blocks
-
 # The holders a sample keeps (the longest reuse first): a prefix cached on many
 # workers is reusable nearly anywhere, and the replay's cost grows with holders.
 MAX_HOLDERS = 4
@@ -43,11 +41,6 @@ class ArrivalSample:
     prefix_key: int = 0
     floor_tokens: int = 0  # reusable at every worker (a prefix every worker holds)
     matched_tokens: int = 0  # its prefix cached anywhere in the pool (the trie's match)
-    # The id of the last block of that match (0: none), and of its own last whole
-    # block (what it leaves cached): a later request linked to this one's leaf
-    # reuses it where the replay ran this one (``replay_cache``).
-    link_key: int = 0
-    leaf_key: int = 0
     # A fixed pseudo-random draw in [0, 1) (the replay thins by it)
     draw: float = field(init=False, default=0.0)
 
@@ -65,8 +58,6 @@ def make_sample(
     num_workers: int,
     prefix_key: int,
     matched_tokens: int = 0,
-    link_key: int = 0,
-    leaf_key: int = 0,
 ) -> ArrivalSample:
     """A sample from the trie's lookup: ``reusable`` (worker, tokens > 0) over the
     ``num_workers`` serving workers. What all of them hold becomes the floor; the
@@ -81,37 +72,6 @@ def make_sample(
         prefix_key,
         floor,
         max(floor, matched_tokens),
-        link_key,
-        leaf_key,
-    )
-
-
-def sample_of_blocks(
-    request_id: int,
-    arrival_s: float,
-    input_tokens: int,
-    reusable: Sequence[tuple[int, int]],
-    num_workers: int,
-    block_ids: Sequence[int],
-    matched_blocks: int,
-    block_tokens: int,
-) -> ArrivalSample:
-    """``make_sample`` from the request's block ids and the trie's match
-    (``matched_blocks`` held anywhere): the keys are the blocks where its deepest
-    holder's prefix and its match (its link) end, and its own last block."""
-    deepest = max((p for _, p in reusable), default=0) // block_tokens
-    usable = min(max_reuse_blocks(input_tokens, block_tokens), len(block_ids))
-    n_matched = min(matched_blocks, usable)
-    return make_sample(
-        request_id,
-        arrival_s,
-        input_tokens,
-        reusable,
-        num_workers,
-        block_ids[deepest - 1] if deepest else 0,
-        n_matched * block_tokens,
-        block_ids[n_matched - 1] if n_matched else 0,
-        block_ids[-1] if block_ids else 0,
     )
 
 

@@ -7,19 +7,12 @@ the scheduler would send it:
 
     cost(i, w) = q_w / s_C + beta_C * E_C(L - P_iw, P_iw),    q_w = max(0, free_w - t)
 
-with s_C the calibration (measured over predicted service time; the scheduler
-itself sees predicted work, hence q_w / s_C) and beta_C the cost weights. Ties go
-to the lower q, then degree, then worker, as in the scheduler. The worker then runs
-it for s_C * E + ``overhead_s`` (the serving path's own time); its TTFT is the wait
-plus that.
-
-P_iw, the prefix reusable at w, comes from the request's recorded holders (carried
-over to the workers a reshape makes of them), unless an earlier replayed request
-left that prefix (the request's match ends at that one's last block,
-``replay_cache``): then it is reusable where the replay ran that one, elsewhere
-after the pull that copies it there (the request waits for the copy beyond its
-queue), and nowhere once the workers' capacity has evicted it. So a composition's
-reuse is its own: turns scattered by load, long contexts a small worker cannot keep.
+with P_iw the prefix reusable at w (the request's recorded holders, carried over to
+the workers a reshape makes of them), s_C the calibration (measured over predicted
+service time; the scheduler itself sees predicted work, hence q_w / s_C) and beta_C
+the cost weights. Ties go to the lower q, then degree, then worker, as in the
+scheduler. The worker then runs it for s_C * E + ``overhead_s`` (the serving path's
+own time); its TTFT is the wait plus that.
 
 Workers that hold nothing a request can reuse differ only in when they free, so
 per degree the best of them is the one that frees first: one heap per degree (stale
@@ -44,7 +37,6 @@ from dataclasses import dataclass
 
 from vertumnus.policy.costs import CostWeights, ReuseCurve
 from vertumnus.policy.forecast import ArrivalSample, unit
-from vertumnus.policy.replay_cache import ReplayCache
 
 # Input-length buckets of the calibration: [0, 2K), [2K, 8K), [8K, 32K), [32K, inf).
 BUCKET_EDGES: tuple[int, ...] = (2048, 8192, 32768)
@@ -76,12 +68,9 @@ class ReplayResult:
     batch_ttft_s: tuple[float, ...] = ()
 
 
-# Per request, uncalibrated and undilated: (input bucket, E per degree where it
-# reuses no more than its floor (warm: its match), ((holder, E per degree at its
-# reuse there), ...), E per degree at its floor, E per degree at its match).
-# inf: cannot hold it.
-PerDegree = tuple[float, ...]
-Times = tuple[int, PerDegree, tuple[tuple[int, PerDegree], ...], PerDegree, PerDegree]
+# Per request, uncalibrated and undilated: (input bucket, E per degree at its floor
+# reuse, ((holder, E per degree at its reuse there), ...)). inf: cannot hold it.
+Times = tuple[int, tuple[float, ...], tuple[tuple[int, tuple[float, ...]], ...]]
 
 
 @dataclass(frozen=True)
@@ -97,14 +86,6 @@ class PreparedForecast:
     holders: tuple[tuple[tuple[int, tuple[float, ...]], ...], ...]
     dilation: float
     span_s: float
-    # The replay's cache model (``replay_cache``): per request, its link and leaf,
-    # E per degree at its floor and at its match (the E a linked request pays away
-    # from and at the workers the replay left its prefix on), and its tokens.
-    links: tuple[int, ...] = ()
-    leaves: tuple[int, ...] = ()
-    e_floor: tuple[PerDegree, ...] = ()
-    e_match: tuple[PerDegree, ...] = ()
-    tokens: tuple[tuple[int, int, int], ...] = ()  # (input, floor, matched) tokens
 
 
 class ReplayModel:
@@ -118,12 +99,7 @@ class ReplayModel:
         scale: Mapping[int, Sequence[float]] | None = None,
         overhead_s: float = 0.0,
         max_tokens_per_rank: int | None = None,
-        cache_tokens_per_rank: int | None = None,
-        pull_s: tuple[float, float] | None = None,
     ) -> None:
-        """``cache_tokens_per_rank``: the KV one rank caches, in tokens (the
-        replay's cache capacity; None: without limit). ``pull_s``: (latency, seconds
-        per token) of copying a prefix between workers (None: no pulls)."""
         self.degrees = tuple(sorted(degrees))
         self.curves = {c: curves[c] for c in self.degrees}
         nb = len(BUCKET_EDGES) + 1
@@ -131,8 +107,6 @@ class ReplayModel:
         self.weights = weights
         self.max_tokens_per_rank = max_tokens_per_rank
         self.overhead_s = overhead_s
-        self.cache_tokens_per_rank = cache_tokens_per_rank
-        self.pull = pull_s
 
     def prepare(
         self,
@@ -158,11 +132,6 @@ class ReplayModel:
         buckets: list[int] = []
         e_pred: list[tuple[float, ...]] = []
         holders: list[tuple[tuple[int, tuple[float, ...]], ...]] = []
-        links: list[int] = []
-        leaves: list[int] = []
-        e_floor: list[PerDegree] = []
-        e_match: list[PerDegree] = []
-        tokens: list[tuple[int, int, int]] = []
         for s in samples:
             times = cache.get(s.request_id) if cache is not None else None
             if times is None:
@@ -174,11 +143,6 @@ class ReplayModel:
             buckets.append(times[0])
             e_pred.append(times[1])
             holders.append(times[2])
-            e_floor.append(times[3])
-            e_match.append(times[4])
-            links.append(s.link_key)
-            leaves.append(s.leaf_key)
-            tokens.append((s.input_tokens, s.floor_tokens, s.matched_tokens))
         span = span_s if span_s is not None else (max(offsets) if offsets else 0.0)
         return PreparedForecast(
             tuple(offsets),
@@ -188,28 +152,18 @@ class ReplayModel:
             tuple(holders),
             dilation,
             span,
-            tuple(links),
-            tuple(leaves),
-            tuple(e_floor),
-            tuple(e_match),
-            tuple(tokens),
         )
 
     def times(self, sample: ArrivalSample, warm: bool = False) -> Times:
         """The request's E per degree at its floor and at each holder's reuse
         (``warm``: at its match anywhere, everywhere)."""
         n = sample.input_tokens
-        floor = self._per_degree_s(n, sample.floor_tokens)
-        matched = sample.matched_tokens
-        match = self._per_degree_s(n, matched) if matched > sample.floor_tokens else floor
         if warm:
-            return bucket_of(n), match, (), floor, match
+            return bucket_of(n), self._per_degree_s(n, sample.matched_tokens), ()
         return (
             bucket_of(n),
-            floor,
+            self._per_degree_s(n, sample.floor_tokens),
             tuple((w, self._per_degree_s(n, p)) for w, p in sample.holders),
-            floor,
-            match,
         )
 
     def _per_degree_s(self, input_tokens: int, reused_tokens: int) -> tuple[float, ...]:
@@ -268,11 +222,6 @@ class ReplayModel:
         remap = remap or {}
         lost = lost or {}
         restored: set[int] = set()
-        per_rank = self.cache_tokens_per_rank
-        pull = self.pull
-        cache = ReplayCache(
-            None if per_rank is None else {w.worker_id: w.cp_degree * per_rank / m for w in workers}
-        )
         heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
         n_tail = len(forecast.offsets)
         if not n_tail and (head is None or not head.offsets):
@@ -296,32 +245,13 @@ class ReplayModel:
             part_n = 0
             first = number == first_cycle
             position = 0
-            size = len(part.offsets)
-            linked_part = len(part.links) == size
-            for t0, key, b, pred, held, link, leaf, floor_e, match_e, (n, floor, matched) in zip(
-                part.offsets, part.keys, part.buckets, part.e_pred, part.holders,
-                part.links if linked_part else (0,) * size,
-                part.leaves if linked_part else (0,) * size,
-                part.e_floor if linked_part else part.e_pred,
-                part.e_match if linked_part else part.e_pred,
-                part.tokens if linked_part else ((0, 0, 0),) * size,
-                strict=True,
-            ):  # fmt: skip
+            for t0, key, b, pred, held in zip(
+                part.offsets, part.keys, part.buckets, part.e_pred, part.holders, strict=True
+            ):
                 t = t0 + shift
                 best_cost = best_q = float("inf")
                 best_k = best_w = -1
-                best_e = best_wait = 0.0
-                hit = False
-                # A prefix a replayed request left: reusable where it was left, and
-                # elsewhere once pulled from there (the request waits for the copy
-                # beyond its queue); evicted everywhere, it is computed.
-                linked = cache.holders(link)
-                wait_to = -1.0
-                if linked is not None:
-                    held = tuple((w, match_e) for w in linked)
-                    pred = floor_e
-                    if linked and pull is not None:
-                        pred, wait_to = match_e, (pull[0] + pull[1] * matched) * m
+                best_e = 0.0
                 for k in present:
                     h = heaps[k]
                     fa, w = h[0]
@@ -330,16 +260,14 @@ class ReplayModel:
                         fa, w = h[0]
                     q = fa - t if fa > t else 0.0
                     e = pred[k] * m
-                    wait = wait_to - q if wait_to > q else 0.0
-                    cost = q * inv_scale[k] + wait + factor[k] * e
+                    cost = q * inv_scale[k] + factor[k] * e
                     if cost < best_cost or (
                         cost == best_cost and (q, k, w) < (best_q, best_k, best_w)
                     ):
                         best_cost, best_q, best_k, best_w, best_e = cost, q, k, w, e
-                        best_wait = wait
                 missed = False
                 for holder, h_pred in held:
-                    if remap and linked is None:
+                    if remap:
                         targets = remap.get(holder)
                         if targets is not None:
                             share = lost.get(holder, 0.0)
@@ -358,17 +286,13 @@ class ReplayModel:
                         cost == best_cost and (q, k, holder) < (best_q, best_k, best_w)
                     ):
                         best_cost, best_q, best_k, best_w, best_e = cost, q, k, holder, e
-                        best_wait, hit = 0.0, True
                 if best_w < 0:
                     position += 1
                     continue  # no worker here can hold it (the scheduler refuses it)
                 if missed:
                     restored.add(key)  # computed (or fetched) now: the next one hits
                 best_e = best_e * scales[best_k][b] + overhead  # what it really takes
-                best_q += best_wait
                 end = t + best_q + best_e
-                # (a pulled prefix is held at best_w too: its tokens count as written)
-                cache.store(best_w, link, leaf, n - (matched if hit else floor))
                 free[best_w] = end
                 h = heaps[best_k]
                 if h[0][1] == best_w:

@@ -54,13 +54,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vertumnus.blocks import max_reuse_blocks
 from vertumnus.policy.calibration import Calibration
 from vertumnus.policy.controller import Controller, ControllerConfig, Decision, TrafficFn
 from vertumnus.policy.costs import CostWeights, ReuseCurve
-from vertumnus.policy.forecast import ArrivalSample, Forecast, ForecastConfig, sample_of_blocks
+from vertumnus.policy.forecast import ArrivalSample, Forecast, ForecastConfig, make_sample
 from vertumnus.policy.lattice import Lattice, Reshape, WorkerState
 from vertumnus.policy.move_audit import MoveAudits, OpenAudit, band_of
-from vertumnus.policy.replay import ReplayModel, ReplayWorker, Times
+from vertumnus.policy.replay import (
+    ReplayModel,
+    ReplayWorker,
+    Times,
+)
 from vertumnus.policy.scheduler import Placement, PlacementRequest
 from vertumnus.policy.whatif_candidates import Candidate, PoolInputs, candidates
 from vertumnus.policy.whatif_guards import Streak, candidate_rows, pessimistic_gains
@@ -91,8 +96,6 @@ class WhatIfController(Controller):
         disturbed: TrafficFn | None = None,
         held_blocks: Callable[[int], int] | None = None,
         max_tokens_per_rank: int | None = None,
-        cache_tokens_per_rank: int | None = None,
-        pull_s: tuple[float, float] | None = None,
     ) -> None:
         """``disturbed``: the share of a reshape's cache it leaves out of place (the
         trie's reconciliation, ``cache_manager.reconciliation_share``);
@@ -101,9 +104,7 @@ class WhatIfController(Controller):
         super().__init__(config, lattice, kappa_s, traffic)
         self.disturbed = disturbed or (lambda op: 0.0)
         self.held_blocks = held_blocks or (lambda worker_id: 0)
-        # The replay's limits: the scheduler's KV limit, what one rank caches, and a
-        # pull's (latency, seconds per token)
-        self.limits = (max_tokens_per_rank, cache_tokens_per_rank, pull_s)
+        self.max_tokens_per_rank = max_tokens_per_rank  # the scheduler's KV limit
         self.curves = curves
         self.weights = weights
         self.forecast = Forecast(
@@ -130,16 +131,20 @@ class WhatIfController(Controller):
 
     def placed(self, request: PlacementRequest, placed: Placement, at_s: float, block: int) -> None:
         """A request placed for the first time: its arrival, length and holders."""
+        deepest = max((p for _, p in placed.holders), default=0) // block
         update = placed.update
-        sample = sample_of_blocks(
+        matched = 0
+        if update is not None:
+            usable = max_reuse_blocks(request.input_tokens, block)
+            matched = min(update.matched_blocks, usable) * block
+        sample = make_sample(
             request.request_id,
             at_s,
             request.input_tokens,
             placed.holders,
             placed.num_candidates,
-            request.block_ids,
-            0 if update is None else update.matched_blocks,
-            block,
+            request.block_ids[deepest - 1] if deepest else 0,
+            matched,
         )
         self.forecast.record(sample)
         if self._period is None:  # the first period starts with the first arrival
@@ -186,7 +191,7 @@ class WhatIfController(Controller):
             self.weights,
             scales,
             cal.overhead_s,
-            *self.limits,
+            self.max_tokens_per_rank,
         )
         window = self.forecast.window(now)
         if len(self._times) > 2 * len(self.forecast) + 1000:  # forget the requests gone

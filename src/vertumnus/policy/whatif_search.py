@@ -179,7 +179,10 @@ def _head(
     """A reshape's requeued requests, placed again at t = 0."""
     if not requeued:
         return None
-    at_zero = [replace(s, arrival_s=0.0) for s in requeued]
+    at_zero = [
+        ArrivalSample(s.request_id, 0.0, s.input_tokens, s.holders, s.prefix_key, s.floor_tokens)
+        for s in requeued
+    ]
     return model.prepare(at_zero, 0.0, dilation)
 
 
