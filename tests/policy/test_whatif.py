@@ -138,7 +138,7 @@ def test_nothing_arrived_holds() -> None:
 def test_an_overload_of_short_requests_splits_at_once() -> None:
     # 150 short requests a second on four degree-2 workers: 150 * 38 ms = 5.7 s of
     # work a second for 4 workers, a busy fraction of 1.425.
-    policy = make_policy(layout=(2, 2, 2, 2))
+    policy = make_policy(layout=(2, 2, 2, 2), saturated_moves=1)
     driver = Driver(policy)
     driver.steady(0.0, 150)
     driver.until(1.0)
@@ -151,7 +151,8 @@ def test_an_overload_of_short_requests_splits_at_once() -> None:
     assert inputs["band"] == "saturated"
     assert inputs["margin"] == 0.015  # nothing audited yet
     cands = inputs["candidates"]
-    # Near saturation a move is staged: one split is priced (and taken) at a time.
+    # Near saturation a move is staged: one split is priced (and taken) at a time
+    # (saturated_moves = 1 here).
     assert [(c["composition"], c["move"], c["level"]) for c in cands] == [
         ("4CP2", "hold", 0),
         ("2CP1/3CP2", "1 split", 2),
@@ -178,6 +179,25 @@ def test_an_overload_of_short_requests_splits_at_once() -> None:
     assert all(policy.lattice.workers[w].state is not WorkerState.ACTIVE for w in least)
 
 
+def test_near_saturation_at_most_saturated_moves_operations_are_priced() -> None:
+    # The same overload with the default stage of two operations: hold, one split
+    # and two splits are priced; both splits gain, and the pair is taken at once.
+    policy = make_policy(layout=(2, 2, 2, 2))
+    assert policy.config.controller.saturated_moves == 2
+    driver = Driver(policy)
+    driver.steady(0.0, 150)
+    driver.until(1.0)
+    decision = driver.decide(1.0)
+    cands = decision.inputs["candidates"]
+    assert [(c["composition"], c["move"]) for c in cands] == [
+        ("4CP2", "hold"),
+        ("2CP1/3CP2", "1 split"),
+        ("4CP1/2CP2", "2 split"),
+    ]
+    assert decision.rule == "split:urgent" and len(decision.ops) == 2
+    assert decision.inputs["chosen"] == "4CP1/2CP2"
+
+
 def test_a_significant_gain_where_the_load_did_not_move_acts_on_its_second_decision() -> None:
     # z_urgent out of reach: the overload's split is not taken at once; it is the
     # best, significant (z >= z_confirm), two decisions in a row.
@@ -185,7 +205,7 @@ def test_a_significant_gain_where_the_load_did_not_move_acts_on_its_second_decis
     rules = run_periods(policy, [150, 150])
     assert rules == ["hold:confirming", "split:whatif"]
     history = policy.controller.history
-    assert [len(d.ops) for d in history] == [0, 1]
+    assert [len(d.ops) for d in history] == [0, 2]  # (a stage: two splits)
     assert all(d.inputs["z"] >= 2.0 and d.inputs["urgent"] is False for d in history)
     assert [d.inputs["streak"] for d in history] == [1, 2]
 
@@ -248,7 +268,8 @@ def test_the_horizon_extends_until_the_backlog_of_a_transition_drains() -> None:
     # drain and switch build a backlog its first two spans do not clear: its horizon
     # doubles to 4 spans, where its last span is back at its steady state, and
     # holding is priced over the same 4 (a split is then worse: hold).
-    policy = make_policy(layout=(2, 2, 2, 2), payback_s=2.0, max_payback_s=16.0)
+    one = dict(saturated_moves=1)  # (one split, the subject here)
+    policy = make_policy(layout=(2, 2, 2, 2), payback_s=2.0, max_payback_s=16.0, **one)
     assert run_periods(policy, [100]) == ["hold"]
     hold, split = policy.controller.history[0].inputs["candidates"]
     assert hold["horizon_cycles"] == 2 and split["horizon_cycles"] == 4
@@ -257,7 +278,7 @@ def test_the_horizon_extends_until_the_backlog_of_a_transition_drains() -> None:
     assert split["live_s"] > split["hold_s"]
     # Overloaded (150 a second), the split's own pool keeps a backlog: the horizon
     # stops at max_payback_s, and holding, whose backlog only grows, over as long.
-    policy = make_policy(layout=(2, 2, 2, 2), payback_s=2.0, max_payback_s=16.0)
+    policy = make_policy(layout=(2, 2, 2, 2), payback_s=2.0, max_payback_s=16.0, **one)
     assert run_periods(policy, [150]) == ["split:urgent"]
     hold, split = policy.controller.history[0].inputs["candidates"]
     assert split["horizon_cycles"] == 16 and split["hold_s"] > hold["live_s"]
@@ -304,8 +325,9 @@ def test_the_next_move_waits_until_the_last_moves_span_is_seen() -> None:
 
 
 def test_an_urgent_next_stage_does_not_wait_for_the_audit() -> None:
-    # Overloaded (150 a second on four degree-2 workers): the next split is urgent.
-    policy = make_policy(layout=(2, 2, 2, 2), horizon_s=2.0)
+    # Overloaded (150 a second on four degree-2 workers): the next split is urgent
+    # (stages of one split).
+    policy = make_policy(layout=(2, 2, 2, 2), horizon_s=2.0, saturated_moves=1)
     assert run_periods(policy, [150, 150]) == ["split:urgent", "split:urgent"]
     first, second = policy.controller.history
     assert first.ops[0].sources != second.ops[0].sources

@@ -54,7 +54,7 @@ class ControllerConfig:
     # Scale-in keeps headroom: a merge must be no slower than holding with the
     # forecast's arrivals this many times as fast (the next burst must fit).
     headroom_rate: float = 2.0
-    saturated_moves: int = 1  # operations priced (and taken) at once near saturation
+    saturated_moves: int = 2  # operations priced (and taken) at once near saturation
     max_moves_fraction: float = 0.5  # of the workers, reshaping at once (at least 1)
     # -- the rules -----------------------------------------------------------------
     upper_fraction: float = 0.85
