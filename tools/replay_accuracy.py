@@ -37,18 +37,8 @@ from vertumnus.policy import whatif
 from vertumnus.policy.costs import reuse_curves
 from vertumnus.policy.forecast import ArrivalSample
 from vertumnus.policy.replay import ReplayModel, ReplayWorker
-from vertumnus.sim import config as sim_config
 from vertumnus.sim import scenarios
 from vertumnus.sim.simulator import Simulation
-
-
-def load(scenario: scenarios.Scenario, composition: str, preset: str) -> Any:
-    return sim_config.load(
-        None,
-        {"pool": {"composition": composition}, "sim": {"seed": scenario.seed}},
-        raw={"workload": rb.TINY_WORKLOAD},
-        preset=preset,
-    )
 
 
 def recorded(scenario: scenarios.Scenario, composition: str) -> tuple[list[ArrivalSample], Any]:
@@ -60,10 +50,9 @@ def recorded(scenario: scenarios.Scenario, composition: str) -> tuple[list[Arriv
         original(self, request, placement, at_s, block)
         got.append(self.forecast.by_id[request.request_id])
 
-    cfg = load(scenario, composition, "vertumnus")
+    cfg, reqs = rb.configured(scenario, "vertumnus", composition)
     whatif.WhatIfController.placed = placed  # type: ignore[method-assign]
     try:
-        reqs = scenarios.requests(scenario)
         Simulation(cfg.settings, cfg.profile, cfg.spec, cfg.policy, reqs).run()
     finally:
         whatif.WhatIfController.placed = original  # type: ignore[method-assign]
@@ -91,8 +80,7 @@ def replayed(
 
 
 def ideal(scenario: scenarios.Scenario, composition: str) -> float:
-    cfg = load(scenario, composition, "ideal-replication")
-    reqs = scenarios.requests(scenario)
+    cfg, reqs = rb.configured(scenario, "ideal-replication", composition)
     result = Simulation(cfg.settings, cfg.profile, cfg.spec, cfg.policy, reqs).run()
     ttfts = [t for r in result.records if (t := r.ttft_s) is not None]
     return sum(ttfts) / len(ttfts)

@@ -124,15 +124,23 @@ def _requests(scenario: Scenario) -> list[SimRequest]:
     return scenarios.requests(scenario)
 
 
-def simulate(scenario: Scenario, preset: str, composition: str) -> dict[str, Any]:
-    """One run: its figures, and for an adaptive run its moves."""
+def configured(
+    scenario: Scenario, preset: str, composition: str
+) -> tuple[sim_config.SimConfig, list[SimRequest]]:
+    """One run's configuration (``preset`` at ``composition``) and the scenario's
+    requests."""
     cfg = sim_config.load(
         None,
         {"pool": {"composition": composition}, "sim": {"seed": scenario.seed}},
         raw={"workload": TINY_WORKLOAD},
         preset=preset,
     )
-    reqs = _requests(scenario)
+    return cfg, _requests(scenario)
+
+
+def simulate(scenario: Scenario, preset: str, composition: str) -> dict[str, Any]:
+    """One run: its figures, and for an adaptive run its moves."""
+    cfg, reqs = configured(scenario, preset, composition)
     result = Simulation(cfg.settings, cfg.profile, cfg.spec, cfg.policy, reqs).run()
     ttfts = [t for r in result.records if (t := r.ttft_s) is not None]
     tokens = sum(r.input_tokens for r in result.records if r.end_s is not None)

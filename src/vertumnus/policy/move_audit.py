@@ -79,7 +79,11 @@ class MoveAudits:
         self, prior: float | Mapping[str, float], prior_weight: float, keep: int = 8
     ) -> None:
         """``prior``: the error before any audit, one for every band or per band."""
-        self.prior = prior
+        self.prior: Mapping[str, float] = (
+            dict.fromkeys(("light", "loaded", "saturated"), prior)
+            if isinstance(prior, int | float)
+            else prior
+        )
         self.prior_weight = prior_weight
         self.keep = keep
         self._open: list[OpenAudit] = []
@@ -192,8 +196,7 @@ class MoveAudits:
     def pessimism(self, kind: str, band: str) -> float:
         errors = self._errors.get((kind, band), ())
         w = self.prior_weight
-        prior = self.prior if isinstance(self.prior, int | float) else self.prior[band]
-        return (w * prior + sum(abs(x) for x in errors)) / (w + len(errors))
+        return (w * self.prior[band] + sum(abs(x) for x in errors)) / (w + len(errors))
 
     def to_json(self) -> dict[str, Any]:
         return {

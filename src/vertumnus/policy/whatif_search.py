@@ -63,7 +63,7 @@ class WhatIfPlan:
     max_cycles: int = 16  # ... extended to at most this while a backlog drains
     batches: int = 8
     overload_utilisation: float = 0.9
-    saturated_moves: int = 1
+    saturated_moves: int = 2
     move_audits: tuple[MoveAuditInput, ...] = field(default=())
     headroom_rate: float = 2.0
 
