@@ -232,7 +232,7 @@ class DecodeProxy:
                 return web.Response(body=data, status=status, content_type="application/json")
         except (aiohttp.ClientError, ConnectionError) as exc:
             self._release(handle)
-            return _error(503, f"the decode server failed: {exc}", "unavailable")
+            return _error(503, self._failed(exc), "unavailable")
         except ClientGone:  # its decode stopped with the connection to the decode server
             self._release(handle)
             log.info("client_gone", request_id=result.request_id)
@@ -247,6 +247,13 @@ class DecodeProxy:
         usage = out.setdefault("usage", {})
         usage["prompt_tokens_details"] = {"cached_tokens": result.cached_tokens}
         return web.Response(body=orjson.dumps(out), content_type="application/json")
+
+    def _failed(self, exc: BaseException) -> str:
+        """The error a decode failure answers with, naming the local decode process
+        where it is the decode server (a kill cuts its answers before its exit is
+        seen)."""
+        who = "the local decode process" if self.process is not None else "the decode server"
+        return f"{who} failed: {exc}"
 
     async def _stream(
         self,
@@ -288,8 +295,8 @@ class DecodeProxy:
         except (aiohttp.ClientError, ConnectionError, asyncio.IncompleteReadError) as exc:
             self._release(handle)
             if not response.prepared:
-                return _error(503, f"the decode server failed: {exc}", "unavailable")
-            message = f"the decode server failed: {exc}"
+                return _error(503, self._failed(exc), "unavailable")
+            message = self._failed(exc)
             event = {"error": {"message": message, "type": "decode_error"}}
             try:
                 await response.write(b"data: " + orjson.dumps(event) + b"\n\n")
