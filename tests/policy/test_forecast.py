@@ -226,3 +226,31 @@ def test_the_draw_depends_on_length_prefix_and_arrival_not_on_the_id() -> None:
     assert ArrivalSample(1, 0.0, 100, (), 6).draw != a.draw
     draws = [ArrivalSample(k, 0.0, 100 + k, (), k).draw for k in range(2000)]
     assert 0.45 < sum(draws) / len(draws) < 0.55
+
+
+def test_a_start_that_reuses_more_revises_the_sample_in_place() -> None:
+    forecast = Forecast()
+    forecast.record(make_sample(1, 0.0, 1000, [(2, 256)], 4, 11, matched_tokens=256))
+    forecast.record(make_sample(2, 0.5, 1000, [], 4, 0))
+    forecast.record(make_sample(3, 1.0, 1000, [], 4, 0))
+    # r2 waited behind the prefill that computed its prefix at worker 3: it reused 512.
+    assert forecast.revise(2, 3, 512, 21)
+    revised = forecast.by_id[2]
+    assert (revised.holders, revised.prefix_key, revised.matched_tokens) == (((3, 512),), 21, 512)
+    assert ids(forecast.window(2.0)) == [1, 2, 3]
+    assert forecast.window(2.0).samples[1] is revised
+    # r1 reused more at worker 0 than its sample held anywhere: both holders kept.
+    assert forecast.revise(1, 0, 384, 12)
+    assert forecast.by_id[1].holders == ((0, 384), (2, 256))
+    # No more than its sample holds there, or an unknown request: unchanged.
+    before = forecast.by_id[1]
+    assert not forecast.revise(1, 2, 256, 11) and not forecast.revise(1, 0, 128, 11)
+    assert not forecast.revise(9, 0, 512, 1)
+    assert forecast.by_id[1] is before
+
+
+def test_reuse_at_the_floor_is_no_revision() -> None:
+    forecast = Forecast()
+    forecast.record(make_sample(1, 0.0, 1000, [(0, 128), (1, 128)], 2, 5))
+    assert forecast.by_id[1].floor_tokens == 128
+    assert not forecast.revise(1, 0, 128, 5)

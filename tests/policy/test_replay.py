@@ -501,3 +501,20 @@ def test_batches_are_runs_of_consecutive_arrivals_over_every_cycle() -> None:
     first = (e(1, 256) + e(1, 512)) / 2
     second = (e(1, 768) + e(1, 1024)) / 2
     assert result.batch_ttft_s == pytest.approx((first, second), rel=1e-12)
+
+
+def test_a_retired_worker_drains_then_its_replacements_serve() -> None:
+    # Worker 0 (degree 2) takes no work arriving from t = 1; its queue ends at 2.0,
+    # then two degree-1 workers made of it serve after a 0.5-s switch (free at 2.5).
+    samples = [req(1, 0.0, 1024), req(2, 0.5, 2048), req(3, 1.0, 1024), req(4, 1.0, 1024)]
+    # r1 runs [0, 0.75); r2 waits 0.25, runs [0.75, 2.0); r3 and r4 wait for the
+    # replacements (1.5 s) and run 1.0 s each, one on each.
+    expected = [e(2, 1024), 0.25 + e(2, 2048), 1.5 + e(1, 1024), 1.5 + e(1, 1024)]
+    assert expected == [0.75, 1.5, 2.5, 2.5]
+    made = (ReplayWorker(1, 1, 0.5), ReplayWorker(2, 1, 0.5))
+    pool = workers((2, 0.0))
+    assert ttfts(samples, pool, retire=[(1.0, 0, made)]) == pytest.approx(expected, abs=1e-12)
+    # Unretired, r3 and r4 queue on worker 0: [2.0, 2.75) and [2.75, 3.5).
+    assert ttfts(samples, pool) == pytest.approx([0.75, 1.5, 1.75, 2.5], abs=1e-12)
+    # A retirement after the last arrival changes nothing.
+    assert run(samples, pool, retire=[(5.0, 0, made)]) == run(samples, pool)

@@ -333,19 +333,24 @@ def test_an_urgent_next_stage_does_not_wait_for_the_audit() -> None:
     assert first.ops[0].sources != second.ops[0].sources
 
 
+def quiet_four(**controller: Any) -> PoolPolicy:
+    """Four degree-1 workers, 22 requests of 100 tokens a second, two decisions."""
+    policy = make_policy(layout=(1, 1, 1, 1), **controller)
+    driver = Driver(policy)
+    for k in range(2):
+        for j in range(22):
+            driver.arrive(100, k + j / 22)
+        driver.decide(k + 1.0)
+    return policy
+
+
 def test_a_merge_must_keep_the_headroom_for_a_burst() -> None:
     # 22 requests of 100 tokens a second on four degree-1 workers (E_1 = 110 ms,
     # E_2 = 80 ms): merging two gains 7.7 % at this rate, but with the arrivals 1.5
     # times as fast the merged pool (2CP1/1CP2: 30.7 a second at most) is overloaded
     # where holding (36 a second) is not: refused. Without the check it merges.
     def run(headroom_rate: float) -> PoolPolicy:
-        policy = make_policy(layout=(1, 1, 1, 1), headroom_rate=headroom_rate)
-        driver = Driver(policy)
-        for k in range(2):
-            for j in range(22):
-                driver.arrive(100, k + j / 22)
-            driver.decide(k + 1.0)
-        return policy
+        return quiet_four(headroom_rate=headroom_rate, way_back_utilisation=0.0)
 
     kept, moved = run(1.5), run(1.0)
     assert [d.rule for d in kept.controller.history] == ["hold", "hold"]
@@ -355,6 +360,26 @@ def test_a_merge_must_keep_the_headroom_for_a_burst() -> None:
     refused = kept.controller.history[0].inputs["candidates"][1]
     assert refused["composition"] == "2CP1/1CP2" and refused["gain"] == 0.0
     assert refused["score_s"] == merge["score_s"]  # priced alike, then refused
+
+
+def test_a_merge_a_rise_would_cost_more_than_it_gains_is_refused() -> None:
+    # As above (holding busy 0.6, the merge gains 7.7 %), without the burst check.
+    # Priced under a rise to where holding would be 0.9 busy (1.49x: 32.7 a second,
+    # past the merged pool's 30.7), split back 20 s in, over the 120-s payback
+    # horizon the merge loses far more than it gains (a mean of 0.358 s against
+    # holding's 0.110 s): refused. A rise to 0.5 busy is no rise: it merges.
+    def run(utilisation: float) -> PoolPolicy:
+        return quiet_four(headroom_rate=1.0, way_back_utilisation=utilisation)
+
+    kept, moved = run(0.9), run(0.5)
+    assert [d.rule for d in kept.controller.history] == ["hold", "hold"]
+    assert [d.rule for d in moved.controller.history] == ["hold:confirming", "merge:whatif"]
+    refused = kept.controller.history[0].inputs["candidates"][1]
+    merge = moved.controller.history[0].inputs["candidates"][1]
+    assert refused["composition"] == merge["composition"] == "2CP1/1CP2"
+    assert refused["gain"] == 0.0 and merge["gain"] > 0.05 and merge["way_back_s"] is None
+    risen, held = refused["way_back_s"]
+    assert risen - held > merge["gain"] * held and held > 0
 
 
 def test_the_audit_error_widens_the_margin() -> None:

@@ -141,6 +141,10 @@ class Controller:
         """A request placed for the first time, arrived at ``at_s`` (``block``: tokens
         per KV block)."""
 
+    def started(self, request_id: int, worker_id: int, reused_tokens: int, key: int) -> None:
+        """A request's prefill began at ``worker_id``, reusing ``reused_tokens``
+        (``key``: the id of the last block reused)."""
+
     def completed(self, request_id: int, ttft_s: float) -> None:
         """A request's prefill ended, ``ttft_s`` after it arrived."""
 

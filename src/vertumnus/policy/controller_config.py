@@ -54,6 +54,13 @@ class ControllerConfig:
     # Scale-in keeps headroom: a merge must be no slower than holding with the
     # forecast's arrivals this many times as fast (the next burst must fit).
     headroom_rate: float = 2.0
+    # ... and a rise must not cost it more than it gains: with the arrivals as fast
+    # as holding would be way_back_utilisation busy (at most way_back_rate_max
+    # times the forecast's), a merge split back way_back_react_s into the rise
+    # (after its drain and the switch) may lose no more than its gain (0: no check).
+    way_back_utilisation: float = 0.85
+    way_back_rate_max: float = 4.0
+    way_back_react_s: float = 20.0
     saturated_moves: int = 2  # operations priced (and taken) at once near saturation
     max_moves_fraction: float = 0.5  # of the workers, reshaping at once (at least 1)
     # -- the rules -----------------------------------------------------------------
@@ -85,6 +92,11 @@ class ControllerConfig:
             raise LatticeError("need 0 < z_confirm <= z_urgent and confirm_limit >= 2")
         if self.headroom_rate < 1:
             raise LatticeError("headroom_rate must be >= 1")
+        if not (0 <= self.way_back_utilisation < 1 and self.way_back_rate_max >= 1
+                and self.way_back_react_s >= 0):  # fmt: skip
+            raise LatticeError(
+                "need 0 <= way_back_utilisation < 1, way_back_rate_max >= 1, way_back_react_s >= 0"
+            )
         if self.significance_batches < 2 or self.saturated_moves < 1:
             raise LatticeError("need significance_batches >= 2 and saturated_moves >= 1")
         if not (self.op_cost >= 0 and self.audit_weight >= 0):

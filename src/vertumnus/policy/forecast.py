@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # The holders a sample keeps (the longest reuse first): a prefix cached on many
 # workers is reusable nearly anywhere, and the replay's cost grows with holders.
@@ -140,6 +140,26 @@ class Forecast:
         self._samples.append(sample)
         self._keys.append(key)
         self.by_id[sample.request_id] = sample
+
+    def revise(self, request_id: int, worker_id: int, reused_tokens: int, key: int) -> bool:
+        """A request started reusing more at its worker than its sample holds (a
+        prefix computed while it waited: its predecessor's): the sample takes that
+        reuse there, as the replay of what comes next should. False: unchanged."""
+        old = self.by_id.get(request_id)
+        held = dict(old.holders) if old is not None else {}
+        if old is None or reused_tokens <= max(old.floor_tokens, held.get(worker_id, 0)):
+            return False
+        held[worker_id] = reused_tokens
+        above = sorted(held.items(), key=lambda h: (-h[1], h[0]))[:MAX_HOLDERS]
+        new = replace(old, holders=tuple(above), prefix_key=key,
+                      matched_tokens=max(old.matched_tokens, reused_tokens))  # fmt: skip
+        at = bisect.bisect_left(self._keys, old.arrival_s, lo=self._head)
+        for k in range(at, min(at + 256, len(self._samples))):
+            if self._samples[k] is old:
+                self._samples[k] = new
+                self.by_id[request_id] = new
+                return True
+        return False
 
     def _index(self, t: float) -> int:
         return bisect.bisect_left(self._keys, t, lo=self._head)

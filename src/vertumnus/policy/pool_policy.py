@@ -214,6 +214,8 @@ class PoolPolicy:
             anywhere = len(self.cache.trie.match(request.block_ids, usable))
             cached = max(cached, anywhere * self.block_tokens)
         exec_s = self.curves[w.cp_degree].time_s(request.input_tokens, cached)
+        key = request.block_ids[cached // self.block_tokens - 1] if cached else 0
+        self.controller.started(request_id, worker_id, cached, key)
         self._running[worker_id] = Running(
             request_id, lease, index, now, exec_s, w.cp_degree, request.input_tokens
         )

@@ -72,6 +72,10 @@ class ReplayResult:
 # reuse, ((holder, E per degree at its reuse there), ...)). inf: cannot hold it.
 Times = tuple[int, tuple[float, ...], tuple[tuple[int, tuple[float, ...]], ...]]
 
+# (from when, in undilated seconds; the worker; the workers made of it, each with
+# its free_at_s counted from the end of the worker's drain)
+Retirement = tuple[float, int, tuple[ReplayWorker, ...]]
+
 
 @dataclass(frozen=True)
 class PreparedForecast:
@@ -184,6 +188,7 @@ class ReplayModel:
         head: PreparedForecast | None = None,
         cycles: int = 1,
         batches: int = 0,
+        retire: Sequence[Retirement] = (),
     ) -> ReplayResult:
         """Mean TTFT of ``forecast`` on ``workers``. A holder id found in ``remap``
         stands for the workers it maps to (a reshape's targets: a request's prefix
@@ -196,7 +201,9 @@ class ReplayModel:
         requeued requests). ``cycles``: the forecast is replayed that many times,
         one after the other (cycle c shifted by c times its span), from the state
         the one before left: the same load continued, so a backlog a transition
-        builds is priced until it drains. ``batches``: see ``ReplayResult``."""
+        builds is priced until it drains. ``batches``: see ``ReplayResult``.
+        ``retire``: workers that take no work arriving from a time on; once each
+        drains, its replacements serve (a reshape back, priced as it runs)."""
         m = forecast.dilation
         degrees = self.degrees
         index = {c: k for k, c in enumerate(degrees)}
@@ -209,7 +216,8 @@ class ReplayModel:
             heaps[index[worker.cp_degree]].append((worker.free_at_s * m, worker.worker_id))
         for h in heaps:
             heapq.heapify(h)
-        present = [k for k, h in enumerate(heaps) if h]
+        live = [len(h) for h in heaps]
+        present = [k for k, n in enumerate(live) if n]
         if not present:
             raise ValueError("a replay needs at least one worker")
         scales = [self.scale[c] for c in degrees]
@@ -217,6 +225,7 @@ class ReplayModel:
         # The scheduler's beta + lambda (C / C_min - 1), C_min among the workers here.
         c_min = degrees[present[0]]
         factor = [self.weights.factor(c, c_min) for c in degrees]
+        pending = sorted((at * m, w, made) for at, w, made in retire if w in free)
         # The scheduler sees predicted work: q in its units is q / (mean scale).
         inv_scale = [len(self.scale[c]) / sum(self.scale[c]) for c in degrees]
         remap = remap or {}
@@ -249,6 +258,21 @@ class ReplayModel:
                 part.offsets, part.keys, part.buckets, part.e_pred, part.holders, strict=True
             ):
                 t = t0 + shift
+                if pending and t >= pending[0][0]:
+                    while pending and t >= pending[0][0]:
+                        at, gone, made = pending.pop(0)
+                        end = max(free[gone], at)  # its queue drains, then the switch
+                        free[gone] = math.inf
+                        live[degree_of[gone]] -= 1
+                        for r in made:
+                            k = index[r.cp_degree]
+                            free[r.worker_id] = end + r.free_at_s * m
+                            degree_of[r.worker_id] = k
+                            heappush(heaps[k], (free[r.worker_id], r.worker_id))
+                            live[k] += 1
+                    present = [k for k, n in enumerate(live) if n]
+                    c_min = degrees[present[0]]
+                    factor = [self.weights.factor(c, c_min) for c in degrees]
                 best_cost = best_q = float("inf")
                 best_k = best_w = -1
                 best_e = 0.0
@@ -314,7 +338,7 @@ class ReplayModel:
             if is_cycle:
                 cycle_means.append(part_total / part_n / m if part_n else 0.0)
                 edge = shift + period
-                backlogs.append(sum(f - edge for f in free.values() if f > edge) / m)
+                backlogs.append(sum(f - edge for f in free.values() if edge < f < math.inf) / m)
         # busy: the thinned requests' dilated service time, which is the whole
         # forecast's service time in real seconds.
         return ReplayResult(

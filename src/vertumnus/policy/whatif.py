@@ -67,9 +67,9 @@ from vertumnus.policy.replay import (
     Times,
 )
 from vertumnus.policy.scheduler import Placement, PlacementRequest
-from vertumnus.policy.whatif_candidates import Candidate, PoolInputs, candidates
+from vertumnus.policy.whatif_candidates import Candidate, DisturbedShares, PoolInputs, candidates
 from vertumnus.policy.whatif_guards import Streak, candidate_rows, pessimistic_gains
-from vertumnus.policy.whatif_search import Evaluation, MoveAuditInput, WhatIfPlan, evaluate
+from vertumnus.policy.whatif_search import Evaluation, MoveAuditInput, WayBack, WhatIfPlan, evaluate
 
 
 @dataclass
@@ -102,7 +102,6 @@ class WhatIfController(Controller):
         ``held_blocks``: the blocks a worker caches (the cheap stand-in for the
         reconciliation traffic when ordering many options)."""
         super().__init__(config, lattice, kappa_s, traffic)
-        self.disturbed = disturbed or (lambda op: 0.0)
         self.held_blocks = held_blocks or (lambda worker_id: 0)
         self.max_tokens_per_rank = max_tokens_per_rank  # the scheduler's KV limit
         self.curves = curves
@@ -123,7 +122,7 @@ class WhatIfController(Controller):
         self._period: _Period | None = None
         self._periods: dict[int, _Period] = {}  # closed, waiting for their requests
         self._period_of: dict[int, int] = {}  # request -> the period it arrived in
-        self._shares: dict[Reshape, tuple[float, float]] = {}  # op -> (when, share)
+        self._shares = DisturbedShares(disturbed or (lambda op: 0.0))
         self._times: dict[int, Times] = {}  # request -> its E per degree (the replay's)
         self._due: dict[int, OpenAudit] = {}  # move audits being replayed, by id
 
@@ -169,6 +168,10 @@ class WhatIfController(Controller):
 
     def switch_done(self, switch_s: float) -> None:
         self.calibration.switch(switch_s)
+
+    def started(self, request_id: int, worker_id: int, reused_tokens: int, key: int) -> None:
+        if self.forecast.revise(request_id, worker_id, reused_tokens, key):
+            self._times.pop(request_id, None)
 
     def completed(self, request_id: int, ttft_s: float) -> None:
         self.move_audits.completed(request_id, ttft_s)
@@ -216,26 +219,11 @@ class WhatIfController(Controller):
         active = [w for w in self.lattice.workers.values() if w.state is WorkerState.ACTIVE]
         max_moves = max(1, int(cfg.max_moves_fraction * len(active)))
         loads = inputs.loads
-        fresh = [0]
 
         def order(op: Reshape) -> tuple[float, float, int]:
             # least drain, then least cached KV to reconcile, then device
             drain = max(loads.get(s, 0.0) for s in op.sources)
             return (drain, float(sum(map(self.held_blocks, op.sources))), min(op.target_firsts))
-
-        def disturbed(op: Reshape) -> float:
-            # A walk of the sources' cache in the trie: kept for a minute, and at
-            # most 2 new walks a decision (in a large pool the rest take the mean
-            # of those known).
-            known = self._shares.get(op)
-            if known is not None and now - known[0] < 60.0:
-                return known[1]
-            if fresh[0] < 2 or not self._shares:
-                fresh[0] += 1
-                share = self.disturbed(op)
-                self._shares[op] = (now, share)
-                return share
-            return sum(v for _, v in self._shares.values()) / len(self._shares)
 
         cands = candidates(
             self.lattice,
@@ -246,10 +234,8 @@ class WhatIfController(Controller):
             cal.switch_s,
             order,
             self.forecast.by_id.get,
-            disturbed,
+            self._shares.decision(now),
         )
-        for op in [op for op, (t, _) in self._shares.items() if now - t >= 60.0]:
-            del self._shares[op]
         audits = []
         done = [i for i, p in sorted(self._periods.items()) if len(p.ttft_s) >= len(p.samples)]
         for index in done:
@@ -277,12 +263,17 @@ class WhatIfController(Controller):
                           model.prepare(held, start, d), audit.chosen, audit.holding))  # fmt: skip
             self._due[audit.audit_id] = audit
         span = max(window.span_s, cfg.decision_s)
+        way_back = None
+        if cfg.way_back_utilisation > 0:
+            way_back = WayBack(cfg.way_back_utilisation, cfg.way_back_rate_max,
+                               cfg.way_back_react_s, cal.switch_s)  # fmt: skip
         return WhatIfPlan(now, model, forecast, tuple(cands), tuple(audits), n,
                           window.rate_changed, cfg.op_cost, warming,
                           max(1, math.ceil(cfg.payback_s / span)),
                           max(1, math.ceil(cfg.max_payback_s / span)),
                           cfg.significance_batches, cfg.overload_utilisation,
-                          cfg.saturated_moves, tuple(moves), cfg.headroom_rate)  # fmt: skip
+                          cfg.saturated_moves, tuple(moves), cfg.headroom_rate,
+                          way_back)  # fmt: skip
 
     @staticmethod
     def evaluate(plan: WhatIfPlan) -> Evaluation:

@@ -241,6 +241,36 @@ def _candidate(
     )  # fmt: skip
 
 
+class DisturbedShares:
+    """The share of a reshape's cache it leaves out of place (``walk``: a walk of
+    its sources' cache in the trie), each kept for ``keep_s``; at most ``walks`` new
+    walks a decision (in a large pool the rest take the mean of those known)."""
+
+    def __init__(
+        self, walk: Callable[[Reshape], float], keep_s: float = 60.0, walks: int = 2
+    ) -> None:
+        self.walk, self.keep_s, self.walks = walk, keep_s, walks
+        self._known: dict[Reshape, tuple[float, float]] = {}  # op -> (when, share)
+
+    def decision(self, now: float) -> Callable[[Reshape], float]:
+        """The shares as one decision at ``now`` reads them (older ones forgotten)."""
+        known = self._known
+        for op in [op for op, (t, _) in known.items() if now - t >= self.keep_s]:
+            del known[op]
+        fresh = [0]
+
+        def share(op: Reshape) -> float:
+            if op in known:
+                return known[op][1]
+            if fresh[0] < self.walks or not known:
+                fresh[0] += 1
+                known[op] = (now, self.walk(op))
+                return known[op][1]
+            return sum(v for _, v in known.values()) / len(known)
+
+        return share
+
+
 @dataclass(frozen=True)
 class StartChoice:
     composition: dict[int, int]

@@ -5,10 +5,12 @@ that confirms a move, and the rows a decision reports (DESIGN.md §6c).
 
 with ``hold_k`` holding's live mean TTFT over candidate k's horizon and ``J_k``
 its score (``whatif_search``); 0 for a merge slower than holding at
-``headroom_rate`` times the forecast's rate. The streak is the run of consecutive decisions
-whose best is the same kind of move (direction and level); it confirms a move at
-two decisions whose gain clears the margin at a significance of at least
-``z_confirm`` each, or at ``confirm_limit`` decisions whose mean gain clears it. Pure Python.
+``headroom_rate`` times the forecast's rate, and for one that a rise would cost
+more than it gains (its way back: ``risen - held > gain_k * held``). The streak
+is the run of consecutive decisions whose best is the same kind of move
+(direction and level); it confirms a move at two decisions whose gain clears the
+margin at a significance of at least ``z_confirm`` each, or at ``confirm_limit``
+decisions whose mean gain clears it. Pure Python.
 """
 
 from __future__ import annotations
@@ -34,7 +36,11 @@ def pessimistic_gains(
         stressed = evaluation.headroom[k] if k < len(evaluation.headroom) else None
         if stressed is not None and stressed[0] > stressed[1]:
             continue  # a merge without the headroom for a burst: refused
-        gains[k] = (hold - score * (1.0 + pessimism(cand.kind))) / hold
+        gain = (hold - score * (1.0 + pessimism(cand.kind))) / hold
+        risen = evaluation.way_back[k] if k < len(evaluation.way_back) else None
+        if risen is not None and risen[0] - risen[1] > gain * risen[1]:
+            continue  # a rise would cost more than the merge gains: refused
+        gains[k] = gain
     return gains
 
 
@@ -91,6 +97,8 @@ def candidate_rows(
                 "z": _finite(evaluation.z[k]) if k and k < len(evaluation.z) else None,
                 # a merge's and holding's steady mean at headroom_rate times the rate
                 "headroom_s": evaluation.headroom[k] if k < len(evaluation.headroom) else None,
+                # a merge's and holding's mean under a rise, with the way back
+                "way_back_s": evaluation.way_back[k] if k < len(evaluation.way_back) else None,
             }
         )
     return rows

@@ -27,6 +27,11 @@ candidate, ``z = mean / (sd / sqrt(batches))``.
 Scale-in keeps headroom: a merge is also replayed, with holding, on the forecast's
 arrivals ``headroom_rate`` times as fast (two spans from empty queues); the
 guards refuse one that is slower than holding there (the next burst must fit).
+And a merge is priced under a rise, with its way back (``WayBack``): the
+arrivals as fast as holding's workers would be ``utilisation`` busy, the merge's
+workers split back ``react_s`` into the rise (each new worker serves once its
+source has drained, after the switch), for the payback horizon, against holding
+at that rate; the guards refuse a merge whose loss there exceeds its gain.
 
 Near saturation (holding's predicted busy fraction at least
 ``overload_utilisation``) a move is staged: only candidates of at most
@@ -49,6 +54,19 @@ MoveAuditInput = tuple[int, PreparedForecast, PreparedForecast, Candidate, Candi
 
 
 @dataclass(frozen=True)
+class WayBack:
+    """A merge priced under a rise: the arrivals as fast as holding's workers
+    would be ``utilisation`` busy (at most ``rate_max`` times the forecast's), the
+    merge's workers split back ``react_s`` into it (each after its drain and
+    ``switch_s``), against holding at that rate."""
+
+    utilisation: float
+    rate_max: float
+    react_s: float
+    switch_s: float
+
+
+@dataclass(frozen=True)
 class WhatIfPlan:
     now: float
     model: ReplayModel
@@ -66,6 +84,7 @@ class WhatIfPlan:
     saturated_moves: int = 2
     move_audits: tuple[MoveAuditInput, ...] = field(default=())
     headroom_rate: float = 2.0
+    way_back: WayBack | None = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +103,8 @@ class Evaluation:
     # per merge candidate: its steady mean TTFT, and holding's, at headroom_rate times
     # the rate (None: not a merge, or not priced)
     headroom: tuple[tuple[float, float] | None, ...] = ()
+    # per merge candidate: its mean TTFT under the rise with the way back, holding's
+    way_back: tuple[tuple[float, float] | None, ...] = ()
 
 
 def evaluate(plan: WhatIfPlan) -> Evaluation:
@@ -169,8 +190,40 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
             cand = plan.candidates[k]
             merged = model.run(faster, cand.steady_workers, cand.remap, cycles=2).mean_ttft_s
             headroom[k] = (merged, held)
+    backs = _way_back(plan, merges, busy)
     return Evaluation(tuple(lives), tuple(steadies), tuple(scores), audits, tuple(holds),
-                      tuple(zs), busy, move_audits, tuple(headroom))  # fmt: skip
+                      tuple(zs), busy, move_audits, tuple(headroom), backs)  # fmt: skip
+
+
+def _way_back(
+    plan: WhatIfPlan, merges: Sequence[int], busy: float
+) -> tuple[tuple[float, float] | None, ...]:
+    """Each merge under a rise, with the reshape back (``WayBack``)."""
+    out: list[tuple[float, float] | None] = [None] * len(plan.candidates)
+    back = plan.way_back
+    if back is None or not merges or busy <= 0:
+        return tuple(out)
+    rate = min(back.rate_max, back.utilisation / busy)
+    if rate <= 1:
+        return tuple(out)
+    model, forecast, holding = plan.model, plan.forecast, plan.candidates[0]
+    f = 1.0 / rate
+    faster = replace(forecast, offsets=tuple(o * f for o in forecast.offsets),
+                     span_s=forecast.span_s * f)  # fmt: skip
+    cycles = max(2, math.ceil(plan.cycles * rate))  # the payback horizon
+    held = model.run(faster, holding.steady_workers, holding.remap, cycles=cycles).mean_ttft_s
+    degree = {w.worker_id: w.cp_degree for w in holding.steady_workers}
+    for k in merges:
+        cand = plan.candidates[k]
+        retire = [
+            (back.react_s, made[0],
+             tuple(ReplayWorker(s, degree[s], back.switch_s) for s in op.sources))
+            for op, made in zip(cand.ops, cand.made, strict=True)
+            if len(made) == 1 and all(s in degree for s in op.sources)
+        ]  # fmt: skip
+        run = model.run(faster, cand.steady_workers, cand.remap, cycles=cycles, retire=retire)
+        out[k] = (run.mean_ttft_s, held)
+    return tuple(out)
 
 
 def _head(
