@@ -179,7 +179,12 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
         for index, replayed, workers, measured in plan.audits
     )
     headroom: list[tuple[float, float] | None] = [None] * n
-    merges = [k for k, c in enumerate(plan.candidates) if c.kind == "merge" and scores[k]]
+    # (only a merge faster than holding can be chosen: the others need no stress test)
+    merges = [
+        k
+        for k, (c, score, held) in enumerate(zip(plan.candidates, scores, holds, strict=True))
+        if c.kind == "merge" and score and held is not None and score < held
+    ]
     if merges and plan.headroom_rate > 1:
         # The forecast's arrivals headroom_rate times as fast, two spans from empty.
         f = 1.0 / plan.headroom_rate
