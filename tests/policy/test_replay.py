@@ -518,3 +518,9 @@ def test_a_retired_worker_drains_then_its_replacements_serve() -> None:
     assert ttfts(samples, pool) == pytest.approx([0.75, 1.5, 1.75, 2.5], abs=1e-12)
     # A retirement after the last arrival changes nothing.
     assert run(samples, pool, retire=[(5.0, 0, made)]) == run(samples, pool)
+
+
+def test_retiring_every_worker_for_none_is_an_error() -> None:
+    samples = [req(1, 0.0, 1024), req(2, 2.0, 1024)]
+    with pytest.raises(ValueError, match="retired every worker"):
+        run(samples, workers((1, 0.0)), retire=[(1.0, 0, ())])

@@ -271,6 +271,8 @@ class ReplayModel:
                             heappush(heaps[k], (free[r.worker_id], r.worker_id))
                             live[k] += 1
                     present = [k for k, n in enumerate(live) if n]
+                    if not present:
+                        raise ValueError("a replay retired every worker and made none")
                     c_min = degrees[present[0]]
                     factor = [self.weights.factor(c, c_min) for c in degrees]
                 best_cost = best_q = float("inf")
