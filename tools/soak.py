@@ -479,7 +479,9 @@ def summarize(
         "answered": len(answered),
         "lost": len(lost),
         "refused": len(refused),
-        "refused_at_s": [round(o["sent_s"], 3) for o in refused],
+        # when each refusal came (a request sent just before the decode process was
+        # killed is refused after, once its prefill is done)
+        "refused_at_s": [round(o["sent_s"] + o["took_s"], 3) for o in refused],
         "decode_failed": len(decode_failed),
         "wrong": len(wrong),
         "short": sum(not o.get("ok", False) for o in answered),
