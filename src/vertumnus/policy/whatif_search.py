@@ -187,9 +187,7 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
     ]
     if merges and plan.headroom_rate > 1:
         # The forecast's arrivals headroom_rate times as fast, two spans from empty.
-        f = 1.0 / plan.headroom_rate
-        faster = replace(forecast, offsets=tuple(o * f for o in forecast.offsets),
-                         span_s=forecast.span_s * f)  # fmt: skip
+        faster = _faster(forecast, plan.headroom_rate)
         held = model.run(faster, holding.steady_workers, holding.remap, cycles=2).mean_ttft_s
         for k in merges:
             cand = plan.candidates[k]
@@ -212,9 +210,7 @@ def _way_back(
     if rate <= 1:
         return tuple(out)
     model, forecast, holding = plan.model, plan.forecast, plan.candidates[0]
-    f = 1.0 / rate
-    faster = replace(forecast, offsets=tuple(o * f for o in forecast.offsets),
-                     span_s=forecast.span_s * f)  # fmt: skip
+    faster = _faster(forecast, rate)
     cycles = max(2, math.ceil(plan.cycles * rate))  # the payback horizon
     held = model.run(faster, holding.steady_workers, holding.remap, cycles=cycles).mean_ttft_s
     degree = {w.worker_id: w.cp_degree for w in holding.steady_workers}
@@ -229,6 +225,13 @@ def _way_back(
         run = model.run(faster, cand.steady_workers, cand.remap, cycles=cycles, retire=retire)
         out[k] = (run.mean_ttft_s, held)
     return tuple(out)
+
+
+def _faster(forecast: PreparedForecast, rate: float) -> PreparedForecast:
+    """The forecast's arrivals ``rate`` times as fast (the same requests)."""
+    f = 1.0 / rate
+    return replace(forecast, offsets=tuple(o * f for o in forecast.offsets),
+                   span_s=forecast.span_s * f)  # fmt: skip
 
 
 def _head(
