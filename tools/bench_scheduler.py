@@ -6,12 +6,14 @@ A pool of 384 devices as 32 degree-4 and 32 degree-8 workers, the derived H100
 profile, and a prefix trie of about ``--nodes`` blocks built from cache reports
 (shared 32-block prefixes under 96-block conversations, each held by one to three
 workers), after the statistics of ``--warm-requests`` untimed placements. Every
-worker has a few requests queued. Each timed ``Scheduler.place``
+worker has a few requests queued, conversations of the same trie, whose blocks are
+coming there (``SchedulerConfig.coming_reuse``). Each timed ``Scheduler.place``
 walks the trie for a 128-block request (``lookup``: P_iw of every worker), prices
 all 64 candidates, reserves E_iw and runs the cache manager's per-request update
 (Algorithm 1). The request is then cancelled, so the load stays the same. Printed:
-the median and p99, with the ratio to the 100 us target, and the same placement
-without a cache manager (costs and reservation only) for reference.
+the median and p99, with the ratio to the 100 us target, the same placement with
+coming prefixes not counted, and without a cache manager (costs and reservation
+only), for reference.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ import trie_workload
 from vertumnus.perfmodel import Profile
 from vertumnus.policy.cache_manager import PrefixCacheManager
 from vertumnus.policy.lattice import Lattice, LatticeConfig
-from vertumnus.policy.scheduler import PlacementRequest, Scheduler
+from vertumnus.policy.scheduler import PlacementRequest, Scheduler, SchedulerConfig
 
 PROFILE = "qwen3-30b-a3b-h100"  # shipped with the package
 BLOCK_TOKENS = 512
 
 
-def setup(nodes: int, seed: int, with_cache: bool) -> tuple[Scheduler, list[list[int]]]:
+def setup(
+    nodes: int, seed: int, with_cache: bool, coming: bool = True
+) -> tuple[Scheduler, list[list[int]]]:
     rng = random.Random(seed)
     profile = Profile.load(PROFILE)
     coeffs = {c: profile.coeffs[c] for c in (4, 8)}
@@ -44,9 +48,11 @@ def setup(nodes: int, seed: int, with_cache: bool) -> tuple[Scheduler, list[list
     chains = trie_workload.conversations(nodes, rng)
     if cache is not None:
         trie_workload.populate(cache, chains, range(64), rng)
-    sched = Scheduler(lattice, coeffs, cache=cache)
+    sched = Scheduler(lattice, coeffs, SchedulerConfig(coming_reuse=coming), cache)
+    tokens = (trie_workload.SHARED_BLOCKS + trie_workload.OWN_BLOCKS) * BLOCK_TOKENS + 1
     for rid in range(-1, -200, -1):  # a few requests queued everywhere
-        sched.place(PlacementRequest(rid, rng.randint(1_000, 60_000)), now=0.0)
+        chain = tuple(rng.choice(chains)) if rng.random() < 0.5 else ()
+        sched.place(PlacementRequest(rid, rng.randint(1_000, tokens), chain), now=0.0)
     return sched, chains
 
 
@@ -91,11 +97,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     full, conversations = setup(args.nodes, args.seed, with_cache=True)
+    held, _ = setup(args.nodes, args.seed, with_cache=True, coming=False)
     bare, _ = setup(args.nodes, args.seed, with_cache=False)
     n_nodes = len(full.cache.trie.nodes) if full.cache is not None else 0
     # Untimed first: the statistics of recent requests exist, as in steady state.
     measure(full, conversations, args.warm_requests, args.seed + 2)
     with_trie, updates = measure(full, conversations, args.requests, args.seed + 1)
+    measure(held, conversations, args.warm_requests, args.seed + 2)
+    held_only, _ = measure(held, conversations, args.requests, args.seed + 1)
     costs_only, _ = measure(bare, conversations, args.requests, args.seed + 1)
     placing = [t - u for t, u in zip(with_trie, updates, strict=True)]
 
@@ -112,6 +121,11 @@ def main() -> None:
         f"  of which the placement (lookup, costs, reservation): median "
         f"{statistics.median(placing):.1f} us; the statistics update: median "
         f"{statistics.median(updates):.1f} us"
+    )
+    print(
+        f"place() counting only held prefixes (coming_reuse off): median "
+        f"{statistics.median(held_only):.1f} us, p99 {p99(held_only):.1f} us -> coming "
+        f"prefixes cost {med / statistics.median(held_only):.2f}x"
     )
     print(
         f"place() without a cache manager (costs + reservation): median "

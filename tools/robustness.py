@@ -10,7 +10,9 @@ runs (a) ``fixed`` at every composition of the lattice (among them hold-the-star
 to ``--jobs`` processes (spawn). Baselines (a, b) do not depend on the controller,
 so each is kept in ``OUT/cache/<key>.json``, the key a hash of the scenario's
 parameters, the run's label and ``BASELINE_VERSION`` (bump it when the simulator
-or a baseline changes); the ``vertumnus`` runs are run every time. ``--only
+or the fixed pool's scheduler changes; ``PEER_VERSION`` when a peer router does;
+the pilots that set each scenario's rates are kept under ``PILOT_VERSION``, so
+that a bump reruns the same workloads); the ``vertumnus`` runs are run every time. ``--only
 vertumnus`` runs nothing else: a scenario whose baselines are not all cached is
 left out (and named). ``--duration-scale`` shrinks every scenario's timeline
 (rates, gaps and load kept) for a quick run.
@@ -51,7 +53,9 @@ from vertumnus.sim.simulator import Simulation
 from vertumnus.sim.workload import SimRequest
 from vertumnus.stats import percentile
 
-BASELINE_VERSION = "2"
+BASELINE_VERSION = "3"  # 3: the scheduler counts coming prefixes
+PEER_VERSION = "2"
+PILOT_VERSION = "2"
 PEERS = ("sglang-cache-aware", "dynamo-kv", "llm-d")
 # Each peer runs at the compositions best for the fixed pool (a full sweep of every
 # peer at every composition would triple the suite's cost; their routing changes
@@ -81,7 +85,7 @@ def piloted(out: Path, seed: int) -> Scenario:
     """The seed's scenario, its load against the saturation its pilots measured
     (``sim/pilot.py``), the pilots' result kept in the cache."""
     drawn = scenarios.draw(seed)
-    path = cache_path(out, {"version": BASELINE_VERSION, "pilot": drawn.describe()})
+    path = cache_path(out, {"version": PILOT_VERSION, "pilot": drawn.describe()})
     if path.exists():
         known = orjson.loads(path.read_bytes())
         return calibrated(drawn, known=(known["saturation_rate"], known["composition"]))
@@ -111,7 +115,8 @@ def peer_labels(entry: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 
 def cache_key(scenario: Scenario, label: str) -> dict[str, Any]:
-    return {"version": BASELINE_VERSION, "scenario": scenario.describe(), "label": label}
+    version = PEER_VERSION if label.partition("@")[0] in PEERS else BASELINE_VERSION
+    return {"version": version, "scenario": scenario.describe(), "label": label}
 
 
 def cache_path(out: Path, key: dict[str, Any]) -> Path:
@@ -397,7 +402,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# Robustness: {len(entries)} scenarios × 3 starts ({len(pairs)} pairs)\n",
         f"Seeds {report['seeds_text']}, duration scale {report['duration_scale']:g}, baselines"
-        f" v{BASELINE_VERSION}: {runs['cached']} cached, {runs['ran']} run; wall"
+        f" v{BASELINE_VERSION} (peers v{PEER_VERSION}): {runs['cached']} cached,"
+        f" {runs['ran']} run; wall"
         f" {report['wall_s']:.0f} s. Realised: "
         + ", ".join(
             f"{k} {_f(v['min'], _digits(k))}–{_f(v['max'], _digits(k))}" for k, v in ranges.items()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from support.policy import COEFFS, cache_manager_for
+from vertumnus.policy.baselines import LeastLoadScheduler
 from vertumnus.policy.cache_index import CacheReport
 from vertumnus.policy.cache_manager import PrefixCacheManager
 from vertumnus.policy.costs import CostWeights
@@ -116,3 +119,124 @@ def test_fifo_and_errors() -> None:
     sched.check(now=0.0)
     with pytest.raises(SchedulerError, match="input_tokens"):
         sched.place(req(9, tokens=0), now=0.0)
+
+
+def test_a_prefix_on_its_way_counts_where_it_is_being_built() -> None:
+    """An agent's next step arrives while its predecessor waits: the worker that will
+    have written the predecessor's blocks by the time the step starts (FIFO) prices
+    it with them, and nothing is pulled for blocks that are only coming."""
+    path = tuple(range(1, 13))  # 12 blocks, 192 tokens
+    for coming_reuse in (True, False):
+        sched, cache = make(SchedulerConfig(coming_reuse=coming_reuse), with_cache=True)
+        assert cache is not None
+        # 200 tokens: E_1 = 0.21, E_2 = 0.12 -> worker 2.
+        first = sched.place(req(1, 200, path), now=0.0)
+        assert first is not None and first.worker_id == 2
+        step = sched.place(req(2, 220, (*path, 13)), now=0.0)
+        assert step is not None
+        if not coming_reuse:  # 0.12 + 0.13 at worker 2 > 0.23 at worker 0
+            assert (step.worker_id, step.reused_tokens) == (0, 0)
+            continue
+        # Worker 2 brings 192 tokens of it: E_2 = 0.02 + 0.5 ms * 28; 0.154 < 0.23.
+        assert (step.worker_id, step.reused_tokens) == (2, 192)
+        assert step.exec_s == pytest.approx(0.034)
+        assert step.cost == pytest.approx(0.154)
+        assert step.update is not None and step.update.reused_blocks == 0
+        assert step.update.fetch is None  # nothing is pulled for blocks on their way
+        # At most what a prefill may reuse: 208 tokens of 13 blocks reuse 12 of them.
+        same = sched.place(req(3, 208, (*path, 13)), now=0.0)
+        assert same is not None and (same.worker_id, same.reused_tokens) == (2, 192)
+        assert sched.coming_tokens(2, req(9, 220, (*path, 13))) == 208
+        assert sched.coming_tokens(0, req(9, 220, (*path, 13))) == 0
+        # What leaves the worker no longer comes there.
+        sched.start(1, now=0.0)
+        sched.complete(1)
+        sched.cancel(2)
+        sched.cancel(3)
+        sched.check(now=0.1)
+        assert sched.coming_tokens(2, req(9, 220, (*path, 13))) == 0
+        # A worker's drained queue goes with it.
+        sched.place(req(4, 200, path), now=0.1)
+        assert sched.coming_tokens(2, req(9, 220, (*path, 13))) == 192
+        assert [r.request_id for r in sched.forget_worker(2)] == [4]
+        assert sched.coming_tokens(2, req(9, 220, (*path, 13))) == 0
+        sched.check(now=0.1)
+
+
+def test_baseline_routers_do_not_count_coming_prefixes() -> None:
+    lattice = Lattice(LatticeConfig(4, (1, 2)), [1, 1, 2])
+    sched = LeastLoadScheduler(lattice, COEFFS, None, cache_manager_for(lattice, COEFFS, B))
+    path = tuple(range(1, 13))
+    assert sched.place(req(1, 200, path), now=0.0) is not None
+    assert sched.coming_tokens(2, req(2, 220, (*path, 13))) == 0
+    sched.check(now=0.0)
+
+
+def test_only_the_blocks_a_request_brings_beyond_what_its_worker_holds_are_indexed() -> None:
+    sched, cache = make(with_cache=True)
+    assert cache is not None
+    path = tuple(range(1, 13))
+    cache.apply_report(CacheReport(2, inserted=path[:4]))  # worker 2 holds 64 tokens
+    first = sched.place(req(1, 200, path), now=0.0)
+    # E_2 = 0.02 + 0.5 ms * 136 = 0.088 with the 64 held tokens.
+    assert first is not None and (first.worker_id, first.reused_tokens) == (2, 64)
+    step = req(2, 220, (*path, 13))
+    assert sched.coming_tokens(2, step, held=64) == 192  # held 4, then 8 coming
+    assert sched.coming_tokens(2, step, held=0) == 0  # the held blocks are the trie's
+    placed = sched.place(step, now=0.0)
+    assert placed is not None and (placed.worker_id, placed.reused_tokens) == (2, 192)
+    assert placed.update is not None and placed.update.reused_blocks == 4
+    sched.check(now=0.0)
+
+
+def test_coming_prefixes_match_the_outstanding_requests_under_random_lives() -> None:
+    """Random placements, starts, completions, cancels and drains of requests that
+    share prefixes (a tree of chained blocks): after every step the index equals the
+    one rebuilt from the outstanding requests, and the coming run of any path at any
+    worker is the longest prefix it shares with a request outstanding there."""
+    rng = random.Random(7)
+    sched, _ = make(with_cache=True)  # (nothing is reported: every worker holds nothing)
+    paths: list[tuple[int, ...]] = [()]
+    for _ in range(40):  # a tree: each path extends an earlier one by 1-3 blocks
+        base = rng.choice(paths)
+        paths.append(base + tuple(rng.randrange(10**6) for _ in range(rng.randint(1, 3))))
+    paths = paths[1:]
+    placed: dict[int, PlacementRequest] = {}
+    for rid in range(400):
+        op = rng.random()
+        if op < 0.5 or not placed:
+            path = rng.choice(paths)
+            request = req(rid, len(path) * B + rng.randint(1, B), path)
+            if sched.place(request, now=0.0) is not None:
+                placed[rid] = request
+        elif op < 0.8:
+            worker = rng.choice([0, 1, 2])
+            head, running = sched.head(worker), sched.running(worker)
+            if running is not None:
+                sched.complete(running)
+                placed.pop(running)
+            elif head is not None:
+                sched.start(head, now=0.0)
+        elif op < 0.95:
+            victim = rng.choice(sorted(placed))
+            sched.cancel(victim)
+            placed.pop(victim)
+        else:
+            for r in sched.drain(rng.choice([0, 1, 2])):
+                placed.pop(r.request_id)
+        sched.check(now=0.0)
+        probe = rng.choice(paths)
+        tokens = len(probe) * B + 1
+        for worker in (0, 1, 2):
+            mine = [
+                r
+                for r in placed.values()
+                if sched.queued(worker).count(r.request_id) or sched.running(worker) == r.request_id
+            ]
+            shared = 0
+            for r in mine:
+                n = 0
+                while n < min(len(r.block_ids), len(probe)) and r.block_ids[n] == probe[n]:
+                    n += 1
+                shared = max(shared, n)
+            assert sched.coming_tokens(worker, req(-1, tokens, probe)) == shared * B

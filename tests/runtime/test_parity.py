@@ -197,7 +197,7 @@ def rounded(value: object) -> object:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("controller", "burst_rate", "cache"),
-    [(WHATIF, 120.0, PAPER_CACHE), (RULES, 30.0, PAPER_CACHE), (WHATIF, 120.0, PULLS)],
+    [(WHATIF, 120.0, PAPER_CACHE), (RULES, 40.0, PAPER_CACHE), (WHATIF, 120.0, PULLS)],
     ids=["whatif", "rules", "whatif-pulls"],
 )
 def test_simulator_and_coordinator_place_and_decide_alike(

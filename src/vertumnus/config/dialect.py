@@ -9,7 +9,7 @@ The tables both commands read, with the same keys::
     [scheduler]   policy = "vertumnus"    the router: the cost rule, or round-robin,
                                           least-load, cache-first, length-threshold,
                                           sglang-cache-aware, dynamo-kv, llm-d
-                  beta, gpu_penalty, max_tokens_per_rank
+                  beta, gpu_penalty, max_tokens_per_rank, coming_reuse
     [controller]  enabled = true          adaptive; false: a fixed composition (the
                                           decisions are only noted)
                   mode = "whatif"         or "rules" (the paper's thresholds)
@@ -128,6 +128,7 @@ def read_policy(raw: Mapping[str, Any], base: PolicyConfig) -> PolicyConfig:
     scheduler = dict(raw.get("scheduler", {}))
     router = str(scheduler.pop("policy", base.router))
     max_tokens = scheduler.pop("max_tokens_per_rank", base.max_tokens_per_rank)
+    coming_reuse = _flag(scheduler, "coming_reuse", "scheduler", base.coming_reuse)
     weights = build_table(CostWeights, scheduler, "scheduler", base.weights)
     controller = dict(raw.get("controller", {}))
     adaptive = _flag(controller, "enabled", "controller", base.adaptive)
@@ -150,6 +151,7 @@ def read_policy(raw: Mapping[str, Any], base: PolicyConfig) -> PolicyConfig:
             ideal_reuse=ideal_reuse,
             scan_interval_s=float(scan_interval_s),
             max_tokens_per_rank=max_tokens,
+            coming_reuse=coming_reuse,
             **parts,
         )
     except PolicyError as exc:

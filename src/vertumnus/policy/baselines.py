@@ -28,6 +28,8 @@ from vertumnus.policy.trie import Node
 class _Baseline(Scheduler):  # (peer_routers.py builds on it too)
     """The shared part: reserve E_iw at the worker ``_pick`` names."""
 
+    reads_coming = False
+
     def _choose(
         self,
         request: PlacementRequest,
@@ -40,7 +42,7 @@ class _Baseline(Scheduler):  # (peer_routers.py builds on it too)
         p = reuse.get(worker.worker_id, 0)
         e = self.curves[worker.cp_degree].time_s(request.input_tokens, p)
         q = self.outstanding_s(worker.worker_id, now)
-        return worker.worker_id, worker.cp_degree, p, e, q, q + e
+        return worker.worker_id, worker.cp_degree, p, e, q, q + e, p
 
     def _pick(
         self,

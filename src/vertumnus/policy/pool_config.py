@@ -58,6 +58,9 @@ class PolicyConfig:
     weights: CostWeights = field(default_factory=CostWeights)  # beta, lambda
     # KV room of one rank in tokens (a candidate must hold the request); None: no limit.
     max_tokens_per_rank: int | None = None
+    # The cost rule counts the prefixes that the requests outstanding at a worker
+    # bring there (``policy/scheduler.py``, "Coming prefixes").
+    coming_reuse: bool = True
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     cache: CacheManagerConfig = field(default_factory=CacheManagerConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)

@@ -77,7 +77,12 @@ class PoolPolicy:
         self.scheduler = ROUTERS[config.router](
             self.lattice,
             coeffs,
-            SchedulerConfig(config.weights, config.max_tokens_per_rank, pool.blocks_per_rank),
+            SchedulerConfig(
+                config.weights,
+                config.max_tokens_per_rank,
+                pool.blocks_per_rank,
+                config.coming_reuse,
+            ),
             self.cache,
         )
         self.controller: Controller = build_controller(self, profile, coeffs)

@@ -2,8 +2,9 @@
 
 Candidates W_i: ACTIVE workers that can hold the request (its KV per rank within
 ``max_tokens_per_rank``). A prefix miss does not exclude. For w in W_i, with P_iw
-the request's prefix reusable at w (whole blocks, confirmed replicas only, from the
-prefix-cache manager) and E_iw = E_{C_w}(L_i - P_iw, P_iw):
+the request's prefix reusable at w (whole blocks: the confirmed replicas the
+prefix-cache manager knows, or longer where it is coming, below) and
+E_iw = E_{C_w}(L_i - P_iw, P_iw):
 
     cost(i, w) = q_w + beta * E_iw + lambda * (C_w / C_min - 1) * E_iw
 
@@ -23,6 +24,11 @@ time of what it must evict at w:
 The cheaper of the two prices w; a pull shows in the placement as ``reused_tokens``
 above what w holds, and the policy stack queues the copy.
 
+Coming prefixes (``SchedulerConfig.coming_reuse``): P_iw is what w holds, or longer
+where the requests outstanding at w bring more of the request's prefix: FIFO, they
+write it before the request starts (``coming``). Only what w holds or pulls is
+reported to the cache manager.
+
 Workers run their queue FIFO, one prefill at a time (as the engine does). When a
 worker starts draining, ``drain`` hands back its queued (not started) requests for
 re-placement; what it runs finishes where it is.
@@ -37,15 +43,18 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from vertumnus.blocks import max_reuse_blocks
 from vertumnus.perfmodel import DegreeCoeffs
 from vertumnus.policy.cache_manager import PrefixCacheManager
 from vertumnus.policy.cache_plans import RequestUpdate
+from vertumnus.policy.coming import ComingBlocks, coming_run
 from vertumnus.policy.costs import CostWeights, reuse_curves
 from vertumnus.policy.lattice import Lattice, LatticeWorker, WorkerState
 from vertumnus.policy.trie import Node
 
-# (worker id, its degree, P_iw, E_iw, q_w, cost)
-Choice = tuple[int, int, int, float, float, float]
+# (worker id, its degree, P_iw, E_iw, q_w, cost, the part of P_iw the worker holds
+# or pulls: the rest is coming there)
+Choice = tuple[int, int, int, float, float, float, int]
 
 
 class SchedulerError(ValueError):
@@ -60,6 +69,8 @@ class SchedulerConfig:
     max_tokens_per_rank: int | None = None
     # KV blocks of one rank (the peer routers read a worker's free cache); None: unknown
     kv_blocks_per_rank: int | None = None
+    # P_iw counts the blocks the requests outstanding at w bring (module docstring)
+    coming_reuse: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
@@ -96,6 +107,8 @@ class _Running:
 
 
 class Scheduler:
+    reads_coming = True  # (a baseline router's own rule does not read coming reuse)
+
     def __init__(
         self,
         lattice: Lattice,
@@ -115,6 +128,8 @@ class Scheduler:
         self._running: dict[int, _Running] = {}
         self._where: dict[int, int] = {}  # request -> worker
         self._requests: dict[int, PlacementRequest] = {}
+        self.coming = ComingBlocks()  # the prefixes outstanding requests bring
+        self.counts_coming = self.config.coming_reuse and self.reads_coming
         # (MatchedPath, blocks to copy, destination, now) -> (predicted seconds until a
         # pull of them lands, the future prefill seconds its evictions cost); None: no
         # pulls (set by the policy stack when its cache manager pulls).
@@ -177,11 +192,11 @@ class Scheduler:
             lookup = self.cache.lookup(request.block_ids, n)
             reuse, matched = lookup.reusable_tokens, lookup.path
         choice = self._choose(request, candidates, reuse, now, matched)
-        worker_id, c, reused, exec_s, q, cost = choice
-        self._reserve(request, worker_id, exec_s)
+        worker_id, c, reused, exec_s, q, cost, counted = choice
+        self._reserve(request, worker_id, exec_s, reuse.get(worker_id, 0))
         update = None
         if self.cache is not None and request.block_ids:
-            update = self.cache.on_request(request.block_ids, n, worker_id, lookup, reused, now)
+            update = self.cache.on_request(request.block_ids, n, worker_id, lookup, counted, now)
         holders = tuple((w, p) for w, p in reuse.items() if p > 0)
         return Placement(
             request.request_id,
@@ -196,6 +211,21 @@ class Scheduler:
             holders,
         )
 
+    def _block(self) -> int:
+        return self.cache.trie.block_tokens if self.cache is not None else 1
+
+    def coming_tokens(self, worker_id: int, request: PlacementRequest, held: int = 0) -> int:
+        """Tokens of the request's leading blocks that the worker holds (``held``
+        tokens, from the trie) or that the requests outstanding there bring (at most
+        the blocks it may reuse)."""
+        coming = self.coming.by_worker.get(worker_id)
+        ids, b = request.block_ids, self._block()
+        h = held // b
+        if coming is None or h >= len(ids) or ids[h] not in coming:
+            return held
+        usable = min(len(ids), max_reuse_blocks(request.input_tokens, b))
+        return max(held, coming_run(coming, ids, h, usable) * b)
+
     def _choose(
         self,
         request: PlacementRequest,
@@ -208,7 +238,10 @@ class Scheduler:
         length is P*, for pulls). Baseline routers override this."""
         n = request.input_tokens
         pull_cost = self.pull_cost if matched else None
-        block = self.cache.trie.block_tokens if self.cache is not None else 1
+        block = self._block()
+        coming = self.coming.by_worker
+        ids = request.block_ids
+        usable = min(len(ids), max_reuse_blocks(n, block))
         matched_tokens = len(matched) * block
         min_degree = min(w.cp_degree for w in candidates)
         weights = self.config.weights
@@ -216,11 +249,16 @@ class Scheduler:
         times: dict[tuple[int, int], float] = {}
         queued, running = self._queued_s, self._running
         best_key: tuple[float, float, int, int] | None = None
-        reused = 0
+        reused = counted = 0
         exec_s = 0.0
         for w in candidates:
             worker_id, c = w.worker_id, w.cp_degree
-            p = reuse.get(worker_id, 0)
+            p = held = reuse.get(worker_id, 0)
+            brought = coming.get(worker_id)
+            if brought is not None:  # (``coming_tokens``, inline: it runs per candidate)
+                h = held // block
+                if h < len(ids) and ids[h] in brought:
+                    p = max(held, coming_run(brought, ids, h, usable) * block)
             e = times.get((c, p))
             if e is None:
                 e = times[(c, p)] = self.curves[c].time_s(n, p)
@@ -234,23 +272,31 @@ class Scheduler:
                 pulled = times.get((c, matched_tokens))
                 if pulled is None:
                     pulled = times[(c, matched_tokens)] = self.curves[c].time_s(n, matched_tokens)
-                delay_s, evict_s = pull_cost(matched, (matched_tokens - p) // block, worker_id, now)
+                delay_s, evict_s = pull_cost(
+                    matched, (matched_tokens - held) // block, worker_id, now
+                )
                 pull = q + max(0.0, delay_s - q) + factor[c] * pulled + evict_s
                 if pull < cost:
-                    p, e, cost = matched_tokens, pulled, pull
+                    p = held = matched_tokens
+                    e, cost = pulled, pull
             if best_key is None or cost <= best_key[0]:
                 key = (cost, q, c, worker_id)
                 if best_key is None or key < best_key:
-                    best_key, reused, exec_s = key, p, e
+                    best_key, reused, exec_s, counted = key, p, e, held
         assert best_key is not None
         cost, q, c, worker_id = best_key
-        return worker_id, c, reused, exec_s, q, cost
+        return worker_id, c, reused, exec_s, q, cost, counted
 
-    def _reserve(self, request: PlacementRequest, worker_id: int, exec_s: float) -> None:
+    def _reserve(
+        self, request: PlacementRequest, worker_id: int, exec_s: float, held_tokens: int = 0
+    ) -> None:
         self._queue.setdefault(worker_id, OrderedDict())[request.request_id] = exec_s
         self._queued_s[worker_id] = self._queued_s.get(worker_id, 0.0) + exec_s
         self._where[request.request_id] = worker_id
         self._requests[request.request_id] = request
+        if self.counts_coming:
+            first = held_tokens // self._block()
+            self.coming.add(request.request_id, worker_id, request.block_ids, first)
 
     # -- a placed request's life -----------------------------------------------------
 
@@ -305,7 +351,9 @@ class Scheduler:
 
     def _forget(self, request_id: int) -> PlacementRequest:
         del self._where[request_id]
-        return self._requests.pop(request_id)
+        request = self._requests.pop(request_id)
+        self.coming.remove(request_id, request.block_ids)
+        return request
 
     def _worker_of(self, request_id: int) -> int:
         try:
@@ -323,5 +371,6 @@ class Scheduler:
         for worker_id, run in self._running.items():
             placed[run.request_id] = worker_id
         assert placed == self._where and set(self._requests) == set(placed)
+        self.coming.check({r: (w, self._requests[r].block_ids) for r, w in placed.items()})
         for worker_id in placed.values():
             assert self.outstanding_s(worker_id, now) >= 0
