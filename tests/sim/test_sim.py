@@ -351,3 +351,25 @@ def test_a_hand_off_holds_its_worker_in_a_drain_until_pulled() -> None:
     # The prefill runs 0.2 s to 1.2 s (E = d = 1 s): without a hand-off the merge
     # parks then; with one, when the pull ends at 3.2 s.
     assert drains == [pytest.approx(0.2), pytest.approx(2.2)]
+
+
+@pytest.mark.parametrize("coming_reuse", [True, False])
+def test_an_agent_step_follows_its_predecessor_while_it_waits(coming_reuse: bool) -> None:
+    """A step (its predecessor's 8 blocks and one more) arrives while the
+    predecessor runs: its worker will have written those blocks when the step
+    starts (FIFO), so the step queues there and reuses them; without coming reuse it
+    sees no reuse anywhere and recomputes them on the idle worker."""
+    prof = profile(d4=0.1, c4=4e-4)  # E_4 = 0.1 s + 0.1 ms per uncached token
+    path = tuple(range(1, 9))
+    reqs = [SimRequest(0, 0.0, 4096, path), SimRequest(1, 0.2, 4608, (*path, 9))]
+    config = dataclasses.replace(PolicyConfig(**preset("fixed")), coming_reuse=coming_reuse)
+    sim = Simulation(SimSettings(), prof, pool([4, 4]), config, reqs)
+    sim.run()
+    first, step = sim.records
+    assert first.ttft_s == pytest.approx(0.5096)
+    if coming_reuse:  # waits 0.3096 s for the predecessor, then 0.1 + 512 x 0.1 ms
+        assert (step.worker, step.cached_tokens) == (first.worker, 4096)
+        assert step.ttft_s == pytest.approx(0.3096 + 0.1512)
+    else:  # 0.1 + 4,608 x 0.1 ms on the other worker
+        assert step.worker != first.worker and step.cached_tokens == 0
+        assert step.ttft_s == pytest.approx(0.5608)
