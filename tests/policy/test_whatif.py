@@ -248,17 +248,6 @@ def test_the_warm_up_holds_a_gain_unless_the_pool_is_overloaded() -> None:
     assert inputs["busy_fraction"] == pytest.approx(1.425, rel=1e-9)
 
 
-def test_with_warm_up_confirm_an_urgent_move_in_the_warm_up_waits_for_a_second_decision() -> None:
-    # The same overload (busy 1.425) in the warm-up (horizon_s 5 s): urgent at the
-    # first decision, it is held; urgent again at the second, it acts.
-    policy = make_policy(layout=(2, 2, 2, 2), horizon_s=5.0, warm_up_confirm=True)
-    assert run_periods(policy, [150, 150]) == ["hold:warm-up-confirming", "split:urgent"]
-    assert all(d.inputs["warming"] for d in policy.controller.history)
-    # A load that fell by the second decision (busy 0.57) is not urgent: no move.
-    policy = make_policy(layout=(2, 2, 2, 2), horizon_s=5.0, warm_up_confirm=True)
-    assert run_periods(policy, [150, 30]) == ["hold:warm-up-confirming", "hold:warm-up"]
-
-
 def test_while_a_reshape_runs_only_an_urgent_move_starts_another() -> None:
     # One move at a time (max_moves_fraction 1/4 of 4 workers). The split is
     # committed but never acknowledged, so it stays in flight; the pool it heads for

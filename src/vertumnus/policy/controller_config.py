@@ -38,9 +38,6 @@ class ControllerConfig:
     z_confirm: float = 2.0
     z_urgent: float = 3.0
     confirm_limit: int = 3
-    # In the cold-cache warm-up an urgent move must be urgent, with the same kind
-    # of move, at two decisions in a row: the second sees a warmer cache.
-    warm_up_confirm: bool = False
     significance_batches: int = 8
     # The audit of every move: a candidate's J is priced at J * (1 + pessimism),
     # the audited error of its kind of move and load band, with a prior per band

@@ -117,7 +117,6 @@ class WhatIfController(Controller):
         self.calibration = Calibration(lattice.config.degrees)
         # consecutive decisions whose best is the same kind of move
         self._streak = Streak(config.z_confirm, config.confirm_limit)
-        self._warm_urgent: tuple[str, int] | None = None  # the warm-up's last urgent move
         self.move_audits = MoveAudits(config.move_error_priors, config.move_error_weight)
         self._audited: list[dict[str, Any]] = []  # closed since the last decision
         self._period: _Period | None = None
@@ -316,8 +315,6 @@ class WhatIfController(Controller):
         elif plan.warming and not (urgent and overloaded):
             # (overload as the warm cache will have it: a cold one alone looks like it)
             rule = "hold:warm-up"
-        elif plan.warming and cfg.warm_up_confirm and self._warm_urgent != key:
-            rule = "hold:warm-up-confirming"
         elif self.in_flight and not urgent:
             rule = "hold:reshapes-in-flight"
         elif audits.watching(plan.now) and not urgent:
@@ -329,7 +326,6 @@ class WhatIfController(Controller):
             ops = tuple(op for op in chosen.ops if self._still_possible(op))
             rule = f"{chosen.kind}:{'urgent' if urgent else 'whatif'}" if ops else "hold:stale"
             streak.reset()
-        self._warm_urgent = key if plan.warming and urgent and overloaded and not ops else None
         self.in_flight.extend(ops)
         if ops:
             self._open_audit(plan, evaluation, best, band, gain)
