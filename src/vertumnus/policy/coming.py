@@ -28,7 +28,9 @@ from collections.abc import Mapping, Sequence
 
 def coming_run(coming: Mapping[int, int], ids: Sequence[int], held: int, usable: int) -> int:
     """Leading blocks of ``ids`` held or coming, given that the first ``held`` are
-    held and block ``held`` is coming (at most ``usable``)."""
+    held (at most ``usable``, unless more are held)."""
+    if held >= usable or ids[held] not in coming:
+        return held
     lo, hi = held + 1, usable
     while lo < hi:
         mid = (lo + hi + 1) // 2

@@ -219,12 +219,11 @@ class Scheduler:
         tokens, from the trie) or that the requests outstanding there bring (at most
         the blocks it may reuse)."""
         coming = self.coming.by_worker.get(worker_id)
-        ids, b = request.block_ids, self._block()
-        h = held // b
-        if coming is None or h >= len(ids) or ids[h] not in coming:
+        if coming is None:
             return held
+        ids, b = request.block_ids, self._block()
         usable = min(len(ids), max_reuse_blocks(request.input_tokens, b))
-        return max(held, coming_run(coming, ids, h, usable) * b)
+        return coming_run(coming, ids, held // b, usable) * b
 
     def _choose(
         self,
@@ -254,11 +253,9 @@ class Scheduler:
         for w in candidates:
             worker_id, c = w.worker_id, w.cp_degree
             p = held = reuse.get(worker_id, 0)
-            brought = coming.get(worker_id)
-            if brought is not None:  # (``coming_tokens``, inline: it runs per candidate)
-                h = held // block
-                if h < len(ids) and ids[h] in brought:
-                    p = max(held, coming_run(brought, ids, h, usable) * block)
+            brought = coming.get(worker_id)  # (``coming_tokens``, inline)
+            if brought is not None:
+                p = coming_run(brought, ids, held // block, usable) * block
             e = times.get((c, p))
             if e is None:
                 e = times[(c, p)] = self.curves[c].time_s(n, p)
