@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/robustness.py [--seeds report|tune|all|100,103,110-119]
         [--jobs N] [--out results/robustness] [--duration-scale X] [--only vertumnus]
+        [--set controller.KEY=VALUE ...] [--tag NAME]
 
 Per scenario (``vertumnus.sim.scenarios``: 60 report seeds, 16 tune seeds, apart) it
 runs (a) ``fixed`` at every composition of the lattice (among them hold-the-start,
@@ -15,7 +16,10 @@ the pilots that set each scenario's rates are kept under ``PILOT_VERSION``, so
 that a bump reruns the same workloads); the ``vertumnus`` runs are run every time. ``--only
 vertumnus`` runs nothing else: a scenario whose baselines are not all cached is
 left out (and named). ``--duration-scale`` shrinks every scenario's timeline
-(rates, gaps and load kept) for a quick run.
+(rates, gaps and load kept) for a quick run. ``--set TABLE.KEY=VALUE`` lays a
+setting over the adaptive runs only (a choice weighed side by side against the
+default, the baselines unchanged), and ``--tag NAME`` writes that run's report as
+``robustness-NAME.*`` beside the default's.
 
 Per scenario and start it compares vertumnus's mean TTFT with hold-the-start's
 (and the P90s), with the best fixed composition's and the best peer's
@@ -37,6 +41,7 @@ import multiprocessing
 import os
 import sys
 import time
+import tomllib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -129,23 +134,38 @@ def _requests(scenario: Scenario) -> list[SimRequest]:
     return scenarios.requests(scenario)
 
 
+Overrides = dict[str, dict[str, Any]]  # table -> key -> value
+
+
 def configured(
-    scenario: Scenario, preset: str, composition: str
+    scenario: Scenario, preset: str, composition: str, overrides: Overrides | None = None
 ) -> tuple[sim_config.SimConfig, list[SimRequest]]:
-    """One run's configuration (``preset`` at ``composition``) and the scenario's
-    requests."""
-    cfg = sim_config.load(
-        None,
-        {"pool": {"composition": composition}, "sim": {"seed": scenario.seed}},
-        raw={"workload": TINY_WORKLOAD},
-        preset=preset,
-    )
+    """One run's configuration (``preset`` at ``composition``, with ``overrides``
+    laid over it) and the scenario's requests."""
+    tables: dict[str, Any] = {"pool": {"composition": composition}, "sim": {"seed": scenario.seed}}
+    for table, values in (overrides or {}).items():
+        tables[table] = {**tables.get(table, {}), **values}
+    cfg = sim_config.load(None, tables, raw={"workload": TINY_WORKLOAD}, preset=preset)
     return cfg, _requests(scenario)
 
 
-def simulate(scenario: Scenario, preset: str, composition: str) -> dict[str, Any]:
+def parse_set(items: Sequence[str]) -> Overrides:
+    """``TABLE.KEY=VALUE`` items (the value as TOML reads it) as overrides."""
+    out: Overrides = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        table, dot, key = name.partition(".")
+        if not (eq and dot and table and key):
+            raise SystemExit(f"--set wants TABLE.KEY=VALUE, got {item!r}")
+        out.setdefault(table, {})[key] = tomllib.loads(f"v = {value}")["v"]
+    return out
+
+
+def simulate(
+    scenario: Scenario, preset: str, composition: str, overrides: Overrides | None = None
+) -> dict[str, Any]:
     """One run: its figures, and for an adaptive run its moves."""
-    cfg, reqs = configured(scenario, preset, composition)
+    cfg, reqs = configured(scenario, preset, composition, overrides)
     result = Simulation(cfg.settings, cfg.profile, cfg.spec, cfg.policy, reqs).run()
     ttfts = [t for r in result.records if (t := r.ttft_s) is not None]
     tokens = sum(r.input_tokens for r in result.records if r.end_s is not None)
@@ -199,17 +219,18 @@ def simulate(scenario: Scenario, preset: str, composition: str) -> dict[str, Any
     }
 
 
-def _task(job: tuple[int, Scenario, str, str, str]) -> tuple[int, str, dict[str, Any]]:
-    index, scenario, label, preset, composition = job
-    return index, label, simulate(scenario, preset, composition)
+Job = tuple[int, Scenario, str, str, str, Overrides]
+
+
+def _task(job: Job) -> tuple[int, str, dict[str, Any]]:
+    index, scenario, label, preset, composition, overrides = job
+    return index, label, simulate(scenario, preset, composition, overrides)
 
 
 Done = Callable[[int, str, dict[str, Any]], None]
 
 
-def run_all(
-    todo: list[tuple[int, Scenario, str, str, str]], jobs: int, echo: bool, done_fn: Done
-) -> None:
+def run_all(todo: list[Job], jobs: int, echo: bool, done_fn: Done) -> None:
     """Every job, in ``jobs`` processes (spawn; 1: here); ``done_fn`` gets each as it
     finishes (so that an interrupted suite keeps what it ran)."""
     done: list[tuple[int, str, dict[str, Any]]] = []
@@ -404,7 +425,13 @@ def markdown(report: dict[str, Any]) -> str:
         f"Seeds {report['seeds_text']}, duration scale {report['duration_scale']:g}, baselines"
         f" v{BASELINE_VERSION} (peers v{PEER_VERSION}): {runs['cached']} cached,"
         f" {runs['ran']} run; wall"
-        f" {report['wall_s']:.0f} s. Realised: "
+        f" {report['wall_s']:.0f} s."
+        + "".join(
+            f" Adaptive runs with {t}.{k} = {v!r}."
+            for t, kv in report.get("overrides", {}).items()
+            for k, v in kv.items()
+        )
+        + " Realised: "
         + ", ".join(
             f"{k} {_f(v['min'], _digits(k))}–{_f(v['max'], _digits(k))}" for k, v in ranges.items()
         )
@@ -468,8 +495,12 @@ def run_suite(
     only: str | None = None,
     echo: bool = True,
     seeds_text: str = "",
+    overrides: Overrides | None = None,
+    tag: str = "",
 ) -> dict[str, Any]:
-    """Draw, run (the cache's baselines reused), compare, write; returns the report."""
+    """Draw, run (the cache's baselines reused), compare, write; returns the report.
+    ``overrides`` apply to the adaptive runs only (the baselines stay the cache's);
+    ``tag`` names the report's files (``robustness-TAG.json``)."""
     started = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     (out / "cache").mkdir(exist_ok=True)
@@ -485,7 +516,7 @@ def run_suite(
 
     def stage(labels_of: Callable[[Scenario, dict[str, Any]], list[tuple[str, str, str]]]) -> None:
         """Run the labels each scenario still lacks (baselines from the cache)."""
-        todo: list[tuple[int, Scenario, str, str, str]] = []
+        todo: list[Job] = []
         owner: list[tuple[int, Path | None]] = []  # per job: its entry, its cache file
         for where, (scenario, entry) in enumerate(zip(kept, entries, strict=True)):
             if scenario.seed in left_out:
@@ -507,7 +538,8 @@ def run_suite(
             else:
                 for label, preset, composition, path in mine:
                     owner.append((where, path))
-                    todo.append((len(todo), scenario, label, preset, composition))
+                    mine_overrides = (overrides or {}) if preset == "vertumnus" else {}
+                    todo.append((len(todo), scenario, label, preset, composition, mine_overrides))
 
         def keep(index: int, label: str, row: dict[str, Any]) -> None:
             where, path = owner[index]
@@ -548,6 +580,7 @@ def run_suite(
         "version": BASELINE_VERSION,
         "seeds": list(seeds),
         "seeds_text": seeds_text or ",".join(map(str, seeds)),
+        "overrides": overrides or {},
         "duration_scale": duration_scale,
         "runs": dict(counts),
         "left_out": sorted(set(left_out)),
@@ -560,9 +593,10 @@ def run_suite(
         "pairs": pairs,
         "scenarios": entries,
     }
-    (out / "robustness.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    name = f"robustness-{tag}" if tag else "robustness"
+    (out / f"{name}.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     text = markdown(report)
-    (out / "robustness.md").write_text(text)
+    (out / f"{name}.md").write_text(text)
     if echo:
         print(text)
     return report
@@ -575,6 +609,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("results/robustness"))
     parser.add_argument("--duration-scale", type=float, default=1.0)
     parser.add_argument("--only", choices=["vertumnus"], default=None)
+    parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                        help="a setting laid over the adaptive runs (repeatable)")
+    parser.add_argument("--tag", default="", help="the report's files: robustness-TAG.*")
     args = parser.parse_args(argv)
     run_suite(
         parse_seeds(args.seeds),
@@ -583,6 +620,8 @@ def main(argv: list[str] | None = None) -> None:
         args.duration_scale,
         args.only,
         seeds_text=args.seeds,
+        overrides=parse_set(args.set),
+        tag=args.tag,
     )
 
 

@@ -109,6 +109,23 @@ def test_one_scenario_then_the_cache(tool: ModuleType, tmp_path: Path) -> None:
     # --only vertumnus: a scenario without cached baselines is left out, not run.
     only = tool.run_suite([SEED, SEED + 1], out, 1, SCALE, only="vertumnus", echo=False)
     assert only["left_out"] == [SEED + 1] and only["runs"] == {"cached": 12, "ran": 3}
+    # --set: laid over the adaptive runs only; --tag: a report of its own beside the other.
+    still = tool.parse_set(["controller.margin=0.99", "controller.decision_s=5.0"])
+    assert still == {"controller": {"margin": 0.99, "decision_s": 5.0}}
+    tagged = tool.run_suite([SEED], out, 1, SCALE, echo=False, overrides=still, tag="still")
+    assert tagged["runs"] == {"cached": 12, "ran": 3} and tagged["overrides"] == still
+    assert (out / "robustness-still.json").exists() and (out / "robustness-still.md").exists()
+    held = tagged["scenarios"][0]["runs"]
+    for start in tagged["scenarios"][0]["scenario"]["starts"]:
+        v = held[f"vertumnus@{start}"]  # no gain clears a margin of 99 %: it holds
+        assert v["reshapes"] == 0 and v["mean_ttft_s"] == held[f"fixed@{start}"]["mean_ttft_s"]
+    assert {k: r for k, r in held.items() if r["policy"] != "vertumnus"} == {
+        k: r for k, r in runs.items() if r["policy"] != "vertumnus"
+    }
+    assert json.loads((out / "robustness.json").read_text())["overrides"] == {}
+    for bad in (["margin=1"], ["controller.margin"]):
+        with pytest.raises(SystemExit):
+            tool.parse_set(bad)
 
 
 @pytest.mark.multiproc
