@@ -42,21 +42,28 @@ from vertumnus.sim.simulator import Simulation
 
 
 def recorded(scenario: scenarios.Scenario, composition: str) -> tuple[list[ArrivalSample], Any]:
-    """Every request as the controller sampled it, from one adaptive run."""
-    got: list[ArrivalSample] = []
-    original = whatif.WhatIfController.placed
+    """Every request as the controller sampled it, from one adaptive run (as revised
+    at its start: the reuse it found there, a predecessor's prefix among it)."""
+    got: dict[int, ArrivalSample] = {}
+    cls = whatif.WhatIfController
+    original_placed, original_started = cls.placed, cls.started
 
     def placed(self, request, placement, at_s, block):  # type: ignore[no-untyped-def]
-        original(self, request, placement, at_s, block)
-        got.append(self.forecast.by_id[request.request_id])
+        original_placed(self, request, placement, at_s, block)
+        got[request.request_id] = self.forecast.by_id[request.request_id]
+
+    def started(self, request_id, worker_id, reused_tokens, key):  # type: ignore[no-untyped-def]
+        original_started(self, request_id, worker_id, reused_tokens, key)
+        if request_id in got and request_id in self.forecast.by_id:
+            got[request_id] = self.forecast.by_id[request_id]
 
     cfg, reqs = rb.configured(scenario, "vertumnus", composition)
-    whatif.WhatIfController.placed = placed  # type: ignore[method-assign]
+    cls.placed, cls.started = placed, started  # type: ignore[method-assign]
     try:
         Simulation(cfg.settings, cfg.profile, cfg.spec, cfg.policy, reqs).run()
     finally:
-        whatif.WhatIfController.placed = original  # type: ignore[method-assign]
-    return [replace(s, holders=(), floor_tokens=0) for s in got], cfg
+        cls.placed, cls.started = original_placed, original_started  # type: ignore[method-assign]
+    return [replace(s, holders=(), floor_tokens=0) for s in got.values()], cfg
 
 
 def replayed(

@@ -609,8 +609,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("results/robustness"))
     parser.add_argument("--duration-scale", type=float, default=1.0)
     parser.add_argument("--only", choices=["vertumnus"], default=None)
-    parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
-                        help="a setting laid over the adaptive runs (repeatable)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="TABLE.KEY=VALUE",
+        help="a setting laid over the adaptive runs (repeatable)",
+    )
     parser.add_argument("--tag", default="", help="the report's files: robustness-TAG.*")
     args = parser.parse_args(argv)
     run_suite(

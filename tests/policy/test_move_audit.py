@@ -127,6 +127,21 @@ def test_holders_after_the_move_are_translated_into_each_world() -> None:
     assert held[0].holders == ((7, 64), (5, 32))
 
 
+def test_a_revised_sample_replaces_the_one_that_arrived() -> None:
+    audits = MoveAudits(prior=0.05, prior_weight=2.0)
+    opened(audits)
+    audits.arrived(sample(1, 11.0))
+    audits.arrived(sample(2, 12.0))
+    audits.revised(sample(1, 11.0, ((12, 64),)))  # its start found its prefix at 12
+    audits.revised(sample(3, 13.0, ((12, 64),)))  # not in the span: ignored
+    audits.completed(1, 0.1)
+    audits.completed(2, 0.1)
+    ((_, moved, held),) = audits.due(16.0, children())
+    assert [s.request_id for s in moved] == [1, 2]  # in arrival order
+    assert moved[0].holders == ((101, 64),) and held[0].holders == ((7, 64),)
+    assert moved[1].holders == ()
+
+
 def test_open_audit_fields() -> None:
     audits = MoveAudits(prior=0.05, prior_weight=2.0)
     opened(audits)

@@ -309,6 +309,37 @@ def test_every_move_is_audited_and_its_error_feeds_the_pessimism() -> None:
     assert last["pessimism"] == {"split:light": {"audits": 1, "pessimism": expected}}
 
 
+def test_a_start_that_reuses_more_revises_every_replay_of_the_request() -> None:
+    # A request that finds more reuse at its start than its placement saw (its
+    # predecessor's prefix, computed while it waited): the forecast, the period's
+    # undisturbed audit and the open move audit all replay the revised sample, and
+    # its cached times are dropped (a replay of the stale sample would price it
+    # without that reuse, and cache those times for the next forecast).
+    policy = make_policy()
+    ctl = policy.controller
+    assert isinstance(ctl, WhatIfController)
+    driver = Driver(policy)
+    driver.steady(0.0, 30)
+    driver.decide(1.0)
+    driver.steady(1.0, 30)
+    assert driver.decide(2.0).rule == "split:whatif"  # its audit watches [2, 3) s
+    driver.steady(2.0, 30)
+    rid = driver.next_id - 1
+    stale = ctl.forecast.by_id[rid]
+    ((audit, *_),) = [(a,) for a in ctl.move_audits._open]
+    assert audit.samples[rid] is stale and ctl._period is not None
+    assert ctl._period.samples[rid] is stale
+    ctl._times[rid] = (0, (1.0, 1.0), ())  # (as a replay would have cached it)
+    worker = next(iter(policy.lattice.workers))
+    ctl.started(rid, worker, 8, key=77)
+    revised = ctl.forecast.by_id[rid]
+    assert revised.holders == ((worker, 8),) and revised.prefix_key == 77
+    assert audit.samples[rid] is revised and ctl._period.samples[rid] is revised
+    assert rid not in ctl._times
+    ctl.started(rid, worker, 8, key=77)  # no more than it holds: nothing changes
+    assert ctl.forecast.by_id[rid] is revised
+
+
 def test_the_next_move_waits_until_the_last_moves_span_is_seen() -> None:
     # Busy 0.48 on eight degree-2 workers, one split at a time, nothing urgent, an
     # audit span of horizon_s (2 s). (This driver never acknowledges a switch; each

@@ -68,8 +68,7 @@ class OpenAudit:
     predicted_hold_s: float
     predicted_gain: float  # over the whole horizon, pessimism included
     sources: Mapping[int, range]  # source worker -> its devices
-    samples: list[ArrivalSample] = field(default_factory=list)
-    ids: set[int] = field(default_factory=set)
+    samples: dict[int, ArrivalSample] = field(default_factory=dict)  # by request, as revised
     ttft_s: dict[int, float] = field(default_factory=dict)
     overlapped: bool = False  # another move began inside its span
 
@@ -110,12 +109,18 @@ class MoveAudits:
     def arrived(self, sample: ArrivalSample) -> None:
         for audit in self._open:
             if audit.start_s <= sample.arrival_s < audit.end_s:
-                audit.samples.append(sample)
-                audit.ids.add(sample.request_id)
+                audit.samples[sample.request_id] = sample
+
+    def revised(self, sample: ArrivalSample) -> None:
+        """A sample revised at its start (``Forecast.revise``): the audit replays the
+        reuse it found, as the forecast does."""
+        for audit in self._open:
+            if sample.request_id in audit.samples:
+                audit.samples[sample.request_id] = sample
 
     def completed(self, request_id: int, ttft_s: float) -> None:
         for audit in self._open:
-            if request_id in audit.ids:
+            if request_id in audit.samples:
                 audit.ttft_s[request_id] = ttft_s
 
     # -- closing -----------------------------------------------------------------------
@@ -137,7 +142,7 @@ class MoveAudits:
             if total == 0 or answered < 0.9 * total:
                 continue  # (nothing came, or too many never answered: no audit)
             moved, held = self._worlds(audit, workers)
-            samples = [s for s in audit.samples if s.request_id in audit.ttft_s]
+            samples = [s for r, s in audit.samples.items() if r in audit.ttft_s]
             out.append(
                 (
                     audit,

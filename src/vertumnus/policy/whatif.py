@@ -80,7 +80,7 @@ class _Period:
     start_s: float
     workers: tuple[ReplayWorker, ...]
     undisturbed: bool
-    samples: list[ArrivalSample] = field(default_factory=list)
+    samples: dict[int, ArrivalSample] = field(default_factory=dict)  # by request, as revised
     ttft_s: dict[int, float] = field(default_factory=dict)
 
 
@@ -151,7 +151,7 @@ class WhatIfController(Controller):
                 ReplayWorker(w.worker_id, w.cp_degree, 0.0) for w in self.lattice.active()
             )
             self._period = _Period(self.window, sample.arrival_s, workers, self._undisturbed())
-        self._period.samples.append(sample)
+        self._period.samples[sample.request_id] = sample
         self._period_of[sample.request_id] = self._period.index
         self.move_audits.arrived(sample)
 
@@ -170,8 +170,17 @@ class WhatIfController(Controller):
         self.calibration.switch(switch_s)
 
     def started(self, request_id: int, worker_id: int, reused_tokens: int, key: int) -> None:
-        if self.forecast.revise(request_id, worker_id, reused_tokens, key):
-            self._times.pop(request_id, None)
+        if not self.forecast.revise(request_id, worker_id, reused_tokens, key):
+            return
+        # Every replay of this request takes the reuse it found: the forecast's, the
+        # period's and the move audits' (its times are computed again).
+        self._times.pop(request_id, None)
+        revised = self.forecast.by_id[request_id]
+        self.move_audits.revised(revised)
+        index = self._period_of.get(request_id)
+        period = None if index is None else (self._periods.get(index) or self._period)
+        if period is not None and request_id in period.samples:
+            period.samples[request_id] = revised
 
     def completed(self, request_id: int, ttft_s: float) -> None:
         self.move_audits.completed(request_id, ttft_s)
@@ -248,12 +257,13 @@ class WhatIfController(Controller):
                 continue
             measured = sum(period.ttft_s.values()) / len(period.ttft_s)
             d = max(1.0, 3 * len(period.samples) / cfg.replay_requests)  # (a third as many)
-            replayed = model.prepare(period.samples, period.start_s, d, cache=self._times)
+            samples = list(period.samples.values())
+            replayed = model.prepare(samples, period.start_s, d, cache=self._times)
             audits.append((index, replayed, period.workers, measured))
         for index in [i for i in self._periods if i < self.window - 6]:
             # Requests never answered (abandoned, refused): no audit, nothing kept.
-            for sample in self._periods.pop(index).samples:
-                self._period_of.pop(sample.request_id, None)
+            for request_id in self._periods.pop(index).samples:
+                self._period_of.pop(request_id, None)
         moves: list[MoveAuditInput] = []
         self._due = {}
         for audit, moved, held in self.move_audits.due(now, self.lattice.workers):
