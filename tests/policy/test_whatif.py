@@ -26,7 +26,7 @@ from support.factories import BLOCK_SIZE, make_profile
 from vertumnus.perfmodel import DegreeCoeffs
 from vertumnus.policy.controller import ControllerConfig, Decision
 from vertumnus.policy.costs import CostWeights, reuse_curves
-from vertumnus.policy.forecast import ArrivalSample
+from vertumnus.policy.forecast import ArrivalSample, Forecast, ForecastConfig
 from vertumnus.policy.lattice import Lattice, LatticeConfig, Reshape, WorkerState
 from vertumnus.policy.pool_config import PolicyConfig, PoolSpec
 from vertumnus.policy.pool_policy import PoolPolicy
@@ -232,6 +232,52 @@ def test_a_large_gain_without_overload_is_confirmed() -> None:
     )
     assert E1_SHORT < split["live_s"] < 1.05 * E1_SHORT  # the transition, amortised
     assert first["urgent"] is False and first["band"] == "light"
+
+
+def test_a_gain_the_longer_sample_of_the_load_does_not_show_is_refused() -> None:
+    # 20 s of 100-token requests, 20 a second (degree 2 the faster: E_1 = 110 ms,
+    # E_2 = 80 ms; on 2CP2 none waits, on 2CP1/1CP2 every other one goes to a degree-1
+    # worker), then 2 s of 16-token ones at the same rate (degree 1 the faster). The
+    # last second alone says split (30 %); every arrival since the last rate change,
+    # at today's rate, says hold: the split is refused. Without the check it splits
+    # on its second decision.
+    def run(check: bool) -> PoolPolicy:
+        policy = make_policy(steady_check=check, steady_horizon_s=300.0)
+        driver = Driver(policy)
+        for k in range(22):
+            for j in range(20):
+                driver.arrive(100 if k < 20 else 16, k + j / 20)
+            driver.decide(k + 1.0)
+        return policy
+
+    checked, unchecked = run(True), run(False)
+    assert [d.rule for d in unchecked.controller.history[-2:]] == [
+        "hold:confirming", "split:whatif",
+    ]  # fmt: skip
+    assert all(not d.ops for d in checked.controller.history)
+    first = unchecked.controller.history[-2].inputs["candidates"][1]
+    refused = checked.controller.history[-2].inputs["candidates"][1]
+    assert refused["composition"] == first["composition"] == "2CP1/1CP2"
+    assert refused["score_s"] == first["score_s"] and first["gain"] > 0.2  # priced alike
+    assert refused["gain"] == 0.0 and first["steady_long_s"] is None
+    mine, held = refused["steady_long_s"]
+    assert mine > 1.15 * held > 0  # 400 requests of 100 tokens, 20 of 16: holding wins
+
+
+def test_the_long_sample_is_every_arrival_since_the_last_rate_change() -> None:
+    forecast = Forecast(ForecastConfig(10.0, 1, 20.0, recent_s=5.0, long_s=60.0))
+    for t in range(100):
+        forecast.record(ArrivalSample(t, float(t), 100))
+    assert len(forecast.window(100.0).samples) == 10
+    long = forecast.long_window(100.0)
+    assert [s.request_id for s in long.samples] == list(range(40, 100))
+    assert (long.start_s, long.span_s, long.rate_changed) == (40.0, 60.0, False)
+    for t in range(100, 110):  # ten times the rate: the test fires, the past is cut
+        for j in range(10):
+            forecast.record(ArrivalSample(1000 + 10 * t + j, t + j / 10, 100))
+    assert forecast.window(110.0).rate_changed
+    assert forecast.long_window(110.0).start_s == 105.0  # (now - recent_s)
+    assert ForecastConfig(10.0, 1, 20.0).long_s == 20.0  # never shorter than max_horizon_s
 
 
 def test_the_warm_up_holds_a_gain_unless_the_pool_is_overloaded() -> None:

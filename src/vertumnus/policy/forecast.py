@@ -11,7 +11,10 @@ count n with the count e expected from the rate before, and fires when
     |n - e| > change_sigma * sqrt(e)   and   |n - e| > change_fraction * e
 
 (4 sigma and 30 % by default); then everything before those ``recent_s`` seconds is
-dropped, for this forecast and the following ones.
+dropped, for this forecast and the following ones. The long window is every arrival
+since then, at most ``long_s`` old: the longest sample of the load as it is, against
+which a move's steady gain is checked (a few minutes hold a mix's rare long prompts
+in their proportion; the last ``horizon_s`` may hold a burst of them or none).
 
 Pure Python, clock-free: the time is an argument. Not owned here: replaying the
 forecast (``replay``), the decision (``whatif``).
@@ -92,10 +95,12 @@ class ForecastConfig:
     recent_s: float = 10.0  # the span the rate-change test looks at
     change_sigma: float = 4.0
     change_fraction: float = 0.30
+    long_s: float = 0.0  # ``long_window``'s span (at least max_horizon_s)
 
     def __post_init__(self) -> None:
         if not 0 < self.recent_s <= self.horizon_s <= self.max_horizon_s:
             raise ValueError("need 0 < recent_s <= horizon_s <= max_horizon_s")
+        object.__setattr__(self, "long_s", max(self.long_s, self.max_horizon_s))
         if self.min_requests < 1 or self.change_sigma <= 0 or self.change_fraction < 0:
             raise ValueError("need min_requests >= 1, change_sigma > 0, change_fraction >= 0")
 
@@ -165,7 +170,7 @@ class Forecast:
         return bisect.bisect_left(self._keys, t, lo=self._head)
 
     def _trim(self, now: float) -> None:
-        keep_from = max(now - self.config.max_horizon_s, self._floor_s)
+        keep_from = max(now - self.config.long_s, self._floor_s)
         cut = self._index(keep_from)
         for gone in self._samples[self._head : cut]:
             self.by_id.pop(gone.request_id, None)
@@ -186,11 +191,21 @@ class Forecast:
         start = max(now - cfg.horizon_s, self._floor_s, min(origin, now))
         first = self._index(start)
         if len(self._samples) - first < cfg.min_requests:
-            # Extend back to min_requests (what is kept spans max_horizon_s at most).
-            first = max(self._head, len(self._samples) - cfg.min_requests)
+            # Extend back to min_requests, never past max_horizon_s.
+            oldest = self._index(max(now - cfg.max_horizon_s, self._floor_s))
+            first = max(oldest, len(self._samples) - cfg.min_requests)
             if first < len(self._samples):
                 start = min(start, self._keys[first])
         return ForecastWindow(tuple(self._samples[first:]), start, now, changed)
+
+    def long_window(self, now: float) -> ForecastWindow:
+        """Every arrival since the last rate change, at most ``long_s`` old: the
+        longest sample of the load as it is (call after ``window``, which applies
+        the rate-change test)."""
+        origin = self.first_arrival_s if self.first_arrival_s is not None else now
+        start = max(now - self.config.long_s, self._floor_s, min(origin, now))
+        first = self._index(start)
+        return ForecastWindow(tuple(self._samples[first:]), start, now, False)
 
     def _rate_changed(self, now: float, origin: float) -> bool:
         cfg = self.config

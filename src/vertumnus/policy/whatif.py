@@ -12,7 +12,10 @@ Every ``decision_s`` seconds (10 s by default, apart from the capacity window):
      (``whatif_search``): backlogs, drains, switches, the cache it disturbs, and
      the forecast continued for ``payback_s``, longer while the backlog its
      transition built drains; holding over the same horizon. Near saturation
-     moves are staged (``saturated_moves`` operations at a time);
+     moves are staged (``saturated_moves`` operations at a time). A candidate
+     that beats holding is also replayed in its steady state on every arrival
+     since the last rate change (at most ``steady_horizon_s``, at the forecast's
+     rate): where it does not beat holding there, it is refused;
   4. act, pessimistically: a candidate's score ``J`` is priced at
      ``J * (1 + pessimism)``, the audited error of its kind of move and load band
      (``move_audit``), and its gain over holding, ``(hold - J') / hold``, must
@@ -69,7 +72,14 @@ from vertumnus.policy.replay import (
 from vertumnus.policy.scheduler import Placement, PlacementRequest
 from vertumnus.policy.whatif_candidates import Candidate, DisturbedShares, PoolInputs, candidates
 from vertumnus.policy.whatif_guards import Streak, candidate_rows, pessimistic_gains
-from vertumnus.policy.whatif_search import Evaluation, MoveAuditInput, WayBack, WhatIfPlan, evaluate
+from vertumnus.policy.whatif_search import (
+    Evaluation,
+    MoveAuditInput,
+    WayBack,
+    WhatIfPlan,
+    evaluate,
+    faster,
+)
 
 
 @dataclass
@@ -112,6 +122,7 @@ class WhatIfController(Controller):
                 config.min_requests,
                 config.max_horizon_s,
                 recent_s=min(config.decision_s, config.horizon_s),
+                long_s=config.steady_horizon_s,
             )
         )
         self.calibration = Calibration(lattice.config.degrees)
@@ -272,6 +283,16 @@ class WhatIfController(Controller):
             moves.append((audit.audit_id, model.prepare(moved, start, d),
                           model.prepare(held, start, d), audit.chosen, audit.holding))  # fmt: skip
             self._due[audit.audit_id] = audit
+        # The load's mix over the longest stable span, at today's rate: a move must
+        # also win there (a gain the last horizon_s alone shows is noise in its mix).
+        long_forecast = None
+        if not warming and not window.rate_changed and cfg.steady_check:
+            long = self.forecast.long_window(now)
+            if long.span_s >= 1.5 * window.span_s and window.rate > 0 and long.rate > 0:
+                prepared = model.prepare(long.samples, long.start_s,
+                                         max(1.0, len(long.samples) / cfg.replay_requests),
+                                         long.span_s, self._times)  # fmt: skip
+                long_forecast = faster(prepared, window.rate / long.rate)
         span = max(window.span_s, cfg.decision_s)
         way_back = None
         if cfg.way_back_utilisation > 0:
@@ -283,7 +304,7 @@ class WhatIfController(Controller):
                           max(1, math.ceil(cfg.max_payback_s / span)),
                           cfg.significance_batches, cfg.overload_utilisation,
                           cfg.saturated_moves, tuple(moves), cfg.headroom_rate,
-                          way_back)  # fmt: skip
+                          way_back, long_forecast)  # fmt: skip
 
     @staticmethod
     def evaluate(plan: WhatIfPlan) -> Evaluation:

@@ -4,7 +4,8 @@ that confirms a move, and the rows a decision reports (DESIGN.md §6c).
     gain_k = (hold_k - J_k * (1 + pessimism(kind_k))) / hold_k
 
 with ``hold_k`` holding's live mean TTFT over candidate k's horizon and ``J_k``
-its score (``whatif_search``); 0 for a merge slower than holding at
+its score (``whatif_search``); 0 for a candidate no faster than holding in the
+steady state on the longer sample of the load, for a merge slower than holding at
 ``headroom_rate`` times the forecast's rate, and for one that a rise would cost
 more than it gains (its way back: ``risen - held > gain_k * held``). The streak
 is the run of consecutive decisions whose best is the same kind of move
@@ -36,6 +37,9 @@ def pessimistic_gains(
         stressed = evaluation.headroom[k] if k < len(evaluation.headroom) else None
         if stressed is not None and stressed[0] > stressed[1]:
             continue  # a merge without the headroom for a burst: refused
+        steady = evaluation.steady_long[k] if k < len(evaluation.steady_long) else None
+        if steady is not None and steady[0] >= steady[1]:
+            continue  # no better on the longer sample of the load: refused
         gain = (hold - score * (1.0 + pessimism(cand.kind))) / hold
         risen = evaluation.way_back[k] if k < len(evaluation.way_back) else None
         if risen is not None and risen[0] - risen[1] > gain * risen[1]:
@@ -99,6 +103,10 @@ def candidate_rows(
                 "headroom_s": evaluation.headroom[k] if k < len(evaluation.headroom) else None,
                 # a merge's and holding's mean under a rise, with the way back
                 "way_back_s": evaluation.way_back[k] if k < len(evaluation.way_back) else None,
+                # its steady mean and holding's on the long forecast
+                "steady_long_s": (
+                    evaluation.steady_long[k] if k < len(evaluation.steady_long) else None
+                ),
             }
         )
     return rows

@@ -33,6 +33,12 @@ workers split back ``react_s`` into the rise (each new worker serves once its
 source has drained, after the switch), for the payback horizon, against holding
 at that rate; the guards refuse a merge whose loss there exceeds its gain.
 
+A candidate that beats holding is checked against the longer sample of the load
+(``long_forecast``: every arrival since the last rate change, at most the
+controller's ``steady_horizon_s``, its offsets scaled to the forecast's rate):
+its steady state there (from empty queues, times its operations' cost) against
+holding's; the guards refuse one that does not beat holding there.
+
 Near saturation (holding's predicted busy fraction at least
 ``overload_utilisation``) a move is staged: only candidates of at most
 ``saturated_moves`` operations are priced, and the next stage is a decision of
@@ -85,6 +91,9 @@ class WhatIfPlan:
     move_audits: tuple[MoveAuditInput, ...] = field(default=())
     headroom_rate: float = 2.0
     way_back: WayBack | None = None
+    # the arrivals since the last rate change (at most max_horizon_s), at the
+    # forecast's rate: the steady check's load (None: no check)
+    long_forecast: PreparedForecast | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,9 @@ class Evaluation:
     headroom: tuple[tuple[float, float] | None, ...] = ()
     # per merge candidate: its mean TTFT under the rise with the way back, holding's
     way_back: tuple[tuple[float, float] | None, ...] = ()
+    # per candidate that beats holding: its steady mean TTFT on the long forecast,
+    # and holding's (None: no long forecast, or not priced)
+    steady_long: tuple[tuple[float, float] | None, ...] = ()
 
 
 def evaluate(plan: WhatIfPlan) -> Evaluation:
@@ -187,15 +199,29 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
     ]
     if merges and plan.headroom_rate > 1:
         # The forecast's arrivals headroom_rate times as fast, two spans from empty.
-        faster = _faster(forecast, plan.headroom_rate)
-        held = model.run(faster, holding.steady_workers, holding.remap, cycles=2).mean_ttft_s
+        quick = faster(forecast, plan.headroom_rate)
+        held = model.run(quick, holding.steady_workers, holding.remap, cycles=2).mean_ttft_s
         for k in merges:
             cand = plan.candidates[k]
-            merged = model.run(faster, cand.steady_workers, cand.remap, cycles=2).mean_ttft_s
+            merged = model.run(quick, cand.steady_workers, cand.remap, cycles=2).mean_ttft_s
             headroom[k] = (merged, held)
     backs = _way_back(plan, merges, busy)
+    steady_long: list[tuple[float, float] | None] = [None] * n
+    winners = [
+        k
+        for k, (score, held) in enumerate(zip(scores, holds, strict=True))
+        if k and score is not None and held is not None and score < held
+    ]
+    if plan.long_forecast is not None and winners:
+        long = plan.long_forecast
+        held = model.run(long, holding.steady_workers, holding.remap).mean_ttft_s
+        for k in winners:
+            cand = plan.candidates[k]
+            mine = model.run(long, cand.steady_workers, cand.remap).mean_ttft_s
+            steady_long[k] = (mine * (1 + op_cost * len(cand.ops)), held)
     return Evaluation(tuple(lives), tuple(steadies), tuple(scores), audits, tuple(holds),
-                      tuple(zs), busy, move_audits, tuple(headroom), backs)  # fmt: skip
+                      tuple(zs), busy, move_audits, tuple(headroom), backs,
+                      tuple(steady_long))  # fmt: skip
 
 
 def _way_back(
@@ -210,9 +236,9 @@ def _way_back(
     if rate <= 1:
         return tuple(out)
     model, forecast, holding = plan.model, plan.forecast, plan.candidates[0]
-    faster = _faster(forecast, rate)
+    quick = faster(forecast, rate)
     cycles = max(2, math.ceil(plan.cycles * rate))  # the payback horizon
-    held = model.run(faster, holding.steady_workers, holding.remap, cycles=cycles).mean_ttft_s
+    held = model.run(quick, holding.steady_workers, holding.remap, cycles=cycles).mean_ttft_s
     degree = {w.worker_id: w.cp_degree for w in holding.steady_workers}
     for k in merges:
         cand = plan.candidates[k]
@@ -222,12 +248,12 @@ def _way_back(
             for op, made in zip(cand.ops, cand.made, strict=True)
             if len(made) == 1 and all(s in degree for s in op.sources)
         ]  # fmt: skip
-        run = model.run(faster, cand.steady_workers, cand.remap, cycles=cycles, retire=retire)
+        run = model.run(quick, cand.steady_workers, cand.remap, cycles=cycles, retire=retire)
         out[k] = (run.mean_ttft_s, held)
     return tuple(out)
 
 
-def _faster(forecast: PreparedForecast, rate: float) -> PreparedForecast:
+def faster(forecast: PreparedForecast, rate: float) -> PreparedForecast:
     """The forecast's arrivals ``rate`` times as fast (the same requests)."""
     f = 1.0 / rate
     return replace(forecast, offsets=tuple(o * f for o in forecast.offsets),
