@@ -164,9 +164,12 @@ def test_an_overload_of_short_requests_splits_at_once() -> None:
     assert split["hold_s"] == hold["live_s"] == hold["score_s"]
     assert split["score_s"] == pytest.approx(split["live_s"] * 1.005, rel=1e-12)
     # The gain is pessimistic: the move at J * (1 + the prior of its audited error in
-    # the saturated band, 20 %).
+    # the saturated band, 20 %, times the transition's share of J: the audit span of
+    # horizon_s, 1 s, is the first of its 120 cycles).
+    share = split["priced_share"]
+    assert 1 / 120 < share < 1
     assert inputs["gain"] == pytest.approx(
-        (hold["live_s"] - split["score_s"] * 1.20) / hold["live_s"], rel=1e-12
+        (hold["live_s"] - split["score_s"] * (1 + 0.20 * share)) / hold["live_s"], rel=1e-12
     )
     # The first span alone is slower (the transition), the horizon much faster.
     assert split["next_s"] > hold["next_s"] and inputs["gain"] > 0.9
@@ -227,8 +230,13 @@ def test_a_large_gain_without_overload_is_confirmed() -> None:
     assert first["busy_fraction"] == pytest.approx(30 * E2_SHORT / 2, rel=1e-9)
     hold, split = first["candidates"]
     assert hold["live_s"] == pytest.approx(E2_SHORT, rel=1e-9)  # no queue
-    assert first["gain"] == pytest.approx(  # (the light band's prior error: 2 %)
-        (E2_SHORT - split["live_s"] * 1.005 * 1.02) / E2_SHORT, rel=1e-9
+    # (the light band's prior error, 2 %, on the transition's share of the score: the
+    # first of the horizon's 120 one-second cycles, the transition's, slower than the
+    # rest)
+    share = split["priced_share"]
+    assert 1 / 120 < share < 0.05
+    assert first["gain"] == pytest.approx(
+        (E2_SHORT - split["live_s"] * 1.005 * (1 + 0.02 * share)) / E2_SHORT, rel=1e-9
     )
     assert E1_SHORT < split["live_s"] < 1.05 * E1_SHORT  # the transition, amortised
     assert first["urgent"] is False and first["band"] == "light"

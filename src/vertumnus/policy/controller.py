@@ -115,8 +115,10 @@ class Controller:
         self._long += input_tokens > self.config.long_tokens
 
     def reshape_done(self, op: Reshape) -> None:
-        """The driver finished ``op`` (its new workers are active, or it was given up)."""
-        self.in_flight.remove(op)
+        """The driver finished ``op`` (its new workers are active, or it was given up;
+        or, in a fixed pool, only noted it: then it may not be in flight at all)."""
+        if op in self.in_flight:
+            self.in_flight.remove(op)
 
     def capacity_s(self, composition: Mapping[int, int] | None = None) -> float:
         counts = self.planned_composition() if composition is None else composition

@@ -39,4 +39,5 @@ def build_controller(
         lambda op: cache.reconciliation_share(op.sources, op.target_degree, op.target_firsts),
         lambda w: len(trie.worker_nodes.get(w, ())) + len(trie.worker_pending.get(w, ())),
         config.max_tokens_per_rank,
+        acting=config.adaptive,
     )

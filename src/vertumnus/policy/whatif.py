@@ -106,12 +106,16 @@ class WhatIfController(Controller):
         disturbed: TrafficFn | None = None,
         held_blocks: Callable[[int], int] | None = None,
         max_tokens_per_rank: int | None = None,
+        acting: bool = True,
     ) -> None:
         """``disturbed``: the share of a reshape's cache it leaves out of place (the
         trie's reconciliation, ``cache_manager.reconciliation_share``);
         ``held_blocks``: the blocks a worker caches (the cheap stand-in for the
-        reconciliation traffic when ordering many options)."""
+        reconciliation traffic when ordering many options); ``acting``: the pool
+        carries out its moves (false: a fixed pool, whose decisions are only noted:
+        no move is audited and every period stays undisturbed)."""
         super().__init__(config, lattice, kappa_s, traffic)
+        self.acting = acting
         self.held_blocks = held_blocks or (lambda worker_id: 0)
         self.max_tokens_per_rank = max_tokens_per_rank  # the scheduler's KV limit
         self.curves = curves
@@ -294,6 +298,10 @@ class WhatIfController(Controller):
                                          long.span_s, self._times)  # fmt: skip
                 long_forecast = faster(prepared, window.rate / long.rate)
         span = max(window.span_s, cfg.decision_s)
+        # (a move's audit watches the first horizon_s, or the forecast's span if longer)
+        cycle_s = max(window.span_s, 1e-9)
+        audit_span = max(cycle_s, cfg.horizon_s, cfg.decision_s)
+        audit_cycles = max(1, math.ceil(audit_span / cycle_s - 1e-9))
         way_back = None
         if cfg.way_back_utilisation > 0:
             way_back = WayBack(cfg.way_back_utilisation, cfg.way_back_rate_max,
@@ -304,7 +312,7 @@ class WhatIfController(Controller):
                           max(1, math.ceil(cfg.max_payback_s / span)),
                           cfg.significance_batches, cfg.overload_utilisation,
                           cfg.saturated_moves, tuple(moves), cfg.headroom_rate,
-                          way_back, long_forecast)  # fmt: skip
+                          way_back, long_forecast, audit_cycles)  # fmt: skip
 
     @staticmethod
     def evaluate(plan: WhatIfPlan) -> Evaluation:
@@ -357,9 +365,10 @@ class WhatIfController(Controller):
             ops = tuple(op for op in chosen.ops if self._still_possible(op))
             rule = f"{chosen.kind}:{'urgent' if urgent else 'whatif'}" if ops else "hold:stale"
             streak.reset()
-        self.in_flight.extend(ops)
-        if ops:
-            self._open_audit(plan, evaluation, best, band, gain)
+        if self.acting:
+            self.in_flight.extend(ops)
+            if ops:
+                self._open_audit(plan, evaluation, best, band, gain)
         inputs: dict[str, Any] = {
             "mode": "whatif",
             "forecast_requests": plan.forecast_requests,
@@ -380,7 +389,7 @@ class WhatIfController(Controller):
             "move_audits": audited,
         }
         decision = self._close(rule, ops, inputs)
-        self._open_period(plan.now, plan.candidates[0], bool(ops))
+        self._open_period(plan.now, plan.candidates[0], bool(ops) and self.acting)
         return decision
 
     def _open_audit(
@@ -400,7 +409,7 @@ class WhatIfController(Controller):
         }
         cycle_s = max(plan.forecast.span_s, 1e-9)
         span = max(cycle_s, self.config.horizon_s, self.config.decision_s)
-        k = max(1, math.ceil(span / cycle_s - 1e-9))
+        k = plan.audit_cycles
         first, first_hold = live.cycle_ttft_s[:k], hold.cycle_ttft_s[:k]
         predicted, predicted_hold = sum(first) / len(first), sum(first_hold) / len(first_hold)
         self.move_audits.open(self.window, plan.now, span, chosen, plan.candidates[0], band,

@@ -1,13 +1,15 @@
 """The what-if controller's guards: the pessimistic gains, the streak of evidence
 that confirms a move, and the rows a decision reports (DESIGN.md §6c).
 
-    gain_k = (hold_k - J_k * (1 + pessimism(kind_k))) / hold_k
+    gain_k = (hold_k - J_k * (1 + pessimism(kind_k) * share_k)) / hold_k
 
-with ``hold_k`` holding's live mean TTFT over candidate k's horizon and ``J_k``
-its score (``whatif_search``); 0 for a candidate no faster than holding in the
-steady state on the longer sample of the load, for a merge slower than holding at
-``headroom_rate`` times the forecast's rate, and for one that a rise would cost
-more than it gains (its way back: ``risen - held > gain_k * held``). The streak
+with ``hold_k`` holding's live mean TTFT over candidate k's horizon, ``J_k`` its
+score (``whatif_search``) and ``share_k`` the part of it that the audited error
+prices (``priced_share``: a split's transition, a merge's whole horizon); 0 for a
+candidate no faster than holding in the steady state on the longer sample of the
+load, for a merge slower than holding at ``headroom_rate`` times the forecast's
+rate, and for one that a rise would cost more than it gains (its way back:
+``risen - held > gain_k * held``). The streak
 is the run of consecutive decisions whose best is the same kind of move
 (direction and level); it confirms a move at two decisions whose gain clears the
 margin at a significance of at least ``z_confirm`` each, or at ``confirm_limit``
@@ -40,12 +42,27 @@ def pessimistic_gains(
         steady = evaluation.steady_long[k] if k < len(evaluation.steady_long) else None
         if steady is not None and steady[0] >= steady[1]:
             continue  # no better on the longer sample of the load: refused
-        gain = (hold - score * (1.0 + pessimism(cand.kind))) / hold
+        priced = score * (1.0 + pessimism(cand.kind) * priced_share(plan, evaluation, k))
+        gain = (hold - priced) / hold
         risen = evaluation.way_back[k] if k < len(evaluation.way_back) else None
         if risen is not None and risen[0] - risen[1] > gain * risen[1]:
             continue  # a rise would cost more than the merge gains: refused
         gains[k] = gain
     return gains
+
+
+def priced_share(plan: WhatIfPlan, evaluation: Evaluation, k: int) -> float:
+    """The share of candidate k's score that its audited error prices. The error is
+    the transition's (what an audit watches: the first ``audit_cycles`` of the live
+    replay), so a split pays it on that share only, the rest as replayed (the
+    steady check has the rest). A merge's risk lasts as long as it stands (a rise
+    may come at any time): its whole score is priced."""
+    cand = plan.candidates[k]
+    live = evaluation.next[k] if k < len(evaluation.next) else None
+    if cand.kind != "split" or live is None or not sum(live.cycle_ttft_s):
+        return 1.0
+    cycles = live.cycle_ttft_s
+    return sum(cycles[: plan.audit_cycles]) / sum(cycles)
 
 
 @dataclass
@@ -98,6 +115,8 @@ def candidate_rows(
                 "steady_s": steady.mean_ttft_s,
                 "score_s": score,
                 "gain": gains[k] if k else None,
+                # the share of score_s its kind's audited error prices
+                "priced_share": priced_share(plan, evaluation, k) if k else None,
                 "z": _finite(evaluation.z[k]) if k and k < len(evaluation.z) else None,
                 # a merge's and holding's steady mean at headroom_rate times the rate
                 "headroom_s": evaluation.headroom[k] if k < len(evaluation.headroom) else None,

@@ -94,6 +94,8 @@ class WhatIfPlan:
     # the arrivals since the last rate change (at most max_horizon_s), at the
     # forecast's rate: the steady check's load (None: no check)
     long_forecast: PreparedForecast | None = None
+    # the first cycles of a live replay that a move's audit watches (its transition)
+    audit_cycles: int = 1
 
 
 @dataclass(frozen=True)
