@@ -286,6 +286,8 @@ def test_the_long_sample_is_every_arrival_since_the_last_rate_change() -> None:
     assert forecast.window(110.0).rate_changed
     assert forecast.long_window(110.0).start_s == 105.0  # (now - recent_s)
     assert ForecastConfig(10.0, 1, 20.0).long_s == 20.0  # never shorter than max_horizon_s
+    # (the controller leaves out the cold start and the minute its cache fills in)
+    assert forecast.long_window(110.0, not_before_s=107.5).start_s == 107.5
 
 
 def test_the_warm_up_holds_a_gain_unless_the_pool_is_overloaded() -> None:
@@ -465,6 +467,52 @@ def test_a_merge_a_rise_would_cost_more_than_it_gains_is_refused() -> None:
     assert refused["gain"] == 0.0 and merge["gain"] > 0.05 and merge["way_back_s"] is None
     risen, held = refused["way_back_s"]
     assert risen - held > merge["gain"] * held and held > 0
+
+
+def composed(composition: dict[int, int], kind: str = "merge") -> Candidate:
+    return Candidate(kind, 2, (), composition, (), (), {}, {})
+
+
+def test_a_move_towards_the_start_is_homeward() -> None:
+    policy = make_policy(layout=(1, 1, 2, 2))  # started at 2CP1/2CP2
+    ctl = policy.controller
+    assert isinstance(ctl, WhatIfController) and ctl.start == {1: 2, 2: 2}
+    now = composed({1: 6}, "hold")  # (after three splits)
+    assert ctl._homeward(composed({1: 4, 2: 1}), now)  # one merge back
+    assert ctl._homeward(composed({1: 2, 2: 2}), now)  # all the way
+    assert not ctl._homeward(composed({2: 3}), now)  # past it: 2CP1 -> 0CP1
+    assert not ctl._homeward(composed({1: 6}), now)  # not a move
+    home = composed({1: 2, 2: 2}, "hold")
+    assert not ctl._homeward(composed({1: 4, 2: 1}, "split"), home)  # away from it
+    off = make_policy(layout=(1, 1, 2, 2), start_is_home=False).controller
+    assert isinstance(off, WhatIfController)
+    assert not off._homeward(composed({1: 4, 2: 1}), now)
+
+
+def test_a_merge_back_to_the_start_is_not_refused_for_a_rise() -> None:
+    # quiet_four's merge (2CP1/1CP2 from 4CP1, 7.7 % at this rate) is refused for its
+    # headroom and its way back; a pool that started at 2CP1/1CP2 and split is
+    # judged against holding that start, whose exposure to a rise is the baseline:
+    # the same merge back is taken. (The pool is made to look as if it had split.)
+    refused = quiet_four()
+    assert [d.rule for d in refused.controller.history] == ["hold", "hold"]
+    row = refused.controller.history[0].inputs["candidates"][1]
+    assert row["composition"] == "2CP1/1CP2" and row["gain"] == 0.0
+    home = make_policy(layout=(1, 1, 1, 1))
+    ctl = home.controller
+    assert isinstance(ctl, WhatIfController)
+    ctl.start = {1: 2, 2: 1}
+    driver = Driver(home)
+    for k in range(2):
+        for j in range(22):
+            driver.arrive(100, k + j / 22)
+        driver.decide(k + 1.0)
+    assert [d.rule for d in home.controller.history] == ["hold:confirming", "merge:whatif"]
+    taken = home.controller.history[0].inputs["candidates"][1]
+    assert taken["composition"] == "2CP1/1CP2" and taken["gain"] > 0.05
+    assert taken["score_s"] == row["score_s"]  # priced alike
+    risen, held = taken["way_back_s"]
+    assert risen - held > taken["gain"] * held  # what refused it elsewhere
 
 
 def test_the_audit_error_widens_the_margin() -> None:

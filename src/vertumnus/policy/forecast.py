@@ -198,12 +198,12 @@ class Forecast:
                 start = min(start, self._keys[first])
         return ForecastWindow(tuple(self._samples[first:]), start, now, changed)
 
-    def long_window(self, now: float) -> ForecastWindow:
-        """Every arrival since the last rate change, at most ``long_s`` old: the
-        longest sample of the load as it is (call after ``window``, which applies
-        the rate-change test)."""
+    def long_window(self, now: float, not_before_s: float = -math.inf) -> ForecastWindow:
+        """Every arrival since the last rate change and ``not_before_s``, at most
+        ``long_s`` old: the longest sample of the load as it is (call after
+        ``window``, which applies the rate-change test)."""
         origin = self.first_arrival_s if self.first_arrival_s is not None else now
-        start = max(now - self.config.long_s, self._floor_s, min(origin, now))
+        start = max(now - self.config.long_s, self._floor_s, min(origin, now), not_before_s)
         first = self._index(start)
         return ForecastWindow(tuple(self._samples[first:]), start, now, False)
 

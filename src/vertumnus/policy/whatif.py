@@ -116,6 +116,7 @@ class WhatIfController(Controller):
         no move is audited and every period stays undisturbed)."""
         super().__init__(config, lattice, kappa_s, traffic)
         self.acting = acting
+        self.start = dict(lattice.composition())  # the composition it started in
         self.held_blocks = held_blocks or (lambda worker_id: 0)
         self.max_tokens_per_rank = max_tokens_per_rank  # the scheduler's KV limit
         self.curves = curves
@@ -291,7 +292,10 @@ class WhatIfController(Controller):
         # also win there (a gain the last horizon_s alone shows is noise in its mix).
         long_forecast = None
         if not warming and not window.rate_changed and cfg.steady_check:
-            long = self.forecast.long_window(now)
+            # (not the cold start, nor the minute its cache fills in: their samples
+            # reuse less than the load will)
+            assert first is not None
+            long = self.forecast.long_window(now, first + 2 * cfg.horizon_s)
             if long.span_s >= 1.5 * window.span_s and window.rate > 0 and long.rate > 0:
                 prepared = model.prepare(long.samples, long.start_s,
                                          max(1.0, len(long.samples) / cfg.replay_requests),
@@ -312,7 +316,8 @@ class WhatIfController(Controller):
                           max(1, math.ceil(cfg.max_payback_s / span)),
                           cfg.significance_batches, cfg.overload_utilisation,
                           cfg.saturated_moves, tuple(moves), cfg.headroom_rate,
-                          way_back, long_forecast, audit_cycles)  # fmt: skip
+                          way_back, long_forecast, audit_cycles,
+                          tuple(self._homeward(c, cands[0]) for c in cands))  # fmt: skip
 
     @staticmethod
     def evaluate(plan: WhatIfPlan) -> Evaluation:
@@ -414,6 +419,21 @@ class WhatIfController(Controller):
         predicted, predicted_hold = sum(first) / len(first), sum(first_hold) / len(first_hold)
         self.move_audits.open(self.window, plan.now, span, chosen, plan.candidates[0], band,
                               predicted, predicted_hold, gain, sources)  # fmt: skip
+
+    def _homeward(self, cand: Candidate, hold: Candidate) -> bool:
+        """``cand`` takes the pool towards the composition it started in, never past
+        it: each degree's count between its count now and at the start, one of
+        them nearer the start (``start_is_home``)."""
+        if not self.config.start_is_home or cand is hold:
+            return False
+        start, now, then = self.start, hold.composition, cand.composition
+        nearer = False
+        for c in set(start) | set(now) | set(then):
+            a, b, x = now.get(c, 0), start.get(c, 0), then.get(c, 0)
+            if not min(a, b) <= x <= max(a, b):
+                return False
+            nearer = nearer or abs(x - b) < abs(a - b)
+        return nearer
 
     def _still_possible(self, op: Reshape) -> bool:
         """The pool may have moved while the replays ran (a server): the op's

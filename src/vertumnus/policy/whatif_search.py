@@ -96,6 +96,8 @@ class WhatIfPlan:
     long_forecast: PreparedForecast | None = None
     # the first cycles of a live replay that a move's audit watches (its transition)
     audit_cycles: int = 1
+    # per candidate: it moves the pool towards the composition it started in
+    homeward: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)
