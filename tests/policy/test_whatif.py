@@ -489,30 +489,34 @@ def test_a_move_towards_the_start_is_homeward() -> None:
     assert not off._homeward(composed({1: 4, 2: 1}), now)
 
 
-def test_a_merge_back_to_the_start_is_not_refused_for_a_rise() -> None:
+def test_a_merge_back_to_the_start_is_not_refused_for_its_way_back() -> None:
     # quiet_four's merge (2CP1/1CP2 from 4CP1, 7.7 % at this rate) is refused for its
-    # headroom and its way back; a pool that started at 2CP1/1CP2 and split is
-    # judged against holding that start, whose exposure to a rise is the baseline:
-    # the same merge back is taken. (The pool is made to look as if it had split.)
-    refused = quiet_four()
+    # way back (the headroom check off here); a pool that started at 2CP1/1CP2 and
+    # split is judged against holding that start, whose exposure to a rise is the
+    # baseline: the same merge back is taken. The headroom for the next burst still
+    # refuses it. (The pool is made to look as if it had started there.)
+    def run(home: bool, headroom_rate: float) -> PoolPolicy:
+        policy = make_policy(layout=(1, 1, 1, 1), headroom_rate=headroom_rate)
+        ctl = policy.controller
+        assert isinstance(ctl, WhatIfController)
+        if home:
+            ctl.start = {1: 2, 2: 1}
+        driver = Driver(policy)
+        for k in range(2):
+            for j in range(22):
+                driver.arrive(100, k + j / 22)
+            driver.decide(k + 1.0)
+        return policy
+
+    refused, taken, tight = run(False, 1.0), run(True, 1.0), run(True, 1.5)
     assert [d.rule for d in refused.controller.history] == ["hold", "hold"]
-    row = refused.controller.history[0].inputs["candidates"][1]
-    assert row["composition"] == "2CP1/1CP2" and row["gain"] == 0.0
-    home = make_policy(layout=(1, 1, 1, 1))
-    ctl = home.controller
-    assert isinstance(ctl, WhatIfController)
-    ctl.start = {1: 2, 2: 1}
-    driver = Driver(home)
-    for k in range(2):
-        for j in range(22):
-            driver.arrive(100, k + j / 22)
-        driver.decide(k + 1.0)
-    assert [d.rule for d in home.controller.history] == ["hold:confirming", "merge:whatif"]
-    taken = home.controller.history[0].inputs["candidates"][1]
-    assert taken["composition"] == "2CP1/1CP2" and taken["gain"] > 0.05
-    assert taken["score_s"] == row["score_s"]  # priced alike
-    risen, held = taken["way_back_s"]
-    assert risen - held > taken["gain"] * held  # what refused it elsewhere
+    assert [d.rule for d in taken.controller.history] == ["hold:confirming", "merge:whatif"]
+    assert [d.rule for d in tight.controller.history] == ["hold", "hold"]
+    no, yes = (p.controller.history[0].inputs["candidates"][1] for p in (refused, taken))
+    assert no["composition"] == yes["composition"] == "2CP1/1CP2"
+    assert no["gain"] == 0.0 and yes["gain"] > 0.05 and no["score_s"] == yes["score_s"]
+    risen, held = yes["way_back_s"]
+    assert risen - held > yes["gain"] * held  # what refuses it away from home
 
 
 def test_the_audit_error_widens_the_margin() -> None:

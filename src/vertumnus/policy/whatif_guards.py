@@ -36,11 +36,8 @@ def pessimistic_gains(
     ):
         if k == 0 or score is None or hold is None or not 0 < hold < math.inf:
             continue
-        # (a move back towards the start is judged against holding the start, whose
-        # exposure to a rise is the baseline: no rise guard refuses it)
-        home = k < len(plan.homeward) and plan.homeward[k]
         stressed = evaluation.headroom[k] if k < len(evaluation.headroom) else None
-        if stressed is not None and stressed[0] > stressed[1] and not home:
+        if stressed is not None and stressed[0] > stressed[1]:
             continue  # a merge without the headroom for a burst: refused
         steady = evaluation.steady_long[k] if k < len(evaluation.steady_long) else None
         if steady is not None and steady[0] >= steady[1]:
@@ -48,6 +45,9 @@ def pessimistic_gains(
         priced = score * (1.0 + pessimism(cand.kind) * priced_share(plan, evaluation, k))
         gain = (hold - priced) / hold
         risen = evaluation.way_back[k] if k < len(evaluation.way_back) else None
+        # (a merge back towards the start is judged against holding the start, whose
+        # exposure to a rise is the baseline: the way back does not refuse it)
+        home = k < len(plan.homeward) and plan.homeward[k]
         if risen is not None and risen[0] - risen[1] > gain * risen[1] and not home:
             continue  # a rise would cost more than the merge gains: refused
         gains[k] = gain
