@@ -423,7 +423,8 @@ class WhatIfController(Controller):
     def _homeward(self, cand: Candidate, hold: Candidate) -> bool:
         """``cand`` takes the pool towards the composition it started in, never past
         it: each degree's count between its count now and at the start, one of
-        them nearer the start (``start_is_home``: its way back refuses it not)."""
+        them nearer the start (``start_is_home``: then its way back does not refuse
+        it)."""
         if not self.config.start_is_home or cand is hold:
             return False
         start, now, then = self.start, hold.composition, cand.composition
