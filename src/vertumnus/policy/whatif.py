@@ -17,8 +17,10 @@ Every ``decision_s`` seconds (10 s by default, apart from the capacity window):
      since the last rate change (at most ``steady_horizon_s``, at the forecast's
      rate): where it does not beat holding there, it is refused;
   4. act, pessimistically: a candidate's score ``J`` is priced at
-     ``J * (1 + pessimism)``, the audited error of its kind of move and load band
-     (``move_audit``), and its gain over holding, ``(hold - J') / hold``, must
+     ``J * (1 + pessimism * share)``, the audited error of its kind of move and
+     load band (``move_audit``) on the part of ``J`` it is about (a split's
+     transition, a merge's whole horizon: ``whatif_guards.priced_share``), and
+     its gain over holding, ``(hold - J') / hold``, must
      clear the margin (``margin`` plus ``audit_weight`` times the undisturbed
      audit's error). Then the evidence decides when: a gain whose significance
      ``z`` (a paired comparison over batches of the forecast) is at least
@@ -302,10 +304,8 @@ class WhatIfController(Controller):
                                          long.span_s, self._times)  # fmt: skip
                 long_forecast = faster(prepared, window.rate / long.rate)
         span = max(window.span_s, cfg.decision_s)
-        # (a move's audit watches the first horizon_s, or the forecast's span if longer)
         cycle_s = max(window.span_s, 1e-9)
-        audit_span = max(cycle_s, cfg.horizon_s, cfg.decision_s)
-        audit_cycles = max(1, math.ceil(audit_span / cycle_s - 1e-9))
+        audit_cycles = max(1, math.ceil(self._audit_span(cycle_s) / cycle_s - 1e-9))
         way_back = None
         if cfg.way_back_utilisation > 0:
             way_back = WayBack(cfg.way_back_utilisation, cfg.way_back_rate_max,
@@ -412,13 +412,17 @@ class WhatIfController(Controller):
             for s in op.sources
             if s in self.lattice.workers
         }
-        cycle_s = max(plan.forecast.span_s, 1e-9)
-        span = max(cycle_s, self.config.horizon_s, self.config.decision_s)
+        span = self._audit_span(plan.forecast.span_s)
         k = plan.audit_cycles
         first, first_hold = live.cycle_ttft_s[:k], hold.cycle_ttft_s[:k]
         predicted, predicted_hold = sum(first) / len(first), sum(first_hold) / len(first_hold)
         self.move_audits.open(self.window, plan.now, span, chosen, plan.candidates[0], band,
                               predicted, predicted_hold, gain, sources)  # fmt: skip
+
+    def _audit_span(self, forecast_span_s: float) -> float:
+        """What a move's audit watches: the next ``horizon_s`` (at least a decision
+        period), or the forecast's span if longer."""
+        return max(forecast_span_s, self.config.horizon_s, self.config.decision_s)
 
     def _homeward(self, cand: Candidate, hold: Candidate) -> bool:
         """``cand`` takes the pool towards the composition it started in, never past

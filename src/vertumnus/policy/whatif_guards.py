@@ -9,11 +9,11 @@ prices (``priced_share``: a split's transition, a merge's whole horizon); 0 for 
 candidate no faster than holding in the steady state on the longer sample of the
 load, for a merge slower than holding at ``headroom_rate`` times the forecast's
 rate, and for one that a rise would cost more than it gains (its way back:
-``risen - held > gain_k * held``). The streak
-is the run of consecutive decisions whose best is the same kind of move
-(direction and level); it confirms a move at two decisions whose gain clears the
-margin at a significance of at least ``z_confirm`` each, or at ``confirm_limit``
-decisions whose mean gain clears it. Pure Python.
+``risen - held > gain_k * held``), unless it takes the pool back towards its start.
+The streak is the run of consecutive decisions whose best is the same kind of
+move (direction and level); it confirms a move at two decisions whose gain clears
+the margin at a significance of at least ``z_confirm`` each, or at
+``confirm_limit`` decisions whose mean gain clears it. Pure Python.
 """
 
 from __future__ import annotations
