@@ -383,14 +383,15 @@ def test_a_start_that_reuses_more_revises_every_replay_of_the_request() -> None:
     rid = driver.next_id - 1
     stale = ctl.forecast.by_id[rid]
     ((audit, *_),) = [(a,) for a in ctl.move_audits._open]
-    assert audit.samples[rid] is stale and ctl._period is not None
-    assert ctl._period.samples[rid] is stale
+    period = ctl._periods.current
+    assert audit.samples[rid] is stale and period is not None
+    assert period.samples[rid] is stale
     ctl._times[rid] = (0, (1.0, 1.0), ())  # (as a replay would have cached it)
     worker = next(iter(policy.lattice.workers))
     ctl.started(rid, worker, 8, key=77)
     revised = ctl.forecast.by_id[rid]
     assert revised.holders == ((worker, 8),) and revised.prefix_key == 77
-    assert audit.samples[rid] is revised and ctl._period.samples[rid] is revised
+    assert audit.samples[rid] is revised and period.samples[rid] is revised
     assert rid not in ctl._times
     ctl.started(rid, worker, 8, key=77)  # no more than it holds: nothing changes
     assert ctl.forecast.by_id[rid] is revised

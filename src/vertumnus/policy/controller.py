@@ -120,6 +120,23 @@ class Controller:
         if op in self.in_flight:
             self.in_flight.remove(op)
 
+    def still_possible(self, op: Reshape) -> bool:
+        """The pool may have moved since ``op`` was chosen (a server computes its
+        decisions off the loop): its workers must still be active and in no other
+        reshape."""
+        busy = {s for other in self.in_flight for s in other.sources}
+        workers = self.lattice.workers
+        return all(
+            s in workers and workers[s].state is WorkerState.ACTIVE and s not in busy
+            for s in op.sources
+        )
+
+    def settled(self) -> bool:
+        """No reshape under way and every worker serving."""
+        return not self.in_flight and all(
+            w.state is WorkerState.ACTIVE for w in self.lattice.workers.values()
+        )
+
     def capacity_s(self, composition: Mapping[int, int] | None = None) -> float:
         counts = self.planned_composition() if composition is None else composition
         return sum(self.kappa_s[c] * n for c, n in counts.items())

@@ -45,9 +45,8 @@ touches nothing shared, safe in a thread) and ``conclude`` (the guards and the
 bookkeeping: on the loop). Every ``Decision`` lists the candidates with their
 predictions, the margin and the choice.
 
-The undisturbed audit: each period the pool spent undisturbed (no reshape under
-way, every worker serving) is replayed once all its requests ended, from its
-starting backlog, and its measured mean TTFT compared with that prediction.
+The undisturbed audit: each period the pool spent undisturbed is replayed once all
+its requests ended and its measured mean TTFT compared with that (``whatif_periods``).
 
 Pure Python, clock-free. Not owned here: executing reshapes (``transition``).
 """
@@ -56,24 +55,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from vertumnus.blocks import max_reuse_blocks
 from vertumnus.policy.calibration import Calibration
 from vertumnus.policy.controller import Controller, ControllerConfig, Decision, TrafficFn
 from vertumnus.policy.costs import CostWeights, ReuseCurve
-from vertumnus.policy.forecast import ArrivalSample, Forecast, ForecastConfig, make_sample
+from vertumnus.policy.forecast import Forecast, ForecastConfig, make_sample
 from vertumnus.policy.lattice import Lattice, Reshape, WorkerState
 from vertumnus.policy.move_audit import MoveAudits, OpenAudit, band_of
-from vertumnus.policy.replay import (
-    ReplayModel,
-    ReplayWorker,
-    Times,
-)
+from vertumnus.policy.replay import ReplayModel, ReplayWorker, Times
 from vertumnus.policy.scheduler import Placement, PlacementRequest
 from vertumnus.policy.whatif_candidates import Candidate, DisturbedShares, PoolInputs, candidates
-from vertumnus.policy.whatif_guards import Streak, candidate_rows, pessimistic_gains
+from vertumnus.policy.whatif_guards import Streak, candidate_rows, homeward, pessimistic_gains
+from vertumnus.policy.whatif_periods import Period, Periods
 from vertumnus.policy.whatif_search import (
     Evaluation,
     MoveAuditInput,
@@ -82,18 +77,6 @@ from vertumnus.policy.whatif_search import (
     evaluate,
     faster,
 )
-
-
-@dataclass
-class _Period:
-    """One decision period, for the audit."""
-
-    index: int
-    start_s: float
-    workers: tuple[ReplayWorker, ...]
-    undisturbed: bool
-    samples: dict[int, ArrivalSample] = field(default_factory=dict)  # by request, as revised
-    ttft_s: dict[int, float] = field(default_factory=dict)
 
 
 class WhatIfController(Controller):
@@ -137,9 +120,7 @@ class WhatIfController(Controller):
         self._streak = Streak(config.z_confirm, config.confirm_limit)
         self.move_audits = MoveAudits(config.move_error_priors, config.move_error_weight)
         self._audited: list[dict[str, Any]] = []  # closed since the last decision
-        self._period: _Period | None = None
-        self._periods: dict[int, _Period] = {}  # closed, waiting for their requests
-        self._period_of: dict[int, int] = {}  # request -> the period it arrived in
+        self._periods = Periods()  # the undisturbed audit's (``whatif_periods``)
         self._shares = DisturbedShares(disturbed or (lambda op: 0.0))
         self._times: dict[int, Times] = {}  # request -> its E per degree (the replay's)
         self._due: dict[int, OpenAudit] = {}  # move audits being replayed, by id
@@ -164,13 +145,13 @@ class WhatIfController(Controller):
             matched,
         )
         self.forecast.record(sample)
-        if self._period is None:  # the first period starts with the first arrival
+        if not self._periods.started:  # the first period starts with the first arrival
             workers = tuple(
                 ReplayWorker(w.worker_id, w.cp_degree, 0.0) for w in self.lattice.active()
             )
-            self._period = _Period(self.window, sample.arrival_s, workers, self._undisturbed())
-        self._period.samples[sample.request_id] = sample
-        self._period_of[sample.request_id] = self._period.index
+            first = Period(self.window, sample.arrival_s, workers, self.settled())
+            self._periods.open(first, True)
+        self._periods.arrived(sample)
         self.move_audits.arrived(sample)
 
     def prefill_done(
@@ -195,19 +176,11 @@ class WhatIfController(Controller):
         self._times.pop(request_id, None)
         revised = self.forecast.by_id[request_id]
         self.move_audits.revised(revised)
-        index = self._period_of.get(request_id)
-        period = None if index is None else (self._periods.get(index) or self._period)
-        if period is not None and request_id in period.samples:
-            period.samples[request_id] = revised
+        self._periods.revised(revised)
 
     def completed(self, request_id: int, ttft_s: float) -> None:
         self.move_audits.completed(request_id, ttft_s)
-        index = self._period_of.pop(request_id, None)
-        if index is None:
-            return
-        period = self._periods.get(index) or self._period
-        if period is not None and period.index == index:
-            period.ttft_s[request_id] = ttft_s
+        self._periods.completed(request_id, ttft_s)
 
     # -- the decision ------------------------------------------------------------------
 
@@ -264,24 +237,15 @@ class WhatIfController(Controller):
             self._shares.decision(now),
         )
         audits = []
-        done = [i for i, p in sorted(self._periods.items()) if len(p.ttft_s) >= len(p.samples)]
-        for index in done:
-            period = self._periods.pop(index)
-            # One audit a decision (the latest): it is a replay of its own. A period
-            # of the cold start is not one (its cache was filling: the model's error
-            # there says nothing of the next decisions').
-            cold = first is None or period.start_s < first + cfg.horizon_s
-            if index != done[-1] or not period.undisturbed or not period.samples or cold:
-                continue
-            measured = sum(period.ttft_s.values()) / len(period.ttft_s)
+        # One audit a decision (the latest period answered): it is a replay of its
+        # own. A period of the cold start is not one (its cache was filling: the
+        # model's error there says nothing of the next decisions').
+        period = self._periods.done(self.window, None if first is None else first + cfg.horizon_s)
+        if period is not None:
             d = max(1.0, 3 * len(period.samples) / cfg.replay_requests)  # (a third as many)
             samples = list(period.samples.values())
             replayed = model.prepare(samples, period.start_s, d, cache=self._times)
-            audits.append((index, replayed, period.workers, measured))
-        for index in [i for i in self._periods if i < self.window - 6]:
-            # Requests never answered (abandoned, refused): no audit, nothing kept.
-            for request_id in self._periods.pop(index).samples:
-                self._period_of.pop(request_id, None)
+            audits.append((period.index, replayed, period.workers, period.measured_s()))
         moves: list[MoveAuditInput] = []
         self._due = {}
         for audit, moved, held in self.move_audits.due(now, self.lattice.workers):
@@ -367,7 +331,7 @@ class WhatIfController(Controller):
         elif not urgent and not confirmed:
             rule = "hold:confirming"
         else:
-            ops = tuple(op for op in chosen.ops if self._still_possible(op))
+            ops = tuple(op for op in chosen.ops if self.still_possible(op))
             rule = f"{chosen.kind}:{'urgent' if urgent else 'whatif'}" if ops else "hold:stale"
             streak.reset()
         if self.acting:
@@ -426,30 +390,10 @@ class WhatIfController(Controller):
 
     def _homeward(self, cand: Candidate, hold: Candidate) -> bool:
         """``cand`` takes the pool towards the composition it started in, never past
-        it: each degree's count between its count now and at the start, one of
-        them nearer the start (``start_is_home``: then its way back does not refuse
-        it)."""
-        if not self.config.start_is_home or cand is hold:
-            return False
-        start, now, then = self.start, hold.composition, cand.composition
-        nearer = False
-        for c in set(start) | set(now) | set(then):
-            a, b, x = now.get(c, 0), start.get(c, 0), then.get(c, 0)
-            if not min(a, b) <= x <= max(a, b):
-                return False
-            nearer = nearer or abs(x - b) < abs(a - b)
-        return nearer
-
-    def _still_possible(self, op: Reshape) -> bool:
-        """The pool may have moved while the replays ran (a server): the op's
-        workers must still be active and in no other reshape."""
-        busy = {s for other in self.in_flight for s in other.sources}
-        return all(
-            s in self.lattice.workers
-            and self.lattice.workers[s].state is WorkerState.ACTIVE
-            and s not in busy
-            for s in op.sources
-        )
+        it (``whatif_guards.homeward``; ``start_is_home``: then its way back does
+        not refuse it)."""
+        on = self.config.start_is_home and cand is not hold
+        return on and homeward(self.start, hold.composition, cand.composition)
 
     def _close(self, rule: str, ops: Sequence[Reshape], inputs: dict[str, Any]) -> Decision:
         demand, n = self._demand_s, self._requests
@@ -462,15 +406,6 @@ class WhatIfController(Controller):
         )
 
     def _open_period(self, now: float, hold: Candidate, reshaping: bool) -> None:
-        previous = self._period
-        if previous is not None:
-            previous.undisturbed = previous.undisturbed and self._undisturbed()
-            self._periods[previous.index] = previous
         start_workers = tuple(w for w in hold.next_workers if w.worker_id in self.lattice.workers)
-        undisturbed = not reshaping and self._undisturbed()
-        self._period = _Period(self.window, now, start_workers, undisturbed)
-
-    def _undisturbed(self) -> bool:
-        return not self.in_flight and all(
-            w.state is WorkerState.ACTIVE for w in self.lattice.workers.values()
-        )
+        undisturbed = not reshaping and self.settled()
+        self._periods.open(Period(self.window, now, start_workers, undisturbed), self.settled())

@@ -19,7 +19,7 @@ the margin at a significance of at least ``z_confirm`` each, or at
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +90,19 @@ class Streak:
             return True
         n = self.confirm_limit
         return len(e) >= n and sum(g for g, _ in e[-n:]) / n >= margin
+
+
+def homeward(start: Mapping[int, int], now: Mapping[int, int], then: Mapping[int, int]) -> bool:
+    """Composition ``then`` lies between ``now`` and ``start``, nearer ``start``: each
+    degree's worker count between its count now and at the start, one of them
+    nearer the start (a move towards the start, never past it)."""
+    nearer = False
+    for c in set(start) | set(now) | set(then):
+        a, b, x = now.get(c, 0), start.get(c, 0), then.get(c, 0)
+        if not min(a, b) <= x <= max(a, b):
+            return False
+        nearer = nearer or abs(x - b) < abs(a - b)
+    return nearer
 
 
 def candidate_rows(
