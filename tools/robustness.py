@@ -497,10 +497,13 @@ def run_suite(
     seeds_text: str = "",
     overrides: Overrides | None = None,
     tag: str = "",
+    peers: bool = True,
 ) -> dict[str, Any]:
     """Draw, run (the cache's baselines reused), compare, write; returns the report.
     ``overrides`` apply to the adaptive runs only (the baselines stay the cache's);
-    ``tag`` names the report's files (``robustness-TAG.json``)."""
+    ``tag`` names the report's files (``robustness-TAG.json``); ``peers`` false
+    leaves the peer routers out (their stage is the longest: the best-peer ratio
+    is then blank)."""
     started = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     (out / "cache").mkdir(exist_ok=True)
@@ -555,12 +558,14 @@ def run_suite(
     # First the fixed sweep and the adaptive runs, then each peer at the fixed pool's
     # best compositions (PEER_COMPOSITIONS of them).
     stage(lambda scenario, entry: run_labels(scenario))
-    stage(lambda scenario, entry: peer_labels(entry))
+    if peers:
+        stage(lambda scenario, entry: peer_labels(entry))
     kept_entries = [(e, s) for e, s in zip(entries, kept, strict=True) if s.seed not in left_out]
     entries = [e for e, _ in kept_entries]
     kept = [s for _, s in kept_entries]
     for entry, scenario in zip(entries, kept, strict=True):
-        order = [label for label, _, _ in run_labels(scenario) + peer_labels(entry)]
+        labels = run_labels(scenario) + (peer_labels(entry) if peers else [])
+        order = [label for label, _, _ in labels]
         entry["runs"] = {label: entry["runs"][label] for label in order}
         entry["run_wall_s"] = sum(r["wall_s"] for r in entry["runs"].values())
     pairs = [p for e in entries for p in compare(e)]
@@ -617,6 +622,7 @@ def main(argv: list[str] | None = None) -> None:
         help="a setting laid over the adaptive runs (repeatable)",
     )
     parser.add_argument("--tag", default="", help="the report's files: robustness-TAG.*")
+    parser.add_argument("--no-peers", action="store_true", help="leave the peer routers' stage out")
     args = parser.parse_args(argv)
     run_suite(
         parse_seeds(args.seeds),
@@ -627,6 +633,7 @@ def main(argv: list[str] | None = None) -> None:
         seeds_text=args.seeds,
         overrides=parse_set(args.set),
         tag=args.tag,
+        peers=not args.no_peers,
     )
 
 

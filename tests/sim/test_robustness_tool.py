@@ -123,6 +123,13 @@ def test_one_scenario_then_the_cache(tool: ModuleType, tmp_path: Path) -> None:
         k: r for k, r in runs.items() if r["policy"] != "vertumnus"
     }
     assert json.loads((out / "robustness.json").read_text())["overrides"] == {}
+    # --no-peers: the peers' stage left out, the best-peer ratio blank.
+    alone = tool.run_suite([SEED], out, 1, SCALE, echo=False, tag="alone", peers=False)
+    assert alone["runs"] == {"cached": 6, "ran": 3}
+    assert not any(k.split("@")[0] in tool.PEERS for k in alone["scenarios"][0]["runs"])
+    assert all(p["best_peer"] is None and p["v_best_peer"] is None for p in alone["pairs"])
+    assert [p["v_hold"] for p in alone["pairs"]] == [p["v_hold"] for p in pairs]
+    assert alone["targets"][-1]["total"] == 0
     for bad in (["margin=1"], ["controller.margin"]):
         with pytest.raises(SystemExit):
             tool.parse_set(bad)
