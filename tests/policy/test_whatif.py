@@ -421,9 +421,13 @@ def test_an_urgent_next_stage_does_not_wait_for_the_audit() -> None:
     assert first.ops[0].sources != second.ops[0].sources
 
 
-def quiet_four(**controller: Any) -> PoolPolicy:
-    """Four degree-1 workers, 22 requests of 100 tokens a second, two decisions."""
+def quiet_four(start: dict[int, int] | None = None, **controller: Any) -> PoolPolicy:
+    """Four degree-1 workers, 22 requests of 100 tokens a second, two decisions;
+    ``start``: the composition the pool is made to look as if it had started in."""
     policy = make_policy(layout=(1, 1, 1, 1), **controller)
+    if start is not None:
+        assert isinstance(policy.controller, WhatIfController)
+        policy.controller.start = start
     driver = Driver(policy)
     for k in range(2):
         for j in range(22):
@@ -497,17 +501,7 @@ def test_a_merge_back_to_the_start_is_not_refused_for_its_way_back() -> None:
     # baseline: the same merge back is taken. The headroom for the next burst still
     # refuses it. (The pool is made to look as if it had started there.)
     def run(home: bool, headroom_rate: float) -> PoolPolicy:
-        policy = make_policy(layout=(1, 1, 1, 1), headroom_rate=headroom_rate)
-        ctl = policy.controller
-        assert isinstance(ctl, WhatIfController)
-        if home:
-            ctl.start = {1: 2, 2: 1}
-        driver = Driver(policy)
-        for k in range(2):
-            for j in range(22):
-                driver.arrive(100, k + j / 22)
-            driver.decide(k + 1.0)
-        return policy
+        return quiet_four({1: 2, 2: 1} if home else None, headroom_rate=headroom_rate)
 
     refused, taken, tight = run(False, 1.0), run(True, 1.0), run(True, 1.5)
     assert [d.rule for d in refused.controller.history] == ["hold", "hold"]

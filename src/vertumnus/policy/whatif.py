@@ -407,5 +407,7 @@ class WhatIfController(Controller):
 
     def _open_period(self, now: float, hold: Candidate, reshaping: bool) -> None:
         start_workers = tuple(w for w in hold.next_workers if w.worker_id in self.lattice.workers)
-        undisturbed = not reshaping and self.settled()
-        self._periods.open(Period(self.window, now, start_workers, undisturbed), self.settled())
+        settled = self.settled()
+        self._periods.open(
+            Period(self.window, now, start_workers, settled and not reshaping), settled
+        )

@@ -91,7 +91,7 @@ class WhatIfPlan:
     move_audits: tuple[MoveAuditInput, ...] = field(default=())
     headroom_rate: float = 2.0
     way_back: WayBack | None = None
-    # the arrivals since the last rate change (at most max_horizon_s), at the
+    # the arrivals since the last rate change (at most steady_horizon_s), at the
     # forecast's rate: the steady check's load (None: no check)
     long_forecast: PreparedForecast | None = None
     # the first cycles of a live replay that a move's audit watches (its transition)
