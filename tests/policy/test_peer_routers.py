@@ -99,6 +99,40 @@ def test_dynamo_costs_new_blocks_plus_active_blocks() -> None:
     assert place(sched, req(3, 100, prefix)) == 2
 
 
+def test_dynamo_active_blocks_follow_each_request_to_its_end() -> None:
+    # Kept as requests come and go (not summed over the queue at each placement):
+    # after every step the count equals the blocks of the worker's queued and running
+    # prompts, and check() agrees.
+    sched, _ = make(DynamoKVScheduler)
+    tokens = {1: 100, 2: 33, 3: 16, 4: 250, 5: 17, 6: 64}
+    for rid, n in tokens.items():
+        place(sched, req(rid, n))
+
+    def recount(worker_id: int) -> int:
+        ids = sched.queued(worker_id)
+        run = sched.running(worker_id)
+        ids += [] if run is None else [run]
+        return sum(-(-tokens[r] // B) for r in ids)
+
+    def agree() -> None:
+        for w in (0, 1, 2):
+            assert sched.active_blocks(w) == recount(w)  # type: ignore[attr-defined]
+        sched.check(0.0)
+
+    agree()
+    assert sum(sched.active_blocks(w) for w in (0, 1, 2)) == 7 + 3 + 1 + 16 + 2 + 4  # type: ignore[attr-defined]
+    sched.start(1, 0.0)
+    agree()
+    sched.complete(1)
+    agree()
+    sched.cancel(4)
+    agree()
+    for worker_id in (0, 1, 2):
+        sched.drain(worker_id)
+    agree()
+    assert all(sched.active_blocks(w) == 0 for w in (0, 1, 2))  # type: ignore[attr-defined]
+
+
 def test_dynamo_weight_and_temperature() -> None:
     sched, cache = make(DynamoKVScheduler)
     cache.apply_report(CacheReport(0, inserted=(31, 32)))

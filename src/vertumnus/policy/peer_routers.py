@@ -76,6 +76,10 @@ class _Peer(_Baseline):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._routed: dict[int, OrderedDict[int, None]] = {}  # worker -> its index
+        # worker -> the blocks of its outstanding prompts (queued and running), kept
+        # as requests are reserved and forgotten: a sum over the queue per candidate
+        # and placement made a long queue quadratic
+        self._active: dict[int, int] = {}
 
     def routed_match(self, worker_id: int, block_ids: tuple[int, ...]) -> int:
         """Leading blocks of the request in the worker's routing index."""
@@ -121,12 +125,34 @@ class _Peer(_Baseline):
 
     def active_blocks(self, worker_id: int) -> int:
         """The blocks of the prompts outstanding at the worker."""
-        b = self.block_tokens()
-        ids = list(self._queue.get(worker_id, ()))
-        run = self._running.get(worker_id)
-        if run is not None:
-            ids.append(run.request_id)
-        return sum(-(-self._requests[rid].input_tokens // b) for rid in ids)
+        return self._active.get(worker_id, 0)
+
+    def _blocks_of(self, request: PlacementRequest) -> int:
+        return -(-request.input_tokens // self.block_tokens())
+
+    def _reserve(
+        self, request: PlacementRequest, worker_id: int, exec_s: float, held_tokens: int = 0
+    ) -> None:
+        super()._reserve(request, worker_id, exec_s, held_tokens)
+        self._active[worker_id] = self._active.get(worker_id, 0) + self._blocks_of(request)
+
+    def _forget(self, request_id: int) -> PlacementRequest:
+        worker_id = self._where[request_id]
+        request = super()._forget(request_id)
+        left = self._active[worker_id] - self._blocks_of(request)
+        if left:
+            self._active[worker_id] = left
+        else:
+            del self._active[worker_id]
+        return request
+
+    def check(self, now: float) -> None:
+        super().check(now)
+        active: dict[int, int] = {}
+        for request_id, worker_id in self._where.items():
+            blocks = self._blocks_of(self._requests[request_id])
+            active[worker_id] = active.get(worker_id, 0) + blocks
+        assert {w: n for w, n in active.items() if n} == self._active, "active blocks drifted"
 
 
 class SGLangCacheAwareScheduler(_Peer):
