@@ -143,3 +143,24 @@ def test_processes_give_what_one_process_gives(tool: ModuleType, tmp_path: Path)
     assert without_wall(parallel["scenarios"][0]["runs"]) == without_wall(
         serial["scenarios"][0]["runs"]
     )
+
+
+def test_a_held_pool_runs_the_same_with_the_cheap_controller(tool: ModuleType) -> None:
+    # A fixed pool and a peer only note their controller's decisions: the suite gives
+    # them the rules (cheap) instead of the what-if replays, and nothing they serve
+    # may change. At 0.92 of the saturation (the pilots' figure for seed 101), with
+    # the what-if controller laid back over the suite's choice.
+    scenario = tool.scenarios.scaled(
+        tool.calibrated(tool.scenarios.draw(SEED), known=(40.07, "10CP4")), 0.2
+    )
+    for preset, composition in (("fixed", "4CP4/3CP8"), ("dynamo-kv", "8CP4/1CP8")):
+        cfg, _ = tool.configured(scenario, preset, composition)
+        assert cfg.policy.controller.mode == "rules"
+        cheap = tool.simulate(scenario, preset, composition)
+        whatif = tool.simulate(scenario, preset, composition, {"controller": {"mode": "whatif"}})
+        assert cheap["requests"] > 500 and cheap["completed"] == cheap["requests"]
+        assert {k: v for k, v in cheap.items() if k != "wall_s"} == {
+            k: v for k, v in whatif.items() if k != "wall_s"
+        }
+    cfg, _ = tool.configured(scenario, "vertumnus", "4CP4/3CP8")
+    assert cfg.policy.controller.mode == "whatif"
