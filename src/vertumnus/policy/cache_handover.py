@@ -127,13 +127,17 @@ def reconciliation(
         for node, device in _retained(trie, trie.worker(s)):
             if device is not None:
                 devices.setdefault(node, set()).add(device)
+    # Per depth residue, the devices that want the block there (one per target: the
+    # targets are distinct workers).
+    wanted = [frozenset(first + d for first in target_firsts) for d in range(target_degree)]
+    n_targets = len(target_firsts)
     total = whole = 0.0
     for node, held_on in devices.items():
-        wrong = sum(first + node.depth % target_degree not in held_on for first in target_firsts)
+        wrong = n_targets - len(wanted[node.depth % target_degree] & held_on)
         weight = 1.0 + (sum(node.access) if node.access is not None else 0.0)
         whole += weight
         if wrong:
-            total += weight * wrong / len(target_firsts)
+            total += weight * wrong / n_targets
     return total, whole
 
 
