@@ -6,14 +6,15 @@
 
 Per scenario (``vertumnus.sim.scenarios``: 60 report seeds, 16 tune seeds, apart) it
 runs (a) ``fixed`` at every composition of the lattice (among them hold-the-start,
-``fixed`` at each start), (b) each peer router at every composition and (c)
-``vertumnus`` from each of the scenario's three starts: 27 runs on 40 GPUs. Runs go
-to ``--jobs`` processes (spawn). A baseline holds its composition, so its controller
-only notes decisions: it runs the rules controller, which notes them cheaply (the
-what-if replays would not change what it serves). Baselines (a, b) do not depend on the controller,
-so each is kept in ``OUT/cache/<key>.json``, the key a hash of the scenario's
-parameters, the run's label and ``BASELINE_VERSION`` (bump it when the simulator
-or the fixed pool's scheduler changes; ``PEER_VERSION`` when a peer router does;
+``fixed`` at each start), (b) ``vertumnus`` from each of the scenario's three starts
+and (c) each peer router at the fixed pool's ``PEER_COMPOSITIONS`` best compositions:
+15 runs on 40 GPUs. Runs go to ``--jobs`` processes (spawn). A baseline (a, c) holds
+its composition, so its controller only notes decisions: it runs the rules
+controller, which notes them cheaply (the what-if replays would not change what it
+serves). Baselines do not depend on the controller, so each is kept in
+``OUT/cache/<key>.json``, the key a hash of the scenario's parameters, the run's
+label and ``BASELINE_VERSION`` (bump it when the simulator or the fixed pool's
+scheduler changes; ``PEER_VERSION`` when a peer router does;
 the pilots that set each scenario's rates are kept under ``PILOT_VERSION``, so
 that a bump reruns the same workloads); the ``vertumnus`` runs are run every time. ``--only
 vertumnus`` runs nothing else: a scenario whose baselines are not all cached is
@@ -147,9 +148,7 @@ def configured(
     laid over it) and the scenario's requests."""
     tables: dict[str, Any] = {"pool": {"composition": composition}, "sim": {"seed": scenario.seed}}
     if not PRESETS[preset]["adaptive"]:
-        # A pool that holds its composition only notes its controller's decisions;
-        # the rules note them at a fraction of the what-if replays' cost, and the run
-        # is the same (tests/sim/test_robustness_tool.py): baselines 1.5-2x faster.
+        # (only noted: the same run, 1.5-2x faster; tests/sim/test_robustness_tool.py)
         tables["controller"] = {"mode": "rules"}
     for table, values in (overrides or {}).items():
         tables[table] = {**tables.get(table, {}), **values}

@@ -128,6 +128,7 @@ class _Peer(_Baseline):
         return self._active.get(worker_id, 0)
 
     def _blocks_of(self, request: PlacementRequest) -> int:
+        """The request's prompt in whole blocks (the last one partial)."""
         return -(-request.input_tokens // self.block_tokens())
 
     def _reserve(
@@ -202,7 +203,7 @@ class DynamoKVScheduler(_Peer):
         now: float,
     ) -> LatticeWorker:
         b = self.block_tokens()
-        blocks = -(-request.input_tokens // b)
+        blocks = self._blocks_of(request)
 
         def cost(w: LatticeWorker) -> float:
             overlap = reuse.get(w.worker_id, 0) // b
@@ -232,8 +233,7 @@ class LLMDScheduler(_Peer):
         reuse: Mapping[int, int],
         now: float,
     ) -> LatticeWorker:
-        b = self.block_tokens()
-        blocks = max(1, -(-request.input_tokens // b))
+        blocks = max(1, self._blocks_of(request))
         waiting = {w.worker_id: self.waiting(w.worker_id) for w in candidates}
         high, low = max(waiting.values()), min(waiting.values())
 
