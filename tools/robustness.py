@@ -62,9 +62,9 @@ from vertumnus.sim.simulator import Simulation
 from vertumnus.sim.workload import SimRequest
 from vertumnus.stats import percentile
 
-BASELINE_VERSION = "3"  # 3: the scheduler counts coming prefixes
+BASELINE_VERSION = "4"  # 4: the cost rule's backlog term (3: coming prefixes)
 PEER_VERSION = "2"
-PILOT_VERSION = "2"
+PILOT_VERSION = "3"  # 3: saturation under the backlog term
 PEERS = ("sglang-cache-aware", "dynamo-kv", "llm-d")
 # Each peer runs at the compositions best for the fixed pool (a full sweep of every
 # peer at every composition would triple the suite's cost; their routing changes

@@ -24,6 +24,7 @@ path = "tiny-cpu"
 [scheduler]
 policy = "cache-first"
 beta = 1.5
+backlog_weight = 0.5
 coming_reuse = false
 [controller]
 enabled = true
@@ -60,7 +61,7 @@ def test_one_file_gives_both_commands_the_same_pool_and_policy(tmp_path: Path) -
     assert served.profile == simulated.profile_path == "tiny-cpu"
     policy = served.policy
     assert (policy.router, policy.adaptive, policy.replication) == ("cache-first", True, True)
-    assert policy.coming_reuse is False
+    assert policy.coming_reuse is False and policy.weights.backlog_weight == 0.5
     assert (policy.weights.beta, policy.controller.window_s, policy.scan_interval_s) == (
         1.5,
         7.5,
@@ -110,6 +111,7 @@ def test_the_embedded_defaults_of_each_command(tmp_path: Path) -> None:
     assert simulated.composition == {4: 4, 8: 3} and simulated.spec.block_tokens == 512
     assert simulated.spec.blocks_per_rank == 293 and simulated.policy.name == "vertumnus"
     assert simulated.policy.coming_reuse is True
+    assert simulated.policy.weights.backlog_weight == 1.0
 
 
 @pytest.mark.parametrize(
@@ -119,6 +121,7 @@ def test_the_embedded_defaults_of_each_command(tmp_path: Path) -> None:
         ("[cache]\nscan_interval_s = 0\n", "turn the scans off with replication = false"),
         ('[controller]\nenabled = "yes"\n', "[controller] enabled must be true or false"),
         ("[scheduler]\ncoming_reuse = 1\n", "[scheduler] coming_reuse must be true or false"),
+        ("[scheduler]\nbacklog_weight = -1\n", "backlog_weight must be >= 0, got -1"),
         ("[pool]\nlayout = [1, 1]\ncomposition = '2CP1'\n", "give layout or composition"),
         (
             "[pool]\ndegrees = [1, 2]\nranks = 4\nlayout = [1, 1]\n",

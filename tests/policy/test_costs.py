@@ -53,4 +53,8 @@ def test_weights_are_validated() -> None:
         CostWeights(beta=0.5)
     with pytest.raises(ValueError, match="lambda"):
         CostWeights(gpu_penalty=-1)
+    with pytest.raises(ValueError, match="backlog_weight must be >= 0"):
+        CostWeights(backlog_weight=-0.5)
+    with pytest.raises(ValueError, match="backlog_weight must be >= 0"):
+        CostWeights(backlog_weight=float("nan"))
     assert CostWeights(beta=2, gpu_penalty=0.5).factor(4, 2) == 2 + 0.5 * (4 / 2 - 1)

@@ -262,7 +262,11 @@ def random_stream(seed: int, count: int) -> list[ArrivalSample]:
 
 @pytest.mark.parametrize(
     "weights",
-    [CostWeights(), CostWeights(beta=1.5), CostWeights(beta=1.0, gpu_penalty=0.5)],
+    [
+        CostWeights(backlog_weight=0.0),
+        CostWeights(beta=1.5, backlog_weight=0.0),
+        CostWeights(beta=1.0, gpu_penalty=0.5, backlog_weight=0.0),
+    ],
     ids=["beta1", "beta1.5", "lambda0.5"],
 )
 @pytest.mark.parametrize("layout", [(1, 1, 2), (2, 2), (1, 1, 1, 1)])
@@ -276,6 +280,25 @@ def test_the_replay_places_like_the_scheduler(
     assert ttfts(samples, replay_pool(layout), model(weights)) == pytest.approx(
         sched_ttfts, abs=1e-9
     )
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 2), (2, 2), (1, 1, 1, 1)])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_in_overload_the_replay_estimates_the_schedulers_backlog_depth(
+    layout: tuple[int, ...], seed: int
+) -> None:
+    # The default weights (backlog_weight 1): the scheduler counts the requests
+    # waiting at each worker, the replay estimates them from each queue's predicted
+    # work over the forecast's mean E. One degree: E weighs the same everywhere, so
+    # the choices are the scheduler's exactly. Mixed degrees: the mean TTFT within
+    # 3 % (measured: within 0.6 % on these streams).
+    samples = random_stream(seed, 60)
+    _, sched_ttfts = through_scheduler(layout, samples, CostWeights())
+    replayed = ttfts(samples, replay_pool(layout), model())
+    if len(set(layout)) == 1:
+        assert replayed == pytest.approx(sched_ttfts, abs=1e-9)
+    else:
+        assert sum(replayed) == pytest.approx(sum(sched_ttfts), rel=0.03)
 
 
 def test_the_replay_prices_degrees_as_the_scheduler_without_the_smallest_degree() -> None:
@@ -304,6 +327,24 @@ def test_a_holder_that_is_busy_wins_when_cheaper() -> None:
     # A holder that is not in the pool holds nothing.
     gone = [req(1, 0.0, 1024, holders=((7, 768),))]
     assert ttfts(gone, workers((1, 0.0), (1, 0.5))) == [1.0]
+
+
+@pytest.mark.parametrize("backlog_weight", [0.0, 1.0])
+def test_in_overload_the_replay_weighs_a_hit_as_the_scheduler_does(
+    backlog_weight: float,
+) -> None:
+    # As the scheduler's test: fillers of 1024 tokens (E = 1) queue worker 0 until 4
+    # and worker 1 until 3; a 640-token request reuses 512 at worker 0 (E = 0.125;
+    # 0.625 at worker 1). The forecast's mean E at its best reuse is
+    # (7 + 0.125) / 8 = 0.89: worker 0's queue counts 4 requests, worker 1's 3. The
+    # depth is 3, so E weighs 1 + (3 - 1) = 3: 4 + 3 * 0.125 = 4.375 < 3 + 3 * 0.625
+    # = 4.875 at the holder; without the term 4.125 > 3.625.
+    samples = [req(r, 0.0, 1024) for r in range(1, 8)]
+    samples.append(req(9, 0.0, 640, holders=((0, 512),)))
+    replay = model(CostWeights(backlog_weight=backlog_weight), degrees=(1,))
+    got = ttfts(samples, workers((1, 0.0), (1, 0.0)), replay)
+    assert got[-1] == (4.125 if backlog_weight else 3.625)
+    assert got[:-1] == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0]
 
 
 def test_a_remapped_holder_goes_to_the_target_its_key_picks() -> None:

@@ -92,6 +92,56 @@ def test_cache_first_until_the_queue_costs_more_than_the_hit() -> None:
     sched.check(now=1.0)
 
 
+@pytest.mark.parametrize("backlog_weight", [0.0, 1.0])
+def test_in_overload_a_hit_is_worth_the_work_it_saves_everyone_behind(
+    backlog_weight: float,
+) -> None:
+    # Two degree-1 workers; fillers of 1000 tokens (E = 1.01) queue 4 at worker 0
+    # and 3 at worker 1 (ties go to the lower id). Worker 0 holds 512 of a 640-token
+    # request's tokens: E = 0.01 + 0.128 = 0.138 there, 0.65 at worker 1.
+    lattice = Lattice(LatticeConfig(2, (1,)), [1, 1])
+    cache = cache_manager_for(lattice, COEFFS, B)
+    weights = CostWeights(backlog_weight=backlog_weight)
+    sched = Scheduler(lattice, COEFFS, SchedulerConfig(weights), cache)
+    prefix = tuple(range(101, 133))
+    cache.apply_report(CacheReport(0, inserted=prefix))
+    fillers = [sched.place(req(r, 1000), 0.0) for r in range(1, 8)]
+    assert [p.worker_id for p in fillers if p is not None] == [0, 1, 0, 1, 0, 1, 0]
+    placed = sched.place(req(9, 640, prefix), 0.0)
+    assert placed is not None
+    if backlog_weight == 0:
+        # The plain rule: 4.04 + 0.138 = 4.178 at the holder > 3.03 + 0.65 = 3.68.
+        assert (placed.worker_id, placed.reused_tokens) == (1, 0)
+        assert placed.cost == pytest.approx(3.68)
+    else:
+        # Every queue holds at least 3 waiting requests, so about 2 will queue
+        # behind this one wherever it goes: E weighs 1 + 1 * 2 = 3, and the 0.512 s
+        # the hit saves is worth it: 4.04 + 3 * 0.138 = 4.454 < 3.03 + 3 * 0.65 = 4.98.
+        assert (placed.worker_id, placed.reused_tokens) == (0, 512)
+        assert placed.cost == pytest.approx(4.454)
+    sched.check(0.0)
+
+
+def test_the_backlog_term_sleeps_while_a_worker_has_at_most_one_waiting() -> None:
+    # Both workers run a request; worker 0 queues 2 more, worker 1 one: the fewest
+    # waiting is 1, so even a weight of 5 leaves the plain rule (3.03 + 0.138 at the
+    # holder > 2.02 + 0.65 at worker 1; weighing E by 6 would turn it).
+    lattice = Lattice(LatticeConfig(2, (1,)), [1, 1])
+    cache = cache_manager_for(lattice, COEFFS, B)
+    sched = Scheduler(lattice, COEFFS, SchedulerConfig(CostWeights(backlog_weight=5.0)), cache)
+    prefix = tuple(range(101, 133))
+    cache.apply_report(CacheReport(0, inserted=prefix))
+    for rid, worker_id in ((1, 0), (2, 1), (3, 0), (4, 1), (5, 0)):
+        placed = sched.place(req(rid, 1000), 0.0)
+        assert placed is not None and placed.worker_id == worker_id
+        if sched.running(worker_id) is None:
+            sched.start(rid, 0.0)
+    assert [len(sched.queued(w)) for w in (0, 1)] == [2, 1]
+    placed = sched.place(req(9, 640, prefix), 0.0)
+    assert placed is not None and (placed.worker_id, placed.reused_tokens) == (1, 0)
+    assert placed.cost == pytest.approx(2.67)
+
+
 def test_requests_too_long_for_a_worker_are_not_offered_to_it() -> None:
     sched, _ = make(SchedulerConfig(max_tokens_per_rank=60))
     placed = sched.place(req(1, tokens=100), now=0.0)  # 100 tokens need 2 ranks of 60

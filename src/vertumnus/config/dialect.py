@@ -9,7 +9,7 @@ The tables both commands read, with the same keys::
     [scheduler]   policy = "vertumnus"    the router: the cost rule, or round-robin,
                                           least-load, cache-first, length-threshold,
                                           sglang-cache-aware, dynamo-kv, llm-d
-                  beta, gpu_penalty, max_tokens_per_rank, coming_reuse
+                  beta, gpu_penalty, backlog_weight, max_tokens_per_rank, coming_reuse
     [controller]  enabled = true          adaptive; false: a fixed composition (the
                                           decisions are only noted)
                   mode = "whatif"         or "rules" (the paper's thresholds)

@@ -5,6 +5,7 @@ DESIGN.md §5, for request i on worker w of degree C_w with reusable prefix P_iw
     E_iw       = E_{C_w}(L_i - P_iw, P_iw)
     cost(i, w) = q_w + beta * E_iw + lambda * (C_w / C_min - 1) * E_iw
 
+plus, in overload, kappa * (n_min - 1) * E_iw (``scheduler``: the backlog term).
 ``PreferDegree(i)`` is the degree minimising the same cost without the load term
 ``q_w``, with the request's globally matched prefix P*_i as if it were reusable at
 every degree. The cache manager charges ``missed`` to that degree.
@@ -30,16 +31,21 @@ from vertumnus.perfmodel import DegreeCoeffs
 @dataclass(frozen=True)
 class CostWeights:
     """``beta`` >= 1 weighs a request's own execution time against the queue it joins;
-    ``gpu_penalty`` (lambda) >= 0 charges the extra devices of a larger degree."""
+    ``gpu_penalty`` (lambda) >= 0 charges the extra devices of a larger degree;
+    ``backlog_weight`` (kappa) >= 0 weighs it, in overload, by the requests that
+    will wait behind it (the scheduler's n_min - 1; 0: the plain rule)."""
 
     beta: float = 1.0
     gpu_penalty: float = 0.0
+    backlog_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.beta >= 1.0:
             raise ValueError(f"beta must be >= 1, got {self.beta}")
         if not self.gpu_penalty >= 0.0:
             raise ValueError(f"gpu_penalty (lambda) must be >= 0, got {self.gpu_penalty}")
+        if not self.backlog_weight >= 0.0:
+            raise ValueError(f"backlog_weight must be >= 0, got {self.backlog_weight}")
 
     def factor(self, cp_degree: int, min_degree: int) -> float:
         """beta + lambda * (C / C_min - 1): the multiplier of E_iw in the cost."""

@@ -10,14 +10,18 @@ the scheduler would send it:
 with P_iw the prefix reusable at w (the request's recorded holders, carried over to
 the workers a reshape makes of them), s_C the calibration (measured over predicted
 service time; the scheduler itself sees predicted work, hence q_w / s_C) and beta_C
-the cost weights. Ties go to the lower q, then degree, then worker, as in the
+the cost weights, plus the backlog term's kappa * (n_min - 1), n_min estimated as the
+shortest queue's predicted work over the forecast's mean E at its best reuse (the
+scheduler counts its waiting requests; exact on one degree, within a few per cent
+on mixed ones). Ties go to the lower q, then degree, then worker, as in the
 scheduler. The worker then runs it for s_C * E + ``overhead_s`` (the serving path's
 own time); its TTFT is the wait plus that.
 
 Workers that hold nothing a request can reuse differ only in when they free, so
 per degree the best of them is the one that frees first: one heap per degree (stale
 entries skipped), plus the request's few holders checked one by one. The replay is
-therefore exact for the cost rule and costs O(degrees + holders) per request.
+therefore exact for the cost rule out of overload and costs O(degrees + holders)
+per request.
 
 ``dilation`` m > 1 replays a random 1/m of the requests with every duration times
 m: the same queueing process on a slower clock (rates and service times keep their
@@ -90,6 +94,9 @@ class PreparedForecast:
     holders: tuple[tuple[tuple[int, tuple[float, ...]], ...], ...]
     dilation: float
     span_s: float
+    # per degree index: the mean predicted E of a request at its best reuse (the
+    # cost rule's backlog depth is a queue's work in these units)
+    mean_e: tuple[float, ...] = ()
 
 
 class ReplayModel:
@@ -156,6 +163,7 @@ class ReplayModel:
             tuple(holders),
             dilation,
             span,
+            _mean_best_e(len(self.degrees), e_pred, holders),
         )
 
     def times(self, sample: ArrivalSample, warm: bool = False) -> Times:
@@ -228,6 +236,19 @@ class ReplayModel:
         pending = sorted((at * m, w, made) for at, w, made in retire if w in free)
         # The scheduler sees predicted work: q in its units is q / (mean scale).
         inv_scale = [len(self.scale[c]) / sum(self.scale[c]) for c in degrees]
+        # In overload the scheduler weighs E by beta + backlog_weight * (depth - 1),
+        # depth the fewest requests waiting at any worker: here a worker's queue
+        # over the forecast's mean E at its degree (``depth_unit``: that ratio's
+        # factor per degree; empty: no backlog term).
+        backlog_weight = self.weights.backlog_weight
+        depth_unit = (
+            [
+                inv_scale[k] / (e * m) if 0 < e < math.inf else 0.0
+                for k, e in enumerate(forecast.mean_e)
+            ]
+            if backlog_weight > 0
+            else []
+        )
         remap = remap or {}
         lost = lost or {}
         restored: set[int] = set()
@@ -275,18 +296,32 @@ class ReplayModel:
                         raise ValueError("a replay retired every worker and made none")
                     c_min = degrees[present[0]]
                     factor = [self.weights.factor(c, c_min) for c in degrees]
-                best_cost = best_q = float("inf")
-                best_k = best_w = -1
-                best_e = 0.0
+                tops = []  # each present degree's earliest-free worker (stale dropped)
                 for k in present:
                     h = heaps[k]
                     fa, w = h[0]
                     while fa != free[w]:
                         heappop(h)
                         fa, w = h[0]
+                    tops.append((k, fa, w))
+                weigh = factor
+                if depth_unit:  # the scheduler's backlog depth, in mean requests
+                    depth = math.inf
+                    for k, fa, _ in tops:
+                        if pred[k] < math.inf:
+                            d = (fa - t) * depth_unit[k] if fa > t else 0.0
+                            if d < depth:
+                                depth = d
+                    if 2.0 <= depth < math.inf:
+                        extra = backlog_weight * (int(depth) - 1)
+                        weigh = [f + extra for f in factor]
+                best_cost = best_q = float("inf")
+                best_k = best_w = -1
+                best_e = 0.0
+                for k, fa, w in tops:
                     q = fa - t if fa > t else 0.0
                     e = pred[k] * m
-                    cost = q * inv_scale[k] + factor[k] * e
+                    cost = q * inv_scale[k] + weigh[k] * e
                     if cost < best_cost or (
                         cost == best_cost and (q, k, w) < (best_q, best_k, best_w)
                     ):
@@ -307,7 +342,7 @@ class ReplayModel:
                     k = degree_of[holder]
                     q = held_free - t if held_free > t else 0.0
                     e = h_pred[k] * m
-                    cost = q * inv_scale[k] + factor[k] * e
+                    cost = q * inv_scale[k] + weigh[k] * e
                     if cost < best_cost or (
                         cost == best_cost and (q, k, holder) < (best_q, best_k, best_w)
                     ):
@@ -352,3 +387,25 @@ class ReplayModel:
             tuple(backlogs),
             tuple(s / n / m if n else 0.0 for s, n in zip(batch_sum, batch_n, strict=True)),
         )
+
+
+def _mean_best_e(
+    n_degrees: int,
+    e_pred: Sequence[tuple[float, ...]],
+    holders: Sequence[tuple[tuple[int, tuple[float, ...]], ...]],
+) -> tuple[float, ...]:
+    """Per degree index, the mean over the requests that degree can hold of E at the
+    request's best reuse (its floor or its best holder): the unit in which the
+    replay counts a queue's requests. 0.0 where no request fits."""
+    sums = [0.0] * n_degrees
+    counts = [0] * n_degrees
+    for pred, held in zip(e_pred, holders, strict=True):
+        for k in range(n_degrees):
+            e = pred[k]
+            for _, h_pred in held:
+                if h_pred[k] < e:
+                    e = h_pred[k]
+            if e < math.inf:
+                sums[k] += e
+                counts[k] += 1
+    return tuple(s / n if n else 0.0 for s, n in zip(sums, counts, strict=True))

@@ -6,12 +6,22 @@ the request's prefix reusable at w (whole blocks: the confirmed replicas the
 prefix-cache manager knows, or longer where it is coming, below) and
 E_iw = E_{C_w}(L_i - P_iw, P_iw):
 
-    cost(i, w) = q_w + beta * E_iw + lambda * (C_w / C_min - 1) * E_iw
+    cost(i, w) = q_w + (beta + lambda * (C_w / C_min - 1) + kappa * (n_min - 1)+) * E_iw
 
 q_w is the worker's outstanding predicted work at ``now``: its queue plus what is
 left of the prefill it runs. The minimum wins; ties go to the lower q_w, then the
 lower degree, then the lower worker id. E_iw is reserved on w at once, so the next
 arrival sees it, and released when the prefill completes or is cancelled.
+
+The backlog term (``CostWeights.backlog_weight``, kappa): n_min is the fewest
+requests waiting (placed, not started) at any candidate. While some worker has at
+most one request waiting, the term is 0 and the rule balances queues. In overload
+every worker has a queue, so no placement leaves a worker idle, and each second of
+E_iw also delays the requests that will queue behind it (about n_min - 1 of them:
+the shortest queue's, less the one next in line): the work a placement saves (a
+hit, a faster degree) is worth that many times more than the wait it costs the
+request itself. Without it, near saturation the load term scatters prefixes and
+the pool loses throughput to recomputation (DESIGN.md §5's known weakness).
 
 Pulls (``pull_cost`` set: the cache manager pulls, ``cache_pull``): w may also reuse
 the request's whole MatchedPath P*, copied from a holder while w works off its
@@ -245,6 +255,12 @@ class Scheduler:
         min_degree = min(w.cp_degree for w in candidates)
         weights = self.config.weights
         factor = {c: weights.factor(c, min_degree) for c in self.curves}
+        if weights.backlog_weight > 0:  # overload: E_iw delays the n_min - 1 behind
+            queues = self._queue
+            n_min = min(len(queues.get(w.worker_id, ())) for w in candidates)
+            if n_min > 1:
+                extra = weights.backlog_weight * (n_min - 1)
+                factor = {c: f + extra for c, f in factor.items()}
         times: dict[tuple[int, int], float] = {}
         queued, running = self._queued_s, self._running
         best_key: tuple[float, float, int, int] | None = None
