@@ -7,13 +7,15 @@ profile, and a prefix trie of about ``--nodes`` blocks built from cache reports
 (shared 32-block prefixes under 96-block conversations, each held by one to three
 workers), after the statistics of ``--warm-requests`` untimed placements. Every
 worker has a few requests queued, conversations of the same trie, whose blocks are
-coming there (``SchedulerConfig.coming_reuse``). Each timed ``Scheduler.place``
+coming there (``SchedulerConfig.coming_reuse``); the fewest waiting at a worker is
+printed (at most 1: the backlog term, ``CostWeights.backlog_weight``, sleeps, its
+scan stopping at the first such worker). Each timed ``Scheduler.place``
 walks the trie for a 128-block request (``lookup``: P_iw of every worker), prices
 all 64 candidates, reserves E_iw and runs the cache manager's per-request update
 (Algorithm 1). The request is then cancelled, so the load stays the same. Printed:
 the median and p99, with the ratio to the 100 us target, the same placement with
-coming prefixes not counted, and without a cache manager (costs and reservation
-only), for reference.
+coming prefixes not counted, without the backlog term, and without a cache
+manager (costs and reservation only), for reference.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import trie_workload
 from vertumnus.perfmodel import Profile
 from vertumnus.policy.cache_manager import PrefixCacheManager
+from vertumnus.policy.costs import CostWeights
 from vertumnus.policy.lattice import Lattice, LatticeConfig
 from vertumnus.policy.scheduler import PlacementRequest, Scheduler, SchedulerConfig
 
@@ -35,7 +38,7 @@ BLOCK_TOKENS = 512
 
 
 def setup(
-    nodes: int, seed: int, with_cache: bool, coming: bool = True
+    nodes: int, seed: int, with_cache: bool, coming: bool = True, backlog_weight: float = 1.0
 ) -> tuple[Scheduler, list[list[int]]]:
     rng = random.Random(seed)
     profile = Profile.load(PROFILE)
@@ -48,7 +51,8 @@ def setup(
     chains = trie_workload.conversations(nodes, rng)
     if cache is not None:
         trie_workload.populate(cache, chains, range(64), rng)
-    sched = Scheduler(lattice, coeffs, SchedulerConfig(coming_reuse=coming), cache)
+    weights = CostWeights(backlog_weight=backlog_weight)
+    sched = Scheduler(lattice, coeffs, SchedulerConfig(weights, coming_reuse=coming), cache)
     tokens = (trie_workload.SHARED_BLOCKS + trie_workload.OWN_BLOCKS) * BLOCK_TOKENS + 1
     for rid in range(-1, -200, -1):  # a few requests queued everywhere
         chain = tuple(rng.choice(chains)) if rng.random() < 0.5 else ()
@@ -98,6 +102,8 @@ def main() -> None:
     args = parser.parse_args()
     full, conversations = setup(args.nodes, args.seed, with_cache=True)
     held, _ = setup(args.nodes, args.seed, with_cache=True, coming=False)
+    flat, _ = setup(args.nodes, args.seed, with_cache=True, backlog_weight=0.0)
+    waiting = min(len(full.queued(w)) for w in full.lattice.workers)
     bare, _ = setup(args.nodes, args.seed, with_cache=False)
     n_nodes = len(full.cache.trie.nodes) if full.cache is not None else 0
     # Untimed first: the statistics of recent requests exist, as in steady state.
@@ -105,6 +111,8 @@ def main() -> None:
     with_trie, updates = measure(full, conversations, args.requests, args.seed + 1)
     measure(held, conversations, args.warm_requests, args.seed + 2)
     held_only, _ = measure(held, conversations, args.requests, args.seed + 1)
+    measure(flat, conversations, args.warm_requests, args.seed + 2)
+    no_backlog, _ = measure(flat, conversations, args.requests, args.seed + 1)
     costs_only, _ = measure(bare, conversations, args.requests, args.seed + 1)
     placing = [t - u for t, u in zip(with_trie, updates, strict=True)]
 
@@ -126,6 +134,11 @@ def main() -> None:
         f"place() counting only held prefixes (coming_reuse off): median "
         f"{statistics.median(held_only):.1f} us, p99 {p99(held_only):.1f} us -> coming "
         f"prefixes cost {med / statistics.median(held_only):.2f}x"
+    )
+    print(
+        f"place() without the backlog term (backlog_weight 0; the fewest waiting at a "
+        f"worker: {waiting}): median {statistics.median(no_backlog):.1f} us, p99 "
+        f"{p99(no_backlog):.1f} us -> the term costs {med / statistics.median(no_backlog):.2f}x"
     )
     print(
         f"place() without a cache manager (costs + reservation): median "

@@ -49,6 +49,7 @@ Pure Python, clock-free: ``now`` is an argument. Not owned here: the composition
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -256,8 +257,13 @@ class Scheduler:
         weights = self.config.weights
         factor = {c: weights.factor(c, min_degree) for c in self.curves}
         if weights.backlog_weight > 0:  # overload: E_iw delays the n_min - 1 behind
-            queues = self._queue
-            n_min = min(len(queues.get(w.worker_id, ())) for w in candidates)
+            queues, n_min = self._queue, math.inf
+            for w in candidates:  # (stops at the first worker with at most one)
+                waiting = len(queues.get(w.worker_id, ()))
+                if waiting < n_min:
+                    n_min = waiting
+                    if waiting <= 1:
+                        break
             if n_min > 1:
                 extra = weights.backlog_weight * (n_min - 1)
                 factor = {c: f + extra for c, f in factor.items()}
