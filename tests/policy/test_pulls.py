@@ -75,6 +75,33 @@ def test_a_pull_brings_the_prefix_and_the_request_waits_for_it() -> None:
     assert pulls["waste_fraction"] == 0.0
 
 
+def test_a_pulled_prefix_is_pinned_before_the_next_copy_allocates() -> None:
+    """The copy queued behind a pull starts when the pull ends; where the destination
+    is full it evicts least recently used leaves, and the pulled prefix (just
+    committed, unpinned) would be the first to go before the request waiting for it
+    starts. The pin comes first."""
+    policy = make_policy(adaptive=False)
+    hot_prefix_elsewhere(policy)
+    (pull,) = policy.arrive(request(3, 300), 1.1).copies
+    assert pull.plan.kind == "pull" and pull.plan.dest_worker == 1
+    last = pull.plan.block_id
+    shorter = request(3, 300).block_ids[5]
+    # A copy to the same destination waits for the pull's lanes.
+    assert not policy.queue_copy(policy.cache.plan_copy(shorter, 0, 1), 1.1).copies
+    seen: list[bool] = []
+    begin = policy.ledger.begin_copy
+
+    def begin_copy(plan: CopyPlan) -> object:
+        seen.append(policy.indexes[1].can_reclaim(last))
+        return begin(plan)
+
+    policy.ledger.begin_copy = begin_copy  # type: ignore[method-assign]
+    policy.copy_done(pull, True, 1.2)
+    assert seen == [False]  # pinned for request 3 when the next copy began
+    started = policy.start(1, 1.2)
+    assert started is not None and started.cached_tokens == 12 * BLOCK_SIZE
+
+
 def test_a_pull_reads_from_the_holder_whose_devices_are_free() -> None:
     pool = PoolSpec(LatticeConfig(4, (1, 2)), (1, 1, 1, 1), BLOCK_SIZE, 256)
     policy = PoolPolicy.build(make_profile(COEFFS, KAPPA_S), pool, PolicyConfig(adaptive=False))

@@ -113,7 +113,10 @@ def serve_config(
     profile.save(path)
     return ServeConfig(
         pool=PoolConfig(degrees=(1, 2), layout=(2, 2)),
-        engine=EngineConfig(block_size=BLOCK, kv_blocks_per_rank=256),
+        # Room for every conversation's chain and its replicas: with 256 blocks a
+        # replica is evicted before the quiet spell would reclaim it, and reclamation
+        # ran only where placement had scattered a conversation over two workers.
+        engine=EngineConfig(block_size=BLOCK, kv_blocks_per_rank=1024),
         profile=str(path),
         policy=PolicyConfig(
             controller=controller,

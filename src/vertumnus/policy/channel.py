@@ -148,9 +148,12 @@ class Channel:
             self.switching = None
             self._changed()
 
-    def copy_done(self, job: CopyJob, ok: bool, dest_known: bool, now: float) -> Actions:
+    def copy_done(
+        self, job: CopyJob, ok: bool, dest_known: bool, now: float, pump: bool = True
+    ) -> Actions:
         """The copy's bytes are in place (``ok``: its blocks become visible) or the
-        move failed (nothing does); its devices pass on."""
+        move failed (nothing does); its devices pass on (``pump``: at once; else the
+        caller pumps, once it has pinned what the copy brought)."""
         run = self.running.pop(job.plan.plan_id, None)
         assert run is not None and run.job is job, "not a copy under way"
         self._busy -= run.lanes
@@ -162,7 +165,8 @@ class Channel:
             installed = self.ledger.commit_copy(job)
         else:
             self.ledger.abort_copy(job)
-        return _ended(Actions(), job.plan, installed).add(self.pump(now))
+        actions = _ended(Actions(), job.plan, installed)
+        return actions.add(self.pump(now)) if pump else actions
 
     def _changed(self) -> None:
         self._dirty = True

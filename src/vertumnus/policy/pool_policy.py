@@ -399,10 +399,13 @@ class PoolPolicy:
         return self.channel.pump(now)
 
     def copy_done(self, job: CopyJob, ok: bool, now: float) -> Actions:
-        """The copy's bytes are in place (``ok``) or the move failed."""
-        actions = self.channel.copy_done(job, ok, job.plan.dest_worker in self.indexes, now)
+        """The copy's bytes are in place (``ok``) or the move failed. A pull's blocks
+        are pinned for the requests waiting on them before the next copy starts: its
+        allocation would otherwise evict them first where the rest is pinned."""
+        dest_known = job.plan.dest_worker in self.indexes
+        actions = self.channel.copy_done(job, ok, dest_known, now, pump=False)
         self.pulls.ended(job.plan, self.admission.requests)
-        return actions
+        return actions.add(self.channel.pump(now))
 
     def expire(self, now: float) -> int:
         """Give back the reserved slots whose time is up; returns how many."""
