@@ -14,7 +14,7 @@ controller, which notes them cheaply (the what-if replays would not change what 
 serves). Baselines do not depend on the controller, so each is kept in
 ``OUT/cache/<key>.json``, the key a hash of the scenario's parameters, the run's
 label and ``BASELINE_VERSION`` (bump it when the simulator or the fixed pool's
-scheduler changes; ``PEER_VERSION`` when a peer router does;
+scheduler changes; ``PEER_VERSION`` when a peer router does: a peer's key holds both;
 the pilots that set each scenario's rates are kept under ``PILOT_VERSION``, so
 that a bump reruns the same workloads); the ``vertumnus`` runs are run every time. ``--only
 vertumnus`` runs nothing else: a scenario whose baselines are not all cached is
@@ -62,9 +62,9 @@ from vertumnus.sim.simulator import Simulation
 from vertumnus.sim.workload import SimRequest
 from vertumnus.stats import percentile
 
-BASELINE_VERSION = "4"  # 4: the cost rule's backlog term (3: coming prefixes)
+BASELINE_VERSION = "5"  # 5: pulled blocks pinned before the next copy (4: the backlog term)
 PEER_VERSION = "2"
-PILOT_VERSION = "3"  # 3: saturation under the backlog term
+PILOT_VERSION = "4"  # 4: pulled blocks pinned (3: saturation under the backlog term)
 PEERS = ("sglang-cache-aware", "dynamo-kv", "llm-d")
 # Each peer runs at the compositions best for the fixed pool (a full sweep of every
 # peer at every composition would triple the suite's cost; their routing changes
@@ -124,7 +124,9 @@ def peer_labels(entry: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 
 def cache_key(scenario: Scenario, label: str) -> dict[str, Any]:
-    version = PEER_VERSION if label.partition("@")[0] in PEERS else BASELINE_VERSION
+    # (a peer runs on the simulator and the shared stack too: both versions)
+    peer = label.partition("@")[0] in PEERS
+    version = f"{BASELINE_VERSION}.{PEER_VERSION}" if peer else BASELINE_VERSION
     return {"version": version, "scenario": scenario.describe(), "label": label}
 
 
