@@ -148,12 +148,10 @@ class Channel:
             self.switching = None
             self._changed()
 
-    def copy_done(
-        self, job: CopyJob, ok: bool, dest_known: bool, now: float, pump: bool = True
-    ) -> Actions:
+    def copy_done(self, job: CopyJob, ok: bool, dest_known: bool, now: float) -> Actions:
         """The copy's bytes are in place (``ok``: its blocks become visible) or the
-        move failed (nothing does); its devices pass on (``pump``: at once; else the
-        caller pumps, once it has pinned what the copy brought)."""
+        move failed (nothing does); its devices are free for the next ``pump``, which
+        the caller runs once it has pinned what the copy brought."""
         run = self.running.pop(job.plan.plan_id, None)
         assert run is not None and run.job is job, "not a copy under way"
         self._busy -= run.lanes
@@ -165,8 +163,7 @@ class Channel:
             installed = self.ledger.commit_copy(job)
         else:
             self.ledger.abort_copy(job)
-        actions = _ended(Actions(), job.plan, installed)
-        return actions.add(self.pump(now)) if pump else actions
+        return _ended(Actions(), job.plan, installed)
 
     def _changed(self) -> None:
         self._dirty = True

@@ -402,8 +402,7 @@ class PoolPolicy:
         """The copy's bytes are in place (``ok``) or the move failed. A pull's blocks
         are pinned for the requests waiting on them before the next copy starts: its
         allocation would otherwise evict them first where the rest is pinned."""
-        dest_known = job.plan.dest_worker in self.indexes
-        actions = self.channel.copy_done(job, ok, dest_known, now, pump=False)
+        actions = self.channel.copy_done(job, ok, job.plan.dest_worker in self.indexes, now)
         self.pulls.ended(job.plan, self.admission.requests)
         return actions.add(self.channel.pump(now))
 
