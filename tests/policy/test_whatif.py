@@ -14,8 +14,10 @@ splitting."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -40,6 +42,7 @@ from vertumnus.policy.whatif_candidates import (
     candidates,
     ladder,
 )
+from vertumnus.policy.whatif_search import evaluate
 
 COEFFS = {1: DegreeCoeffs(d=0.01, c=1e-3), 2: DegreeCoeffs(d=0.03, c=1e-3)}
 CURVES = reuse_curves(COEFFS)
@@ -201,6 +204,35 @@ def test_near_saturation_at_most_saturated_moves_operations_are_priced() -> None
     assert decision.inputs["chosen"] == "4CP1/2CP2"
 
 
+def test_no_merge_is_priced_while_holding_is_saturated() -> None:
+    # 30 a second on four degree-1 workers, every sixth request 1,500 tokens (E_1 =
+    # 1.51 s, E_2 = 0.78 s: two degree-1 workers serve 1.3 of them a second, one
+    # degree-2 worker 1.3), the rest 16 tokens: holding is twice over its capacity.
+    # Replayed with the backlog growing for the whole horizon, merging two workers
+    # looks faster (the long requests on the degree-2 worker, out of the short
+    # ones' queues: the merge urgent at once, as the controller did before), yet
+    # the merged pool serves fewer tokens a second and drains last once the load
+    # eases. Saturated, no merge is priced: it holds.
+    policy = make_policy(layout=(1, 1, 1, 1))
+    driver = Driver(policy)
+    for k in range(30):
+        driver.arrive(1500 if k % 6 == 0 else 16, k / 30)
+    driver.until(1.0)
+    prepared = policy.prepare_window(1.0)
+    evaluation = prepared.evaluate()
+    plan = prepared.plan  # type: ignore[attr-defined]
+    assert evaluation.busy_fraction > 2.0 >= plan.overload_utilisation
+    merge = next(k for k, c in enumerate(plan.candidates) if c.kind == "merge")
+    assert plan.candidates[merge].name == "2CP1/1CP2"
+    assert evaluation.steady[merge] is None and evaluation.scores[merge] is None
+    # (what the replay says of it, saturation not counted: the merge would win)
+    unguarded = evaluate(replace(plan, overload_utilisation=math.inf))
+    assert unguarded.scores[merge] < 0.8 * unguarded.hold_scores[merge]
+    decision = policy.finish_window(prepared, evaluation, 1.0).decision
+    assert decision.rule == "hold" and decision.ops == ()
+    assert [c["move"] for c in decision.inputs["candidates"]] == ["hold"]
+
+
 def test_a_significant_gain_where_the_load_did_not_move_acts_on_its_second_decision() -> None:
     # z_urgent out of reach: the overload's split is not taken at once; it is the
     # best, significant (z >= z_confirm), two decisions in a row.
@@ -242,6 +274,29 @@ def test_a_large_gain_without_overload_is_confirmed() -> None:
     assert first["urgent"] is False and first["band"] == "light"
 
 
+def homed(
+    start: dict[int, int] | None, layout: tuple[int, ...], **controller: Any
+) -> tuple[PoolPolicy, Driver]:
+    """A policy and its driver; ``start``: the composition the pool is made to look
+    as if it had started in (None: ``layout``)."""
+    policy = make_policy(layout=layout, **controller)
+    if start is not None:
+        assert isinstance(policy.controller, WhatIfController)
+        policy.controller.start = start
+    return policy, Driver(policy)
+
+
+def mix_changes(check: bool, start: dict[int, int] | None = None) -> PoolPolicy:
+    """Two degree-2 workers: 20 s of 100-token requests, 20 a second, then 2 s of
+    16-token ones (``start``: as in ``homed``)."""
+    policy, driver = homed(start, (2, 2), steady_check=check, steady_horizon_s=300.0)
+    for k in range(22):
+        for j in range(20):
+            driver.arrive(100 if k < 20 else 16, k + j / 20)
+        driver.decide(k + 1.0)
+    return policy
+
+
 def test_a_gain_the_longer_sample_of_the_load_does_not_show_is_refused() -> None:
     # 20 s of 100-token requests, 20 a second (degree 2 the faster: E_1 = 110 ms,
     # E_2 = 80 ms; on 2CP2 none waits, on 2CP1/1CP2 every other one goes to a degree-1
@@ -249,16 +304,7 @@ def test_a_gain_the_longer_sample_of_the_load_does_not_show_is_refused() -> None
     # last second alone says split (30 %); every arrival since the last rate change,
     # at today's rate, says hold: the split is refused. Without the check it splits
     # on its second decision.
-    def run(check: bool) -> PoolPolicy:
-        policy = make_policy(steady_check=check, steady_horizon_s=300.0)
-        driver = Driver(policy)
-        for k in range(22):
-            for j in range(20):
-                driver.arrive(100 if k < 20 else 16, k + j / 20)
-            driver.decide(k + 1.0)
-        return policy
-
-    checked, unchecked = run(True), run(False)
+    checked, unchecked = mix_changes(True), mix_changes(False)
     assert [d.rule for d in unchecked.controller.history[-2:]] == [
         "hold:confirming", "split:whatif",
     ]  # fmt: skip
@@ -270,6 +316,24 @@ def test_a_gain_the_longer_sample_of_the_load_does_not_show_is_refused() -> None
     assert refused["gain"] == 0.0 and first["steady_long_s"] is None
     mine, held = refused["steady_long_s"]
     assert mine > 1.15 * held > 0  # 400 requests of 100 tokens, 20 of 16: holding wins
+
+
+def test_a_move_back_to_the_start_is_not_refused_by_the_longer_sample() -> None:
+    # As above, in a pool that started at 2CP1/1CP2 and merged: the split back is
+    # judged against holding that start (report seed 111: a merge at light load was
+    # right, the ramp after it made the start better again, and the longer sample,
+    # most of it from the lighter minutes, kept refusing the split back). It is
+    # taken on its second decision, priced as the refused one.
+    home, away = mix_changes(True, {1: 2, 2: 1}), mix_changes(True)
+    assert [d.rule for d in home.controller.history[-2:]] == ["hold:confirming", "split:whatif"]
+    assert all(not d.ops for d in away.controller.history)
+    taken = home.controller.history[-2].inputs["candidates"][1]
+    refused = away.controller.history[-2].inputs["candidates"][1]
+    assert taken["composition"] == refused["composition"] == "2CP1/1CP2"
+    assert taken["score_s"] == refused["score_s"] and taken["gain"] > 0.2
+    assert taken["steady_long_s"] == refused["steady_long_s"]
+    mine, held = taken["steady_long_s"]
+    assert mine > 1.15 * held  # (what refuses it away from home)
 
 
 def test_the_long_sample_is_every_arrival_since_the_last_rate_change() -> None:
@@ -422,13 +486,9 @@ def test_an_urgent_next_stage_does_not_wait_for_the_audit() -> None:
 
 
 def quiet_four(start: dict[int, int] | None = None, **controller: Any) -> PoolPolicy:
-    """Four degree-1 workers, 22 requests of 100 tokens a second, two decisions;
-    ``start``: the composition the pool is made to look as if it had started in."""
-    policy = make_policy(layout=(1, 1, 1, 1), **controller)
-    if start is not None:
-        assert isinstance(policy.controller, WhatIfController)
-        policy.controller.start = start
-    driver = Driver(policy)
+    """Four degree-1 workers, 22 requests of 100 tokens a second, two decisions
+    (``start``: as in ``homed``)."""
+    policy, driver = homed(start, (1, 1, 1, 1), **controller)
     for k in range(2):
         for j in range(22):
             driver.arrive(100, k + j / 22)

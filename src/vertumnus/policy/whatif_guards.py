@@ -39,15 +39,16 @@ def pessimistic_gains(
         stressed = evaluation.headroom[k] if k < len(evaluation.headroom) else None
         if stressed is not None and stressed[0] > stressed[1]:
             continue  # a merge without the headroom for a burst: refused
+        # (a move back towards the start is judged against holding the start: the
+        # longer sample does not refuse it, nor does a merge's way back, whose
+        # exposure to a rise is holding the start's)
+        home = k < len(plan.homeward) and plan.homeward[k]
         steady = evaluation.steady_long[k] if k < len(evaluation.steady_long) else None
-        if steady is not None and steady[0] >= steady[1]:
+        if steady is not None and steady[0] >= steady[1] and not home:
             continue  # no better on the longer sample of the load: refused
         priced = score * (1.0 + pessimism(cand.kind) * priced_share(plan, evaluation, k))
         gain = (hold - priced) / hold
         risen = evaluation.way_back[k] if k < len(evaluation.way_back) else None
-        # (a merge back towards the start is judged against holding the start, whose
-        # exposure to a rise is the baseline: the way back does not refuse it)
-        home = k < len(plan.homeward) and plan.homeward[k]
         if risen is not None and risen[0] - risen[1] > gain * risen[1] and not home:
             continue  # a rise would cost more than the merge gains: refused
         gains[k] = gain

@@ -42,7 +42,13 @@ holding's; the guards refuse one that does not beat holding there.
 Near saturation (holding's predicted busy fraction at least
 ``overload_utilisation``) a move is staged: only candidates of at most
 ``saturated_moves`` operations are priced, and the next stage is a decision of
-its own, priced from the state the first one left.
+its own, priced from the state the first one left. There no merge is priced:
+one worker of degree 2C serves fewer tokens a second than the two of degree C it
+replaces (context parallelism's efficiency is below one), so a merge lowers the
+throughput the pool lacks. Under a backlog that grows without end in the replay
+its mean TTFT can still look better (the long prompts kept out of the short
+ones' queues), but that is a difference between two overloads within the
+model's error, and once the load eases the merged pool drains last.
 """
 
 from __future__ import annotations
@@ -157,7 +163,8 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
     scores[0] = holds[0] = hold
     n_hold = len(holding.steady_workers)
     busy = steady_hold.busy_s / (n_hold * steady_hold.span_s) if steady_hold.span_s else 0.0
-    most_ops = plan.saturated_moves if busy >= plan.overload_utilisation else None
+    saturated = busy >= plan.overload_utilisation
+    most_ops = plan.saturated_moves if saturated else None
     groups: dict[tuple[str, int], list[int]] = {}
     for k, cand in enumerate(plan.candidates[1:], start=1):
         groups.setdefault((cand.kind, cand.level), []).append(k)
@@ -167,6 +174,8 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
             cand = plan.candidates[k]
             if most_ops is not None and len(cand.ops) > most_ops:
                 break  # staged: the next operations are later decisions
+            if saturated and cand.kind == "merge":
+                break  # no throughput to spare: a merge only lowers it (see above)
             steady = model.run(forecast, cand.steady_workers, cand.remap)
             steadies[k] = steady
             factor = 1 + op_cost * len(cand.ops)
