@@ -65,9 +65,10 @@ class ControllerConfig:
     way_back_rate_max: float = 4.0
     way_back_react_s: float = 20.0
     saturated_moves: int = 2  # operations priced (and taken) at once near saturation
-    # A merge back towards the composition the pool started in is judged against
-    # holding that start (whose exposure to a rise is the baseline): its way back
-    # does not refuse it (the headroom check still does).
+    # A move back towards the composition the pool started in is judged against
+    # holding that start (whose exposure to a rise is the baseline): a merge's
+    # way back does not refuse it (the headroom check still does), nor does the
+    # steady check refuse a split back.
     start_is_home: bool = True
     # A move must also beat holding in the steady state on every arrival since the
     # last rate change (at most steady_horizon_s), replayed at the forecast's rate:

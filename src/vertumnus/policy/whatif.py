@@ -12,10 +12,12 @@ Every ``decision_s`` seconds (10 s by default, apart from the capacity window):
      (``whatif_search``): backlogs, drains, switches, the cache it disturbs, and
      the forecast continued for ``payback_s``, longer while the backlog its
      transition built drains; holding over the same horizon. Near saturation
-     moves are staged (``saturated_moves`` operations at a time). A candidate
+     moves are staged (``saturated_moves`` operations at a time) and no merge is
+     priced (it lowers the throughput the pool lacks). A candidate
      that beats holding is also replayed in its steady state on every arrival
      since the last rate change (at most ``steady_horizon_s``, at the forecast's
-     rate): where it does not beat holding there, it is refused;
+     rate): where it does not beat holding there, it is refused (unless it
+     is a split back towards the start);
   4. act, pessimistically: a candidate's score ``J`` is priced at
      ``J * (1 + pessimism * share)``, the audited error of its kind of move and
      load band (``move_audit``) on the part of ``J`` it is about (a split's

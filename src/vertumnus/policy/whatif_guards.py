@@ -6,10 +6,11 @@ that confirms a move, and the rows a decision reports (DESIGN.md §6c).
 with ``hold_k`` holding's live mean TTFT over candidate k's horizon, ``J_k`` its
 score (``whatif_search``) and ``share_k`` the part of it that the audited error
 prices (``priced_share``: a split's transition, a merge's whole horizon); 0 for a
+merge slower than holding at ``headroom_rate`` times the forecast's rate; for a
 candidate no faster than holding in the steady state on the longer sample of the
-load, for a merge slower than holding at ``headroom_rate`` times the forecast's
-rate, and for one that a rise would cost more than it gains (its way back:
-``risen - held > gain_k * held``), unless it takes the pool back towards its start.
+load, unless it is a split back towards the start; and for a merge that a rise
+would cost more than it gains (its way back: ``risen - held > gain_k * held``),
+unless it takes the pool back towards its start.
 The streak is the run of consecutive decisions whose best is the same kind of
 move (direction and level); it confirms a move at two decisions whose gain clears
 the margin at a significance of at least ``z_confirm`` each, or at
@@ -39,12 +40,14 @@ def pessimistic_gains(
         stressed = evaluation.headroom[k] if k < len(evaluation.headroom) else None
         if stressed is not None and stressed[0] > stressed[1]:
             continue  # a merge without the headroom for a burst: refused
-        # (a move back towards the start is judged against holding the start: the
-        # longer sample does not refuse it, nor does a merge's way back, whose
-        # exposure to a rise is holding the start's)
+        # (a move back towards the start is judged against holding the start: a
+        # merge's way back does not refuse it, its exposure to a rise being holding
+        # the start's; nor does the longer sample refuse a split back, which
+        # restores throughput the operator provisioned, while a merge back, which
+        # lowers it, must show its gain there too)
         home = k < len(plan.homeward) and plan.homeward[k]
         steady = evaluation.steady_long[k] if k < len(evaluation.steady_long) else None
-        if steady is not None and steady[0] >= steady[1] and not home:
+        if steady is not None and steady[0] >= steady[1] and not (home and cand.kind == "split"):
             continue  # no better on the longer sample of the load: refused
         priced = score * (1.0 + pessimism(cand.kind) * priced_share(plan, evaluation, k))
         gain = (hold - priced) / hold
