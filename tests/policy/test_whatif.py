@@ -206,8 +206,8 @@ def test_near_saturation_at_most_saturated_moves_operations_are_priced() -> None
 
 def test_no_merge_is_priced_while_holding_is_saturated() -> None:
     # 30 a second on four degree-1 workers, every sixth request 1,500 tokens (E_1 =
-    # 1.51 s, E_2 = 0.78 s: two degree-1 workers serve 1.3 of them a second, one
-    # degree-2 worker 1.3), the rest 16 tokens: holding is twice over its capacity.
+    # 1.51 s, E_2 = 0.78 s: two degree-1 workers serve 1.32 of them a second, one
+    # degree-2 worker 1.28), the rest 16 tokens: holding is twice over its capacity.
     # Replayed with the backlog growing for the whole horizon, merging two workers
     # looks faster (the long requests on the degree-2 worker, out of the short
     # ones' queues: the merge urgent at once, as the controller did before), yet
