@@ -23,6 +23,7 @@ from vertumnus.policy.forecast import ArrivalSample
 from vertumnus.policy.lattice import Lattice, LatticeConfig
 from vertumnus.policy.replay import (
     BUCKET_EDGES,
+    Replay,
     ReplayModel,
     ReplayResult,
     ReplayWorker,
@@ -565,3 +566,27 @@ def test_retiring_every_worker_for_none_is_an_error() -> None:
     samples = [req(1, 0.0, 1024), req(2, 2.0, 1024)]
     with pytest.raises(ValueError, match="retired every worker"):
         run(samples, workers((1, 0.0)), retire=[(1.0, 0, ())])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_an_extended_replay_is_the_replay_of_that_many_cycles(seed: int) -> None:
+    # A backlogged pool with holders, a reshape's remap and lost share, a head, a
+    # retirement and batches: extending 1 -> 2 -> 5 cycles, then asking for 3, gives
+    # what a fresh replay of that many cycles gives, to the bit.
+    rng = random.Random(seed)
+    replay = model(CostWeights(backlog_weight=0.05))
+    samples = [
+        req(k, rng.uniform(0.0, 4.0), rng.choice((512, 1024, 3000)),
+            ((rng.choice((0, 1, 7)), 256),) if k % 3 else (), key=k % 5)
+        for k in range(40)
+    ]  # fmt: skip
+    forecast = replay.prepare(sorted(samples, key=lambda s: s.arrival_s), 0.0, span_s=4.0)
+    head = replay.prepare([req(99, 0.0, 2048)], 0.0)
+    pool = workers((2, 0.5), (1, 0.0), (1, 2.0))
+    retire = [(3.0, 0, (ReplayWorker(5, 1, 0.25), ReplayWorker(6, 1, 0.25)))]
+    args = {"remap": {7: (1, 2)}, "lost": {7: 0.5}, "head": head, "batches": 4}
+    grown = Replay(replay, forecast, pool, retire=retire, **args)  # type: ignore[arg-type]
+    for cycles in (1, 2, 5, 3):
+        fresh = replay.run(forecast, pool, cycles=cycles, retire=retire, **args)  # type: ignore[arg-type]
+        assert grown.extend(cycles) == fresh
+    assert fresh.requests == 1 + 3 * 40 and len(fresh.cycle_ttft_s) == 3

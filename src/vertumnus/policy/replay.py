@@ -34,13 +34,27 @@ decision (``whatif``).
 from __future__ import annotations
 
 import bisect
-import heapq
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from vertumnus.policy.costs import CostWeights, ReuseCurve
-from vertumnus.policy.forecast import ArrivalSample, unit
+from vertumnus.policy.forecast import ArrivalSample
+from vertumnus.policy.replay_loop import (
+    PreparedForecast,
+    Replay,
+    ReplayResult,
+    ReplayWorker,
+    Retirement,
+)
+
+__all__ = [
+    "PreparedForecast",
+    "Replay",
+    "ReplayModel",
+    "ReplayResult",
+    "ReplayWorker",
+    "Retirement",
+]
 
 # Input-length buckets of the calibration: [0, 2K), [2K, 8K), [8K, 32K), [32K, inf).
 BUCKET_EDGES: tuple[int, ...] = (2048, 8192, 32768)
@@ -50,53 +64,9 @@ def bucket_of(input_tokens: int) -> int:
     return bisect.bisect_right(BUCKET_EDGES, input_tokens)
 
 
-@dataclass(frozen=True, slots=True)
-class ReplayWorker:
-    worker_id: int
-    cp_degree: int
-    free_at_s: float  # relative to the replay's t = 0, in real (undilated) seconds
-
-
-@dataclass(frozen=True, slots=True)
-class ReplayResult:
-    mean_ttft_s: float
-    requests: int
-    busy_s: float  # service time of the first cycle's requests, in real seconds
-    span_s: float  # arrival span of the replayed requests (one cycle), real seconds
-    # per cycle: the mean TTFT of its arrivals, and the backlog left at its end
-    # (the work queued past it, summed over workers, real seconds)
-    cycle_ttft_s: tuple[float, ...] = ()
-    backlog_s: tuple[float, ...] = ()
-    # the forecast cut into ``batches`` runs of consecutive arrivals: each run's
-    # mean TTFT over every cycle (the paired comparison's sample)
-    batch_ttft_s: tuple[float, ...] = ()
-
-
 # Per request, uncalibrated and undilated: (input bucket, E per degree at its floor
 # reuse, ((holder, E per degree at its reuse there), ...)). inf: cannot hold it.
 Times = tuple[int, tuple[float, ...], tuple[tuple[int, tuple[float, ...]], ...]]
-
-# (from when, in undilated seconds; the worker; the workers made of it, each with
-# its free_at_s counted from the end of the worker's drain)
-Retirement = tuple[float, int, tuple[ReplayWorker, ...]]
-
-
-@dataclass(frozen=True)
-class PreparedForecast:
-    """Per request: offset, prefix key, input bucket, predicted E per degree (no
-    reuse beyond the floor), holders with E at their reuse. E is the profile's,
-    undilated and uncalibrated: ``run`` applies both."""
-
-    offsets: tuple[float, ...]
-    keys: tuple[int, ...]  # prefix keys (which split child inherits the prefix)
-    buckets: tuple[int, ...]
-    e_pred: tuple[tuple[float, ...], ...]  # [request][degree index]
-    holders: tuple[tuple[tuple[int, tuple[float, ...]], ...], ...]
-    dilation: float
-    span_s: float
-    # per degree index: the mean predicted E of a request at its best reuse (the
-    # cost rule's backlog depth is a queue's work in these units)
-    mean_e: tuple[float, ...] = ()
 
 
 class ReplayModel:
@@ -212,181 +182,8 @@ class ReplayModel:
         builds is priced until it drains. ``batches``: see ``ReplayResult``.
         ``retire``: workers that take no work arriving from a time on; once each
         drains, its replacements serve (a reshape back, priced as it runs)."""
-        m = forecast.dilation
-        degrees = self.degrees
-        index = {c: k for k, c in enumerate(degrees)}
-        free: dict[int, float] = {}
-        degree_of: dict[int, int] = {}
-        heaps: list[list[tuple[float, int]]] = [[] for _ in degrees]
-        for worker in workers:
-            free[worker.worker_id] = worker.free_at_s * m
-            degree_of[worker.worker_id] = index[worker.cp_degree]
-            heaps[index[worker.cp_degree]].append((worker.free_at_s * m, worker.worker_id))
-        for h in heaps:
-            heapq.heapify(h)
-        live = [len(h) for h in heaps]
-        present = [k for k, n in enumerate(live) if n]
-        if not present:
-            raise ValueError("a replay needs at least one worker")
-        scales = [self.scale[c] for c in degrees]
-        overhead = self.overhead_s * m
-        # The scheduler's beta + lambda (C / C_min - 1), C_min among the workers here.
-        c_min = degrees[present[0]]
-        factor = [self.weights.factor(c, c_min) for c in degrees]
-        pending = sorted((at * m, w, made) for at, w, made in retire if w in free)
-        # The scheduler sees predicted work: q in its units is q / (mean scale).
-        inv_scale = [len(self.scale[c]) / sum(self.scale[c]) for c in degrees]
-        # In overload the scheduler weighs E by beta + backlog_weight * (depth - 1),
-        # depth the fewest requests waiting at any worker: here a worker's queue
-        # over the forecast's mean E at its degree (``depth_unit``: that ratio's
-        # factor per degree; empty: no backlog term).
-        backlog_weight = self.weights.backlog_weight
-        depth_unit = (
-            [
-                inv_scale[k] / (e * m) if 0 < e < math.inf else 0.0
-                for k, e in enumerate(forecast.mean_e)
-            ]
-            if backlog_weight > 0
-            else []
-        )
-        remap = remap or {}
-        lost = lost or {}
-        restored: set[int] = set()
-        heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
-        n_tail = len(forecast.offsets)
-        if not n_tail and (head is None or not head.offsets):
-            return ReplayResult(0.0, 0, 0.0, forecast.span_s)
-        # One cycle lasts the forecast's span (at least its last arrival), dilated.
-        period = max(forecast.span_s * m, forecast.offsets[-1] if n_tail else 0.0, 1e-9)
-        nb = max(0, min(batches, n_tail))
-        batch_sum = [0.0] * nb
-        batch_n = [0] * nb
-        cycle_means: list[float] = []
-        backlogs: list[float] = []
-        total = busy = 0.0
-        served = 0
-        passes: list[tuple[PreparedForecast, float, bool]] = []
-        if head is not None and head.offsets:
-            passes.append((head, 0.0, False))
-        first_cycle = len(passes)  # (busy counts the first cycle only)
-        passes += [(forecast, c * period, True) for c in range(max(1, cycles))]
-        for number, (part, shift, is_cycle) in enumerate(passes):
-            part_total = 0.0
-            part_n = 0
-            first = number == first_cycle
-            position = 0
-            for t0, key, b, pred, held in zip(
-                part.offsets, part.keys, part.buckets, part.e_pred, part.holders, strict=True
-            ):
-                t = t0 + shift
-                if pending and t >= pending[0][0]:
-                    while pending and t >= pending[0][0]:
-                        at, gone, made = pending.pop(0)
-                        end = max(free[gone], at)  # its queue drains, then the switch
-                        free[gone] = math.inf
-                        live[degree_of[gone]] -= 1
-                        for r in made:
-                            k = index[r.cp_degree]
-                            free[r.worker_id] = end + r.free_at_s * m
-                            degree_of[r.worker_id] = k
-                            heappush(heaps[k], (free[r.worker_id], r.worker_id))
-                            live[k] += 1
-                    present = [k for k, n in enumerate(live) if n]
-                    if not present:
-                        raise ValueError("a replay retired every worker and made none")
-                    c_min = degrees[present[0]]
-                    factor = [self.weights.factor(c, c_min) for c in degrees]
-                tops = []  # each present degree's earliest-free worker (stale dropped)
-                for k in present:
-                    h = heaps[k]
-                    fa, w = h[0]
-                    while fa != free[w]:
-                        heappop(h)
-                        fa, w = h[0]
-                    tops.append((k, fa, w))
-                weigh = factor
-                if depth_unit:  # the scheduler's backlog depth, in mean requests
-                    depth = math.inf
-                    for k, fa, _ in tops:
-                        if pred[k] < math.inf:
-                            d = (fa - t) * depth_unit[k] if fa > t else 0.0
-                            if d < depth:
-                                depth = d
-                    if 2.0 <= depth < math.inf:
-                        extra = backlog_weight * (int(depth) - 1)
-                        weigh = [f + extra for f in factor]
-                best_cost = best_q = float("inf")
-                best_k = best_w = -1
-                best_e = 0.0
-                for k, fa, w in tops:
-                    q = fa - t if fa > t else 0.0
-                    e = pred[k] * m
-                    cost = q * inv_scale[k] + weigh[k] * e
-                    if cost < best_cost or (
-                        cost == best_cost and (q, k, w) < (best_q, best_k, best_w)
-                    ):
-                        best_cost, best_q, best_k, best_w, best_e = cost, q, k, w, e
-                missed = False
-                for holder, h_pred in held:
-                    if remap:
-                        targets = remap.get(holder)
-                        if targets is not None:
-                            share = lost.get(holder, 0.0)
-                            if share > 0 and key not in restored and unit(key, holder) < share:
-                                missed = True
-                                continue
-                            holder = targets[key % len(targets)] if targets else -1
-                    held_free = free.get(holder)
-                    if held_free is None:
-                        continue
-                    k = degree_of[holder]
-                    q = held_free - t if held_free > t else 0.0
-                    e = h_pred[k] * m
-                    cost = q * inv_scale[k] + weigh[k] * e
-                    if cost < best_cost or (
-                        cost == best_cost and (q, k, holder) < (best_q, best_k, best_w)
-                    ):
-                        best_cost, best_q, best_k, best_w, best_e = cost, q, k, holder, e
-                if best_w < 0:
-                    position += 1
-                    continue  # no worker here can hold it (the scheduler refuses it)
-                if missed:
-                    restored.add(key)  # computed (or fetched) now: the next one hits
-                best_e = best_e * scales[best_k][b] + overhead  # what it really takes
-                end = t + best_q + best_e
-                free[best_w] = end
-                h = heaps[best_k]
-                if h[0][1] == best_w:
-                    heapreplace(h, (end, best_w))
-                else:
-                    heappush(h, (end, best_w))
-                ttft = best_q + best_e
-                part_total += ttft
-                part_n += 1
-                if first:
-                    busy += best_e
-                if is_cycle and nb:
-                    j = position * nb // n_tail
-                    batch_sum[j] += ttft
-                    batch_n[j] += 1
-                position += 1
-            total += part_total
-            served += part_n
-            if is_cycle:
-                cycle_means.append(part_total / part_n / m if part_n else 0.0)
-                edge = shift + period
-                backlogs.append(sum(f - edge for f in free.values() if edge < f < math.inf) / m)
-        # busy: the thinned requests' dilated service time, which is the whole
-        # forecast's service time in real seconds.
-        return ReplayResult(
-            total / served / m if served else 0.0,
-            served,
-            busy,
-            forecast.span_s,
-            tuple(cycle_means),
-            tuple(backlogs),
-            tuple(s / n / m if n else 0.0 for s, n in zip(batch_sum, batch_n, strict=True)),
-        )
+        replay = Replay(self, forecast, workers, remap, lost, head, batches, retire)
+        return replay.extend(cycles)
 
 
 def _mean_best_e(

@@ -58,7 +58,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from vertumnus.policy.forecast import ArrivalSample
-from vertumnus.policy.replay import PreparedForecast, ReplayModel, ReplayResult, ReplayWorker
+from vertumnus.policy.replay import (
+    PreparedForecast,
+    Replay,
+    ReplayModel,
+    ReplayResult,
+    ReplayWorker,
+)
 from vertumnus.policy.whatif_candidates import Candidate
 
 # (audit id, the actual arrivals in the move's world, the same in holding's world)
@@ -150,10 +156,16 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
     op_cost = plan.op_cost
     heads = [_head(model, cand.requeued, forecast.dilation) for cand in plan.candidates]
 
+    replays: dict[int, Replay] = {}
+
     def live(k: int, cycles: int) -> ReplayResult:
-        cand = plan.candidates[k]
-        return model.run(forecast, cand.next_workers, cand.remap, cand.lost, heads[k],
-                         cycles, plan.batches)  # fmt: skip
+        """Candidate k's live replay over ``cycles``: a longer horizon replays only
+        the cycles it adds."""
+        if k not in replays:
+            cand = plan.candidates[k]
+            replays[k] = Replay(model, forecast, cand.next_workers, cand.remap, cand.lost,
+                                heads[k], plan.batches)  # fmt: skip
+        return replays[k].extend(cycles)
 
     holding = plan.candidates[0]
     steady_hold = model.run(forecast, holding.steady_workers, holding.remap)
