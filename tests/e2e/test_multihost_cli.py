@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from support.processes import pids_in_session, start_agent
+from support.processes import sessions_left, start_agent
 from support.server import Server, write_serve_config
 
 pytestmark = pytest.mark.multiproc
@@ -96,6 +96,5 @@ def test_serve_two_hosts_over_http(tmp_path: Path) -> None:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
             log.close()
-    time.sleep(1.0)
-    left = {p.pid: pids_in_session(p.pid) for p in (server, *agents)}
-    assert not any(left.values()), left
+    left = sessions_left([p.pid for p in (server, *agents)])
+    assert not left, left

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from support.factories import make_tokens
-from support.processes import children_of, is_running
+from support.processes import rank_processes_of, wait_gone
 from support.server import running_server, write_serve_config
 
 pytestmark = pytest.mark.multiproc
@@ -29,7 +29,7 @@ def test_sigterm_finishes_accepted_work_and_leaves_nothing(tmp_path: Path) -> No
     config = write_serve_config(tmp_path / "serve.toml", server={"shutdown_grace_s": 60})
     shm_before = shm_entries()
     with running_server(config) as server:
-        ranks = children_of(server.proc.pid)
+        ranks = rank_processes_of(server.proc.pid)
         assert len(ranks) >= 2
         prompts = [make_tokens(3000, seed=s, vocab=256) for s in range(8)]
         with ThreadPoolExecutor(8) as pool:
@@ -50,8 +50,7 @@ def test_sigterm_finishes_accepted_work_and_leaves_nothing(tmp_path: Path) -> No
         assert [a[0] for a in answers] == [200] * 8, [a[1] for a in answers if a[0] != 200]
         server.proc.wait(timeout=60)
         assert server.proc.returncode == 0
-        time.sleep(0.5)
-        assert not [p for p in ranks if is_running(p)]
+        assert not wait_gone(ranks)
     assert shm_entries() - shm_before == set()
     log = (tmp_path / "server.log").read_text()
     assert '"event":"shutting_down"' in log and '"event":"stopped"' in log

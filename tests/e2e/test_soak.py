@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import orjson
 import pytest
 
-from support.processes import is_running
+from support.processes import wait_gone
 
 pytestmark = pytest.mark.multiproc
 
@@ -61,6 +60,5 @@ def test_short_soak_loses_nothing(tmp_path: Path) -> None:
     assert set(s["workers_at_end"]) == {"active"} and s["ready_at_end"] == 200
     assert s["bugs_logged"] == 0 and s["internal_errors_counted"] == []
     assert s["ready_checked"] > 20 and s["ready_disagreed"] == 0
-    time.sleep(0.5)
     pids = {int(p) for sample in s["memory"] for p in sample["ranks_kib"]}
-    assert pids and not [p for p in pids if is_running(p)]
+    assert pids and not wait_gone(pids)

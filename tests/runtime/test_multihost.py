@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from support.factories import BLOCK_SIZE, engine_config, make_profile, make_tokens
-from support.processes import pids_in_session, start_agent
+from support.processes import ranks_in_session, sessions_left, start_agent
 from support.reference import ATOL, VOCAB, Checkpoint, hf_logits, max_abs_diff
 from vertumnus.config.pool import PoolConfig
 from vertumnus.perfmodel import DegreeCoeffs
@@ -113,19 +113,9 @@ async def cluster(
                 if agent.poll() is None:
                     os.killpg(agent.pid, signal.SIGKILL)
                     agent.wait()
-        time.sleep(1.5)  # ranks whose agent died exit within a second
-        left = {sid: pids_in_session(sid) for sid in sessions}
-        assert not any(left.values()), f"processes left: {left}"
-
-
-def rank_pids(sid: int) -> set[int]:
-    """The rank processes (spawned children) in session ``sid``."""
-    found = set()
-    for pid in pids_in_session(sid):
-        with contextlib.suppress(OSError):
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.add(pid)
-    return found
+        # (ranks whose agent died exit within a second; its fork server soon after)
+        left = sessions_left(sessions)
+        assert not left, f"processes left: {left}"
 
 
 def check_logits(result: PrefillResult, checkpoint: Checkpoint, tokens: list[int]) -> None:
@@ -282,7 +272,7 @@ def test_agent_outlives_a_lost_coordinator(tmp_path: Path, checkpoint: Checkpoin
         assert first.gather() == (2, 2)
         first.configure((1, 2))
         first.start()
-        old_ranks = rank_pids(agent.pid)
+        old_ranks = ranks_in_session(agent.pid)
         assert len(old_ranks) == 2
         first.hub.crash_for_tests()  # silence, as if the coordinator's host died
         second = ClusterPool(
@@ -293,7 +283,7 @@ def test_agent_outlives_a_lost_coordinator(tmp_path: Path, checkpoint: Checkpoin
         )
         try:
             assert second.gather() == (2, 2)  # the same agent, back
-            assert not old_ranks & rank_pids(agent.pid)  # it killed the old ranks
+            assert not old_ranks & ranks_in_session(agent.pid)  # it killed the old ranks
             second.configure((1, 2))
             second.start()
             assert sorted(second.ready) == [0, 1]
@@ -304,8 +294,7 @@ def test_agent_outlives_a_lost_coordinator(tmp_path: Path, checkpoint: Checkpoin
         if agent.poll() is None:
             os.killpg(agent.pid, signal.SIGKILL)
             agent.wait()
-    time.sleep(1.0)
-    assert not pids_in_session(agent.pid)
+    assert not sessions_left([agent.pid])
 
 
 @pytest.mark.timeout(240)

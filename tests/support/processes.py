@@ -9,6 +9,8 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -37,6 +39,67 @@ def pids_in_session(sid: int) -> set[int]:
 def children_of(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
+
+
+def descendants_of(pid: int) -> list[int]:
+    """Children, their children and so on: a server's rank processes are children
+    of its fork server (``runtime/pool.py``)."""
+    found, todo = [], [pid]
+    while todo:
+        for child in children_of(todo.pop()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def rank_processes_of(pid: int) -> list[int]:
+    """The rank processes under ``pid``: the children of its fork server."""
+    return [
+        child
+        for server in descendants_of(pid)
+        if b"multiprocessing.forkserver" in _cmdline(server)
+        for child in children_of(server)
+    ]
+
+
+def wait_gone(pids: Iterable[int], timeout_s: float = 15.0) -> list[int]:
+    """Waits up to ``timeout_s`` for ``pids`` to exit; those still running. (A fork
+    server finishes its interpreter's teardown, torch's included, after its parent
+    exits.)"""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [p for p in pids if is_running(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def sessions_left(sids: Iterable[int], timeout_s: float = 15.0) -> dict[int, set[int]]:
+    """Waits up to ``timeout_s`` for sessions ``sids`` to empty; the live members
+    of those that did not."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = {sid: pids for sid in sids if (pids := pids_in_session(sid))}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def ranks_in_session(sid: int) -> set[int]:
+    """The rank processes in session ``sid``: the children of its fork servers."""
+    return {
+        child
+        for pid in pids_in_session(sid)
+        if b"multiprocessing.forkserver" in _cmdline(pid)
+        for child in children_of(pid)
+    }
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def is_running(pid: int) -> bool:

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from support.processes import children_of, is_running
+from support.processes import descendants_of, wait_gone
 
 START_TIMEOUT_S = 90.0
 ADMIN_TOKEN = "test-admin-token-0123456789"
@@ -116,7 +116,7 @@ def running_server(config: Path, wait_ready: bool = True) -> Iterator[Server]:
             time.sleep(0.2)
         yield srv
     finally:
-        ranks = children_of(proc.pid)
+        started = descendants_of(proc.pid)  # its fork server, ranks, decode process
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=60)
@@ -124,7 +124,6 @@ def running_server(config: Path, wait_ready: bool = True) -> Iterator[Server]:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise
-        time.sleep(0.5)
         log.close()
-        alive = [p for p in ranks if is_running(p)]
+        alive = wait_gone(started)
         assert proc.returncode == 0 and not alive, (proc.returncode, alive)

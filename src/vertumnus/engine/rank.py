@@ -139,7 +139,7 @@ def _serve(
     while True:
         try:
             if not commands.poll(1.0):
-                if os.getppid() != parent:  # the coordinator died without a Shutdown
+                if os.getppid() != parent:  # the fork server went: the coordinator died
                     return
                 continue
             msg = commands.recv()

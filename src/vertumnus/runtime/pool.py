@@ -1,9 +1,12 @@
 """The coordinator's handle on its rank processes.
 
-Owns process lifetime: spawning the ranks (``spawn`` context), the TCP store they
-rendezvous on (bound by the coordinator to a free port chosen by the OS, so there is
-no port race), waiting for every readiness acknowledgement, the command and result
-channels, and an orderly shutdown that leaves no orphan. It does not plan prefills
+Owns process lifetime: starting the ranks (each a fork of a ``forkserver``
+process that imported the engine once, never of the coordinator: a rank, or its
+restart, starts without importing torch again), the TCP store they rendezvous on
+(bound by the coordinator to a free port chosen by the OS, so there is no port
+race), waiting for every readiness acknowledgement, the command and result
+channels, and an orderly shutdown that leaves no orphan (the fork server exits
+after its parent, within about a second). It does not plan prefills
 (``runtime/worker.py``) or run them (``engine/rank.py``).
 
 Commands go through one one-way pipe per rank, written by a sender thread of this
@@ -114,7 +117,7 @@ class _CommandSender:
 
 
 class LocalRanks:
-    """The rank processes of this host, by global rank: spawn (``spawn`` context, a
+    """The rank processes of this host, by global rank: start (``forkserver`` context, a
     command pipe written by a ``_CommandSender`` and an answer pipe each), kill, and
     an orderly close. The coordinator's ``RankPool`` and a node agent
     (``runtime/agent.py``) both hold one."""
@@ -125,7 +128,10 @@ class LocalRanks:
         self._commands: dict[int, _CommandSender] = {}
 
     def spawn(self, rank: int, spec: RankSpec) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        # The fork server imports the engine (torch) once; each rank is a fork of it
+        # and starts without the 2-3 s of imports a fresh interpreter pays.
+        ctx.set_forkserver_preload(["vertumnus.engine.rank"])
         cmd_recv, cmd_send = ctx.Pipe(duplex=False)
         res_recv, res_send = ctx.Pipe(duplex=False)
         proc = ctx.Process(
