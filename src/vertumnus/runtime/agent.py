@@ -74,8 +74,9 @@ class Agent:
             self._ctx.term()
 
     def _session(self) -> str:
-        sock = control.client_socket(self._ctx, self.keys, self.address)
         ranks = LocalRanks()
+        ranks.warm()  # before joining: a first rank start would block the heartbeat
+        sock = control.client_socket(self._ctx, self.keys, self.address)
         incarnations: dict[int, int] = {}
         try:
             hello = Hello(self.name, self.devices, self.device, os.getpid())

@@ -26,6 +26,7 @@ pipes from its event loop.
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import socket
 import threading
@@ -116,6 +117,15 @@ class _CommandSender:
         self._conn.close()
 
 
+def _context() -> Any:
+    """The ``forkserver`` context with the engine preloaded: the fork server imports
+    torch once; each rank is a fork of it and starts without the 2-3 s of imports
+    a fresh interpreter pays."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["vertumnus.engine.rank"])
+    return ctx
+
+
 class LocalRanks:
     """The rank processes of this host, by global rank: start (``forkserver`` context, a
     command pipe written by a ``_CommandSender`` and an answer pipe each), kill, and
@@ -127,11 +137,17 @@ class LocalRanks:
         self.results: dict[int, Any] = {}  # Connection per rank, rank -> here
         self._commands: dict[int, _CommandSender] = {}
 
+    @staticmethod
+    def warm(timeout_s: float = 300.0) -> None:
+        """Starts the fork server and waits until it has imported the engine: the
+        first rank start otherwise blocks its caller for that long (seconds on a
+        busy host: an agent would fall silent to its coordinator)."""
+        probe = _context().Process(target=os.getpid, name="vertumnus-forkserver-warm")
+        probe.start()
+        probe.join(timeout_s)
+
     def spawn(self, rank: int, spec: RankSpec) -> None:
-        ctx = mp.get_context("forkserver")
-        # The fork server imports the engine (torch) once; each rank is a fork of it
-        # and starts without the 2-3 s of imports a fresh interpreter pays.
-        ctx.set_forkserver_preload(["vertumnus.engine.rank"])
+        ctx = _context()
         cmd_recv, cmd_send = ctx.Pipe(duplex=False)
         res_recv, res_send = ctx.Pipe(duplex=False)
         proc = ctx.Process(
