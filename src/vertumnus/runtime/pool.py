@@ -1,13 +1,12 @@
 """The coordinator's handle on its rank processes.
 
-Owns process lifetime: starting the ranks (each a fork of a ``forkserver``
-process that imported the engine once, never of the coordinator: a rank, or its
-restart, starts without importing torch again), the TCP store they rendezvous on
-(bound by the coordinator to a free port chosen by the OS, so there is no port
-race), waiting for every readiness acknowledgement, the command and result
-channels, and an orderly shutdown that leaves no orphan (the fork server exits
-after its parent, within about a second). It does not plan prefills
-(``runtime/worker.py``) or run them (``engine/rank.py``).
+Owns process lifetime: starting the ranks (forks of a ``forkserver`` that imported
+the engine once, never of the coordinator: a restart imports no torch), the TCP
+store they rendezvous on (on a free port chosen by the OS: no port race), waiting
+for every readiness acknowledgement, the command and result channels, and an
+orderly shutdown that leaves no orphan (the fork server exits about a second after
+its parent). It does not plan prefills (``runtime/worker.py``) or run them
+(``engine/rank.py``).
 
 Commands go through one one-way pipe per rank, written by a sender thread of this
 process (``_CommandSender``), so a send never blocks the coordinator even when the
@@ -118,9 +117,7 @@ class _CommandSender:
 
 
 def _context() -> Any:
-    """The ``forkserver`` context with the engine preloaded: the fork server imports
-    torch once; each rank is a fork of it and starts without the 2-3 s of imports
-    a fresh interpreter pays."""
+    """``forkserver``, the engine preloaded (each rank a fork of it: no imports)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["vertumnus.engine.rank"])
     return ctx
@@ -139,9 +136,8 @@ class LocalRanks:
 
     @staticmethod
     def warm(timeout_s: float = 300.0) -> None:
-        """Starts the fork server and waits until it has imported the engine: the
-        first rank start otherwise blocks its caller for that long (seconds on a
-        busy host: an agent would fall silent to its coordinator)."""
+        """Starts the fork server and waits for its imports, which the first rank
+        start would otherwise block on (seconds: an agent would fall silent)."""
         probe = _context().Process(target=os.getpid, name="vertumnus-forkserver-warm")
         probe.start()
         probe.join(timeout_s)
@@ -150,12 +146,8 @@ class LocalRanks:
         ctx = _context()
         cmd_recv, cmd_send = ctx.Pipe(duplex=False)
         res_recv, res_send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(
-            target=rank_main,
-            args=(rank, spec, cmd_recv, res_send),
-            name=f"vertumnus-rank{rank}",
-            daemon=True,
-        )
+        args = (rank, spec, cmd_recv, res_send)
+        proc = ctx.Process(target=rank_main, args=args, name=f"vertumnus-rank{rank}", daemon=True)
         proc.start()
         cmd_recv.close()  # the child's ends: only the rank holds them now
         res_send.close()
