@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -348,21 +349,33 @@ def growth(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, float | 
 
 
 def settle(url: str, timeout_s: float = 40.0) -> dict[str, Any]:
-    """After the load: wait for the last leases to end (``lease_s`` = 10 here), then
-    what is left: leases, pins, held rows, the workers' states, bugs counted."""
+    """After the load: wait for the last leases to end (``lease_s`` = 10 here) and
+    for the pool to be ready again (a last reshape or a restart may still be under
+    way on a busy host), then what is left: leases, pins, held rows, the workers'
+    states, ``/ready``'s status and reason, bugs counted."""
     deadline = time.monotonic() + timeout_s
     while True:
         view = call(url, "/v1/handoffs")
-        if view["open"] == 0 or time.monotonic() > deadline:
+        status, reason = readiness(url)
+        if (view["open"] == 0 and status == 200) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     metrics = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     return {
         "handoffs": view,
         "workers": [w["state"] for w in call(url, "/v1/workers")["workers"]],
-        "ready": urllib.request.urlopen(url + "/ready", timeout=10).status,
+        "ready": status,
+        "unready_reason": reason,
         "metrics": metrics,
     }
+
+
+def readiness(url: str) -> tuple[int, str | None]:
+    """``/ready``'s status, and its reason when it is not 200."""
+    try:
+        return urllib.request.urlopen(url + "/ready", timeout=10).status, None
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
 
 
 def main() -> int:
@@ -507,6 +520,7 @@ def summarize(
         "leases_ended": {k: view[k] for k in ("pulled", "released", "expired", "moved")},
         "workers_at_end": end["workers"],
         "ready_at_end": end["ready"],
+        "unready_reason_at_end": end["unready_reason"],
         "bugs_logged": sum(any(b in line for b in BUG_MARKS) for line in log.splitlines()),
         "internal_errors_counted": [m for m in metrics if m.startswith("vertumnus_internal_")],
         "mean_ttft_ms": 1e3 * statistics.fmean(ttft) if ttft else None,

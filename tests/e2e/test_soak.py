@@ -57,7 +57,8 @@ def test_short_soak_loses_nothing(tmp_path: Path) -> None:
     assert s["killed"]["pid"] > 0 and s["worker_restarts"] == 1
     assert s["killed"]["decode"]["pids"] and s["decode_restarts"] == 1
     assert s["left_at_end"] == {"leases": 0, "pinned_blocks": 0, "held_rows": 0}
-    assert set(s["workers_at_end"]) == {"active"} and s["ready_at_end"] == 200
+    assert set(s["workers_at_end"]) == {"active"}
+    assert s["ready_at_end"] == 200, s["unready_reason_at_end"]
     assert s["bugs_logged"] == 0 and s["internal_errors_counted"] == []
     assert s["ready_checked"] > 20 and s["ready_disagreed"] == 0
     pids = {int(p) for sample in s["memory"] for p in sample["ranks_kib"]}

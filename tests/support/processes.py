@@ -54,12 +54,7 @@ def descendants_of(pid: int) -> list[int]:
 
 def rank_processes_of(pid: int) -> list[int]:
     """The rank processes under ``pid``: the children of its fork server."""
-    return [
-        child
-        for server in descendants_of(pid)
-        if b"multiprocessing.forkserver" in _cmdline(server)
-        for child in children_of(server)
-    ]
+    return _forked_by(descendants_of(pid))
 
 
 def wait_gone(pids: Iterable[int], timeout_s: float = 15.0) -> list[int]:
@@ -87,12 +82,17 @@ def sessions_left(sids: Iterable[int], timeout_s: float = 15.0) -> dict[int, set
 
 def ranks_in_session(sid: int) -> set[int]:
     """The rank processes in session ``sid``: the children of its fork servers."""
-    return {
+    return set(_forked_by(pids_in_session(sid)))
+
+
+def _forked_by(pids: Iterable[int]) -> list[int]:
+    """The children of those of ``pids`` that are fork servers."""
+    return [
         child
-        for pid in pids_in_session(sid)
+        for pid in pids
         if b"multiprocessing.forkserver" in _cmdline(pid)
         for child in children_of(pid)
-    }
+    ]
 
 
 def _cmdline(pid: int) -> bytes:
