@@ -251,11 +251,12 @@ def test_a_gain_of_little_significance_must_win_confirm_limit_decisions() -> Non
     assert rules == ["hold:confirming"] * 2 + ["split:whatif"]
 
 
-def test_a_large_gain_without_overload_is_confirmed() -> None:
+def test_a_gain_under_urgent_gain_without_overload_is_confirmed() -> None:
     # 30 requests a second on two degree-2 workers: busy 0.57. A split gains about
-    # 26 % (E_1 / E_2 over the horizon, less its transition, op_cost and the prior
-    # pessimism), yet the load did not move: it must win twice.
-    policy = make_policy()
+    # 29 % (E_1 / E_2 over the horizon, less its transition, op_cost and the prior
+    # pessimism), yet the load did not move and the gain is under urgent_gain (set
+    # to 30 % here): it must win twice.
+    policy = make_policy(urgent_gain=0.3)
     rules = run_periods(policy, [30, 30])
     assert rules == ["hold:confirming", "split:whatif"]
     first = policy.controller.history[0].inputs
@@ -274,6 +275,28 @@ def test_a_large_gain_without_overload_is_confirmed() -> None:
     assert first["urgent"] is False and first["band"] == "light"
 
 
+@pytest.mark.parametrize(("settings_", "rules"), [
+    ({}, ["split:urgent", "hold"]),  # the default, 20 %: 29 % at z >= z_urgent acts
+    ({"urgent_gain": 0.0}, ["hold:confirming", "split:whatif"]),  # off: confirmed
+])  # fmt: skip
+def test_a_gain_over_urgent_gain_acts_at_once_at_any_load(
+    settings_: dict[str, float], rules: list[str]
+) -> None:
+    # The pool of the test above: busy 0.57, the load steady, the split's
+    # pessimistic gain 29 %, z far over z_urgent.
+    policy = make_policy(**settings_)
+    assert run_periods(policy, [30, 30]) == rules
+    first = policy.controller.history[0].inputs
+    assert first["busy_fraction"] < 0.9 and first["rate_changed"] is False
+    assert 0.2 < first["gain"] < 0.3 and first["z"] >= 3.0
+    assert first["urgent"] is (not settings_)
+
+
+def test_urgent_gain_must_lie_in_0_1() -> None:
+    with pytest.raises(ValueError, match="urgent_gain"):
+        ControllerConfig(urgent_gain=1.0)
+
+
 def homed(
     start: dict[int, int] | None, layout: tuple[int, ...], **controller: Any
 ) -> tuple[PoolPolicy, Driver]:
@@ -288,8 +311,11 @@ def homed(
 
 def mix_changes(check: bool, start: dict[int, int] | None = None) -> PoolPolicy:
     """Two degree-2 workers: 20 s of 100-token requests, 20 a second, then 2 s of
-    16-token ones (``start``: as in ``homed``)."""
-    policy, driver = homed(start, (2, 2), steady_check=check, steady_horizon_s=300.0)
+    16-token ones (``start``: as in ``homed``). (``urgent_gain`` off: a split is
+    taken on its second decision, priced twice.)"""
+    policy, driver = homed(
+        start, (2, 2), steady_check=check, steady_horizon_s=300.0, urgent_gain=0.0
+    )
     for k in range(22):
         for j in range(20):
             driver.arrive(100 if k < 20 else 16, k + j / 20)
@@ -356,9 +382,14 @@ def test_the_long_sample_is_every_arrival_since_the_last_rate_change() -> None:
 
 def test_the_warm_up_holds_a_gain_unless_the_pool_is_overloaded() -> None:
     # The forecast still holds the cold start (horizon_s 2 s, the decision at 1 s).
-    # Busy 0.57: a gain, not urgent: the warm-up holds it.
-    rules = run_periods(make_policy(horizon_s=2.0), [30])
+    # Busy 0.57: a gain of 29 %, under an urgent_gain of 30 %: the warm-up holds it.
+    rules = run_periods(make_policy(horizon_s=2.0, urgent_gain=0.3), [30])
     assert rules == ["hold:warm-up"]
+    # Over the default urgent_gain (20 %), at z >= z_urgent: it acts at once.
+    policy = make_policy(horizon_s=2.0)
+    assert run_periods(policy, [30]) == ["split:urgent"]
+    inputs = policy.controller.history[0].inputs
+    assert inputs["warming"] is True and inputs["busy_fraction"] < 0.9
     # Busy 1.425 (over overload_utilisation 0.9; these prompts share no prefix, so the
     # warm cache the warm-up replays with is this one): urgent, it acts at once.
     policy = make_policy(layout=(2, 2, 2, 2), horizon_s=2.0)
@@ -408,8 +439,9 @@ def test_every_move_is_audited_and_its_error_feeds_the_pessimism() -> None:
     # A split at busy 0.57 on its second decision (t = 2 s). This driver never
     # acknowledges a switch: the split's worker drains and never comes back, so the
     # pool does worse than the move's replay (which has the two new workers serve
-    # after the switch): a positive error for splits at light load.
-    policy = make_policy()
+    # after the switch): a positive error for splits at light load. (urgent_gain
+    # off: the 29 % gain is confirmed, not urgent.)
+    policy = make_policy(urgent_gain=0.0)
     rules = run_periods(policy, [30] * 4)
     assert rules[:2] == ["hold:confirming", "split:whatif"]
     audits = [a for d in policy.controller.history for a in d.inputs["move_audits"]]
@@ -434,8 +466,9 @@ def test_a_start_that_reuses_more_revises_every_replay_of_the_request() -> None:
     # predecessor's prefix, computed while it waited): the forecast, the period's
     # undisturbed audit and the open move audit all replay the revised sample, and
     # its cached times are dropped (a replay of the stale sample would price it
-    # without that reuse, and cache those times for the next forecast).
-    policy = make_policy()
+    # without that reuse, and cache those times for the next forecast). (urgent_gain
+    # off: the split on the second decision.)
+    policy = make_policy(urgent_gain=0.0)
     ctl = policy.controller
     assert isinstance(ctl, WhatIfController)
     driver = Driver(policy)

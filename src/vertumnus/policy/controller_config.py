@@ -37,6 +37,10 @@ class ControllerConfig:
     # confirm_limit decisions in a row, their mean pessimistic gain over the margin.
     z_confirm: float = 2.0
     z_urgent: float = 3.0
+    # ... and a pessimistic gain of at least urgent_gain at z_urgent acts at once at
+    # any load, in the warm-up and while an audit watches too (0: never): there,
+    # waiting for a second decision costs more than the audited error can.
+    urgent_gain: float = 0.2
     confirm_limit: int = 3
     significance_batches: int = 8
     # The audit of every move: a candidate's J is priced at J * (1 + pessimism),
@@ -104,6 +108,8 @@ class ControllerConfig:
             raise LatticeError("steady_horizon_s must be > 0")
         if not 0 < self.payback_s <= self.max_payback_s:
             raise LatticeError("need 0 < payback_s <= max_payback_s")
+        if not 0 <= self.urgent_gain < 1:
+            raise LatticeError("need 0 <= urgent_gain < 1 (0: off)")
         if not (0 < self.z_confirm <= self.z_urgent and self.confirm_limit >= 2):
             raise LatticeError("need 0 < z_confirm <= z_urgent and confirm_limit >= 2")
         if self.headroom_rate < 1:

@@ -27,14 +27,15 @@ Every ``decision_s`` seconds (10 s by default, apart from the capacity window):
      audit's error). Then the evidence decides when: a gain whose significance
      ``z`` (a paired comparison over batches of the forecast) is at least
      ``z_urgent`` acts at once where the load moved (the pool overloaded, or the
-     forecast just saw the rate change); one at ``z_confirm`` or more must be the
+     forecast just saw the rate change), or at any load where the gain is
+     ``urgent_gain`` or more; one at ``z_confirm`` or more must be the
      best, with the same kind of move, two decisions in a row; a weaker one
      ``confirm_limit`` in a row, their mean gain above the margin. While a reshape
      is under way only an urgent move starts another. While the forecast still
      holds the cold start (the first ``horizon_s`` after the first arrival) the
      replays see the cache as it will be warm (each prefix reusable wherever the
      trie matched it: a cold cache alone looks like overload) and only an urgent
-     move under overload is made.
+     move under overload, or of at least ``urgent_gain``, is made.
 
 Every move is audited (``move_audit``): once the arrivals of the span after it are
 answered, their measured mean TTFT is compared with the move replayed on them and
@@ -309,7 +310,8 @@ class WhatIfController(Controller):
         z = (evaluation.z[best] if best < len(evaluation.z) else None) or 0.0
         margin = cfg.margin + cfg.audit_weight * cal.error
         overloaded = busy >= cfg.overload_utilisation
-        urgent = gain >= margin and z >= cfg.z_urgent and (overloaded or plan.rate_changed)
+        large = 0 < cfg.urgent_gain <= gain
+        urgent = gain >= margin and z >= cfg.z_urgent and (overloaded or plan.rate_changed or large)
         chosen = plan.candidates[best]
         ops: tuple[Reshape, ...] = ()
         key = (chosen.kind, chosen.level)
@@ -322,7 +324,7 @@ class WhatIfController(Controller):
         streak_n = len(streak.entries)
         if plan.forecast_requests == 0 or best == 0 or gain < margin:
             rule = "hold"  # (no harm: the present pessimistic gain must clear the margin)
-        elif plan.warming and not (urgent and overloaded):
+        elif plan.warming and not (urgent and (overloaded or large)):
             # (overload as the warm cache will have it: a cold one alone looks like it)
             rule = "hold:warm-up"
         elif self.in_flight and not urgent:
