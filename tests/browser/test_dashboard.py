@@ -28,6 +28,15 @@ def charts(browser: Any) -> dict[str, dict[str, int]]:
     return {c["id"]: {t["name"]: t["points"] for t in c["traces"]} for c in drawn}
 
 
+def worker_table(browser: Any) -> list[list[str]]:
+    """The worker table's cells, row by row, as the page shows them now."""
+    cells: list[list[str]] = browser.execute_script(
+        "return Array.from(document.querySelectorAll('#workers tbody tr'))"
+        ".map(r => Array.from(r.querySelectorAll('td')).map(td => td.innerText.trim()))"
+    )
+    return cells
+
+
 def shown_composition(browser: Any) -> str:
     from selenium.webdriver.common.by import By
 
@@ -48,7 +57,6 @@ def load(server: Server, n: int, seed: int) -> None:
 
 @pytest.mark.timeout(300)
 def test_the_live_dashboard_follows_the_pool(tmp_path: Path) -> None:
-    from selenium.webdriver.common.by import By
 
     config = write_serve_config(
         tmp_path / "serve.toml", server={"admin_token": ADMIN_TOKEN, "timeline_s": 0.5}
@@ -83,13 +91,15 @@ def test_the_live_dashboard_follows_the_pool(tmp_path: Path) -> None:
         )
         wait_for("the CP2 worker drawn", lambda: charts(browser)["chart-composition"].get("CP2"))
 
-        # The worker table is /v1/workers.
+        # The worker table is /v1/workers (read in one script: the page redraws it
+        # at every poll, and an element found before a redraw is stale after it).
         _, workers = server.call("GET", "/v1/workers")
-        rows = browser.find_elements(By.CSS_SELECTOR, "#workers tbody tr")
-        assert [r.find_elements(By.TAG_NAME, "td")[0].text for r in rows] == [
-            str(w["worker"]) for w in workers["workers"]
-        ]
-        assert rows[0].find_elements(By.TAG_NAME, "td")[1].text == "CP2"
+        ids = [str(w["worker"]) for w in workers["workers"]]
+        table = wait_for(
+            f"the worker table to list workers {ids}",
+            lambda: (t := worker_table(browser)) and [row[0] for row in t] == ids and t,
+        )
+        assert table[0][1] == "CP2"
 
         # Everything the page loaded came from the server.
         loaded = browser.execute_script(RESOURCES_JS)
