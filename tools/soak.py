@@ -373,7 +373,8 @@ def settle(url: str, timeout_s: float = 40.0) -> dict[str, Any]:
 def readiness(url: str) -> tuple[int, str | None]:
     """``/ready``'s status, and its reason when it is not 200."""
     try:
-        return urllib.request.urlopen(url + "/ready", timeout=10).status, None
+        with urllib.request.urlopen(url + "/ready", timeout=10) as resp:
+            return resp.status, None
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode(errors="replace")
 

@@ -57,7 +57,6 @@ def load(server: Server, n: int, seed: int) -> None:
 
 @pytest.mark.timeout(300)
 def test_the_live_dashboard_follows_the_pool(tmp_path: Path) -> None:
-
     config = write_serve_config(
         tmp_path / "serve.toml", server={"admin_token": ADMIN_TOKEN, "timeline_s": 0.5}
     )
