@@ -254,3 +254,30 @@ def test_reuse_at_the_floor_is_no_revision() -> None:
     forecast.record(make_sample(1, 0.0, 1000, [(0, 128), (1, 128)], 2, 5))
     assert forecast.by_id[1].floor_tokens == 128
     assert not forecast.revise(1, 0, 128, 5)
+
+
+def test_a_thinned_window_is_the_window_filtered_by_draw() -> None:
+    """Through records, revisions (which move a sample's draw with its prefix key),
+    trims and the compaction of the trimmed head, the strata give exactly the samples
+    of the window whose draw is under ``keep``, in order, at every keep."""
+    rng = random.Random(7)
+    forecast = Forecast(ForecastConfig(horizon_s=30.0, min_requests=50, max_horizon_s=60.0))
+    rid, t, checked, revised = 0, 0.0, 0, 0
+    for step in range(60):
+        for _ in range(rng.randint(100, 400)):
+            t += rng.expovariate(40.0)
+            late = max(0.0, t - rng.uniform(0, 2))  # placed after waiting: out of order
+            forecast.record(ArrivalSample(rid, late, rng.randint(10, 9000), (), rng.randint(0, 99)))
+            rid += 1
+        for _ in range(20):
+            victim = rng.randrange(max(0, rid - 500), rid)
+            revised += forecast.revise(victim, rng.randint(0, 7), 10_000, rng.randint(1, 10**9))
+        now = t + 0.5
+        window = forecast.window(now) if step % 2 else forecast.long_window(now)
+        every = window.samples
+        assert len(every) == window.count
+        for keep in (1.0, 0.9, 0.5, 0.3, 0.1, 0.01, 0.002, 1e-5):
+            assert window.thinned(keep) == [s for s in every if s.draw < keep]
+            checked += 1
+    assert forecast._base > 0  # the head was compacted at least once
+    assert checked == 480 and revised > 500

@@ -202,14 +202,14 @@ class WhatIfController(Controller):
         window = self.forecast.window(now)
         if len(self._times) > 2 * len(self.forecast) + 1000:  # forget the requests gone
             self._times = {r: t for r, t in self._times.items() if r in self.forecast.by_id}
-        n = len(window.samples)
+        n = window.count
         dilation = max(1.0, n / cfg.replay_requests)
         # In the cold-cache warm-up, the replay sees the cache as it will be: each
         # prefix reusable wherever the trie matched it (as the start choice does).
         first = self.forecast.first_arrival_s
         warming = first is None or now - first < cfg.horizon_s
         forecast = model.prepare(
-            window.samples,
+            window.thinned(1.0 / dilation),
             window.start_s,
             dilation,
             window.span_s,
@@ -266,9 +266,9 @@ class WhatIfController(Controller):
             assert first is not None
             long = self.forecast.long_window(now, first + 2 * cfg.horizon_s)
             if long.span_s >= 1.5 * window.span_s and window.rate > 0 and long.rate > 0:
-                prepared = model.prepare(long.samples, long.start_s,
-                                         max(1.0, len(long.samples) / cfg.replay_requests),
-                                         long.span_s, self._times)  # fmt: skip
+                d = max(1.0, long.count / cfg.replay_requests)
+                prepared = model.prepare(long.thinned(1.0 / d), long.start_s, d, long.span_s,
+                                         self._times)  # fmt: skip
                 long_forecast = faster(prepared, window.rate / long.rate)
         span = max(window.span_s, cfg.decision_s)
         cycle_s = max(window.span_s, 1e-9)
