@@ -20,4 +20,8 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   fi
 fi
 "${PIP[@]}" install -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+# The replay loop compiled by mypyc (src/vertumnus/native.py); without a C compiler
+# the pure module runs, slower, with the same results.
+.venv/bin/python tools/build_native.py \
+  || echo "warning: the compiled replay loop was not built; the pure Python one runs" >&2
 .venv/bin/python -c "import vertumnus, torch; print(f'vertumnus ready: torch {torch.__version__}')"

@@ -62,6 +62,7 @@ async def serve(args: argparse.Namespace, cluster: Any, cfg: Any) -> int:
     configuration needs its agents' topology: ``cluster``)."""
     from aiohttp import web
 
+    from vertumnus import native
     from vertumnus.runtime.coordinator import Coordinator
     from vertumnus.server.app import build_app
     from vertumnus.server.keys import ADDRESS
@@ -101,8 +102,9 @@ async def serve(args: argparse.Namespace, cluster: Any, cfg: Any) -> int:
         gc.freeze()
         print(f"vertumnus listening on http://{args.host}:{port}", flush=True)
         structlog.get_logger("vertumnus").info(
-            "listening", host=args.host, port=port, decode=proxy and proxy.url
-        )
+            "listening", host=args.host, port=port, decode=proxy and proxy.url,
+            native=native.status(),
+        )  # fmt: skip
         await stop.wait()
     finally:
         log = structlog.get_logger("vertumnus")

@@ -16,6 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from vertumnus import native
 from vertumnus.config import ConfigError
 from vertumnus.config.start import write_state
 from vertumnus.perfmodel import ProfileError
@@ -96,6 +97,9 @@ def run(args: argparse.Namespace) -> int:
             for why in cfg.start.warnings:
                 print(f"warning: {why}", file=sys.stderr)
             print(f"start {cfg.start.composition}, from {cfg.start.origin}", file=sys.stderr)
+        for module, how in native.status().items():
+            if how != "compiled":  # the same results, slower
+                print(f"note: {module} runs {how}", file=sys.stderr)
         sim = Simulation(
             cfg.settings, cfg.profile, cfg.spec, cfg.policy, cfg.requests, terminal_progress
         )

@@ -27,7 +27,8 @@ per request.
 m: the same queueing process on a slower clock (rates and service times keep their
 ratio), its TTFTs divided by m. It bounds the cost of a replay at large pools.
 
-Pure Python. Not owned here: the forecast (``forecast``), candidates and the
+Pure Python; the loop runs compiled where ``tools/build_native.py`` built it
+(``vertumnus.native``). Not owned here: the forecast (``forecast``), candidates and the
 decision (``whatif``).
 """
 
@@ -36,16 +37,25 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
+from vertumnus import native
+from vertumnus.policy import replay_loop
 from vertumnus.policy.costs import CostWeights, ReuseCurve
 from vertumnus.policy.forecast import ArrivalSample
-from vertumnus.policy.replay_loop import (
+from vertumnus.policy.replay_types import (
     PreparedForecast,
-    Replay,
     ReplayResult,
     ReplayWorker,
     Retirement,
 )
+
+# The loops compiled by mypyc where they are built from this source (``native``).
+_loop = native.compiled(replay_loop)
+if TYPE_CHECKING:
+    from vertumnus.policy.replay_loop import Replay, mean_best_e
+else:
+    Replay, mean_best_e = _loop.Replay, _loop.mean_best_e
 
 __all__ = [
     "PreparedForecast",
@@ -133,7 +143,7 @@ class ReplayModel:
             tuple(holders),
             dilation,
             span,
-            _mean_best_e(len(self.degrees), e_pred, holders),
+            mean_best_e(len(self.degrees), e_pred, holders),
         )
 
     def times(self, sample: ArrivalSample, warm: bool = False) -> Times:
@@ -184,25 +194,3 @@ class ReplayModel:
         drains, its replacements serve (a reshape back, priced as it runs)."""
         replay = Replay(self, forecast, workers, remap, lost, head, batches, retire)
         return replay.extend(cycles)
-
-
-def _mean_best_e(
-    n_degrees: int,
-    e_pred: Sequence[tuple[float, ...]],
-    holders: Sequence[tuple[tuple[int, tuple[float, ...]], ...]],
-) -> tuple[float, ...]:
-    """Per degree index, the mean over the requests that degree can hold of E at the
-    request's best reuse (its floor or its best holder): the unit in which the
-    replay counts a queue's requests. 0.0 where no request fits."""
-    sums = [0.0] * n_degrees
-    counts = [0] * n_degrees
-    for pred, held in zip(e_pred, holders, strict=True):
-        for k in range(n_degrees):
-            e = pred[k]
-            for _, h_pred in held:
-                if h_pred[k] < e:
-                    e = h_pred[k]
-            if e < math.inf:
-                sums[k] += e
-                counts[k] += 1
-    return tuple(s / n if n else 0.0 for s, n in zip(sums, counts, strict=True))

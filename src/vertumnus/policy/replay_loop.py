@@ -6,8 +6,11 @@ continued) and returns the result over the first ``cycles``: a horizon that doub
 while a backlog drains replays only the cycles it adds, and a result over fewer
 cycles than already replayed is the same one a fresh replay would give.
 
-Pure Python. Not owned here: the service-time model and the replay's input
-(``replay``).
+Also here, being as hot: ``mean_best_e``, the unit of the cost rule's backlog depth,
+over every request of a prepared forecast.
+
+Pure Python, compiled by mypyc where built (``vertumnus.native``): keep it typed.
+Not owned here: the service-time model and the replay's input (``replay``).
 """
 
 from __future__ import annotations
@@ -15,58 +18,18 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vertumnus.policy.forecast import unit
+from vertumnus.policy.replay_types import (
+    PreparedForecast,
+    ReplayResult,
+    ReplayWorker,
+    Retirement,
+)
 
 if TYPE_CHECKING:
     from vertumnus.policy.replay import ReplayModel
-
-
-@dataclass(frozen=True, slots=True)
-class ReplayWorker:
-    worker_id: int
-    cp_degree: int
-    free_at_s: float  # relative to the replay's t = 0, in real (undilated) seconds
-
-
-@dataclass(frozen=True, slots=True)
-class ReplayResult:
-    mean_ttft_s: float
-    requests: int
-    busy_s: float  # service time of the first cycle's requests, in real seconds
-    span_s: float  # arrival span of the replayed requests (one cycle), real seconds
-    # per cycle: the mean TTFT of its arrivals, and the backlog left at its end
-    # (the work queued past it, summed over workers, real seconds)
-    cycle_ttft_s: tuple[float, ...] = ()
-    backlog_s: tuple[float, ...] = ()
-    # the forecast cut into ``batches`` runs of consecutive arrivals: each run's
-    # mean TTFT over every cycle (the paired comparison's sample)
-    batch_ttft_s: tuple[float, ...] = ()
-
-
-# (from when, in undilated seconds; the worker; the workers made of it, each with
-# its free_at_s counted from the end of the worker's drain)
-Retirement = tuple[float, int, tuple[ReplayWorker, ...]]
-
-
-@dataclass(frozen=True)
-class PreparedForecast:
-    """Per request: offset, prefix key, input bucket, predicted E per degree (no
-    reuse beyond the floor), holders with E at their reuse. E is the profile's,
-    undilated and uncalibrated: the replay applies both."""
-
-    offsets: tuple[float, ...]
-    keys: tuple[int, ...]  # prefix keys (which split child inherits the prefix)
-    buckets: tuple[int, ...]
-    e_pred: tuple[tuple[float, ...], ...]  # [request][degree index]
-    holders: tuple[tuple[tuple[int, tuple[float, ...]], ...], ...]
-    dilation: float
-    span_s: float
-    # per degree index: the mean predicted E of a request at its best reuse (the
-    # cost rule's backlog depth is a queue's work in these units)
-    mean_e: tuple[float, ...] = ()
 
 
 class Replay:
@@ -88,20 +51,30 @@ class Replay:
         self.model, self.forecast = model, forecast
         degrees = model.degrees
         self.index = index = {c: k for k, c in enumerate(degrees)}
-        self.free: dict[int, float] = {}
-        self.degree_of: dict[int, int] = {}
+        # Workers by slot, slots in the order of worker ids (every worker the replay
+        # can have: those given and those a retirement makes), so that a tie broken
+        # by slot is the scheduler's tie broken by worker id.
+        ids = sorted({w.worker_id for w in workers}
+                     | {r.worker_id for _, _, made in retire for r in made})  # fmt: skip
+        self.slot_of = slot_of = {w: k for k, w in enumerate(ids)}
+        self.free: list[float] = [math.inf] * len(ids)
+        self.degree_of: list[int] = [0] * len(ids)
+        self.here: list[bool] = [False] * len(ids)  # made already (a holder's worker)
+        self.order: list[int] = []  # slots in the order they came (the backlog's sum)
         self.heaps: list[list[tuple[float, int]]] = [[] for _ in degrees]
         for worker in workers:
-            self.free[worker.worker_id] = worker.free_at_s * m
-            self.degree_of[worker.worker_id] = index[worker.cp_degree]
-            self.heaps[index[worker.cp_degree]].append((worker.free_at_s * m, worker.worker_id))
+            slot, k = slot_of[worker.worker_id], index[worker.cp_degree]
+            self._add(slot, k, worker.free_at_s * m)
+            self.heaps[k].append((worker.free_at_s * m, slot))
         for h in self.heaps:
             heapq.heapify(h)
         self.live = [len(h) for h in self.heaps]
         if not any(self.live):
             raise ValueError("a replay needs at least one worker")
         self._present()
-        self.pending = sorted((at * m, w, made) for at, w, made in retire if w in self.free)
+        self.pending = sorted(
+            (at * m, w, made) for at, w, made in retire if w in slot_of and self.here[slot_of[w]]
+        )
         self.remap = remap or {}
         self.lost = lost or {}
         self.restored: set[int] = set()
@@ -120,6 +93,15 @@ class Replay:
         self.marks: list[tuple[float, int, tuple[float, ...], tuple[int, ...]]] = []
         if not self.empty and head is not None and head.offsets:
             self._pass(head, 0.0, False, False)
+
+    def _add(self, slot: int, k: int, free_at: float) -> None:
+        """A worker of degree index ``k`` in ``slot``, free from ``free_at`` (dilated);
+        the caller puts it in its heap."""
+        if not self.here[slot]:
+            self.here[slot] = True
+            self.order.append(slot)
+        self.free[slot] = free_at
+        self.degree_of[slot] = k
 
     def _present(self) -> None:
         """The degrees with workers, and the scheduler's beta + lambda (C / C_min - 1),
@@ -159,11 +141,12 @@ class Replay:
         model, m = self.model, self.m
         degrees = model.degrees
         free, degree_of, heaps, index = self.free, self.degree_of, self.heaps, self.index
+        slot_of, here = self.slot_of, self.here
         pending, remap, lost, restored = self.pending, self.remap, self.lost, self.restored
         scales = [model.scale[c] for c in degrees]
         overhead = model.overhead_s * m
         # The scheduler sees predicted work: q in its units is q / (mean scale).
-        inv_scale = [len(model.scale[c]) / sum(model.scale[c]) for c in degrees]
+        inv_scale = [len(model.scale[c]) / sum(model.scale[c], 0.0) for c in degrees]
         # In overload the scheduler weighs E by beta + backlog_weight * (depth - 1),
         # depth the fewest requests waiting at any worker: here a worker's queue
         # over the forecast's mean E at its degree (``depth_unit``: that ratio's
@@ -178,7 +161,7 @@ class Replay:
             else []
         )
         heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
-        free_get, remap_get, lost_get = free.get, remap.get, lost.get
+        slot_get, remap_get, lost_get = slot_of.get, remap.get, lost.get
         present, factor = self.present, self.factor
         n_tail, nb = self.n_tail, self.nb
         batch_sum, batch_n = self.batch_sum, self.batch_n
@@ -191,42 +174,38 @@ class Replay:
             t = t0 + shift
             if pending and t >= pending[0][0]:
                 while pending and t >= pending[0][0]:
-                    at, gone, made = pending.pop(0)
+                    at, gone_id, made = pending.pop(0)
+                    gone = slot_of[gone_id]
                     end = max(free[gone], at)  # its queue drains, then the switch
                     free[gone] = inf
                     self.live[degree_of[gone]] -= 1
                     for r in made:
                         k = index[r.cp_degree]
-                        free[r.worker_id] = end + r.free_at_s * m
-                        degree_of[r.worker_id] = k
-                        heappush(heaps[k], (free[r.worker_id], r.worker_id))
+                        slot = slot_of[r.worker_id]
+                        self._add(slot, k, end + r.free_at_s * m)
+                        heappush(heaps[k], (free[slot], slot))
                         self.live[k] += 1
                 self._present()
                 present, factor = self.present, self.factor
             # Each present degree's earliest-free worker (stale entries dropped),
             # then the cost rule over them and the request's holders.
-            tops = []
+            depth = inf
             for k in present:
                 h = heaps[k]
                 fa, w = h[0]
                 while fa != free[w]:
                     heappop(h)
                     fa, w = h[0]
-                tops.append((k, fa, w))
-            extra = 0.0
-            if depth_unit:  # the scheduler's backlog depth, in mean requests
-                depth = inf
-                for k, fa, _ in tops:
-                    if pred[k] < inf:
-                        d = (fa - t) * depth_unit[k] if fa > t else 0.0
-                        if d < depth:
-                            depth = d
-                if 2.0 <= depth < inf:
-                    extra = backlog_weight * (int(depth) - 1)
+                if depth_unit and pred[k] < inf:  # the scheduler's backlog depth
+                    d = (fa - t) * depth_unit[k] if fa > t else 0.0
+                    if d < depth:
+                        depth = d
+            extra = backlog_weight * (int(depth) - 1) if 2.0 <= depth < inf else 0.0
             best_cost = best_q = inf
             best_k = best_w = -1
             best_e = 0.0
-            for k, fa, w in tops:
+            for k in present:
+                fa, w = heaps[k][0]
                 q = fa - t if fa > t else 0.0
                 e = pred[k] * m
                 cost = q * inv_scale[k] + (factor[k] + extra) * e
@@ -242,17 +221,16 @@ class Replay:
                             missed = True
                             continue
                         holder = targets[key % len(targets)] if targets else -1
-                held_free = free_get(holder)
-                if held_free is None:
+                w = slot_get(holder, -1)
+                if w < 0 or not here[w]:
                     continue
-                k = degree_of[holder]
+                held_free = free[w]
+                k = degree_of[w]
                 q = held_free - t if held_free > t else 0.0
                 e = h_pred[k] * m
                 cost = q * inv_scale[k] + (factor[k] + extra) * e
-                if cost < best_cost or (
-                    cost == best_cost and (q, k, holder) < (best_q, best_k, best_w)
-                ):
-                    best_cost, best_q, best_k, best_w, best_e = cost, q, k, holder, e
+                if cost < best_cost or (cost == best_cost and (q, k, w) < (best_q, best_k, best_w)):
+                    best_cost, best_q, best_k, best_w, best_e = cost, q, k, w, e
             if best_w < 0:
                 position += 1
                 continue  # no worker here can hold it (the scheduler refuses it)
@@ -282,5 +260,28 @@ class Replay:
         if is_cycle:
             self.cycle_means.append(part_total / part_n / m if part_n else 0.0)
             edge = shift + self.period
-            self.backlogs.append(sum(f - edge for f in free.values() if edge < f < inf) / m)
+            backlog = sum(free[w] - edge for w in self.order if edge < free[w] < inf)
+            self.backlogs.append(backlog / m)
             self.marks.append((self.total, self.served, tuple(batch_sum), tuple(batch_n)))
+
+
+def mean_best_e(
+    n_degrees: int,
+    e_pred: Sequence[tuple[float, ...]],
+    holders: Sequence[tuple[tuple[int, tuple[float, ...]], ...]],
+) -> tuple[float, ...]:
+    """Per degree index, the mean over the requests that degree can hold of E at the
+    request's best reuse (its floor or its best holder): the unit in which the
+    replay counts a queue's requests. 0.0 where no request fits."""
+    sums = [0.0] * n_degrees
+    counts = [0] * n_degrees
+    for pred, held in zip(e_pred, holders, strict=True):
+        for k in range(n_degrees):
+            e = pred[k]
+            for _, h_pred in held:
+                if h_pred[k] < e:
+                    e = h_pred[k]
+            if e < math.inf:
+                sums[k] += e
+                counts[k] += 1
+    return tuple(s / n if n else 0.0 for s, n in zip(sums, counts, strict=True))

@@ -1,0 +1,54 @@
+"""The replay's input and result: the workers a candidate offers, a forecast prepared
+for replaying, and what a replay measured (see ``replay`` and ``replay_loop``).
+
+Pure Python, plain data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayWorker:
+    worker_id: int
+    cp_degree: int
+    free_at_s: float  # relative to the replay's t = 0, in real (undilated) seconds
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayResult:
+    mean_ttft_s: float
+    requests: int
+    busy_s: float  # service time of the first cycle's requests, in real seconds
+    span_s: float  # arrival span of the replayed requests (one cycle), real seconds
+    # per cycle: the mean TTFT of its arrivals, and the backlog left at its end
+    # (the work queued past it, summed over workers, real seconds)
+    cycle_ttft_s: tuple[float, ...] = ()
+    backlog_s: tuple[float, ...] = ()
+    # the forecast cut into ``batches`` runs of consecutive arrivals: each run's
+    # mean TTFT over every cycle (the paired comparison's sample)
+    batch_ttft_s: tuple[float, ...] = ()
+
+
+# (from when, in undilated seconds; the worker; the workers made of it, each with
+# its free_at_s counted from the end of the worker's drain)
+Retirement = tuple[float, int, tuple[ReplayWorker, ...]]
+
+
+@dataclass(frozen=True)
+class PreparedForecast:
+    """Per request: offset, prefix key, input bucket, predicted E per degree (no
+    reuse beyond the floor), holders with E at their reuse. E is the profile's,
+    undilated and uncalibrated: the replay applies both."""
+
+    offsets: tuple[float, ...]
+    keys: tuple[int, ...]  # prefix keys (which split child inherits the prefix)
+    buckets: tuple[int, ...]
+    e_pred: tuple[tuple[float, ...], ...]  # [request][degree index]
+    holders: tuple[tuple[tuple[int, tuple[float, ...]], ...], ...]
+    dilation: float
+    span_s: float
+    # per degree index: the mean predicted E of a request at its best reuse (the
+    # cost rule's backlog depth is a queue's work in these units)
+    mean_e: tuple[float, ...] = ()
