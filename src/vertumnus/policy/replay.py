@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from vertumnus import native
@@ -150,21 +150,18 @@ class ReplayModel:
         """The request's E per degree at its floor and at each holder's reuse
         (``warm``: at its match anywhere, everywhere)."""
         n = sample.input_tokens
+        limit = self.max_tokens_per_rank
+        # (per degree: its time function, or None where its ranks cannot hold it)
+        timers = [
+            None if limit is not None and -(-n // c) > limit else self.curves[c].time_s
+            for c in self.degrees
+        ]
         if warm:
-            return bucket_of(n), self._per_degree_s(n, sample.matched_tokens), ()
+            return bucket_of(n), _per_degree_s(timers, n, sample.matched_tokens), ()
         return (
             bucket_of(n),
-            self._per_degree_s(n, sample.floor_tokens),
-            tuple((w, self._per_degree_s(n, p)) for w, p in sample.holders),
-        )
-
-    def _per_degree_s(self, input_tokens: int, reused_tokens: int) -> tuple[float, ...]:
-        limit = self.max_tokens_per_rank
-        return tuple(
-            math.inf  # its ranks cannot hold the request
-            if limit is not None and -(-input_tokens // c) > limit
-            else self.curves[c].time_s(input_tokens, reused_tokens)
-            for c in self.degrees
+            _per_degree_s(timers, n, sample.floor_tokens),
+            tuple([(w, _per_degree_s(timers, n, p)) for w, p in sample.holders]),
         )
 
     def run(
@@ -194,3 +191,9 @@ class ReplayModel:
         drains, its replacements serve (a reshape back, priced as it runs)."""
         replay = Replay(self, forecast, workers, remap, lost, head, batches, retire)
         return replay.extend(cycles)
+
+
+def _per_degree_s(
+    timers: Sequence[Callable[[int, int], float] | None], input_tokens: int, reused_tokens: int
+) -> tuple[float, ...]:
+    return tuple([math.inf if t is None else t(input_tokens, reused_tokens) for t in timers])
