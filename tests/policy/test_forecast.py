@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from vertumnus.policy import forecast as forecast_module
 from vertumnus.policy.forecast import (
     MAX_HOLDERS,
     ArrivalSample,
@@ -164,6 +165,31 @@ def test_a_steady_poisson_stream_never_fires(seed: int) -> None:
     assert fired == [False] * 30
     # Nothing was dropped but what max_horizon_s drops.
     assert min(s.arrival_s for s in forecast.by_id.values()) >= 300 - 90
+
+
+def test_a_rate_change_frees_what_it_drops_a_step_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The jump of the test above: the 600 samples before the floor at 60 s leave
+    # ``by_id`` and every window at once, as there; their memory is freed 250 a
+    # window at most and two a record, each id passed to ``forget`` once, in order.
+    monkeypatch.setattr(forecast_module, "FREE_STEP", 250)
+    forgotten: list[int] = []
+    config = ForecastConfig(horizon_s=30.0, min_requests=1, max_horizon_s=90.0, recent_s=10.0)
+    forecast = Forecast(config, forget=forgotten.append)
+    feed(forecast, jump_times())
+    assert forecast.window(70.0).rate_changed
+    assert len(forecast) == 400 and min(forecast.by_id) == 600
+    assert forgotten == list(range(250))
+    t, rid = 70.0, 1000
+    for _ in range(3):
+        assert ids(forecast.long_window(t)) == list(range(600, rid))
+        feed(forecast, [t + k / 40 for k in range(40)], first_id=rid)
+        t, rid = t + 1.0, rid + 40
+        window = forecast.window(t)
+        assert not window.rate_changed and ids(window)[0] == 600
+        assert sorted(forecast.by_id) == list(range(600, rid)) and len(forecast) == rid - 600
+    assert forgotten == list(range(600))
 
 
 def test_by_id_holds_exactly_the_kept_samples() -> None:

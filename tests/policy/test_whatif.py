@@ -309,6 +309,20 @@ def homed(
     return policy, Driver(policy)
 
 
+def test_the_replay_times_are_kept_while_the_forecast_keeps_the_request() -> None:
+    # 200 s of 5 requests a second, a decision every 10 s, the long window 100 s:
+    # the times the replays computed follow the forecast out (no rebuild needed).
+    policy, driver = homed(None, (1, 1), steady_horizon_s=100.0)
+    for k in range(200):
+        driver.steady(float(k), 5.0, 100)
+        if k % 10 == 9:
+            driver.decide(k + 1.0)
+    ctl = policy.controller
+    assert isinstance(ctl, WhatIfController)
+    kept = set(ctl.forecast.by_id)
+    assert min(kept) >= 5 * 95 and ctl._times and set(ctl._times) <= kept
+
+
 def mix_changes(check: bool, start: dict[int, int] | None = None) -> PoolPolicy:
     """Two degree-2 workers: 20 s of 100-token requests, 20 a second, then 2 s of
     16-token ones (``start``: as in ``homed``). (``urgent_gain`` off: a split is
@@ -565,6 +579,24 @@ def test_a_merge_a_rise_would_cost_more_than_it_gains_is_refused() -> None:
     assert refused["gain"] == 0.0 and merge["gain"] > 0.05 and merge["way_back_s"] is None
     risen, held = refused["way_back_s"]
     assert risen - held > merge["gain"] * held and held > 0
+
+
+def test_the_way_back_is_replayed_only_for_a_merge_nothing_cheaper_refused() -> None:
+    # Both guards on: the headroom check (arrivals 1.5x as fast) refuses the merge,
+    # so its way back, the costliest replay, is not run; the decisions are the
+    # headroom check's alone. With the headroom check off, the way back runs and
+    # refuses it (the test above).
+    both = quiet_four(headroom_rate=1.5, way_back_utilisation=0.9)
+    alone = quiet_four(headroom_rate=1.5, way_back_utilisation=0.0)
+    assert [d.rule for d in both.controller.history] == ["hold", "hold"]
+    for ours, theirs in zip(both.controller.history, alone.controller.history, strict=True):
+        assert ours.inputs["candidates"] == theirs.inputs["candidates"]
+    refused = both.controller.history[0].inputs["candidates"][1]
+    merged, held = refused["headroom_s"]
+    assert refused["composition"] == "2CP1/1CP2" and refused["gain"] == 0.0 and merged > held
+    assert refused["way_back_s"] is None
+    exposed = quiet_four(headroom_rate=1.0, way_back_utilisation=0.9).controller.history[0]
+    assert exposed.inputs["candidates"][1]["way_back_s"] is not None
 
 
 def composed(composition: dict[int, int], kind: str = "merge") -> Candidate:

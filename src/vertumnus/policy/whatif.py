@@ -116,7 +116,9 @@ class WhatIfController(Controller):
                 config.max_horizon_s,
                 recent_s=min(config.decision_s, config.horizon_s),
                 long_s=config.steady_horizon_s,
-            )
+            ),
+            # (each request's replay times are kept while the forecast keeps it)
+            forget=lambda request_id: self._times.pop(request_id, None),
         )
         self.calibration = Calibration(lattice.config.degrees)
         # consecutive decisions whose best is the same kind of move
@@ -200,7 +202,7 @@ class WhatIfController(Controller):
             self.max_tokens_per_rank,
         )
         window = self.forecast.window(now)
-        if len(self._times) > 2 * len(self.forecast) + 1000:  # forget the requests gone
+        if len(self._times) > 2 * len(self.forecast) + 1000:  # (those an audit added late)
             self._times = {r: t for r, t in self._times.items() if r in self.forecast.by_id}
         n = window.count
         dilation = max(1.0, n / cfg.replay_requests)

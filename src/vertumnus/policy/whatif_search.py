@@ -31,7 +31,9 @@ And a merge is priced under a rise, with its way back (``WayBack``): the
 arrivals as fast as holding's workers would be ``utilisation`` busy, the merge's
 workers split back ``react_s`` into the rise (each new worker serves once its
 source has drained, after the switch), for the payback horizon, against holding
-at that rate; the guards refuse a merge whose loss there exceeds its gain.
+at that rate; the guards refuse a merge whose loss there exceeds its gain (the costliest
+replay, at up to ``rate_max`` times the arrivals: run last, only for a merge that
+neither the headroom nor the longer sample below refuses).
 
 A candidate that beats holding is checked against the longer sample of the load
 (``long_forecast``: every arrival since the last rate change, at most the
@@ -129,6 +131,7 @@ class Evaluation:
     # the rate (None: not a merge, or not priced)
     headroom: tuple[tuple[float, float] | None, ...] = ()
     # per merge candidate: its mean TTFT under the rise with the way back, holding's
+    # (None: not a merge, or one already refused by the headroom or the longer sample)
     way_back: tuple[tuple[float, float] | None, ...] = ()
     # per candidate that beats holding: its steady mean TTFT on the long forecast,
     # and holding's (None: no long forecast, or not priced)
@@ -230,7 +233,6 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
             cand = plan.candidates[k]
             merged = model.run(quick, cand.steady_workers, cand.remap, cycles=2).mean_ttft_s
             headroom[k] = (merged, held)
-    backs = _way_back(plan, merges, busy)
     steady_long: list[tuple[float, float] | None] = [None] * n
     winners = [
         k
@@ -244,6 +246,17 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
             cand = plan.candidates[k]
             mine = model.run(long, cand.steady_workers, cand.remap).mean_ttft_s
             steady_long[k] = (mine * (1 + op_cost * len(cand.ops)), held)
+    # The way back only for a merge nothing cheaper refused (the headroom, the
+    # longer sample): the guards would not read it.
+    exposed = []
+    for k in merges:
+        stressed, longer = headroom[k], steady_long[k]
+        if stressed is not None and stressed[0] > stressed[1]:
+            continue
+        if longer is not None and longer[0] >= longer[1]:
+            continue
+        exposed.append(k)
+    backs = _way_back(plan, exposed, busy)
     return Evaluation(tuple(lives), tuple(steadies), tuple(scores), audits, tuple(holds),
                       tuple(zs), busy, move_audits, tuple(headroom), backs,
                       tuple(steady_long))  # fmt: skip
