@@ -203,9 +203,7 @@ class Forecast:
         # Free as it records, two at most a record, what the windows dropped: no
         # decision pays for a window's worth at once (at 1,024 GPUs 9,000 samples
         # every 10 s, 1-2 us each, and 270,000 when the rate changes).
-        head = self._head
-        if head < self._hidden - self._base:
-            self._free_to(min(self._hidden - self._base, head + 2))
+        self._free(2)
 
     def revise(self, request_id: int, worker_id: int, reused_tokens: int, key: int) -> bool:
         """A request started reusing more at its worker than its sample holds (a
@@ -270,9 +268,7 @@ class Forecast:
                 for gone in samples[hidden:hide]:
                     by_id.pop(gone.request_id, None)
             self._hidden = self._base + hide
-        cut = min(max(hide, hidden), self._head + FREE_STEP)
-        if cut > self._head:
-            self._free_to(cut)
+        self._free(FREE_STEP)
         if self._head > 4096 and self._head * 2 > len(self._samples):
             del self._samples[: self._head], self._keys[: self._head]
             self._base += self._head
@@ -280,10 +276,14 @@ class Forecast:
             for stratum in self._strata:
                 del stratum[: bisect.bisect_left(stratum, self._base)]
 
-    def _free_to(self, cut: int) -> None:
-        """Free the dropped samples from the head to ``cut`` (their places hold
-        ``_GONE``, their keys the last one's, until compaction; ``forget`` is told)."""
+    def _free(self, most: int) -> None:
+        """Free up to ``most`` of the dropped samples, oldest first (their places
+        hold ``_GONE``, their keys the last one's, until compaction; ``forget`` is
+        told)."""
         head, forget = self._head, self._forget
+        cut = min(self._hidden - self._base, head + most)
+        if cut <= head:
+            return
         samples, keys = self._samples, self._keys
         last = keys[cut - 1]
         for k in range(head, cut):

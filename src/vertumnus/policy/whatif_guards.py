@@ -24,7 +24,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vertumnus.policy.whatif_search import Evaluation, WhatIfPlan
+from vertumnus.policy.whatif_search import (
+    Evaluation,
+    WhatIfPlan,
+    burst_refuses,
+    longer_refuses,
+)
 
 
 def pessimistic_gains(
@@ -38,7 +43,7 @@ def pessimistic_gains(
         if k == 0 or score is None or hold is None or not 0 < hold < math.inf:
             continue
         stressed = evaluation.headroom[k] if k < len(evaluation.headroom) else None
-        if stressed is not None and stressed[0] > stressed[1]:
+        if burst_refuses(stressed):
             continue  # a merge without the headroom for a burst: refused
         # (a move back towards the start is judged against holding the start: a
         # merge's way back does not refuse it, its exposure to a rise being holding
@@ -47,7 +52,7 @@ def pessimistic_gains(
         # lowers it, must show its gain there too)
         home = k < len(plan.homeward) and plan.homeward[k]
         steady = evaluation.steady_long[k] if k < len(evaluation.steady_long) else None
-        if steady is not None and steady[0] >= steady[1] and not (home and cand.kind == "split"):
+        if longer_refuses(steady) and not (home and cand.kind == "split"):
             continue  # no better on the longer sample of the load: refused
         priced = score * (1.0 + pessimism(cand.kind) * priced_share(plan, evaluation, k))
         gain = (hold - priced) / hold

@@ -248,18 +248,25 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
             steady_long[k] = (mine * (1 + op_cost * len(cand.ops)), held)
     # The way back only for a merge nothing cheaper refused (the headroom, the
     # longer sample): the guards would not read it.
-    exposed = []
-    for k in merges:
-        stressed, longer = headroom[k], steady_long[k]
-        if stressed is not None and stressed[0] > stressed[1]:
-            continue
-        if longer is not None and longer[0] >= longer[1]:
-            continue
-        exposed.append(k)
+    exposed = [
+        k for k in merges if not burst_refuses(headroom[k]) and not longer_refuses(steady_long[k])
+    ]
     backs = _way_back(plan, exposed, busy)
     return Evaluation(tuple(lives), tuple(steadies), tuple(scores), audits, tuple(holds),
                       tuple(zs), busy, move_audits, tuple(headroom), backs,
                       tuple(steady_long))  # fmt: skip
+
+
+def burst_refuses(stressed: tuple[float, float] | None) -> bool:
+    """A merge slower than holding with the arrivals ``headroom_rate`` times as fast
+    (``Evaluation.headroom``): no headroom for a burst."""
+    return stressed is not None and stressed[0] > stressed[1]
+
+
+def longer_refuses(steady: tuple[float, float] | None) -> bool:
+    """A candidate no faster than holding in the steady state on the longer sample
+    of the load (``Evaluation.steady_long``)."""
+    return steady is not None and steady[0] >= steady[1]
 
 
 def _way_back(
