@@ -79,3 +79,33 @@ def test_a_biased_profile_does_not_make_the_controller_flap() -> None:
         for s in (sim, blind)
     ]
     assert mean[0] < mean[1]
+
+
+def uniform_bias_run(bias: float) -> Simulation:
+    """Three minutes of 400-token prompts on two degree-2 workers at 0.6 of their
+    capacity, the profile off by ``bias`` at every degree (a new machine). One
+    degree-4 worker would take 35 against 50 ms a prompt, but it alone would be
+    0.84 busy: holding is faster."""
+    coeffs = {2: DegreeCoeffs(d=0.01, c=2e-4), 4: DegreeCoeffs(d=0.015, c=2e-4)}
+    profile = make_profile(coeffs, {2: 1.0, 4: 1.0})
+    pool = PoolSpec(LatticeConfig(4, (2, 4)), (2, 2), 512, 64)
+    controller = ControllerConfig(min_requests=100)
+    policy = dataclasses.replace(PolicyConfig(), controller=controller)
+    settings = SimSettings(seed=3, noise_cv=0.1, profile_bias={2: bias, 4: bias})
+    sim = Simulation(settings, profile, pool, policy, poisson(24.0, 180.0, 400, seed=7))
+    sim.result = sim.run()  # type: ignore[attr-defined]
+    return sim
+
+
+def test_a_degree_not_run_yet_is_priced_at_the_measured_degrees_error() -> None:
+    # The profile predicts every degree twice as fast as it runs. Degree 2 measures
+    # that; degree 4, which no worker has, borrows it: kept at 1 it would look 1.7x
+    # faster than degree 2 and the pool would merge, and split back once measured.
+    sim = uniform_bias_run(0.5)
+    controller = sim.policy.controller
+    assert isinstance(controller, WhatIfController)
+    scales = controller.calibration.scales()
+    assert scales[2][0] == pytest.approx(2.0, rel=0.05)
+    assert scales[4][0] == pytest.approx(scales[2][0], rel=1e-9)
+    reshapes = sim.result.reshapes  # type: ignore[attr-defined]
+    assert reshapes == [], [(r.kind, r.started_s) for r in reshapes]

@@ -6,8 +6,15 @@ Per degree C and input-length bucket b (``replay.BUCKET_EDGES``), the scale
 
 from the prefills that ended: measured from the ranks' own compute time where the
 driver has it, else the time the worker was busy. Below ``min_samples`` a bucket
-borrows its degree's pooled scale, and a degree with none yet stays at 1. Scales
-are clamped to [1/4, 4]. ``overhead_s`` is the serving path's own time per prefill
+borrows its degree's pooled scale, and a degree with too few yet is no faster,
+against its profile, than the smaller degrees measured (their samples pooled; never
+under 1), or stays at 1 where none is. A profile is off on a new machine by much
+the same factor at every degree: a larger degree nobody ran yet, left at 1 beside
+measured ones at 2, would look twice as fast as it is, and a merge would go to it
+for that alone (and split back once measured). A smaller one keeps its profile: a
+split is the remedy to overload, and where the profile is off at the larger degree
+alone (its communication), borrowing would leave the pool stuck in too large a
+start. Scales are clamped to [1/4, 4]. ``overhead_s`` is the serving path's own time per prefill
 (busy time minus the ranks' compute), a decayed mean. ``switch_s`` is the measured
 time of a reshape's switch (commit to every rank's acknowledgement), with a prior.
 
@@ -110,11 +117,20 @@ class Calibration:
         for c, buckets in self._sums.items():
             n = sum(e[0] for e in buckets)
             pooled = _ratio(sum(e[1] for e in buckets), sum(e[2] for e in buckets))
-            pooled = pooled if n >= self.min_samples else 1.0
+            pooled = pooled if n >= self.min_samples else self._unmeasured(c)
             out[c] = tuple(
                 _ratio(e[1], e[2]) if e[0] >= self.min_samples else pooled for e in buckets
             )
         return out
+
+    def _unmeasured(self, degree: int) -> float:
+        """The scale of a degree with too few samples: no faster, against its
+        profile, than the smaller degrees measured (their samples pooled), and
+        never faster than the profile; 1 where no smaller degree is measured."""
+        smaller = [e for c, buckets in self._sums.items() if c < degree for e in buckets]
+        if sum(e[0] for e in smaller) < self.min_samples:
+            return 1.0
+        return max(1.0, _ratio(sum(e[1] for e in smaller), sum(e[2] for e in smaller)))
 
     def to_json(self) -> Mapping[str, object]:
         return {
