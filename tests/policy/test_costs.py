@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vertumnus.perfmodel import DegreeCoeffs
-from vertumnus.policy.costs import CostWeights, ReuseCurve, prefer_degree, reuse_curves
+from vertumnus.policy.costs import CostWeights, Pace, ReuseCurve, prefer_degree, reuse_curves
 
 COEFFS = DegreeCoeffs(d=0.03, a=7e-6, b=3e-7, c=1.6e-5, alpha=1.4e-9)
 
@@ -58,3 +58,29 @@ def test_weights_are_validated() -> None:
     with pytest.raises(ValueError, match="backlog_weight must be >= 0"):
         CostWeights(backlog_weight=float("nan"))
     assert CostWeights(beta=2, gpu_penalty=0.5).factor(4, 2) == 2 + 0.5 * (4 / 2 - 1)
+
+
+def test_pace_is_predicted_over_measured_busy_time_per_degree() -> None:
+    pace = Pace(decay=1.0, min_samples=3.0)
+    assert (pace.of(1), pace.of(2)) == (1.0, 1.0)  # nothing measured: the profile's
+    for _ in range(2):
+        pace.ended(1, 1.0, 2.0)  # the machine at half the profile's speed
+    assert pace.of(1) == 1.0  # (under min_samples, and so is the pool)
+    pace.ended(1, 1.0, 2.0)
+    # Degree 2, not measured, takes the pooled pace of every degree.
+    assert (pace.of(1), pace.of(2)) == (0.5, 0.5)
+    for _ in range(3):
+        pace.ended(2, 3.0, 1.0)
+    # Pooled by seconds: (3 + 9) / (6 + 3); degree 2's own, clamped to at most 4.
+    assert (pace.of(1), pace.of(2), pace.pooled) == (0.5, 3.0, pytest.approx(12 / 9))
+    pace.ended(2, 100.0, 1.0)
+    assert pace.of(2) == 4.0
+    pace.ended(1, 0.0, 1.0)  # unusable: ignored
+    pace.ended(1, 1.0, 0.0)
+    assert pace.of(1) == 0.5
+
+
+def test_a_pace_within_rounding_of_the_profile_is_the_profile() -> None:
+    pace = Pace(decay=1.0, min_samples=1.0)
+    pace.ended(1, 0.1 + 0.2, 0.3)  # (0.30000000000000004 over 0.3)
+    assert pace.of(1) == 1.0

@@ -290,3 +290,26 @@ def test_coming_prefixes_match_the_outstanding_requests_under_random_lives() -> 
                     n += 1
                 shared = max(shared, n)
             assert sched.coming_tokens(worker, req(-1, tokens, probe)) == shared * B
+
+
+def test_a_running_prefill_is_counted_at_the_pace_measured() -> None:
+    sched, _ = make()
+    for rid in range(4):
+        assert sched.place(req(rid), now=0.0) is not None
+    # The profile is 2x fast at degree 2 (the policy stack measures it, ``Pace``).
+    for _ in range(int(sched.pace.min_samples) + 2):  # (decayed: a few more)
+        sched.pace.ended(2, 0.07, 0.14)
+    assert sched.pace.of(2) == pytest.approx(0.5)
+    rid = sched.head(2)
+    assert rid is not None
+    sched.start(rid, 1.0)
+    # Halfway through a 0.07-s prefill that takes 0.14 s, 0.035 s of the profile's
+    # are left: not 0, as the real seconds elapsed alone would say.
+    queued = sched.queued_s(2)
+    assert sched.outstanding_s(2, 1.07) == pytest.approx(queued + 0.035)
+    assert sched.loads(1.07)[2] == pytest.approx(queued + 0.035)
+    # ... and the next arrival's placement sees the same.
+    placed = sched.place(req(9), now=1.07)
+    assert placed is not None
+    assert placed.queue_s == pytest.approx(queued + 0.035 if placed.worker_id == 2 else 0.0)
+    sched.check(1.07)

@@ -109,3 +109,20 @@ def test_a_degree_not_run_yet_is_priced_at_the_measured_degrees_error() -> None:
     assert scales[4][0] == pytest.approx(scales[2][0], rel=1e-9)
     reshapes = sim.result.reshapes  # type: ignore[attr-defined]
     assert reshapes == [], [(r.kind, r.started_s) for r in reshapes]
+
+
+def test_a_pool_serves_as_fast_with_its_profile_2x_off_as_with_it_right() -> None:
+    # The scheduler counts a running prefill's elapsed seconds at the pace measured:
+    # with the profile 2x fast, real seconds alone would finish each prefill halfway
+    # and send the next arrivals to a worker still busy.
+    profile = make_profile(COEFFS, {2: 1.0, 4: 1.0})
+    pool = PoolSpec(LatticeConfig(8, (2, 4)), (2, 2, 4), 512, 64)
+    policy = PolicyConfig(adaptive=False)
+    means = []
+    for bias in (1.0, 0.5):
+        settings = SimSettings(seed=3, profile_bias={2: bias, 4: bias})
+        requests = poisson(16.0, 120.0, 1200, seed=5)  # (0.6 busy)
+        result = Simulation(settings, profile, pool, policy, requests).run()
+        means.append(sum(r.ttft_s for r in result.records) / len(result.records))
+    # (elapsed seconds alone: 0.1518 against 0.1431 s, 6 % slower)
+    assert means[1] == pytest.approx(means[0], rel=0.01)

@@ -102,3 +102,41 @@ def prefer_degree(
         if cost < best_cost:
             best, best_cost = c, cost
     return best
+
+
+class Pace:
+    """How fast each degree's workers run against the profile: predicted over
+    measured busy seconds of the prefills that ended (decayed sums). The scheduler
+    counts work in the profile's seconds; a running prefill's elapsed time and a
+    pull's wait are real seconds, so it turns them into the profile's at this pace
+    (with the profile 2x fast, a prefill half done would otherwise look finished and
+    its worker free). A degree with under ``min_samples`` takes every degree's
+    pooled pace (1 while there are too few); clamped to [1/4, 4]."""
+
+    def __init__(self, decay: float = 0.99, min_samples: float = 10.0) -> None:
+        self.decay, self.min_samples = decay, min_samples
+        self._sums: dict[int, list[float]] = {}  # degree -> [count, predicted, measured]
+        self.by_degree: dict[int, float] = {}
+        self.pooled = 1.0
+
+    def ended(self, cp_degree: int, predicted_s: float, measured_s: float) -> None:
+        if not (predicted_s > 0 and measured_s > 0):
+            return
+        d = self.decay
+        e = self._sums.setdefault(cp_degree, [0.0, 0.0, 0.0])
+        e[0], e[1], e[2] = e[0] * d + 1.0, e[1] * d + predicted_s, e[2] * d + measured_s
+        if e[0] >= self.min_samples:
+            self.by_degree[cp_degree] = _pace(e[1], e[2])
+        every = self._sums.values()
+        if sum(s[0] for s in every) >= self.min_samples:
+            self.pooled = _pace(sum(s[1] for s in every), sum(s[2] for s in every))
+
+    def of(self, cp_degree: int) -> float:
+        return self.by_degree.get(cp_degree, self.pooled)
+
+
+def _pace(predicted: float, measured: float) -> float:
+    ratio = predicted / measured
+    # (within 1e-9 of the profile it is the profile: a simulated pool runs exactly
+    # its predicted times, and rounding must not reorder exact ties)
+    return 1.0 if abs(ratio - 1.0) < 1e-9 else min(4.0, max(0.25, ratio))

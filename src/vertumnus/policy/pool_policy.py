@@ -248,6 +248,7 @@ class PoolPolicy:
         current = self.indexes.get(worker_id) is run.index  # (a reset worker's is gone)
         ok = ok and (current or not hold)
         if ok:
+            self.scheduler.pace.ended(run.cp_degree, run.exec_s, now - run.started_s)
             self.controller.prefill_done(
                 run.cp_degree, run.input_tokens, run.exec_s, now - run.started_s, compute_s
             )

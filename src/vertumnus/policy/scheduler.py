@@ -9,9 +9,11 @@ E_iw = E_{C_w}(L_i - P_iw, P_iw):
     cost(i, w) = q_w + (beta + lambda * (C_w / C_min - 1) + kappa * (n_min - 1)+) * E_iw
 
 q_w is the worker's outstanding predicted work at ``now``: its queue plus what is
-left of the prefill it runs. The minimum wins; ties go to the lower q_w, then the
-lower degree, then the lower worker id. E_iw is reserved on w at once, so the next
-arrival sees it, and released when the prefill completes or is cancelled.
+left of the prefill it runs (its elapsed seconds counted at the pace measured,
+``costs.Pace``: the profile's seconds, as the queue's). The minimum wins; ties go
+to the lower q_w, then the lower degree, then the lower worker id. E_iw is reserved
+on w at once, so the next arrival sees it, and released when the prefill completes
+or is cancelled.
 
 The backlog term (``CostWeights.backlog_weight``, kappa): n_min is the fewest
 requests waiting (placed, not started) at any candidate. While some worker has at
@@ -59,7 +61,7 @@ from vertumnus.perfmodel import DegreeCoeffs
 from vertumnus.policy.cache_manager import PrefixCacheManager
 from vertumnus.policy.cache_plans import RequestUpdate
 from vertumnus.policy.coming import ComingBlocks, coming_run
-from vertumnus.policy.costs import CostWeights, reuse_curves
+from vertumnus.policy.costs import CostWeights, Pace, reuse_curves
 from vertumnus.policy.lattice import Lattice, LatticeWorker, WorkerState
 from vertumnus.policy.trie import Node
 
@@ -134,6 +136,9 @@ class Scheduler:
         self.config = config or SchedulerConfig()
         self.cache = cache
         self.curves = reuse_curves(coeffs)
+        # (real seconds into the profile's: a running prefill's; the policy stack
+        # measures it from every prefill that ends well, against the E it ran)
+        self.pace = Pace()
         self._queue: dict[int, OrderedDict[int, float]] = {}  # worker -> request -> E
         self._queued_s: dict[int, float] = {}
         self._running: dict[int, _Running] = {}
@@ -153,8 +158,10 @@ class Scheduler:
     def outstanding_s(self, worker_id: int, now: float) -> float:
         """q_w: predicted seconds of work queued or left running at ``now``."""
         run = self._running.get(worker_id)
-        left = max(0.0, run.exec_s - (now - run.start_s)) if run is not None else 0.0
-        return self._queued_s.get(worker_id, 0.0) + left
+        if run is None:
+            return self._queued_s.get(worker_id, 0.0)
+        done = (now - run.start_s) * self.pace.of(self.lattice.workers[worker_id].cp_degree)
+        return self._queued_s.get(worker_id, 0.0) + max(0.0, run.exec_s - done)
 
     def queued_s(self, worker_id: int) -> float:
         """Predicted seconds of the worker's queued (not started) requests."""
@@ -269,6 +276,7 @@ class Scheduler:
                 factor = {c: f + extra for c, f in factor.items()}
         times: dict[tuple[int, int], float] = {}
         queued, running = self._queued_s, self._running
+        pace, pooled = self.pace.by_degree, self.pace.pooled
         best_key: tuple[float, float, int, int] | None = None
         reused = counted = 0
         exec_s = 0.0
@@ -285,7 +293,7 @@ class Scheduler:
             q = queued.get(worker_id, 0.0)
             run = running.get(worker_id)
             if run is not None:
-                q += max(0.0, run.exec_s - (now - run.start_s))
+                q += max(0.0, run.exec_s - (now - run.start_s) * pace.get(c, pooled))
             cost = q + factor[c] * e
             if pull_cost is not None and matched_tokens > p:
                 pulled = times.get((c, matched_tokens))
@@ -294,7 +302,9 @@ class Scheduler:
                 delay_s, evict_s = pull_cost(
                     matched, (matched_tokens - held) // block, worker_id, now
                 )
-                pull = q + max(0.0, delay_s - q) + factor[c] * pulled + evict_s
+                pull = (
+                    q + max(0.0, delay_s * pace.get(c, pooled) - q) + factor[c] * pulled + evict_s
+                )
                 if pull < cost:
                     p = held = matched_tokens
                     e, cost = pulled, pull
