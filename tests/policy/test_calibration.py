@@ -47,8 +47,9 @@ def test_a_thin_bucket_borrows_the_pooled_scale_of_its_degree() -> None:
 def test_a_degree_with_too_few_samples_stays_at_one_without_a_smaller_measured() -> None:
     cal = calibration()
     cal.prefill(2, 1000, 1.0, 3.0)
-    cal.prefill(2, 1000, 1.0, 3.0)  # 2 samples in all, under min_samples
-    assert cal.scales() == {1: (1.0,) * 4, 2: (1.0,) * 4}
+    cal.prefill(2, 1000, 1.0, 3.0)  # 2 samples in all, under min_samples:
+    # two parts in three of its own against the pool's (1, with too few)
+    assert cal.scales() == {1: (1.0,) * 4, 2: pytest.approx((1 + 2 / 3 * 2,) * 4)}
     cal.prefill(2, 1000, 1.0, 3.0)
     # Degree 1, smaller than any measured, keeps its profile: a split is the remedy
     # to overload, and a profile off at the larger degree alone (its
@@ -60,14 +61,17 @@ def test_a_larger_degree_with_too_few_samples_is_no_faster_than_the_smaller_ones
     cal = Calibration((1, 2, 4), decay=1.0, min_samples=3.0)
     for _ in range(3):
         cal.prefill(1, 1000, 1.0, 2.0)
+    # Degree 2, not run yet, takes degree 1's (a profile is off on a new machine
+    # at every degree alike: left at 1 beside a measured 2 it would look twice as
+    # fast as it is).
+    assert cal.scales()[2] == (2.0,) * 4
     for _ in range(2):
         cal.prefill(2, 1000, 1.0, 4.0)  # under min_samples
-    # Degree 2 takes degree 1's (a profile is off on a new machine at every degree
-    # alike: left at 1 beside a measured 2 it would look twice as fast as it is);
-    # degree 4 the smaller degrees' pooled by predicted seconds, (6 + 8) / 5.
+    # Degree 2's first two weigh two parts in three against every degree's pooled
+    # by predicted seconds, (6 + 8) / 5; degree 4 takes the smaller degrees' pooled.
     assert cal.scales() == {
         1: (2.0,) * 4,
-        2: (2.0,) * 4,
+        2: pytest.approx((2.8 + 2 / 3 * (4.0 - 2.8),) * 4, rel=1e-12),
         4: pytest.approx((2.8,) * 4, rel=1e-12),
     }
     cal.prefill(2, 1000, 1.0, 4.0)  # now its own
@@ -108,12 +112,14 @@ def test_old_prefills_decay() -> None:
     assert cal.scales()[1][0] == pytest.approx((0.5 * 3.5 + 3) / (0.5 * 1.5 + 1), rel=1e-12)
 
 
-def test_a_decayed_count_below_min_samples_never_counts() -> None:
-    # With decay 1/2 the count tends to 2 (after 10 samples: 2 - 2**-9).
+def test_a_decayed_count_below_min_samples_counts_in_part() -> None:
+    # With decay 1/2 the count tends to 2 (after 10 samples: 2 - 2**-9), under
+    # min_samples: its ratio weighs that many parts in two against the pool's (1).
     cal = calibration(decay=0.5, min_samples=2.0)
     for _ in range(10):
         cal.prefill(1, 100, 1.0, 2.0)
-    assert cal.scales()[1] == (1.0,) * 4
+    n = 2 - 2**-9
+    assert cal.scales()[1] == pytest.approx((1 + n / 2,) * 4, rel=1e-12)
 
 
 def test_the_path_overhead_is_a_mean_that_ignores_clock_noise() -> None:

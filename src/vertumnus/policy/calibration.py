@@ -6,9 +6,11 @@ Per degree C and input-length bucket b (``replay.BUCKET_EDGES``), the scale
 
 from the prefills that ended: measured from the ranks' own compute time where the
 driver has it, else the time the worker was busy. Below ``min_samples`` a bucket
-borrows its degree's pooled scale, and a degree with too few yet is no faster,
-against its profile, than the smaller degrees measured (their samples pooled; never
-under 1), or stays at 1 where none is. A profile is off on a new machine by much
+borrows its degree's pooled scale. A degree's first few samples (under
+``min_samples``) weigh as many parts in ``min_samples`` against every degree's
+pooled. A degree with none yet is no faster, against its profile, than the smaller
+degrees measured (their samples pooled; never under 1), or stays at 1 where none
+is. A profile is off on a new machine by much
 the same factor at every degree: a larger degree nobody ran yet, left at 1 beside
 measured ones at 2, would look twice as fast as it is, and a merge would go to it
 for that alone (and split back once measured). A smaller one keeps its profile: a
@@ -114,10 +116,17 @@ class Calibration:
 
     def scales(self) -> dict[int, tuple[float, ...]]:
         out: dict[int, tuple[float, ...]] = {}
+        every = [e for buckets in self._sums.values() for e in buckets]
+        pool = 1.0
+        if sum(e[0] for e in every) >= self.min_samples:
+            pool = _ratio(sum(e[1] for e in every), sum(e[2] for e in every))
         for c, buckets in self._sums.items():
             n = sum(e[0] for e in buckets)
             pooled = _ratio(sum(e[1] for e in buckets), sum(e[2] for e in buckets))
-            pooled = pooled if n >= self.min_samples else self._unmeasured(c)
+            if n <= 0:
+                pooled = self._unmeasured(c)
+            elif n < self.min_samples:  # (its first few, weighed against the pool's)
+                pooled = pool + n / self.min_samples * (pooled - pool)
             out[c] = tuple(
                 _ratio(e[1], e[2]) if e[0] >= self.min_samples else pooled for e in buckets
             )
