@@ -10,13 +10,13 @@ borrows its degree's pooled scale. A degree's first few samples (under
 ``min_samples``) weigh as many parts in ``min_samples`` against every degree's
 pooled. A degree with none yet is no faster, against its profile, than the smaller
 degrees measured (their samples pooled; never under 1), or stays at 1 where none
-is. A profile is off on a new machine by much
-the same factor at every degree: a larger degree nobody ran yet, left at 1 beside
-measured ones at 2, would look twice as fast as it is, and a merge would go to it
-for that alone (and split back once measured). A smaller one keeps its profile: a
-split is the remedy to overload, and where the profile is off at the larger degree
-alone (its communication), borrowing would leave the pool stuck in too large a
-start. Scales are clamped to [1/4, 4]. ``overhead_s`` is the serving path's own time per prefill
+is. A profile is off on a new machine by much the same factor at every degree: a
+larger degree nobody ran yet, left at 1 beside measured ones at 2, would look twice
+as fast as it is, and a merge would go to it for that alone (and split back once
+measured). A smaller one keeps its profile: a split is the remedy to overload, and
+where the profile is off at the larger degree alone (its communication), borrowing
+would leave the pool stuck in too large a start. Scales are clamped to [1/4, 4].
+``overhead_s`` is the serving path's own time per prefill
 (busy time minus the ranks' compute), a decayed mean. ``switch_s`` is the measured
 time of a reshape's switch (commit to every rank's acknowledgement), with a prior.
 
@@ -133,7 +133,7 @@ class Calibration:
         return out
 
     def _unmeasured(self, degree: int) -> float:
-        """The scale of a degree with too few samples: no faster, against its
+        """The scale of a degree with no samples yet: no faster, against its
         profile, than the smaller degrees measured (their samples pooled), and
         never faster than the profile; 1 where no smaller degree is measured."""
         smaller = [e for c, buckets in self._sums.items() if c < degree for e in buckets]

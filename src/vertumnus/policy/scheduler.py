@@ -292,8 +292,9 @@ class Scheduler:
             # q_w, as ``outstanding_s`` computes it
             q = queued.get(worker_id, 0.0)
             run = running.get(worker_id)
+            rate = pace.get(c, pooled)  # (real seconds into the profile's)
             if run is not None:
-                q += max(0.0, run.exec_s - (now - run.start_s) * pace.get(c, pooled))
+                q += max(0.0, run.exec_s - (now - run.start_s) * rate)
             cost = q + factor[c] * e
             if pull_cost is not None and matched_tokens > p:
                 pulled = times.get((c, matched_tokens))
@@ -302,9 +303,7 @@ class Scheduler:
                 delay_s, evict_s = pull_cost(
                     matched, (matched_tokens - held) // block, worker_id, now
                 )
-                pull = (
-                    q + max(0.0, delay_s * pace.get(c, pooled) - q) + factor[c] * pulled + evict_s
-                )
+                pull = q + max(0.0, delay_s * rate - q) + factor[c] * pulled + evict_s
                 if pull < cost:
                     p = held = matched_tokens
                     e, cost = pulled, pull
