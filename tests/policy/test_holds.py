@@ -86,8 +86,14 @@ def test_a_draining_worker_that_holds_kv_parks_only_when_released() -> None:
     assert transition.drain_s == pytest.approx(1.5)
     (merged,) = transition.new_workers
     assert policy.acknowledge(transition, merged, 0, 2.1).activated == []
-    assert policy.acknowledge(transition, merged, 1, 2.1).activated == [transition]
-    assert policy.composition_name() == "1CP2" and pinned(policy) == 0
+    done = policy.acknowledge(transition, merged, 1, 2.1)
+    assert done.activated == [transition] and policy.composition_name() == "1CP2"
+    # The merged worker fetches the prefix worker 0 held (its copy pins only its own
+    # slots while under way): then nothing is pinned.
+    for job in done.copies:
+        assert job.plan.kind == "fetch" and job.plan.dest_worker == merged
+        policy.copy_done(job, True, 2.2)
+    assert pinned(policy) == 0
 
 
 def held(policy: PoolPolicy, tokens: int = 80) -> Hold:

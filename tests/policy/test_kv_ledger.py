@@ -153,3 +153,17 @@ def test_a_holder_copy_pins_its_source_and_needs_the_whole_prefix() -> None:
 def test_retention_config_is_checked() -> None:
     with pytest.raises(ValueError, match="reserve_fraction"):
         RetentionConfig(reserve_fraction=1.5)
+
+
+def test_reconcile_fetches_every_pending_prefix_most_accessed_first() -> None:
+    pool, merged, _, _ = merged_pool(RetentionConfig(retain_s=10.0))
+    plans = pool.cache.reconcile(merged)
+    # 15 (three accesses) before 14 (one); each plan brings its missing block only.
+    assert [p.block_ids for p in plans] == [(15,), (14,)]
+    assert all(p.kind == "fetch" for p in plans)
+    for plan in plans:
+        job = pool.ledger.begin_copy(plan)
+        assert job is not None and pool.ledger.commit_copy(job) == 1
+    index = pool.indexes[merged]
+    assert len(index.match([11, 12, 13, 14])) == 4 and len(index.match([11, 12, 15])) == 3
+    assert pool.ledger.reserved_blocks == 0 and pool.cache.reconcile(merged) == []

@@ -212,9 +212,15 @@ def test_copies_on_disjoint_devices_run_at_once_in_queue_order_per_device() -> N
     for worker, devices in after.switch.workers:
         for rank in range(len(devices)):
             done = policy.acknowledge(after.switch.transition, worker, rank, 1.5)
-    # The last copy's source was split away while it waited: it ends as a miss.
-    assert not done.copies and done.copies_ended == [(d_plan.plan_id, 0)]
-    assert not channel.busy and channel.backlog_s(1.5) == 0.0
+    # The last copy's source was split away while it waited: it ends as a miss. The
+    # split worker's own prefix is fetched into one of its children instead.
+    assert done.copies_ended == [(d_plan.plan_id, 0)]
+    (fetch,) = done.copies
+    assert fetch.plan.kind == "fetch"
+    assert fetch.plan.dest_worker in after.switch.transition.new_workers
+    # 12 blocks: the first adopted in place, the 11 behind it fetched.
+    assert policy.copy_done(fetch, True, 1.6).copies_ended == [(fetch.plan.plan_id, 11)]
+    assert not channel.busy and channel.backlog_s(1.6) == 0.0
     policy.cache.check_invariants(policy.indexes)
 
 
@@ -269,3 +275,37 @@ def test_the_profile_must_cover_the_pool() -> None:
                       WhatIfController)  # fmt: skip
     fixed = PoolPolicy.build(make_profile(COEFFS), pool, PolicyConfig(adaptive=False))
     assert fixed.lattice.composition((WorkerState.ACTIVE,)) == {1: 2}
+
+
+@pytest.mark.parametrize("fetch_at_switch", [True, False])
+def test_a_split_keeps_the_prefix_its_worker_cached(fetch_at_switch: bool) -> None:
+    """A degree-2 worker's prefix lies on both devices (block j on device j % 2): a
+    child has the blocks of even depth only. Fetched right after the switch, the
+    prefix is whole again at one child and its next request reuses all of it; left
+    to a first reuse, which placement cannot see, that request reuses the one block
+    adopted in place and recomputes the rest."""
+    from vertumnus.policy.kv_ledger import RetentionConfig
+
+    retention = RetentionConfig(fetch_at_switch=fetch_at_switch)
+    policy = make_policy(layout=(2,), retention=retention)
+    n = 12 * BLOCK_SIZE + 5  # 12 whole blocks reusable
+    policy.arrive(request(1, n), 0.0)
+    serve(policy, 0, 0.0)
+    _, actions = policy.begin_reshape(policy.lattice.split_options()[0], 1.0)
+    switch = actions.switch
+    assert switch is not None and switch.reserved_blocks > 0
+    done = None
+    for worker, devices in switch.workers:
+        for rank in range(len(devices)):
+            done = policy.acknowledge(switch.transition, worker, rank, 1.5)
+    assert done is not None and done.activated == [switch.transition]
+    fetches = [job for job in done.copies if job.plan.kind == "fetch"]
+    assert len(fetches) == (1 if fetch_at_switch else 0)
+    for job in fetches:
+        policy.copy_done(job, True, 1.6)
+    placed = policy.arrive(request(2, n), 2.0).placed
+    assert len(placed) == 1
+    started = policy.start(placed[0].worker_id, 2.0)
+    assert started is not None
+    expected = 12 * BLOCK_SIZE if fetch_at_switch else BLOCK_SIZE
+    assert started.cached_tokens == expected

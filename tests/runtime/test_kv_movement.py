@@ -18,6 +18,7 @@ from support.factories import cpu_profile, engine_config, make_tokens
 from vertumnus.blocks import block_ids
 from vertumnus.config.pool import PoolConfig
 from vertumnus.policy.cache_plans import CacheManagerConfig
+from vertumnus.policy.kv_ledger import RetentionConfig
 from vertumnus.policy.lattice import WorkerState
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.runtime.coordinator import Coordinator
@@ -27,12 +28,16 @@ pytestmark = pytest.mark.multiproc
 ATOL = 1e-4
 
 
-def make_config(tmp_path: Path, ranks: int, layout: tuple[int, ...]) -> ServeConfig:
-    # A fixed composition and no periodic scans: each test scans and reshapes itself.
+def make_config(
+    tmp_path: Path, ranks: int, layout: tuple[int, ...], fetch_at_switch: bool = False
+) -> ServeConfig:
+    # A fixed composition and no periodic scans: each test scans and reshapes itself
+    # (and, unless asked, fetches pending prefixes itself).
     policy = PolicyConfig(
         adaptive=False,
         replication=False,
         cache=CacheManagerConfig(theta_intra=0.5, theta_reclaim=0.1, theta_inter_s=1e9),
+        retention=RetentionConfig(fetch_at_switch=fetch_at_switch),
     )
     pool = PoolConfig((1, 2), layout)
     assert pool.ranks == ranks
@@ -50,6 +55,19 @@ async def only(coord: Coordinator, worker: int, prompt: list[int]):  # type: ign
     finally:
         for w in others:
             w.state = WorkerState.ACTIVE
+
+
+async def reuses_the_whole_prefix(  # type: ignore[no-untyped-def]
+    coord: Coordinator, left: int, right: int, prompt: list[int], fresh
+) -> None:
+    """After a split of the worker that prefilled ``prompt`` (100 tokens), the left
+    child reuses its 6 whole blocks exactly, and the right child's retained slots
+    went back once fetched."""
+    again = await only(coord, left, prompt)
+    assert again.cached_tokens == 96 and again.cp_degree == 1
+    assert again.first_token == fresh.first_token
+    assert torch.allclose(again.logits, fresh.logits, atol=ATOL)
+    assert coord.indexes[right].num_free_slots(0) == 1024
 
 
 @pytest.mark.timeout(240)
@@ -193,12 +211,32 @@ def test_split_fetches_the_misplaced_half_from_the_retained_slots(tmp_path: Path
             update = coord.cache.on_request(block_ids(prompt, 16), len(prompt), left)
             assert update.fetch is not None and update.fetch.kind == "fetch"
             assert await coord.run_copy(update.fetch) == 5
-            again = await only(coord, left, prompt)
-            assert again.cached_tokens == 96 and again.cp_degree == 1
-            assert again.first_token == fresh.first_token
-            assert torch.allclose(again.logits, fresh.logits, atol=ATOL)
-            # The retained slots went back once fetched.
-            assert coord.indexes[right].num_free_slots(0) == 1024
+            await reuses_the_whole_prefix(coord, left, right, prompt, fresh)
+        finally:
+            await coord.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(300)
+def test_a_split_fetches_its_prefix_back_at_the_switch(tmp_path: Path) -> None:
+    """The default: right after the switch the children fetch the prefixes the split
+    left out of place, and the next request reuses the whole prefix, exactly."""
+
+    async def main() -> None:
+        coord = Coordinator(make_config(tmp_path, 2, (2,), fetch_at_switch=True))
+        await coord.start()
+        try:
+            prompt = make_tokens(100, seed=100, vocab=256)  # 6 whole blocks reusable
+            fresh = await coord.prefill(prompt)
+            transition = await coord.begin_reshape(coord.reshape_for("split", None))
+            left, right = transition.new_workers
+            deadline = asyncio.get_running_loop().time() + 60.0
+            while coord.cache.copies_in_flight:
+                assert asyncio.get_running_loop().time() < deadline, "the fetch never ended"
+                await asyncio.sleep(0.05)
+            assert len(coord.indexes[left].match(block_ids(prompt, 16))) == 6
+            await reuses_the_whole_prefix(coord, left, right, prompt, fresh)
         finally:
             await coord.close()
 

@@ -18,7 +18,8 @@ The tables both commands read, with the same keys::
                                           worker keeps a plain LRU cache
                   ideal = false           simulate only: the bound (every worker
                                           reuses the longest prefix cached anywhere)
-                  scan_interval_s, reserve_fraction, retain_s, and the fields of
+                  scan_interval_s, reserve_fraction, retain_s, fetch_at_switch,
+                  and the fields of
                   ``CacheManagerConfig`` (theta_inter_s, decay, ...)
     [engine]      block_size, kv_blocks_per_rank: the KV geometry the policy plans
                   with; the rest (device, dtype, ...) configures serve's ranks
@@ -136,7 +137,9 @@ def read_policy(raw: Mapping[str, Any], base: PolicyConfig) -> PolicyConfig:
     replication = _flag(cache, "replication", "cache", base.replication)
     ideal_reuse = _flag(cache, "ideal", "cache", base.ideal_reuse)
     scan_interval_s = cache.pop("scan_interval_s", base.scan_interval_s)
-    retention = {k: cache.pop(k) for k in ("reserve_fraction", "retain_s") if k in cache}
+    retention = {
+        k: cache.pop(k) for k in ("reserve_fraction", "retain_s", "fetch_at_switch") if k in cache
+    }
     parts = {
         "weights": weights,
         "controller": build_table(ControllerConfig, controller, "controller", base.controller),

@@ -100,6 +100,17 @@ def split(
     return adopt
 
 
+def pending_leaves(trie: PrefixTrie, worker_id: int) -> list[Node]:
+    """The ends of a worker's pending prefixes, most accessed first."""
+    pending = trie.worker_pending[worker_id]
+    inner = {node.parent for node in pending if node.parent is not None}
+
+    def demand(node: Node) -> float:
+        return sum(node.access) if node.access is not None else 0.0
+
+    return sorted(pending - inner, key=lambda n: (-demand(n), -n.depth, n.block_id))
+
+
 def reconciliation_traffic(
     trie: PrefixTrie, sources: Sequence[int], target_degree: int, target_firsts: Sequence[int]
 ) -> float:

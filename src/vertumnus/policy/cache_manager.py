@@ -355,6 +355,26 @@ class PrefixCacheManager:
             self.trie, self.in_flight, parent_id, children, child_degree, capacity_blocks
         )
 
+    def reconcile(self, worker_id: int) -> list[CopyPlan]:
+        """Fetch plans for every pending prefix of a new worker, right after its switch
+        (most accessed first): a pending prefix is invisible to placement, so left to
+        its first reuse it would be recomputed. A prefix that shares blocks with one
+        planned before it fetches the rest only (its plan queues behind on the same
+        devices)."""
+        trie, copying = self.trie, self.in_flight.copying
+        info = trie.worker(worker_id)
+        plans = []
+        for leaf in cache_handover.pending_leaves(trie, worker_id):
+            path = leaf.path()
+            held = trie.held_depth(path, info.slot)
+            while held < len(path) and (path[held].block_id, worker_id) in copying:
+                held += 1
+            ids = [z.block_id for z in path]
+            plan = self._fetch_plan(ids, len(ids), held, info)
+            if plan is not None:
+                plans.append(plan)
+        return plans
+
     def reconciliation_traffic(
         self, sources: Sequence[int], target_degree: int, target_firsts: Sequence[int]
     ) -> float:

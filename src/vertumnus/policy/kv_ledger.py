@@ -40,8 +40,11 @@ Retained = dict[int, dict[int, int]]
 
 @dataclass(frozen=True)
 class RetentionConfig:
-    reserve_fraction: float = 0.25  # of a new worker's KV slots, at most
+    reserve_fraction: float = 0.5  # of a new worker's KV slots, at most
     retain_s: float = 60.0
+    # The new workers fetch their pending prefixes right after the switch (false:
+    # a prefix is fetched on its first reuse only, which placement cannot see).
+    fetch_at_switch: bool = True
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.reserve_fraction <= 1.0) or self.retain_s < 0:

@@ -369,6 +369,9 @@ class PoolPolicy:
         for w in transition.new_workers:
             self.add_worker(w)
         adopted, reserved = self.ledger.after_switch(transition.new_workers, retained, adopt, now)
+        if self.config.retention.fetch_at_switch:  # (they run once the ranks are free)
+            for plan in (p for w in transition.new_workers for p in self.cache.reconcile(w)):
+                self.channel.queue_copy(plan)
         workers = tuple((w, tuple(self.lattice.workers[w].devices)) for w in transition.new_workers)
         expire = now + self.config.retention.retain_s if reserved else None
         return Switch(transition, self.lattice.epoch, workers, adopted, reserved, expire)
