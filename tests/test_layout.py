@@ -1,7 +1,8 @@
 """The package's boundaries, read from the import statements of its modules: the
-policy is pure (no torch, asyncio or aiohttp), the engine knows nothing of the
-coordinator, the simulator runs without torch or asyncio, the configuration
-without torch; and no module grows past about 400 lines unnoticed."""
+policy is pure (no torch, asyncio or aiohttp) and its subpackages import only
+downwards, the engine knows nothing of the coordinator, the simulator runs without
+torch or asyncio, the configuration without torch; and no module grows past about
+400 lines unnoticed."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ def imports(path: Path) -> set[str]:
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            # ``from package import module`` imports the module too.
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
     return names
 
 
@@ -40,6 +43,34 @@ def test_packages_keep_their_boundaries(package: str, forbidden: tuple[str, ...]
         if any(name == f or name.startswith(f + ".") for f in forbidden)
     ]
     assert offences == []
+
+
+# The policy's layers, lowest first: each imports only the layers before it and the
+# base modules at the top of ``policy/`` (the cost terms and the lattice); the stack
+# (the other top-level modules) sits above them all.
+POLICY_BASE = ("costs", "lattice")
+POLICY_LAYERS = ("cache", "placement", "control")
+
+
+def test_policy_layers_import_downwards() -> None:
+    offences = []
+    for index, layer in enumerate(POLICY_LAYERS):
+        allowed = {*POLICY_BASE, *POLICY_LAYERS[: index + 1]}
+        for path in sorted((SRC / "policy" / layer).rglob("*.py")):
+            for name in sorted(imports(path)):
+                parts = name.split(".")
+                inside = parts[:2] == ["vertumnus", "policy"] and len(parts) > 2
+                if inside and parts[2] not in allowed:
+                    offences.append(f"{path.relative_to(SRC)} imports {name}")
+    assert offences == []
+
+
+def test_policy_layers_exist() -> None:
+    """The layer test above checks real folders: every layer is a package with modules."""
+    for layer in POLICY_LAYERS:
+        modules = list((SRC / "policy" / layer).glob("*.py"))
+        assert (SRC / "policy" / layer / "__init__.py") in modules
+        assert len(modules) > 2
 
 
 def test_modules_stay_readable() -> None:

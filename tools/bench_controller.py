@@ -30,8 +30,8 @@ from typing import Any
 
 from vertumnus import native
 from vertumnus.config import read_toml
-from vertumnus.policy import replay, replay_loop, whatif_search
-from vertumnus.policy.whatif import WhatIfController
+from vertumnus.policy.control import replay, replay_loop, search
+from vertumnus.policy.control.whatif import WhatIfController
 from vertumnus.sim import config as sim_config
 from vertumnus.sim.simulator import Simulation
 from vertumnus.stats import percentile
@@ -108,7 +108,7 @@ def evaluate_times(plans: list[Any]) -> tuple[list[float], list[Any]]:
     try:
         for plan in plans:
             t = time.perf_counter()
-            outs.append(whatif_search.evaluate(plan))
+            outs.append(search.evaluate(plan))
             times.append(time.perf_counter() - t)
     finally:
         gc.enable()
@@ -119,11 +119,11 @@ def against_pure(plans: list[Any]) -> str:
     """The same plans evaluated by the loop in use and by the pure Python one."""
     used, used_out = evaluate_times(plans)
     compiled = replay.Replay
-    replay.Replay = whatif_search.Replay = replay_loop.Replay  # type: ignore[misc]
+    replay.Replay = search.Replay = replay_loop.Replay  # type: ignore[misc]
     try:
         pure, pure_out = evaluate_times(plans)
     finally:
-        replay.Replay = whatif_search.Replay = compiled  # type: ignore[misc]
+        replay.Replay = search.Replay = compiled  # type: ignore[misc]
     same = "the same evaluations" if used_out == pure_out else "DIFFERENT EVALUATIONS"
     a, b = statistics.median(used), statistics.median(pure)
     return (

@@ -28,10 +28,10 @@ from typing import Any
 
 import trie_workload
 from vertumnus.perfmodel import Profile
-from vertumnus.policy.cache_manager import PrefixCacheManager
+from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.costs import CostWeights
 from vertumnus.policy.lattice import Lattice, LatticeConfig
-from vertumnus.policy.scheduler import PlacementRequest, Scheduler, SchedulerConfig
+from vertumnus.policy.placement.scheduler import PlacementRequest, Scheduler, SchedulerConfig
 
 PROFILE = "qwen3-30b-a3b-h100"  # shipped with the package
 BLOCK_TOKENS = 512

@@ -28,8 +28,8 @@ import tracemalloc
 
 import trie_workload
 from vertumnus.perfmodel import Profile
-from vertumnus.policy.cache_manager import PrefixCacheManager
-from vertumnus.policy.cache_plans import CacheManagerConfig
+from vertumnus.policy.cache.manager import PrefixCacheManager
+from vertumnus.policy.cache.plans import CacheManagerConfig
 
 PROFILE = "qwen3-30b-a3b-h100"  # shipped with the package
 BLOCK_TOKENS = 512

@@ -47,7 +47,7 @@ def installed_hash(twin: str) -> str | None:
 
 
 def build(name: str, dest: Path) -> None:
-    source = SRC / "vertumnus" / "policy" / f"{name}.py"
+    source = SRC / "vertumnus" / "policy" / f"{name.replace('.', '/')}.py"
     twin = native.twin_name(name)
     digest = native.source_hash(source)
     with tempfile.TemporaryDirectory(prefix="vertumnus-native-") as tmp:
@@ -87,7 +87,7 @@ def main() -> int:
     failed = 0
     for name in native.MODULES:
         twin = native.twin_name(name)
-        digest = native.source_hash(SRC / "vertumnus" / "policy" / f"{name}.py")
+        digest = native.source_hash(SRC / "vertumnus" / "policy" / f"{name.replace('.', '/')}.py")
         current = installed_hash(twin) == digest
         if args.check or (current and not args.force):
             print(f"{name}: {'compiled, current' if current else 'not built for this source'}")

@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import robustness as rb
 from vertumnus.config.pool import parse_composition
-from vertumnus.policy import whatif
+from vertumnus.policy.control import whatif
+from vertumnus.policy.control.forecast import ArrivalSample
+from vertumnus.policy.control.replay import ReplayModel, ReplayWorker
 from vertumnus.policy.costs import reuse_curves
-from vertumnus.policy.forecast import ArrivalSample
-from vertumnus.policy.replay import ReplayModel, ReplayWorker
 from vertumnus.sim import scenarios
 from vertumnus.sim.simulator import Simulation
 

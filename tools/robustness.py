@@ -191,7 +191,7 @@ def simulate(
         for d in result.decisions
         if d.ops and d.window in rows and rows[d.window].rule not in ("end", "fixed")
     ]
-    audits = [  # every move's audit (the what-if controller's, policy/move_audit.py)
+    audits = [  # every move's audit (the what-if controller's, policy/control/audit.py)
         {k: a[k] for k in ("at_s", "move", "band", "predicted_s", "replayed_s",
                            "measured_s", "replayed_hold_s", "vs_hold", "overlapped")}
         for d in result.decisions
@@ -324,7 +324,7 @@ def compare(entry: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def audit_summary(pairs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The move audits of every adaptive run (``policy/move_audit.py``), those no other
+    """The move audits of every adaptive run (``policy/control/audit.py``), those no other
     move overlapped, per load band and in all: how far the transition's predicted mean
     TTFT (at the decision, from the forecast) and its replay on the arrivals that came
     were from the measured one, and the share within 25 %."""

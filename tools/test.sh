@@ -9,7 +9,7 @@ bash tools/browser.sh
 .venv/bin/ruff format --check src tests tools
 .venv/bin/mypy
 # Where a C compiler is found, the compiled replay loop must be built and current
-# (tests/policy/test_native.py fails instead of skipping).
+# (tests/policy/control/test_native.py fails instead of skipping).
 if command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1; then
   export VERTUMNUS_REQUIRE_NATIVE=1
 fi

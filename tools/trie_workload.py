@@ -12,8 +12,8 @@ import random
 from collections.abc import Sequence
 
 from vertumnus.blocks import ROOT_BLOCK_ID
-from vertumnus.policy.cache_index import CacheReport
-from vertumnus.policy.cache_manager import PrefixCacheManager
+from vertumnus.policy.cache.index import CacheReport
+from vertumnus.policy.cache.manager import PrefixCacheManager
 
 SHARED_BLOCKS, OWN_BLOCKS, CONVERSATIONS_PER_PREFIX = 32, 96, 10
 

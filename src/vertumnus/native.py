@@ -1,7 +1,7 @@
 """Compiled twins of the hottest pure-Python modules, used only when built from the
 very source that runs.
 
-The what-if controller's replays (``policy/replay_loop.py``) place tens of
+The what-if controller's replays (``policy/control/replay_loop.py``) place tens of
 thousands of requests per decision at 1,024 GPUs, in a loop that the interpreter
 runs at about 2 us a request. ``tools/build_native.py`` (run by
 ``tools/setup.sh``) compiles each module named in ``MODULES`` with mypyc, the
@@ -11,7 +11,7 @@ the source it compiled. ``compiled(module)`` returns that extension when it is
 installed and its record matches the module's source as it is now, and the module
 itself otherwise: an edited source runs as written until the next build, never a
 stale twin. The twin is the same source, so it computes the same results (the
-same IEEE operations in the same order: ``tests/policy/test_native.py`` compares
+same IEEE operations in the same order: ``tests/policy/control/test_native.py`` compares
 them bit for bit); only faster.
 
 ``VERTUMNUS_NATIVE=0`` keeps every module pure. ``status()`` says, per module,
@@ -26,14 +26,14 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-# The modules compiled by tools/build_native.py (names under vertumnus.policy).
-MODULES: tuple[str, ...] = ("replay_loop",)
+# The modules compiled by tools/build_native.py (dotted names under vertumnus.policy).
+MODULES: tuple[str, ...] = ("control.replay_loop",)
 
 _status: dict[str, str] = {}
 
 
 def twin_name(module_name: str) -> str:
-    """The extension's import name for a module such as ``vertumnus.policy.replay_loop``."""
+    """The extension's import name for a module such as ``vertumnus.policy.control.replay_loop``."""
     return "_vertumnus_native_" + module_name.rpartition(".")[2]
 
 

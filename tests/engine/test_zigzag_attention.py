@@ -23,7 +23,7 @@ from vertumnus.engine.comm import Communicator, SoloComm, ThreadComm
 from vertumnus.engine.kv_store import PagedKVStore
 from vertumnus.engine.model import Qwen3ForCausalLM, causal_attention
 from vertumnus.engine.zigzag import RankPrefill, ZigzagAttention, ZigzagPartition, prefill_rank
-from vertumnus.policy.cache_index import BlockLocation, WorkerCacheIndex
+from vertumnus.policy.cache.index import BlockLocation, WorkerCacheIndex
 from vertumnus.runtime.worker import plan_prefill
 
 LOGITS_ATOL = 1e-4  # fp32

@@ -13,14 +13,14 @@ import pytest
 from support.factories import BLOCK_SIZE, make_profile
 from support.policy import COEFFS, KAPPA_S
 from vertumnus.blocks import block_ids, max_reuse_blocks
-from vertumnus.policy.cache_plans import CacheManagerConfig
-from vertumnus.policy.controller import ControllerConfig
+from vertumnus.policy.cache.plans import CacheManagerConfig
+from vertumnus.policy.control.rules import ControllerConfig
+from vertumnus.policy.control.whatif import WhatIfController
 from vertumnus.policy.lattice import LatticeConfig, WorkerState
+from vertumnus.policy.placement.routers import ROUTERS
+from vertumnus.policy.placement.scheduler import PlacementRequest
 from vertumnus.policy.pool_config import PolicyConfig, PolicyError, PoolSpec, preset
 from vertumnus.policy.pool_policy import PoolPolicy
-from vertumnus.policy.routers import ROUTERS
-from vertumnus.policy.scheduler import PlacementRequest
-from vertumnus.policy.whatif import WhatIfController
 
 
 def make_policy(
@@ -123,7 +123,7 @@ def test_a_client_that_gives_up_leaves_the_queue() -> None:
 def test_the_same_reuse_rule_in_the_policy_the_trie_and_the_engine() -> None:
     """A request of exactly k whole blocks reuses k - 1 of them everywhere: the last
     token must be computed for its logits."""
-    from vertumnus.policy.cache_index import WorkerCacheIndex
+    from vertumnus.policy.cache.index import WorkerCacheIndex
     from vertumnus.runtime.worker import plan_prefill
 
     k = 4
@@ -284,7 +284,7 @@ def test_a_split_keeps_the_prefix_its_worker_cached(fetch_at_switch: bool) -> No
     prefix is whole again at one child and its next request reuses all of it; left
     to a first reuse, which placement cannot see, that request reuses the one block
     adopted in place and recomputes the rest."""
-    from vertumnus.policy.kv_ledger import RetentionConfig
+    from vertumnus.policy.cache.ledger import RetentionConfig
 
     retention = RetentionConfig(fetch_at_switch=fetch_at_switch)
     policy = make_policy(layout=(2,), retention=retention)

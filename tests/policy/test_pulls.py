@@ -12,13 +12,13 @@ from support.factories import BLOCK_SIZE, make_profile
 from support.policy import COEFFS, KAPPA_S
 from vertumnus.blocks import block_ids
 from vertumnus.config import ConfigError
-from vertumnus.policy.cache_audit import CopyAudit
-from vertumnus.policy.cache_plans import CopyPlan, ReclaimPlan, ScanResult
-from vertumnus.policy.cache_pull import CopyTimer, EvictionValue
+from vertumnus.policy.cache.audit import CopyAudit
+from vertumnus.policy.cache.copy_cost import CopyTimer, EvictionValue
+from vertumnus.policy.cache.plans import CopyPlan, ReclaimPlan, ScanResult
 from vertumnus.policy.lattice import LatticeConfig
+from vertumnus.policy.placement.scheduler import PlacementRequest
 from vertumnus.policy.pool_config import PolicyConfig, PolicyError, PoolSpec, preset
 from vertumnus.policy.pool_policy import PoolPolicy
-from vertumnus.policy.scheduler import PlacementRequest
 from vertumnus.runtime import serve_config
 
 

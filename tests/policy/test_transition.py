@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from support.policy import policy_stack
-from vertumnus.policy.cache_index import CacheReport
-from vertumnus.policy.cache_manager import PrefixCacheManager
-from vertumnus.policy.controller import Controller
+from vertumnus.policy.cache.index import CacheReport
+from vertumnus.policy.cache.manager import PrefixCacheManager
+from vertumnus.policy.control.rules import Controller
 from vertumnus.policy.lattice import Lattice, LatticeConfig, LatticeError, WorkerState
-from vertumnus.policy.scheduler import PlacementRequest, Scheduler
+from vertumnus.policy.placement.scheduler import PlacementRequest, Scheduler
 from vertumnus.policy.transition import Phase, Reconfigurer
 
 

@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from vertumnus.policy.cache_index import BlockLocation
+from vertumnus.policy.cache.index import BlockLocation
 from vertumnus.runtime.handoff import Handoffs
 from vertumnus.runtime.kv_segments import store_runs
 

@@ -17,8 +17,8 @@ import torch
 from support.factories import cpu_profile, engine_config, make_tokens
 from vertumnus.blocks import block_ids
 from vertumnus.config.pool import PoolConfig
-from vertumnus.policy.cache_plans import CacheManagerConfig
-from vertumnus.policy.kv_ledger import RetentionConfig
+from vertumnus.policy.cache.ledger import RetentionConfig
+from vertumnus.policy.cache.plans import CacheManagerConfig
 from vertumnus.policy.lattice import WorkerState
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.runtime.coordinator import Coordinator

@@ -29,7 +29,7 @@ from support.processes import ranks_in_session, sessions_left, start_agent
 from support.reference import ATOL, VOCAB, Checkpoint, hf_logits, max_abs_diff
 from vertumnus.config.pool import PoolConfig
 from vertumnus.perfmodel import DegreeCoeffs
-from vertumnus.policy.cache_plans import CacheManagerConfig
+from vertumnus.policy.cache.plans import CacheManagerConfig
 from vertumnus.policy.lattice import WorkerState
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.runtime.cluster import ClusterPool

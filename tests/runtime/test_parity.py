@@ -26,8 +26,8 @@ from vertumnus.blocks import block_ids
 from vertumnus.config import EngineConfig
 from vertumnus.config.pool import PoolConfig
 from vertumnus.perfmodel import DegreeCoeffs, Profile
-from vertumnus.policy.cache_plans import CacheManagerConfig
-from vertumnus.policy.controller import ControllerConfig, Decision
+from vertumnus.policy.cache.plans import CacheManagerConfig
+from vertumnus.policy.control.rules import ControllerConfig, Decision
 from vertumnus.policy.costs import reuse_curves
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.policy.timeline import Timeline

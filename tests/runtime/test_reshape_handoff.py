@@ -5,7 +5,7 @@ committed the switch inside ``finish`` and then looked for its worker's cache
 index, which the switch had removed (``KeyError``): the worker's loop died, the
 switch was never sent to the ranks, and the pool stayed ``switching`` for good.
 
-Now the policy's hold (``policy/holds.py``) keeps a draining worker from parking
+Now the policy's hold (``policy/cache/holds.py``) keeps a draining worker from parking
 until its leases end; a lease that is not pulled within ``reshape_wait_s`` ends as
 moved; a reshape past ``reshape_timeout_s`` is rolled back (before its commit) or
 finished (after it); a bug in one step of a worker is contained, answered once and

@@ -15,8 +15,8 @@ from support.factories import make_profile
 from vertumnus.__main__ import main
 from vertumnus.config import ConfigError
 from vertumnus.perfmodel import DegreeCoeffs, Profile
-from vertumnus.policy.cache_plans import CacheManagerConfig
-from vertumnus.policy.controller import ControllerConfig
+from vertumnus.policy.cache.plans import CacheManagerConfig
+from vertumnus.policy.control.rules import ControllerConfig
 from vertumnus.policy.lattice import LatticeConfig
 from vertumnus.policy.pool_config import PolicyConfig, PoolSpec, preset
 from vertumnus.sim.report import percentile, summarize
@@ -334,7 +334,7 @@ def test_t_ext_adds_the_hand_off_and_first_step_to_every_ttft() -> None:
 
 def test_a_hand_off_holds_its_worker_in_a_drain_until_pulled() -> None:
     """With hand-offs modelled, a prefill's KV stays held on its worker for the pull
-    (``policy/holds.py``), as on the server: a merge that begins while the prefill
+    (``policy/cache/holds.py``), as on the server: a merge that begins while the prefill
     runs parks that worker only when the pull ends (here 2 s after the prefill)."""
     reqs = [SimRequest(0, 0.2, 1001), SimRequest(1, 10.0, 1001)]  # (the run goes on)
     merge_soon = ControllerConfig(mode="rules", window_s=1.0, merge_after_windows=1)

@@ -22,13 +22,13 @@ from vertumnus.config.start import (
 )
 from vertumnus.config.tables import ConfigError
 from vertumnus.perfmodel import DegreeCoeffs
+from vertumnus.policy.control.candidates import best_start
+from vertumnus.policy.control.forecast import ArrivalSample
+from vertumnus.policy.control.replay import ReplayModel
 from vertumnus.policy.costs import reuse_curves
-from vertumnus.policy.forecast import ArrivalSample
 from vertumnus.policy.lattice import LatticeConfig
 from vertumnus.policy.pool_config import PolicyConfig
-from vertumnus.policy.replay import ReplayModel
 from vertumnus.policy.start import mix_samples, replay_start
-from vertumnus.policy.whatif_candidates import best_start
 from vertumnus.sim import config as sim_config
 
 # Degree 4 pays a fixed 40 ms per prefill and is twice as fast per token: long

@@ -11,10 +11,10 @@ import pytest
 
 from support.factories import make_profile
 from vertumnus.perfmodel import DegreeCoeffs
-from vertumnus.policy.controller import ControllerConfig
+from vertumnus.policy.control.rules import ControllerConfig
+from vertumnus.policy.control.whatif import WhatIfController
 from vertumnus.policy.lattice import LatticeConfig
 from vertumnus.policy.pool_config import PolicyConfig, PoolSpec
-from vertumnus.policy.whatif import WhatIfController
 from vertumnus.sim.simulator import Simulation
 from vertumnus.sim.time_model import SimSettings, SimulationError
 from vertumnus.sim.workload import SimRequest

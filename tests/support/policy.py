@@ -10,13 +10,13 @@ from dataclasses import dataclass
 
 from support.factories import BLOCK_SIZE, make_profile
 from vertumnus.perfmodel import DegreeCoeffs
-from vertumnus.policy.cache_manager import PrefixCacheManager
-from vertumnus.policy.cache_plans import CacheManagerConfig
-from vertumnus.policy.controller import Controller
+from vertumnus.policy.cache.manager import PrefixCacheManager
+from vertumnus.policy.cache.plans import CacheManagerConfig
+from vertumnus.policy.control.rules import Controller
 from vertumnus.policy.lattice import Lattice
+from vertumnus.policy.placement.scheduler import Scheduler
 from vertumnus.policy.pool_config import PolicyConfig, PoolSpec
 from vertumnus.policy.pool_policy import PoolPolicy
-from vertumnus.policy.scheduler import Scheduler
 from vertumnus.policy.transition import Reconfigurer
 
 # E_1(L, P) = 0.01 s + 1 ms per uncached token; E_2 = 0.02 s + 0.5 ms per uncached

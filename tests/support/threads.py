@@ -21,7 +21,7 @@ from vertumnus.engine.kv_store import PagedKVStore
 from vertumnus.engine.messages import PrefillCommand
 from vertumnus.engine.model import Qwen3ForCausalLM
 from vertumnus.engine.zigzag import prefill_rank
-from vertumnus.policy.cache_index import PrefillLease, WorkerCacheIndex
+from vertumnus.policy.cache.index import PrefillLease, WorkerCacheIndex
 from vertumnus.runtime.worker import plan_prefill
 
 BLOCKS_PER_RANK = 16

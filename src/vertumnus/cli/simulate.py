@@ -20,8 +20,8 @@ from vertumnus import native
 from vertumnus.config import ConfigError
 from vertumnus.config.start import write_state
 from vertumnus.perfmodel import ProfileError
+from vertumnus.policy.placement.routers import ROUTERS
 from vertumnus.policy.pool_config import PRESETS
-from vertumnus.policy.routers import ROUTERS
 from vertumnus.sim.simulator import Simulation, SimulationError, terminal_progress
 from vertumnus.sim.traces import TraceError
 from vertumnus.sim.workload import WorkloadError

@@ -43,10 +43,10 @@ from typing import Any
 
 from vertumnus.config.engine import EngineConfig
 from vertumnus.config.tables import ConfigError, build_table
-from vertumnus.policy.cache_plans import CacheManagerConfig
-from vertumnus.policy.controller import ControllerConfig
+from vertumnus.policy.cache.ledger import RetentionConfig
+from vertumnus.policy.cache.plans import CacheManagerConfig
+from vertumnus.policy.control.rules import ControllerConfig
 from vertumnus.policy.costs import CostWeights
-from vertumnus.policy.kv_ledger import RetentionConfig
 from vertumnus.policy.pool_config import PolicyConfig, PolicyError, preset
 
 SHARED_TABLES = ("pool", "profile", "scheduler", "controller", "cache", "engine")

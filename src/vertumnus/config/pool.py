@@ -36,7 +36,7 @@ from typing import Any
 
 from vertumnus.config.engine import EngineConfig
 from vertumnus.config.tables import ConfigError
-from vertumnus.policy.composition import layout_for
+from vertumnus.policy.control.composition import layout_for
 from vertumnus.policy.lattice import Lattice, LatticeConfig, LatticeError
 from vertumnus.policy.pool_config import PoolSpec
 

@@ -13,7 +13,7 @@ from the first of three sources (``[pool]`` keys, ``config/pool.py``):
                     trace, with its unbounded-cache reuse), Poisson at this rate
 
 A workload's first ``start_span_s`` seconds are replayed over every composition of
-the lattice (``policy/start.py``, ``whatif_candidates.best_start``) and the fastest
+the lattice (``policy/start.py``, ``control.candidates.best_start``) and the fastest
 is the start. No run looks at the requests it will serve: the simulator's own
 workload is never a source.
 
@@ -38,8 +38,8 @@ from vertumnus.capacity import LengthMix
 from vertumnus.config.pool import NO_START_SOURCE, PoolConfig
 from vertumnus.config.tables import ConfigError
 from vertumnus.perfmodel import Profile
-from vertumnus.policy.composition import layout_for
-from vertumnus.policy.forecast import ArrivalSample
+from vertumnus.policy.control.composition import layout_for
+from vertumnus.policy.control.forecast import ArrivalSample
 from vertumnus.policy.lattice import LatticeConfig, composition_name
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.policy.start import PoolState, mix_samples, replay_start, trace_samples

@@ -2,7 +2,7 @@
 
 Owns the KV tensors of one rank: ``num_blocks`` slots, each holding K and V of
 ``block_size`` tokens for every layer. It does not decide which slot holds which
-block: the worker's cache index (``policy/cache_index.py``) allocates slots and the
+block: the worker's cache index (``policy/cache/index.py``) allocates slots and the
 prefill command names them; this store only reads and writes.
 
 Layout: ``k``, ``v``: [num_blocks, num_layers, block_size, Hkv, D].

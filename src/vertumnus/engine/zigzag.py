@@ -3,7 +3,7 @@
 Owns how one prefill's uncached suffix is split over a worker's C ranks and how each
 rank attends over the cached prefix and the causally visible suffix. It does not own
 communication (``comm.py``), the model (``model.py``) or slot allocation
-(``policy/cache_index.py``).
+(``policy/cache/index.py``).
 
 Partition (DESIGN.md §3). The suffix of R tokens is padded to Rp = 2C * s tokens,
 s = ceil(R / 2C), and cut into 2C chunks of s tokens; rank k owns chunks k and

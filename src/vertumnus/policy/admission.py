@@ -16,11 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from vertumnus.policy.channel import Channel
-from vertumnus.policy.controller import Controller
+from vertumnus.policy.control.rules import Controller
+from vertumnus.policy.placement.scheduler import PlacementRequest, Scheduler
 from vertumnus.policy.pool_config import PolicyError
 from vertumnus.policy.pool_results import Actions
 from vertumnus.policy.pulls import Pulls
-from vertumnus.policy.scheduler import PlacementRequest, Scheduler
 
 
 class Admission:

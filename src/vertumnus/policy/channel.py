@@ -36,9 +36,9 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from vertumnus.policy.cache_plans import CopyPlan
-from vertumnus.policy.cache_pull import CopyTimer
-from vertumnus.policy.kv_ledger import CopyJob, KVLedger
+from vertumnus.policy.cache.copy_cost import CopyTimer
+from vertumnus.policy.cache.ledger import CopyJob, KVLedger
+from vertumnus.policy.cache.plans import CopyPlan
 from vertumnus.policy.pool_results import Actions, Switch
 from vertumnus.policy.transition import Transition
 

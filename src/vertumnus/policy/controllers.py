@@ -1,9 +1,9 @@
 """Which composition controller a policy stack runs, built from its parts.
 
 ``[controller] mode = "whatif"`` (the default) builds the what-if controller
-(``whatif.py``), which reads the trie for each reshape's reconciliation share and
+(``control/whatif.py``), which reads the trie for each reshape's reconciliation share and
 each worker's retained prefixes; ``"rules"`` the paper's window rules
-(``controller.py``). Without a capacity in the profile (a fixed composition may lack
+(``control/rules.py``). Without a capacity in the profile (a fixed composition may lack
 one), the decisions, only noted, price every worker at one second per window. Pure
 Python.
 """
@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from vertumnus.perfmodel import DegreeCoeffs, Profile
-from vertumnus.policy.controller import Controller
-from vertumnus.policy.whatif import WhatIfController
+from vertumnus.policy.control.rules import Controller
+from vertumnus.policy.control.whatif import WhatIfController
 
 if TYPE_CHECKING:
     from vertumnus.policy.pool_policy import PoolPolicy

@@ -20,8 +20,8 @@ Only ACTIVE workers take requests. ``commit`` needs every participant parked
 (SWITCHING), starts a new configuration epoch and creates the new workers, which
 ``activate`` makes schedulable once every rank has adopted the epoch.
 
-Pure Python, clock-free. Not owned here: which operation to run (``controller``),
-requests and queues (``scheduler``), the driver that drains and switches.
+Pure Python, clock-free. Not owned here: which operation to run (``control``),
+requests and queues (``placement``), the driver that drains and switches.
 """
 
 from __future__ import annotations

@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vertumnus.perfmodel import Profile
-from vertumnus.policy.cache_plans import CacheManagerConfig
-from vertumnus.policy.controller import ControllerConfig
+from vertumnus.policy.cache.ledger import RetentionConfig
+from vertumnus.policy.cache.plans import CacheManagerConfig
+from vertumnus.policy.control.rules import ControllerConfig
 from vertumnus.policy.costs import CostWeights
-from vertumnus.policy.kv_ledger import RetentionConfig
 from vertumnus.policy.lattice import LatticeConfig
-from vertumnus.policy.routers import ROUTERS
+from vertumnus.policy.placement.routers import ROUTERS
 
 
 class PolicyError(ValueError):
@@ -59,7 +59,7 @@ class PolicyConfig:
     # KV room of one rank in tokens (a candidate must hold the request); None: no limit.
     max_tokens_per_rank: int | None = None
     # The cost rule counts the prefixes that the requests outstanding at a worker
-    # bring there (``policy/scheduler.py``, "Coming prefixes").
+    # bring there (``policy/placement/scheduler.py``, "Coming prefixes").
     coming_reuse: bool = True
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     cache: CacheManagerConfig = field(default_factory=CacheManagerConfig)

@@ -11,7 +11,7 @@ the KV ledger and the hand-offs' holds. A driver calls it with the time:
                                   placed again, answered with an error, given up
     start(worker, now)            the worker is idle: the head of its queue, leased
     finish(worker, now, ok, hold) a prefill ended; ``hold``: its KV waits for a decode
-    release_hold(hold, now)       server until this (``policy/holds.py``)
+    release_hold(hold, now)       server until this (``policy/cache/holds.py``)
     end_window / begin_reshape    the controller's decision; an operator's reshape
     acknowledge(t, w, rank, now)  a rank of a new worker adopted the epoch
     abort_reshape(t, now)         a reshape past the driver's bound, rolled back
@@ -32,18 +32,21 @@ from collections.abc import Sequence
 from vertumnus.blocks import max_reuse_blocks
 from vertumnus.perfmodel import Profile
 from vertumnus.policy.admission import Admission
-from vertumnus.policy.cache_index import WorkerCacheIndex
-from vertumnus.policy.cache_manager import PrefixCacheManager
-from vertumnus.policy.cache_plans import CopyPlan
-from vertumnus.policy.cache_pull import CopyTimer
+from vertumnus.policy.cache.copy_cost import CopyTimer
+from vertumnus.policy.cache.holds import Hold, Holds, held_blocks
+from vertumnus.policy.cache.index import WorkerCacheIndex
+from vertumnus.policy.cache.ledger import CopyJob, KVLedger
+from vertumnus.policy.cache.manager import PrefixCacheManager
+from vertumnus.policy.cache.plans import CopyPlan
 from vertumnus.policy.channel import Channel
-from vertumnus.policy.controller import Controller
+from vertumnus.policy.control.candidates import PoolInputs
+from vertumnus.policy.control.rules import Controller
 from vertumnus.policy.controllers import build_controller
 from vertumnus.policy.costs import reuse_curves
-from vertumnus.policy.holds import Hold, Holds, held_blocks
-from vertumnus.policy.kv_ledger import CopyJob, KVLedger
 from vertumnus.policy.lattice import Lattice, Reshape, WorkerState, composition_name
 from vertumnus.policy.outages import Outages
+from vertumnus.policy.placement.routers import ROUTERS
+from vertumnus.policy.placement.scheduler import PlacementRequest, SchedulerConfig
 from vertumnus.policy.pool_config import PolicyConfig, PoolSpec
 from vertumnus.policy.pool_results import (
     Actions,
@@ -56,10 +59,7 @@ from vertumnus.policy.pool_results import (
     WindowPlan,
 )
 from vertumnus.policy.pulls import Pulls
-from vertumnus.policy.routers import ROUTERS
-from vertumnus.policy.scheduler import PlacementRequest, SchedulerConfig
 from vertumnus.policy.transition import Phase, Reconfigurer, Transition, operator_reshape
-from vertumnus.policy.whatif_candidates import PoolInputs
 
 
 class PoolPolicy:
@@ -86,7 +86,7 @@ class PoolPolicy:
             self.cache,
         )
         self.controller: Controller = build_controller(self, profile, coeffs)
-        self.holds = Holds()  # KV kept for decode servers (``policy/holds.py``)
+        self.holds = Holds()  # KV kept for decode servers (``policy/cache/holds.py``)
         self.reconf = Reconfigurer(
             self.lattice,
             self.scheduler,
@@ -239,7 +239,7 @@ class PoolPolicy:
         ``replace`` or ``drop``. ``compute_s``: the ranks' own time for it, where the
         driver has it (it calibrates the controller's model; else the time since
         ``start`` does). ``hold``: its KV is handed off, and the prompt's whole blocks
-        stay pinned under ``Finished.hold`` until ``release_hold`` (``policy/holds.py``);
+        stay pinned under ``Finished.hold`` until ``release_hold`` (``policy/cache/holds.py``);
         on a worker reset meanwhile (its KV is gone) the prefill counts as failed
         (``Finished.ok`` is False). A participant of a reshape that runs and holds
         nothing parks now, and a reshape whose participants have all parked switches

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vertumnus.policy.cache_audit import ScanRecord
-from vertumnus.policy.cache_index import PrefillLease, WorkerCacheIndex
-from vertumnus.policy.cache_plans import ScanResult
-from vertumnus.policy.controller import Controller, Decision
-from vertumnus.policy.holds import Hold
-from vertumnus.policy.kv_ledger import CopyJob
-from vertumnus.policy.scheduler import Placement
+from vertumnus.policy.cache.audit import ScanRecord
+from vertumnus.policy.cache.holds import Hold
+from vertumnus.policy.cache.index import PrefillLease, WorkerCacheIndex
+from vertumnus.policy.cache.ledger import CopyJob
+from vertumnus.policy.cache.plans import ScanResult
+from vertumnus.policy.control.rules import Controller, Decision
+from vertumnus.policy.placement.scheduler import Placement
 from vertumnus.policy.transition import Transition
 
 
@@ -105,7 +105,7 @@ class ScanOutcome:
     result: ScanResult
     reclaimed: int  # replicas deleted
     actions: Actions
-    record: ScanRecord  # the audit's record of this scan (``cache_audit``)
+    record: ScanRecord  # the audit's record of this scan (``cache.audit``)
 
 
 @dataclass

@@ -7,7 +7,7 @@ queue, and the request would compute what placement priced as reused. Near
 saturation, where queues are long, that turns into more work, longer queues and
 more evictions.
 
-A pull (``cache_pull``) copies a request's prefix to the worker it was placed on
+A pull (``cache.copy_cost``) copies a request's prefix to the worker it was placed on
 while that worker works off its queue. The request must not start before the copy
 ended (``must_wait``), and what the copy brought must still be there when it
 starts: between the copy's landing and the request's start, the worker's other
@@ -29,12 +29,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from vertumnus.blocks import max_reuse_blocks
-from vertumnus.policy.cache_index import PrefillLease, WorkerCacheIndex
-from vertumnus.policy.cache_manager import PrefixCacheManager
-from vertumnus.policy.cache_plans import CopyPlan
+from vertumnus.policy.cache.index import PrefillLease, WorkerCacheIndex
+from vertumnus.policy.cache.manager import PrefixCacheManager
+from vertumnus.policy.cache.plans import CopyPlan
+from vertumnus.policy.cache.trie import Node, WorkerInfo
 from vertumnus.policy.channel import Channel
-from vertumnus.policy.scheduler import PlacementRequest, Scheduler
-from vertumnus.policy.trie import Node, WorkerInfo
+from vertumnus.policy.placement.scheduler import PlacementRequest, Scheduler
 
 
 class Pulls:
@@ -88,7 +88,7 @@ class Pulls:
         """A pull of ``blocks`` of MatchedPath ``path`` to ``worker_id``: seconds until it
         lands (until the devices of the destination and of the first free holder are
         free for it, then the copy), and the future prefill seconds of the blocks it
-        must evict there (``cache_pull``)."""
+        must evict there (``cache.copy_cost``)."""
         last = path[-1]
         key = (last.block_id, last.holders, self.channel.version, now)
         if self._source_key != key:
@@ -153,7 +153,7 @@ class Pulls:
     def started(self, request_id: int, worker_id: int, lease: PrefillLease) -> None:
         """The request began on ``worker_id``: its own ``lease`` now pins what it
         reuses (unpin), and those reuses are hits for the copies that brought them
-        (``cache_audit``)."""
+        (``cache.audit``)."""
         self.forget(request_id)
         self.cache.audit.reused(worker_id, (loc.block_id for loc in lease.reused))
 

@@ -4,7 +4,7 @@ the record of the composition a pool had (what ``[pool] state_file`` holds).
 A representative workload is a list of ``ArrivalSample`` whose ``floor_tokens`` is
 the prefix reusable at every worker: what an earlier request of the same sample
 had cached (as if anywhere in the pool: a cold pool knows no more).
-``whatif_candidates.best_start`` replays it from empty queues over every composition
+``control.candidates.best_start`` replays it from empty queues over every composition
 the lattice allows and keeps the fastest. Two ways to make one live here:
 ``mix_samples`` (Poisson arrivals with lengths drawn from a length mix) and
 ``trace_samples`` (the leading span of a trace's requests). Which workload a pool
@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from vertumnus.perfmodel import Profile
+from vertumnus.policy.control.candidates import StartChoice, best_start
+from vertumnus.policy.control.forecast import ArrivalSample
+from vertumnus.policy.control.replay import ReplayModel
 from vertumnus.policy.costs import reuse_curves
-from vertumnus.policy.forecast import ArrivalSample
 from vertumnus.policy.lattice import Lattice, LatticeConfig, LatticeError, composition_name
 from vertumnus.policy.pool_config import PolicyConfig
-from vertumnus.policy.replay import ReplayModel
-from vertumnus.policy.whatif_candidates import StartChoice, best_start
 
 
 def mix_samples(

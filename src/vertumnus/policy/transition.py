@@ -4,7 +4,7 @@
                come back for re-placement on other workers; what runs finishes under
                the old geometry
     idle       a participant's last prefill ended and no hand-off holds its KV any
-               more (``policy/holds.py``): it parks (SWITCHING)
+               more (``policy/cache/holds.py``): it parks (SWITCHING)
     switch     every participant parked (a merge waits for all siblings): a new
                configuration epoch; the lattice swaps the workers; the prefix-cache
                manager hands their prefixes on as pending marks and returns the adopt
@@ -25,12 +25,12 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from vertumnus.policy.cache_manager import PrefixCacheManager
-from vertumnus.policy.cache_plans import CopyPlan
-from vertumnus.policy.controller import Controller
-from vertumnus.policy.holds import Holds
+from vertumnus.policy.cache.holds import Holds
+from vertumnus.policy.cache.manager import PrefixCacheManager
+from vertumnus.policy.cache.plans import CopyPlan
+from vertumnus.policy.control.rules import Controller
 from vertumnus.policy.lattice import Lattice, LatticeError, Reshape, WorkerState
-from vertumnus.policy.scheduler import PlacementRequest, Scheduler
+from vertumnus.policy.placement.scheduler import PlacementRequest, Scheduler
 
 
 class Phase(enum.StrEnum):

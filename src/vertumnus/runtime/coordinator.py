@@ -40,14 +40,14 @@ import structlog
 from vertumnus.config import ConfigError, resolve_model
 from vertumnus.config.start import write_state
 from vertumnus.perfmodel import Profile, ProfileError
-from vertumnus.policy.cache_index import WorkerCacheIndex
-from vertumnus.policy.cache_manager import PrefixCacheManager
-from vertumnus.policy.cache_plans import CopyPlan
+from vertumnus.policy.cache.index import WorkerCacheIndex
+from vertumnus.policy.cache.manager import PrefixCacheManager
+from vertumnus.policy.cache.plans import CopyPlan
 from vertumnus.policy.lattice import Lattice, LatticeError, Reshape, WorkerState
+from vertumnus.policy.placement.scheduler import Scheduler
 from vertumnus.policy.pool_config import PolicyError
 from vertumnus.policy.pool_policy import PoolPolicy
 from vertumnus.policy.pool_results import Actions, WindowPlan
-from vertumnus.policy.scheduler import Scheduler
 from vertumnus.policy.transition import Transition
 from vertumnus.runtime import readiness, views
 from vertumnus.runtime.handoff import Handoffs

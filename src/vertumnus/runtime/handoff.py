@@ -5,7 +5,7 @@ the KV of its prompt but the last token (the decode side computes that one in it
 first step, as vLLM's disaggregated decode does) under a *lease*:
 
   * the whole blocks of that prefix stay pinned in the worker's cache index, as
-    the policy's *hold* (``policy/holds.py``: taken by the prefill's ``finish``,
+    the policy's *hold* (``policy/cache/holds.py``: taken by the prefill's ``finish``,
     in the step that commits its blocks; the blocks remain in the prefix cache as
     usual, the pin only keeps them from eviction, and a reshape of the worker waits
     for it), sent from the ranks' stores when pulled (block j from CP rank j % C,
@@ -45,8 +45,8 @@ import torch
 from torch import Tensor
 
 from vertumnus.handoff.wire import CHUNK_BLOCKS, END, KVHeader, chunk_header
-from vertumnus.policy.cache_index import BlockLocation
-from vertumnus.policy.holds import Hold
+from vertumnus.policy.cache.holds import Hold
+from vertumnus.policy.cache.index import BlockLocation
 from vertumnus.policy.lattice import WorkerState
 from vertumnus.runtime.kv_reads import CHUNK_BYTES, KVReads, bytes_of
 from vertumnus.runtime.kv_segments import store_runs

@@ -25,8 +25,8 @@ from typing import Any
 import structlog
 
 from vertumnus.engine.messages import KVTransfer, KVWritten, RankFailed
-from vertumnus.policy.cache_plans import CopyPlan
-from vertumnus.policy.kv_ledger import CopyJob
+from vertumnus.policy.cache.ledger import CopyJob
+from vertumnus.policy.cache.plans import CopyPlan
 from vertumnus.policy.pool_policy import PoolPolicy
 from vertumnus.policy.pool_results import Actions, ScanOutcome
 from vertumnus.runtime.metrics import Metrics

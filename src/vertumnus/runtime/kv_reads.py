@@ -25,7 +25,7 @@ from torch import Tensor
 from vertumnus.engine.messages import KVData, KVRead, KVSend, RankFailed
 from vertumnus.engine.rank import resolve_device
 from vertumnus.engine.weights import resolve_dtype
-from vertumnus.policy.cache_index import BlockLocation
+from vertumnus.policy.cache.index import BlockLocation
 from vertumnus.runtime.pool import RankPool, RankPoolError
 
 if TYPE_CHECKING:

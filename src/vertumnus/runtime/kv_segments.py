@@ -30,7 +30,7 @@ from vertumnus.config import EngineConfig, ModelConfig
 from vertumnus.engine.kv_store import store_shape
 from vertumnus.engine.rank import resolve_device
 from vertumnus.engine.weights import resolve_dtype
-from vertumnus.policy.cache_index import BlockLocation
+from vertumnus.policy.cache.index import BlockLocation
 
 log = structlog.get_logger("vertumnus")
 

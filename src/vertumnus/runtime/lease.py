@@ -10,8 +10,8 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-from vertumnus.policy.cache_index import BlockLocation, PrefillLease, WorkerCacheIndex
-from vertumnus.policy.holds import Hold, held_blocks
+from vertumnus.policy.cache.holds import Hold, held_blocks
+from vertumnus.policy.cache.index import BlockLocation, PrefillLease, WorkerCacheIndex
 
 
 class Sink(Protocol):

@@ -26,8 +26,8 @@ import structlog
 
 from vertumnus.blocks import block_ids
 from vertumnus.engine.messages import PrefillCommand, PrefillDone
+from vertumnus.policy.placement.scheduler import PlacementRequest
 from vertumnus.policy.pool_results import Finished, Started
-from vertumnus.policy.scheduler import PlacementRequest
 from vertumnus.runtime.lease import Lease, export_range
 from vertumnus.runtime.pool import RankPoolError
 from vertumnus.runtime.rank_link import WorkerLost

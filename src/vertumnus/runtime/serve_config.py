@@ -54,7 +54,7 @@ from vertumnus.config.dialect import (
 from vertumnus.config.pool import PoolConfig
 from vertumnus.config.start import StartDecision, resolve_start
 from vertumnus.perfmodel import Profile, ProfileError
-from vertumnus.policy.controller import ControllerConfig
+from vertumnus.policy.control.rules import ControllerConfig
 from vertumnus.policy.pool_config import PolicyConfig, PoolSpec
 from vertumnus.slo import DEFAULT_TTFT_SLO, SloError, TtftSlo
 

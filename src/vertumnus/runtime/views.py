@@ -59,7 +59,7 @@ def cache_view(coord: Coordinator) -> dict[str, Any]:
         "token_hit_rate": coord.metrics.hit_rate(),
         "replications": coord.metrics.replication_count,
         "reclamations": coord.metrics.reclamation_count,
-        # What the copies did (``policy/cache_audit.py``): per kind, blocks installed,
+        # What the copies did (``policy/cache/audit.py``): per kind, blocks installed,
         # reused and evicted unused, the waste fraction; and the latest ten scans.
         "audit": coord.policy.cache.audit.summary(),
         "scans": [r.as_dict() for r in list(coord.policy.cache.audit.scans)[-10:]],

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from vertumnus.blocks import block_ids, max_reuse_blocks
 from vertumnus.engine.messages import PrefillCommand, PrefillDone, RankFailed
-from vertumnus.policy.cache_index import CacheReport, PrefillLease, WorkerCacheIndex
+from vertumnus.policy.cache.index import CacheReport, PrefillLease, WorkerCacheIndex
 from vertumnus.runtime.pool import RankPool, RankPoolError
 
 

@@ -49,7 +49,7 @@ from vertumnus.config.pool import PoolConfig
 from vertumnus.config.start import StartDecision, resolve_start
 from vertumnus.config.tables import ConfigError, build_table, read_toml
 from vertumnus.perfmodel import Profile
-from vertumnus.policy.composition import layout_for
+from vertumnus.policy.control.composition import layout_for
 from vertumnus.policy.lattice import LatticeConfig
 from vertumnus.policy.pool_config import PolicyConfig, PoolSpec
 from vertumnus.sim.time_model import SimSettings

@@ -3,7 +3,7 @@
 ``DIR/summary.json``   counts, TTFT mean and percentiles (linear interpolation),
                        token-weighted SLO attainment, token hit rate, splits and
                        merges with drain and switch times, copies and reclamations,
-                       the copies' audit (``cache_audit``: hits, waste fraction),
+                       the copies' audit (``cache.audit``: hits, waste fraction),
                        speed, and per-phase figures when the workload has phases
 ``DIR/requests.jsonl`` one line per request: id, arrival_s, input_tokens,
                        cached_tokens, worker, cp_degree, ttft_s, tau_s
@@ -18,7 +18,7 @@
 ``DIR/scans.jsonl``    one line per cache-manager scan: what it started (copies, blocks,
                        predicted benefit; reclamations, predicted loss; candidates
                        that did not pay) and what its copies then served (hits,
-                       blocks used, blocks evicted unused), ``cache_audit.ScanRecord``
+                       blocks used, blocks evicted unused), ``cache.audit.ScanRecord``
 ``DIR/ttft_composition.png``  TTFT and composition over time (the paper's Fig. 13), the
                        decisions that moved the composition marked (split ▲, merge ▼)
 ``DIR/report.html``    the run as the server's dashboard draws it (composition with

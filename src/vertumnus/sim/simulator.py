@@ -33,14 +33,14 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from vertumnus.perfmodel import COEFF_NAMES, DegreeCoeffs, Profile
-from vertumnus.policy.cache_audit import ScanRecord
-from vertumnus.policy.controller import Decision
-from vertumnus.policy.holds import Hold
-from vertumnus.policy.kv_ledger import CopyJob
+from vertumnus.policy.cache.audit import ScanRecord
+from vertumnus.policy.cache.holds import Hold
+from vertumnus.policy.cache.ledger import CopyJob
+from vertumnus.policy.control.rules import Decision
+from vertumnus.policy.placement.scheduler import PlacementRequest
 from vertumnus.policy.pool_config import PolicyConfig, PolicyError, PoolSpec
 from vertumnus.policy.pool_policy import PoolPolicy
 from vertumnus.policy.pool_results import Actions, Switch
-from vertumnus.policy.scheduler import PlacementRequest
 from vertumnus.policy.timeline import Timeline, trailing_window_s, worker_rows
 from vertumnus.sim.time_model import SimSettings, SimulationError, TimeModel
 from vertumnus.sim.workload import SimRequest

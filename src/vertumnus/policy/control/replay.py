@@ -1,0 +1,199 @@
+"""Replay a forecast through the scheduler's cost rule over FIFO workers (DESIGN.md §6b).
+
+A candidate composition is a set of workers, each with a degree and the time it can
+start new work (its backlog, or, for a worker a reshape makes, the drain of its
+sources plus the switch). Each forecast request, at its arrival offset t, goes where
+the scheduler would send it:
+
+    cost(i, w) = q_w / s_C + beta_C * E_C(L - P_iw, P_iw),    q_w = max(0, free_w - t)
+
+with P_iw the prefix reusable at w (the request's recorded holders, carried over to
+the workers a reshape makes of them), s_C the calibration (measured over predicted
+service time; the scheduler itself sees predicted work, hence q_w / s_C) and beta_C
+the cost weights, plus the backlog term's kappa * (n_min - 1), n_min estimated as the
+shortest queue's predicted work over the forecast's mean E at its best reuse (the
+scheduler counts its waiting requests; exact on one degree, within a few per cent
+on mixed ones). Ties go to the lower q, then degree, then worker, as in the
+scheduler. The worker then runs it for s_C * E + ``overhead_s`` (the serving path's
+own time); its TTFT is the wait plus that.
+
+Workers that hold nothing a request can reuse differ only in when they free, so
+per degree the best of them is the one that frees first: one heap per degree (stale
+entries skipped), plus the request's few holders checked one by one. The replay is
+therefore exact for the cost rule out of overload and costs O(degrees + holders)
+per request.
+
+``dilation`` m > 1 replays a random 1/m of the requests with every duration times
+m: the same queueing process on a slower clock (rates and service times keep their
+ratio), its TTFTs divided by m. It bounds the cost of a replay at large pools.
+
+Pure Python; the loop runs compiled where ``tools/build_native.py`` built it
+(``vertumnus.native``). Not owned here: the forecast (``forecast``), candidates and the
+decision (``whatif``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from vertumnus import native
+from vertumnus.policy.control import replay_loop
+from vertumnus.policy.control.forecast import ArrivalSample
+from vertumnus.policy.control.replay_types import (
+    PreparedForecast,
+    ReplayResult,
+    ReplayWorker,
+    Retirement,
+)
+from vertumnus.policy.costs import CostWeights, ReuseCurve
+
+# The loops compiled by mypyc where they are built from this source (``native``).
+_loop = native.compiled(replay_loop)
+if TYPE_CHECKING:
+    from vertumnus.policy.control.replay_loop import Replay, mean_best_e
+else:
+    Replay, mean_best_e = _loop.Replay, _loop.mean_best_e
+
+__all__ = [
+    "PreparedForecast",
+    "Replay",
+    "ReplayModel",
+    "ReplayResult",
+    "ReplayWorker",
+    "Retirement",
+]
+
+# Input-length buckets of the calibration: [0, 2K), [2K, 8K), [8K, 32K), [32K, inf).
+BUCKET_EDGES: tuple[int, ...] = (2048, 8192, 32768)
+
+
+def bucket_of(input_tokens: int) -> int:
+    return bisect.bisect_right(BUCKET_EDGES, input_tokens)
+
+
+# Per request, uncalibrated and undilated: (input bucket, E per degree at its floor
+# reuse, ((holder, E per degree at its reuse there), ...)). inf: cannot hold it.
+Times = tuple[int, tuple[float, ...], tuple[tuple[int, tuple[float, ...]], ...]]
+
+
+class ReplayModel:
+    """The service-time model of one decision: the profile's curves, calibrated."""
+
+    def __init__(
+        self,
+        curves: Mapping[int, ReuseCurve],
+        degrees: Sequence[int],
+        weights: CostWeights,
+        scale: Mapping[int, Sequence[float]] | None = None,
+        overhead_s: float = 0.0,
+        max_tokens_per_rank: int | None = None,
+    ) -> None:
+        self.degrees = tuple(sorted(degrees))
+        self.curves = {c: curves[c] for c in self.degrees}
+        nb = len(BUCKET_EDGES) + 1
+        self.scale = {c: tuple((scale or {}).get(c, (1.0,) * nb)) for c in self.degrees}
+        self.weights = weights
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.overhead_s = overhead_s
+
+    def prepare(
+        self,
+        samples: Sequence[ArrivalSample],
+        origin_s: float,
+        dilation: float = 1.0,
+        span_s: float | None = None,
+        cache: dict[int, Times] | None = None,
+        warm: bool = False,
+    ) -> PreparedForecast:
+        """The samples as replay input, offsets from ``origin_s``; with ``dilation``
+        m > 1 a deterministic 1/m of them. ``cache``: each request's times by id,
+        kept from one decision to the next (they depend on the profile only).
+        ``warm``: every prefix reusable wherever the trie matched it (a warm cache,
+        as a cold pool will have; no holders needed)."""
+        if dilation > 1.0:
+            keep = 1.0 / dilation
+            # By length, prefix and arrival, not request id: the drivers number
+            # requests apart.
+            samples = [s for s in samples if s.draw < keep]
+        offsets: list[float] = []
+        keys: list[int] = []
+        buckets: list[int] = []
+        e_pred: list[tuple[float, ...]] = []
+        holders: list[tuple[tuple[int, tuple[float, ...]], ...]] = []
+        for s in samples:
+            times = cache.get(s.request_id) if cache is not None else None
+            if times is None:
+                times = self.times(s, warm)
+                if cache is not None:
+                    cache[s.request_id] = times
+            offsets.append(s.arrival_s - origin_s)
+            keys.append(s.prefix_key)
+            buckets.append(times[0])
+            e_pred.append(times[1])
+            holders.append(times[2])
+        span = span_s if span_s is not None else (max(offsets) if offsets else 0.0)
+        return PreparedForecast(
+            tuple(offsets),
+            tuple(keys),
+            tuple(buckets),
+            tuple(e_pred),
+            tuple(holders),
+            dilation,
+            span,
+            mean_best_e(len(self.degrees), e_pred, holders),
+        )
+
+    def times(self, sample: ArrivalSample, warm: bool = False) -> Times:
+        """The request's E per degree at its floor and at each holder's reuse
+        (``warm``: at its match anywhere, everywhere)."""
+        n = sample.input_tokens
+        limit = self.max_tokens_per_rank
+        # (per degree: its time function, or None where its ranks cannot hold it)
+        timers = [
+            None if limit is not None and -(-n // c) > limit else self.curves[c].time_s
+            for c in self.degrees
+        ]
+        if warm:
+            return bucket_of(n), _per_degree_s(timers, n, sample.matched_tokens), ()
+        return (
+            bucket_of(n),
+            _per_degree_s(timers, n, sample.floor_tokens),
+            tuple([(w, _per_degree_s(timers, n, p)) for w, p in sample.holders]),
+        )
+
+    def run(
+        self,
+        forecast: PreparedForecast,
+        workers: Sequence[ReplayWorker],
+        remap: Mapping[int, tuple[int, ...]] | None = None,
+        lost: Mapping[int, float] | None = None,
+        head: PreparedForecast | None = None,
+        cycles: int = 1,
+        batches: int = 0,
+        retire: Sequence[Retirement] = (),
+    ) -> ReplayResult:
+        """Mean TTFT of ``forecast`` on ``workers``. A holder id found in ``remap``
+        stands for the workers it maps to (a reshape's targets: a request's prefix
+        goes to one of them, by its prefix key); one neither there nor among
+        ``workers`` holds nothing now. ``lost``: per remapped holder, the share of
+        its prefixes the reshape leaves out of place (a prefix is lost or kept by
+        its key); the first request of a lost prefix misses, the ones after it hit.
+
+        ``head``: requests placed once at t = 0, before the forecast (a reshape's
+        requeued requests). ``cycles``: the forecast is replayed that many times,
+        one after the other (cycle c shifted by c times its span), from the state
+        the one before left: the same load continued, so a backlog a transition
+        builds is priced until it drains. ``batches``: see ``ReplayResult``.
+        ``retire``: workers that take no work arriving from a time on; once each
+        drains, its replacements serve (a reshape back, priced as it runs)."""
+        replay = Replay(self, forecast, workers, remap, lost, head, batches, retire)
+        return replay.extend(cycles)
+
+
+def _per_degree_s(
+    timers: Sequence[Callable[[int, int], float] | None], input_tokens: int, reused_tokens: int
+) -> tuple[float, ...]:
+    return tuple([math.inf if t is None else t(input_tokens, reused_tokens) for t in timers])

@@ -1,0 +1,404 @@
+"""Placement: every request to one worker, by predicted cost (DESIGN.md §5).
+
+Candidates W_i: ACTIVE workers that can hold the request (its KV per rank within
+``max_tokens_per_rank``). A prefix miss does not exclude. For w in W_i, with P_iw
+the request's prefix reusable at w (whole blocks: the confirmed replicas the
+prefix-cache manager knows, or longer where it is coming, below) and
+E_iw = E_{C_w}(L_i - P_iw, P_iw):
+
+    cost(i, w) = q_w + (beta + lambda * (C_w / C_min - 1) + kappa * (n_min - 1)+) * E_iw
+
+q_w is the worker's outstanding predicted work at ``now``: its queue plus what is
+left of the prefill it runs (its elapsed seconds counted at the pace measured,
+``costs.Pace``: the profile's seconds, as the queue's). The minimum wins; ties go
+to the lower q_w, then the lower degree, then the lower worker id. E_iw is reserved
+on w at once, so the next arrival sees it, and released when the prefill completes
+or is cancelled.
+
+The backlog term (``CostWeights.backlog_weight``, kappa): n_min is the fewest
+requests waiting (placed, not started) at any candidate. While some worker has at
+most one request waiting, the term is 0 and the rule balances queues. In overload
+every worker has a queue, so no placement leaves a worker idle, and each second of
+E_iw also delays the requests that will queue behind it (about n_min - 1 of them:
+the shortest queue's, less the one next in line): the work a placement saves (a
+hit, a faster degree) is worth that many times more than the wait it costs the
+request itself. Without it, near saturation the load term scatters prefixes and
+the pool loses throughput to recomputation (DESIGN.md §5's known weakness).
+
+Pulls (``pull_cost`` set: the cache manager pulls, ``cache.copy_cost``): w may also reuse
+the request's whole MatchedPath P*, copied from a holder while w works off its
+queue, with ``pull_s`` the copy's predicted wait and ``evict_s`` the future prefill
+time of what it must evict at w:
+
+    cost_pull(i, w) = q_w + max(0, pull_s - q_w) + (beta + lambda * (C_w / C_min - 1))
+                      * E_Cw(L - P*, P*) + evict_s
+
+The cheaper of the two prices w; a pull shows in the placement as ``reused_tokens``
+above what w holds, and the policy stack queues the copy.
+
+Coming prefixes (``SchedulerConfig.coming_reuse``): P_iw is what w holds, or longer
+where the requests outstanding at w bring more of the request's prefix: FIFO, they
+write it before the request starts (``coming``). Only what w holds or pulls is
+reported to the cache manager.
+
+Workers run their queue FIFO, one prefill at a time (as the engine does). When a
+worker starts draining, ``drain`` hands back its queued (not started) requests for
+re-placement; what it runs finishes where it is.
+
+Pure Python, clock-free: ``now`` is an argument. Not owned here: the composition
+(``lattice``), when to reshape it (``control``), the trie (``cache.manager``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from vertumnus.blocks import max_reuse_blocks
+from vertumnus.perfmodel import DegreeCoeffs
+from vertumnus.policy.cache.coming import ComingBlocks, coming_run
+from vertumnus.policy.cache.manager import PrefixCacheManager
+from vertumnus.policy.cache.plans import RequestUpdate
+from vertumnus.policy.cache.trie import Node
+from vertumnus.policy.costs import CostWeights, Pace, reuse_curves
+from vertumnus.policy.lattice import Lattice, LatticeWorker, WorkerState
+
+# (worker id, its degree, P_iw, E_iw, q_w, cost, the part of P_iw the worker holds
+# or pulls: the rest is coming there)
+Choice = tuple[int, int, int, float, float, float, int]
+
+
+class SchedulerError(ValueError):
+    """A call that contradicts the scheduler's state (a driver bug)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    weights: CostWeights = field(default_factory=CostWeights)
+    # KV room of one rank in tokens: a degree-C worker holds a request of L tokens if
+    # ceil(L / C) <= this. None: no limit.
+    max_tokens_per_rank: int | None = None
+    # KV blocks of one rank (the peer routers read a worker's free cache); None: unknown
+    kv_blocks_per_rank: int | None = None
+    # P_iw counts the blocks the requests outstanding at w bring (module docstring)
+    coming_reuse: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
+            raise SchedulerError("max_tokens_per_rank must be >= 1")
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    request_id: int
+    input_tokens: int
+    block_ids: tuple[int, ...] = ()  # chained block ids of its whole blocks
+
+
+@dataclass(frozen=True)
+class Placement:
+    request_id: int
+    worker_id: int
+    cp_degree: int
+    reused_tokens: int  # P_iw
+    exec_s: float  # E_iw, reserved on the worker
+    queue_s: float  # q_w when placed
+    cost: float
+    num_candidates: int
+    update: RequestUpdate | None  # the cache manager's per-request result
+    # (worker, reusable tokens > 0) of every worker that could serve a prefix
+    holders: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass
+class _Running:
+    request_id: int
+    start_s: float
+    exec_s: float
+
+
+class Scheduler:
+    reads_coming = True  # (a baseline router's own rule does not read coming reuse)
+
+    def __init__(
+        self,
+        lattice: Lattice,
+        coeffs: Mapping[int, DegreeCoeffs],
+        config: SchedulerConfig | None = None,
+        cache: PrefixCacheManager | None = None,
+    ) -> None:
+        missing = set(lattice.config.degrees) - set(coeffs)
+        if missing:
+            raise SchedulerError(f"the profile has no coefficients for degrees {sorted(missing)}")
+        self.lattice = lattice
+        self.config = config or SchedulerConfig()
+        self.cache = cache
+        self.curves = reuse_curves(coeffs)
+        # (real seconds into the profile's: a running prefill's; the policy stack
+        # measures it from every prefill that ends well, against the E it ran)
+        self.pace = Pace()
+        self._queue: dict[int, OrderedDict[int, float]] = {}  # worker -> request -> E
+        self._queued_s: dict[int, float] = {}
+        self._running: dict[int, _Running] = {}
+        self._where: dict[int, int] = {}  # request -> worker
+        self._requests: dict[int, PlacementRequest] = {}
+        self.coming = ComingBlocks()  # the prefixes outstanding requests bring
+        self.counts_coming = self.config.coming_reuse and self.reads_coming
+        # (MatchedPath, blocks to copy, destination, now) -> (predicted seconds until a
+        # pull of them lands, the future prefill seconds its evictions cost); None: no
+        # pulls (set by the policy stack when its cache manager pulls).
+        self.pull_cost: Callable[[Sequence[Node], int, int, float], tuple[float, float]] | None = (
+            None
+        )
+
+    # -- load ------------------------------------------------------------------------
+
+    def outstanding_s(self, worker_id: int, now: float) -> float:
+        """q_w: predicted seconds of work queued or left running at ``now``."""
+        run = self._running.get(worker_id)
+        if run is None:
+            return self._queued_s.get(worker_id, 0.0)
+        done = (now - run.start_s) * self.pace.of(self.lattice.workers[worker_id].cp_degree)
+        return self._queued_s.get(worker_id, 0.0) + max(0.0, run.exec_s - done)
+
+    def queued_s(self, worker_id: int) -> float:
+        """Predicted seconds of the worker's queued (not started) requests."""
+        return self._queued_s.get(worker_id, 0.0)
+
+    def loads(self, now: float) -> dict[int, float]:
+        return {w: self.outstanding_s(w, now) for w in self.lattice.workers}
+
+    def queued(self, worker_id: int) -> list[int]:
+        return list(self._queue.get(worker_id, ()))
+
+    def is_queued(self, request_id: int) -> bool:
+        """Placed and not yet started."""
+        worker_id = self._where.get(request_id)
+        return worker_id is not None and request_id in self._queue.get(worker_id, ())
+
+    def head(self, worker_id: int) -> int | None:
+        """The request the worker runs next (FIFO), if any."""
+        return next(iter(self._queue.get(worker_id, ())), None)
+
+    def running(self, worker_id: int) -> int | None:
+        run = self._running.get(worker_id)
+        return None if run is None else run.request_id
+
+    # -- placement -------------------------------------------------------------------
+
+    def place(self, request: PlacementRequest, now: float) -> Placement | None:
+        """Choose and reserve a worker; None when no worker can take the request."""
+        if request.request_id in self._where:
+            raise SchedulerError(f"request {request.request_id} is already placed")
+        n = request.input_tokens
+        if n < 1:
+            raise SchedulerError(f"request {request.request_id}: input_tokens must be >= 1")
+        limit = self.config.max_tokens_per_rank
+        candidates = [
+            w
+            for w in self.lattice.workers.values()
+            if w.state is WorkerState.ACTIVE and (limit is None or -(-n // w.cp_degree) <= limit)
+        ]
+        if not candidates:
+            return None
+        lookup = None
+        reuse: Mapping[int, int] = {}
+        matched: Sequence[Node] = ()
+        if self.cache is not None and request.block_ids:
+            lookup = self.cache.lookup(request.block_ids, n)
+            reuse, matched = lookup.reusable_tokens, lookup.path
+        choice = self._choose(request, candidates, reuse, now, matched)
+        worker_id, c, reused, exec_s, q, cost, counted = choice
+        self._reserve(request, worker_id, exec_s, reuse.get(worker_id, 0))
+        update = None
+        if self.cache is not None and request.block_ids:
+            update = self.cache.on_request(request.block_ids, n, worker_id, lookup, counted, now)
+        holders = tuple((w, p) for w, p in reuse.items() if p > 0)
+        return Placement(
+            request.request_id,
+            worker_id,
+            c,
+            reused,
+            exec_s,
+            q,
+            cost,
+            len(candidates),
+            update,
+            holders,
+        )
+
+    def _block(self) -> int:
+        return self.cache.trie.block_tokens if self.cache is not None else 1
+
+    def coming_tokens(self, worker_id: int, request: PlacementRequest, held: int = 0) -> int:
+        """Tokens of the request's leading blocks that the worker holds (``held``
+        tokens, from the trie) or that the requests outstanding there bring (at most
+        the blocks it may reuse)."""
+        coming = self.coming.by_worker.get(worker_id)
+        if coming is None:
+            return held
+        ids, b = request.block_ids, self._block()
+        usable = min(len(ids), max_reuse_blocks(request.input_tokens, b))
+        return coming_run(coming, ids, held // b, usable) * b
+
+    def _choose(
+        self,
+        request: PlacementRequest,
+        candidates: list[LatticeWorker],
+        reuse: Mapping[int, int],
+        now: float,
+        matched: Sequence[Node] = (),
+    ) -> Choice:
+        """The cost rule of the module docstring (``matched``: the MatchedPath, whose
+        length is P*, for pulls). Baseline routers override this."""
+        n = request.input_tokens
+        pull_cost = self.pull_cost if matched else None
+        block = self._block()
+        coming = self.coming.by_worker
+        ids = request.block_ids
+        usable = min(len(ids), max_reuse_blocks(n, block))
+        matched_tokens = len(matched) * block
+        min_degree = min(w.cp_degree for w in candidates)
+        weights = self.config.weights
+        factor = {c: weights.factor(c, min_degree) for c in self.curves}
+        if weights.backlog_weight > 0:  # overload: E_iw delays the n_min - 1 behind
+            queues, n_min = self._queue, math.inf
+            for w in candidates:  # (stops at the first worker with at most one)
+                waiting = len(queues.get(w.worker_id, ()))
+                if waiting < n_min:
+                    n_min = waiting
+                    if waiting <= 1:
+                        break
+            if n_min > 1:
+                extra = weights.backlog_weight * (n_min - 1)
+                factor = {c: f + extra for c, f in factor.items()}
+        times: dict[tuple[int, int], float] = {}
+        queued, running = self._queued_s, self._running
+        pace, pooled = self.pace.by_degree, self.pace.pooled
+        best_key: tuple[float, float, int, int] | None = None
+        reused = counted = 0
+        exec_s = 0.0
+        for w in candidates:
+            worker_id, c = w.worker_id, w.cp_degree
+            p = held = reuse.get(worker_id, 0)
+            brought = coming.get(worker_id)  # (``coming_tokens``, inline)
+            if brought is not None:
+                p = coming_run(brought, ids, held // block, usable) * block
+            e = times.get((c, p))
+            if e is None:
+                e = times[(c, p)] = self.curves[c].time_s(n, p)
+            # q_w, as ``outstanding_s`` computes it
+            q = queued.get(worker_id, 0.0)
+            run = running.get(worker_id)
+            rate = pace.get(c, pooled)  # (real seconds into the profile's)
+            if run is not None:
+                q += max(0.0, run.exec_s - (now - run.start_s) * rate)
+            cost = q + factor[c] * e
+            if pull_cost is not None and matched_tokens > p:
+                pulled = times.get((c, matched_tokens))
+                if pulled is None:
+                    pulled = times[(c, matched_tokens)] = self.curves[c].time_s(n, matched_tokens)
+                delay_s, evict_s = pull_cost(
+                    matched, (matched_tokens - held) // block, worker_id, now
+                )
+                pull = q + max(0.0, delay_s * rate - q) + factor[c] * pulled + evict_s
+                if pull < cost:
+                    p = held = matched_tokens
+                    e, cost = pulled, pull
+            if best_key is None or cost <= best_key[0]:
+                key = (cost, q, c, worker_id)
+                if best_key is None or key < best_key:
+                    best_key, reused, exec_s, counted = key, p, e, held
+        assert best_key is not None
+        cost, q, c, worker_id = best_key
+        return worker_id, c, reused, exec_s, q, cost, counted
+
+    def _reserve(
+        self, request: PlacementRequest, worker_id: int, exec_s: float, held_tokens: int = 0
+    ) -> None:
+        self._queue.setdefault(worker_id, OrderedDict())[request.request_id] = exec_s
+        self._queued_s[worker_id] = self._queued_s.get(worker_id, 0.0) + exec_s
+        self._where[request.request_id] = worker_id
+        self._requests[request.request_id] = request
+        if self.counts_coming:
+            first = held_tokens // self._block()
+            self.coming.add(request.request_id, worker_id, request.block_ids, first)
+
+    # -- a placed request's life -----------------------------------------------------
+
+    def start(self, request_id: int, now: float) -> None:
+        """The worker begins the head of its queue."""
+        worker_id = self._worker_of(request_id)
+        queue = self._queue[worker_id]
+        head = next(iter(queue))
+        if head != request_id:
+            raise SchedulerError(f"worker {worker_id} runs FIFO: {head} is first, not {request_id}")
+        if worker_id in self._running:
+            raise SchedulerError(f"worker {worker_id} already runs a prefill")
+        exec_s = queue.pop(request_id)
+        self._queued_s[worker_id] -= exec_s
+        self._running[worker_id] = _Running(request_id, now, exec_s)
+
+    def complete(self, request_id: int) -> None:
+        """The prefill finished (or failed): release its reservation."""
+        worker_id = self._worker_of(request_id)
+        run = self._running.get(worker_id)
+        if run is None or run.request_id != request_id:
+            raise SchedulerError(f"request {request_id} is not running on worker {worker_id}")
+        del self._running[worker_id]
+        self._forget(request_id)
+
+    def cancel(self, request_id: int) -> PlacementRequest:
+        """Take a request back, queued or running (its worker failed, say)."""
+        worker_id = self._worker_of(request_id)
+        run = self._running.get(worker_id)
+        if run is not None and run.request_id == request_id:
+            del self._running[worker_id]
+        else:
+            self._queued_s[worker_id] -= self._queue[worker_id].pop(request_id)
+        return self._forget(request_id)
+
+    def drain(self, worker_id: int) -> list[PlacementRequest]:
+        """Hand back the worker's queued requests (in queue order) for re-placement;
+        the one it runs stays."""
+        queue = self._queue.pop(worker_id, OrderedDict())
+        self._queued_s[worker_id] = 0.0
+        return [self._forget(rid) for rid in queue]
+
+    def forget_worker(self, worker_id: int) -> list[PlacementRequest]:
+        """The worker is gone (failed or reshaped): everything it had, running first."""
+        out = []
+        run = self._running.pop(worker_id, None)
+        if run is not None:
+            out.append(self._forget(run.request_id))
+        out += self.drain(worker_id)
+        self._queued_s.pop(worker_id, None)
+        return out
+
+    def _forget(self, request_id: int) -> PlacementRequest:
+        del self._where[request_id]
+        request = self._requests.pop(request_id)
+        self.coming.remove(request_id, request.block_ids)
+        return request
+
+    def _worker_of(self, request_id: int) -> int:
+        try:
+            return self._where[request_id]
+        except KeyError:
+            raise SchedulerError(f"request {request_id} is not placed") from None
+
+    def check(self, now: float) -> None:
+        """Raise AssertionError if the reservations disagree with the queues."""
+        placed: dict[int, int] = {}
+        for worker_id, queue in self._queue.items():
+            assert abs(self._queued_s.get(worker_id, 0.0) - sum(queue.values())) < 1e-9
+            for rid in queue:
+                placed[rid] = worker_id
+        for worker_id, run in self._running.items():
+            placed[run.request_id] = worker_id
+        assert placed == self._where and set(self._requests) == set(placed)
+        self.coming.check({r: (w, self._requests[r].block_ids) for r, w in placed.items()})
+        for worker_id in placed.values():
+            assert self.outstanding_s(worker_id, now) >= 0
