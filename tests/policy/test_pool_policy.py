@@ -154,7 +154,7 @@ def test_a_switch_waits_for_the_copy_under_way_then_goes_before_queued_copies() 
     serve(policy, 4, 0.0)
     last = block_ids([i % 997 for i in range(200)], BLOCK_SIZE)[-1]
     (first,) = policy.queue_copy(policy.cache.plan_copy(last, 4, 0), 1.0).copies
-    assert policy.channel.busy
+    assert policy.lanes.busy
     second_plan = policy.cache.plan_copy(last, 4, 1)
     # The same source devices: it waits for the first.
     assert not policy.queue_copy(second_plan, 1.0).copies
@@ -185,7 +185,7 @@ def test_copies_on_disjoint_devices_run_at_once_in_queue_order_per_device() -> N
     for worker in (4, 5, 0):
         serve(policy, worker, 0.0)
     last = {rid: request(rid, 200, seed=rid).block_ids[-1] for rid in (1, 2, 3)}
-    channel, plan = policy.channel, policy.cache.plan_copy
+    channel, plan = policy.lanes, policy.cache.plan_copy
     (a,) = policy.queue_copy(plan(last[1], 4, 1), 1.0).copies  # devices 4, 5 -> 1
     assert channel.ready_s([4], 1.0) == pytest.approx(channel.timer.copy_s(12))
     assert channel.ready_s([0, 2, 3, 6, 7], 1.0) == 0.0
@@ -236,8 +236,8 @@ def test_serial_lanes_run_one_copy_at_a_time() -> None:
     (a,) = policy.queue_copy(policy.cache.plan_copy(last[1], 4, 1), 1.0).copies
     e_plan = policy.cache.plan_copy(last[3], 5, 3)  # disjoint devices, yet it waits
     assert not policy.queue_copy(e_plan, 1.0).copies
-    assert policy.channel.ready_s([0], 1.0) == pytest.approx(
-        policy.channel.timer.copy_s(12) + policy.channel.timer.copy_s(12)
+    assert policy.lanes.ready_s([0], 1.0) == pytest.approx(
+        policy.lanes.timer.copy_s(12) + policy.lanes.timer.copy_s(12)
     )
     assert [j.plan.plan_id for j in policy.copy_done(a, True, 1.1).copies] == [e_plan.plan_id]
     with pytest.raises(ValueError, match="lanes must be 'device' or 'serial'"):

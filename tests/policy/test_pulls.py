@@ -69,7 +69,7 @@ def test_a_pull_brings_the_prefix_and_the_request_waits_for_it() -> None:
     assert policy.indexes[1].can_reclaim(request(3, 300).block_ids[17])  # its own leaf
     policy.cache.check_invariants(policy.indexes)
     assert policy.pulls.pinned == 0
-    assert policy.channel.timer.measured == 1  # the copy taught the copy time model
+    assert policy.lanes.timer.measured == 1  # the copy taught the copy time model
     pulls = policy.cache.audit.summary()["pull"]
     assert (pulls["installed_blocks"], pulls["used_blocks"], pulls["hits"]) == (12, 12, 1)
     assert pulls["waste_fraction"] == 0.0
@@ -118,13 +118,13 @@ def test_a_pull_reads_from_the_holder_whose_devices_are_free() -> None:
     lookup = policy.cache.lookup(prefix.block_ids, 300)
     # The price of a pull to d: the first free holder (b), not the copy under way on a.
     delay_s, _ = policy.scheduler.pull_cost(lookup.path, 12, d, 1.0)  # type: ignore[misc]
-    assert delay_s == pytest.approx(policy.channel.timer.copy_s(12))
+    assert delay_s == pytest.approx(policy.lanes.timer.copy_s(12))
     assert policy.pulls.source_s(policy.cache.trie.worker(a), 1.0) > 0
     update = policy.cache.on_request(prefix.block_ids, 300, d, lookup, 12 * BLOCK_SIZE, 1.0)
     assert update.fetch is not None and update.fetch.kind == "pull"
     assert {m.src_worker for m in update.fetch.moves} == {b}
     (pull,) = policy.queue_copy(update.fetch, 1.0).copies  # at once, beside the other
-    assert set(policy.channel.running) == {busy.plan.plan_id, pull.plan.plan_id}
+    assert set(policy.lanes.running) == {busy.plan.plan_id, pull.plan.plan_id}
 
 
 def test_no_pull_without_the_cache_manager_or_when_the_worker_holds_it() -> None:

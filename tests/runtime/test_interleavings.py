@@ -191,7 +191,7 @@ async def scenario(folder: Path, drawn: list[Any]) -> None:
         workers = coord.lattice.workers.values()
         assert {w.state for w in workers} == {WorkerState.ACTIVE}, coord.workers_view()
         coord.lattice.check()
-        assert coord.policy.transitions == [] and not coord.policy.channel.busy
+        assert coord.policy.transitions == [] and not coord.policy.lanes.busy
         assert coord.policy.open_requests == 0 and coord.open_requests == 0
         assert coord.unready_reason() is None
         assert coord.metrics.internal_error_count == 0

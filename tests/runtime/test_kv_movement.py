@@ -143,7 +143,7 @@ def test_copies_on_disjoint_ranks_run_at_once(tmp_path: Path) -> None:
             ]
             copies = asyncio.gather(*(coord.run_copy(plan) for plan in plans))
             await asyncio.sleep(0)  # both queued: ranks 0 -> 2 and 1 -> 3 share nothing
-            assert set(coord.policy.channel.running) == {p.plan_id for p in plans}
+            assert set(coord.policy.lanes.running) == {p.plan_id for p in plans}
             assert await copies == [12, 12]
             for k, p in enumerate(prompts):
                 moved = await only(coord, k + 2, p)

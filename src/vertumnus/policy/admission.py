@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from vertumnus.policy.channel import Channel
 from vertumnus.policy.control.rules import Controller
+from vertumnus.policy.lanes import CopyLanes
 from vertumnus.policy.placement.scheduler import PlacementRequest, Scheduler
 from vertumnus.policy.pool_config import PolicyError
 from vertumnus.policy.pool_results import Actions
@@ -29,7 +29,7 @@ class Admission:
         scheduler: Scheduler,
         controller: Controller,
         pulls: Pulls,
-        channel: Channel,
+        lanes: CopyLanes,
         someone_coming: Callable[[], bool],
         block_tokens: int,
         replication: bool,
@@ -37,7 +37,7 @@ class Admission:
         """``someone_coming()``: a worker will become a candidate (a reshape or a
         restart is under way): then a request with no candidate waits."""
         self.scheduler, self.controller = scheduler, controller
-        self.pulls, self.channel = pulls, channel
+        self.pulls, self.lanes = pulls, lanes
         self._someone_coming = someone_coming
         self.block_tokens, self.replication = block_tokens, replication
         self.requests: dict[int, PlacementRequest] = {}  # open: arrived, not answered
@@ -97,8 +97,8 @@ class Admission:
         if update is not None and update.fetch is not None:
             if update.fetch.kind == "pull":
                 self.pulls.queued(update.fetch)
-            self.channel.queue_copy(update.fetch)
-            actions.add(self.channel.pump(now))
+            self.lanes.queue_copy(update.fetch)
+            actions.add(self.lanes.pump(now))
         return actions
 
     def retry_waiting(self, now: float) -> Actions:

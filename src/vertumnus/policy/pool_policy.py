@@ -20,7 +20,7 @@ the KV ledger and the hand-offs' holds. A driver calls it with the time:
     outages.failed / reset / restored / abandoned   rank failures (``outages``)
 
 and does what it returns, ``Actions`` (``policy/pool_results.py``): placements,
-refusals, the copies or the switch the copy lanes allow now (``policy/channel.py``),
+refusals, the copies or the switch the copy lanes allow now (``policy/lanes.py``),
 workers woken. Pure Python, clock-free. Not owned here: moving bytes, timing,
 processes (the drivers).
 """
@@ -38,11 +38,11 @@ from vertumnus.policy.cache.index import WorkerCacheIndex
 from vertumnus.policy.cache.ledger import CopyJob, KVLedger
 from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.cache.plans import CopyPlan
-from vertumnus.policy.channel import Channel
 from vertumnus.policy.control.candidates import PoolInputs
 from vertumnus.policy.control.rules import Controller
 from vertumnus.policy.controllers import build_controller
 from vertumnus.policy.costs import reuse_curves
+from vertumnus.policy.lanes import CopyLanes
 from vertumnus.policy.lattice import Lattice, Reshape, WorkerState, composition_name
 from vertumnus.policy.outages import Outages
 from vertumnus.policy.placement.routers import ROUTERS
@@ -104,20 +104,20 @@ class PoolPolicy:
         self._running: dict[int, Running] = {}  # worker -> its prefill
         self.transitions: list[Transition] = []  # under way
         self.outages = Outages(self)  # rank failures: workers out, reset, back
-        self.channel = Channel(
+        self.lanes = CopyLanes(
             self.ledger,
             self._commit,
             CopyTimer(config.cache.copy_latency_s, config.cache.copy_block_s),
             config.cache.lanes,
         )
-        self.pulls = Pulls(self.cache, self.indexes, pool.block_tokens, self.channel)
+        self.pulls = Pulls(self.cache, self.indexes, pool.block_tokens, self.lanes)
         if config.replication and config.cache.pull and config.router == "vertumnus":
             self.pulls.attach(self.scheduler)
         self.admission = Admission(
             self.scheduler,
             self.controller,
             self.pulls,
-            self.channel,
+            self.lanes,
             self._someone_coming,
             pool.block_tokens,
             config.replication,
@@ -280,8 +280,8 @@ class PoolPolicy:
         """Park ``worker_id`` if it takes part in a reshape and is idle now."""
         for transition in self.transitions:
             if worker_id in transition.op.sources and self.reconf.idle(transition, worker_id, now):
-                self.channel.queue_switch(transition)
-        return self.channel.pump(now)
+                self.lanes.queue_switch(transition)
+        return self.lanes.pump(now)
 
     # -- the controller and reshapes -------------------------------------------------
 
@@ -323,8 +323,8 @@ class PoolPolicy:
         for request in requeue:
             actions.add(self.place(request.request_id, now))
         if transition.phase is Phase.SWITCHING:  # every participant was idle
-            self.channel.queue_switch(transition)
-            actions.add(self.channel.pump(now))
+            self.lanes.queue_switch(transition)
+            actions.add(self.lanes.pump(now))
         return transition, actions
 
     def choose_reshape(self, kind: str, workers: Sequence[int] | None, now: float) -> Reshape:
@@ -336,17 +336,17 @@ class PoolPolicy:
         self, transition: Transition, worker_id: int, cp_rank: int, now: float
     ) -> Actions:
         """Rank ``cp_rank`` of new worker ``worker_id`` adopted the epoch. When every
-        rank has, the new workers serve, the channel is free and waiting requests
+        rank has, the new workers serve, the copy lanes are free and waiting requests
         are placed."""
         if not self.reconf.acknowledge(transition, worker_id, cp_rank, now):
             return Actions()
         self.transitions.remove(transition)
-        self.channel.release(transition)
+        self.lanes.release(transition)
         if transition.switch_s is not None:
             self.controller.switch_done(transition.switch_s)
         actions = Actions(activated=[transition])
         actions.add(self.retry_waiting(now))
-        return actions.add(self.channel.pump(now))
+        return actions.add(self.lanes.pump(now))
 
     def abort_reshape(self, transition: Transition, now: float) -> Actions:
         """Roll back a reshape that has not committed (the driver's bound on it
@@ -354,10 +354,10 @@ class PoolPolicy:
         placed (LatticeError once it has committed: finish it instead)."""
         self.reconf.abort(transition)
         self.transitions.remove(transition)
-        self.channel.unqueue_switch(transition)
+        self.lanes.unqueue_switch(transition)
         actions = Actions(woken=list(transition.op.sources))
         actions.add(self.retry_waiting(now))
-        return actions.add(self.channel.pump(now))
+        return actions.add(self.lanes.pump(now))
 
     def _commit(self, transition: Transition, now: float) -> Switch:
         retained = self.ledger.collect(transition.op.sources)
@@ -371,7 +371,7 @@ class PoolPolicy:
         adopted, reserved = self.ledger.after_switch(transition.new_workers, retained, adopt, now)
         if self.config.retention.fetch_at_switch:  # (they run once the ranks are free)
             for plan in (p for w in transition.new_workers for p in self.cache.reconcile(w)):
-                self.channel.queue_copy(plan)
+                self.lanes.queue_copy(plan)
         workers = tuple((w, tuple(self.lattice.workers[w].devices)) for w in transition.new_workers)
         expire = now + self.config.retention.retain_s if reserved else None
         return Switch(transition, self.lattice.epoch, workers, adopted, reserved, expire)
@@ -380,7 +380,7 @@ class PoolPolicy:
 
     def scan(self, now: float) -> ScanOutcome:
         """The cache manager's scan over the active workers: its copies queue on the
-        channel (the first may start now), its reclamations happen at once (a slot
+        copy lanes (the first may start now), its reclamations happen at once (a slot
         freed in the index is free on the rank)."""
         active = {
             w.worker_id: self.indexes[w.worker_id]
@@ -390,8 +390,8 @@ class PoolPolicy:
         loads = {w: self.scheduler.outstanding_s(w, now) for w in active}
         result = self.cache.scan(active, loads)
         for copy in result.copies:
-            self.channel.queue_copy(copy)
-        actions = self.channel.pump(now)
+            self.lanes.queue_copy(copy)
+        actions = self.lanes.pump(now)
         reclaimed = self.ledger.reclaim(result.reclaims)
         return ScanOutcome(
             result, reclaimed, actions, self.cache.audit.scanned(now, result, reclaimed)
@@ -399,16 +399,16 @@ class PoolPolicy:
 
     def queue_copy(self, plan: CopyPlan, now: float) -> Actions:
         """Run a copy plan made outside the scan (an operator's, a test's)."""
-        self.channel.queue_copy(plan)
-        return self.channel.pump(now)
+        self.lanes.queue_copy(plan)
+        return self.lanes.pump(now)
 
     def copy_done(self, job: CopyJob, ok: bool, now: float) -> Actions:
         """The copy's bytes are in place (``ok``) or the move failed. A pull's blocks
         are pinned for the requests waiting on them before the next copy starts: its
         allocation would otherwise evict them first where the rest is pinned."""
-        actions = self.channel.copy_done(job, ok, job.plan.dest_worker in self.indexes, now)
+        actions = self.lanes.copy_done(job, ok, job.plan.dest_worker in self.indexes, now)
         self.pulls.ended(job.plan, self.admission.requests)
-        return actions.add(self.channel.pump(now))
+        return actions.add(self.lanes.pump(now))
 
     def expire(self, now: float) -> int:
         """Give back the reserved slots whose time is up; returns how many."""

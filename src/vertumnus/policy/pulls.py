@@ -16,12 +16,12 @@ and the request would compute them after all. So, when a pull ends, the prefix
 its waiting requests would reuse is pinned in the worker's cache index until each
 starts (``started``) or leaves (``forget``). Likewise the source's copy of the
 prefix is pinned from the moment the pull is planned until it ended (``queued``,
-``sweep``): while the pull waits for the channel, the source's own prefills would
+``sweep``): while the pull waits for the copy lanes, the source's own prefills would
 otherwise evict it, and the request would compute what it was promised.
 
 Pure bookkeeping for ``PoolPolicy``; the trie learns nothing from a pin (the blocks
 stay held either way). Not owned here: whether to pull (the scheduler's cost rule),
-the copy itself (the channel and the KV ledger).
+the copy itself (the copy lanes and the KV ledger).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from vertumnus.policy.cache.index import PrefillLease, WorkerCacheIndex
 from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.cache.plans import CopyPlan
 from vertumnus.policy.cache.trie import Node, WorkerInfo
-from vertumnus.policy.channel import Channel
+from vertumnus.policy.lanes import CopyLanes
 from vertumnus.policy.placement.scheduler import PlacementRequest, Scheduler
 
 
@@ -43,14 +43,14 @@ class Pulls:
         cache: PrefixCacheManager,
         indexes: Mapping[int, WorkerCacheIndex],
         block_tokens: int,
-        channel: Channel,
+        lanes: CopyLanes,
     ) -> None:
         self.cache, self.indexes, self.block_tokens = cache, indexes, block_tokens
-        self.channel = channel
+        self.lanes = lanes
         self.awaiting: dict[int, tuple[int, int]] = {}  # request -> (worker, pull plan)
         self._pins: dict[int, tuple[WorkerCacheIndex, PrefillLease]] = {}
         self._sources: dict[int, tuple[WorkerCacheIndex, PrefillLease]] = {}  # by plan
-        # (path end, its holders, the channel's version, now) last priced
+        # (path end, its holders, the lanes' version, now) last priced
         self._source_key: tuple[int, int, int, float] | None = None
         self._source_wait = 0.0  # then: seconds until its first holder is free
 
@@ -74,13 +74,13 @@ class Pulls:
     def attach(self, scheduler: Scheduler) -> None:
         """Pulls on: the scheduler prices them, the scan prices its copies by them."""
         scheduler.pull_cost = self.cost
-        self.cache.pull_copy_s = self.channel.timer.copy_s
+        self.cache.pull_copy_s = self.lanes.timer.copy_s
         self.cache.pull_source_s = self.source_s
 
     def source_s(self, holder: WorkerInfo, now: float) -> float:
         """Predicted seconds until ``holder``'s devices are free for a copy."""
         devices = range(holder.first_device, holder.first_device + holder.cp_degree)
-        return self.channel.ready_s(devices, now)
+        return self.lanes.ready_s(devices, now)
 
     def cost(
         self, path: Sequence[Node], blocks: int, worker_id: int, now: float
@@ -90,7 +90,7 @@ class Pulls:
         free for it, then the copy), and the future prefill seconds of the blocks it
         must evict there (``cache.copy_cost``)."""
         last = path[-1]
-        key = (last.block_id, last.holders, self.channel.version, now)
+        key = (last.block_id, last.holders, self.lanes.version, now)
         if self._source_key != key:
             # One placement prices every candidate against the same holders.
             holders = self.cache.trie.holders_of(last)
@@ -100,7 +100,7 @@ class Pulls:
         dest_s = self.source_s(info, now)
         evicts = max(0, blocks - self.indexes[worker_id].num_free_blocks())
         return (
-            max(dest_s, self._source_wait) + self.channel.timer.copy_s(blocks),
+            max(dest_s, self._source_wait) + self.lanes.timer.copy_s(blocks),
             evicts * self.cache.eviction_price_s,
         )
 

@@ -4,12 +4,12 @@ The policy is ``PoolPolicy``, the very stack the coordinator drives (lattice,
 router, controller, reshapes, prefix-cache manager, per-worker cache indexes, KV
 ledger). The simulator adds only an event heap and a time model
 (``sim/time_model.py``): a worker runs its queue FIFO, one prefill at a time, for
-as long as the time model says; a copy or a switch holds the policy's channel for
+as long as the time model says; a copy or a switch holds the policy's copy lanes for
 its time. Events are typed and ordered by (time, rank, sequence number), so a run
 is deterministic for a seed::
 
     PrefillEnd (0)    a prefill ends: its KV is committed; reshapes may switch; next
-    CopyLanded (1)    a KV copy lands: its blocks become visible; the channel passes on
+    CopyLanded (1)    a KV copy lands: its blocks become visible; the lanes pass on
     SwitchAcked (2)   every rank of a reshape's new workers adopted the epoch
     WindowDue (3)     the controller's window ends: decision, drains begin
     ScanDue (4)       the cache manager's scan (replication on)

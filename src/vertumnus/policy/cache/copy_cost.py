@@ -10,7 +10,7 @@ it when that is cheaper than computing the prefix (``Scheduler._choose``):
 
 ``backlog_s`` is the predicted time before the devices of w and of the holder the
 copy reads from are free (the copies under way on them, then the copies queued
-ahead of it: ``Channel.ready_s``); P* the request's MatchedPath. A pull runs while the
+ahead of it: ``CopyLanes.ready_s``); P* the request's MatchedPath. A pull runs while the
 worker works off its queue, so only the part of ``pull_s`` beyond ``q_w`` delays the
 request.
 
@@ -42,7 +42,7 @@ class CopyTimer:
 
     def observe(self, num_blocks: int, seconds: float) -> None:
         """A copy of ``num_blocks`` blocks took ``seconds`` (from its start on the
-        channel to its bytes in place)."""
+        copy lanes to its bytes in place)."""
         if num_blocks < 1 or not seconds >= 0:
             return
         per_block = max(0.0, seconds - self.latency_s) / num_blocks

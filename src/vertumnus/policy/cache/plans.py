@@ -57,7 +57,7 @@ class CacheManagerConfig:
     close_fraction: float = 0.1
     stat_floor: float = 1e-3  # statistics decayed below this are dropped
     # Pulls: a request placed where its prefix is not held may have the prefix copied
-    # there from a holder, when the copy (its wait on the channel included) costs less
+    # there from a holder, when the copy (its wait on the copy lanes included) costs less
     # than computing the prefix. The copy time starts from these and is then learned
     # from the copies measured (``copy_cost.CopyTimer``).
     # Every scan plan must pay for itself by the model's estimate (``scan``);
@@ -72,7 +72,7 @@ class CacheManagerConfig:
     # workload at x2.75 and x3 (4 best), and checked on the conversation trace.
     eviction_weight: float = 4.0
     # Copies on disjoint devices run at once ("device"); "serial": one at a time in
-    # the whole pool (``policy/channel.py``).
+    # the whole pool (``policy/lanes.py``).
     lanes: str = "device"
 
     def __post_init__(self) -> None:

@@ -53,7 +53,7 @@ class _Copy:
     lanes: frozenset[int]
 
 
-class Channel:
+class CopyLanes:
     def __init__(
         self,
         ledger: KVLedger,
