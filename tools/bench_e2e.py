@@ -77,7 +77,7 @@ VARIANTS = {
     "vertumnus": f"[controller]\nenabled = true\ndecision_s = {PERIOD_S}\n",
     "rules": f'[controller]\nenabled = true\nmode = "rules"\nwindow_s = {PERIOD_S}\n',
     "fixed": "[controller]\nenabled = false\n",
-    "cache-first": '[controller]\nenabled = false\n[scheduler]\npolicy = "cache-first"\n'
+    "cache-first": '[controller]\nenabled = false\n[scheduler]\nrouter = "cache-first"\n'
     "[cache]\nreplication = false\n",
 }
 

@@ -16,7 +16,7 @@ The file is a ``simulate`` configuration (see ``vertumnus.sim.config``) plus an
       { label = "no scans", policy = "fixed", cache = { replication = false } },
     ]
 
-A variant's ``policy`` is a preset (``--policy``); its tables override the file's,
+A variant's ``policy`` is a preset (``--preset``); its tables override the file's,
 key by key (``composition = X`` is ``pool = { composition = X }``). A variant that
 starts at ``composition = "auto"`` needs what it starts from, in its ``pool`` or the
 file's (``start_rate = 15.0``, or ``start_workload = "FILE"``: ``config/start.py``);

@@ -22,7 +22,7 @@ min_workers = { "1" = 2 }
 [profile]
 path = "tiny-cpu"
 [scheduler]
-policy = "cache-first"
+router = "cache-first"
 beta = 1.5
 backlog_weight = 0.5
 coming_reuse = false
@@ -117,7 +117,8 @@ def test_the_embedded_defaults_of_each_command(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('[scheduler]\npolicy = "magic"\n', "unknown router 'magic'; choose one of cache-first, "),
+        ('[scheduler]\nrouter = "magic"\n', "unknown router 'magic'; choose one of cache-first, "),
+        ('[scheduler]\npolicy = "fixed"\n', "[scheduler] policy moved: write [scheduler] router"),
         ("[cache]\nscan_interval_s = 0\n", "turn the scans off with replication = false"),
         ('[controller]\nenabled = "yes"\n', "[controller] enabled must be true or false"),
         ("[scheduler]\ncoming_reuse = 1\n", "[scheduler] coming_reuse must be true or false"),
@@ -130,7 +131,7 @@ def test_the_embedded_defaults_of_each_command(tmp_path: Path) -> None:
         ("[pool]\ndegrees = [1, 4]\n", "consecutive powers of two"),
         ("[pool]\ndegrees = [1, 2]\nlayout = [1, 2, 1]\n", "is not aligned"),
         ("[poool]\n", "unknown table [poool]; known: cache, cluster, controller"),
-        ("[policy]\nname = 'fixed'\n", "[policy] is gone: write [scheduler] policy"),
+        ("[policy]\nname = 'fixed'\n", "[policy] is gone: write [scheduler] router"),
         ("[sim]\nblocks_per_rank = 9\n", "write [engine] kv_blocks_per_rank"),
         ("[engine]\nblock = 16\n", "[engine] unknown keys ['block']"),
     ],

@@ -247,7 +247,7 @@ def test_serial_lanes_run_one_copy_at_a_time() -> None:
 def test_routers_and_presets_are_checked_by_name() -> None:
     with pytest.raises(PolicyError, match="unknown router 'magic'; choose one of cache-first"):
         PolicyConfig(router="magic")
-    with pytest.raises(PolicyError, match="unknown policy 'magic'; choose one of vertumnus"):
+    with pytest.raises(PolicyError, match="unknown preset 'magic'; choose one of vertumnus"):
         preset("magic")
     assert preset("no-replication") == {
         "router": "vertumnus",

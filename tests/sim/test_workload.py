@@ -83,19 +83,19 @@ def test_config_errors_name_what_is_wrong(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no workload"):
         load(None, {})
     phases = "[workload]\nphases = [{duration_s = 1, rate = 1}]\n"
-    bad.write_text("[scheduler]\npolicy = 'magic'\n" + phases)
+    bad.write_text("[scheduler]\nrouter = 'magic'\n" + phases)
     with pytest.raises(
         ConfigError,
-        match="\\[scheduler\\] policy: unknown router 'magic'; choose one of cache-first, "
+        match="\\[scheduler\\] router: unknown router 'magic'; choose one of cache-first, "
         "dynamo-kv, least-load, length-threshold, llm-d, round-robin, sglang-cache-aware, "
         "vertumnus",
     ):
         load(bad, {})
-    with pytest.raises(ConfigError, match="unknown policy 'magic'; choose one of vertumnus, fixed"):
+    with pytest.raises(ConfigError, match="unknown preset 'magic'; choose one of vertumnus, fixed"):
         load(None, {}, raw={"workload": {"phases": [{"duration_s": 1, "rate": 1}]}}, preset="magic")
     # The spellings of earlier versions say where they went.
     bad.write_text("[policy]\nname = 'fixed'\n" + phases)
-    with pytest.raises(ConfigError, match="\\[policy\\] is gone: write \\[scheduler\\] policy"):
+    with pytest.raises(ConfigError, match="\\[policy\\] is gone: write \\[scheduler\\] router"):
         load(bad, {})
     bad.write_text("[sim]\nblock_tokens = 512\n" + phases)
     with pytest.raises(

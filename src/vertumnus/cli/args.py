@@ -1,4 +1,5 @@
-"""Argument types shared by the subcommands (argparse ``type=`` callables)."""
+"""Argument types and actions shared by the subcommands (argparse ``type=`` callables,
+the action that refuses a renamed flag)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,20 @@ def ratio_list(text: str) -> list[float]:
     if not values or not all(0 <= v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"hit ratios must lie in [0, 1): {text!r}")
     return values
+
+
+class Renamed(argparse.Action):
+    """A flag of an earlier version: refused, naming the flag to write instead."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, **kwargs)  # type: ignore[arg-type]
+        self.new = new
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        parser.error(f"{option_string} was renamed: write {self.new} {values}")

@@ -22,6 +22,7 @@ from typing import Any
 
 import structlog
 
+from vertumnus.cli.args import Renamed
 from vertumnus.policy.pool_config import PRESETS
 
 
@@ -31,11 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model", default=None, help="preset or Hugging Face folder (overrides the config)"
     )
     p.add_argument(
-        "--policy",
+        "--preset",
         choices=list(PRESETS),
         default=None,
         help="a preset of router, composition and replication, over the config file",
     )
+    p.add_argument("--policy", action=Renamed, new="--preset", help=argparse.SUPPRESS)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: a free port")
 
@@ -140,7 +142,7 @@ async def gather_cluster(args: argparse.Namespace, cluster: Any) -> tuple[Any, A
             "waiting_for_agents", hosts=cluster.hosts, port=pool.port
         )
         topology = await asyncio.get_running_loop().run_in_executor(None, pool.gather)
-        cfg = load(args.config, args.model, topology=topology, preset=args.policy)
+        cfg = load(args.config, args.model, topology=topology, preset=args.preset)
         pool.configure(cfg.degrees)
     except BaseException:
         pool.close()
@@ -153,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
 
     # A mistake in the configuration is one error line, before anything starts.
     cluster = load_cluster(args.config)
-    cfg = None if cluster is not None else load(args.config, args.model, preset=args.policy)
+    cfg = None if cluster is not None else load(args.config, args.model, preset=args.preset)
     configure_logging()
     try:
         import uvloop

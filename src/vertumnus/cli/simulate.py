@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from vertumnus import native
+from vertumnus.cli.args import Renamed
 from vertumnus.config import ConfigError
 from vertumnus.config.start import write_state
 from vertumnus.perfmodel import ProfileError
@@ -32,12 +33,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=None, metavar="CFG.toml")
     p.add_argument("--trace", type=Path, default=None, help="Mooncake JSONL or Azure CSV")
     p.add_argument(
-        "--policy",
+        "--preset",
         choices=list(PRESETS),
         default=None,
         help="a preset of router, composition and replication (default: vertumnus)",
     )
-    p.add_argument("--router", choices=sorted(ROUTERS), default=None, help="[scheduler] policy")
+    p.add_argument("--policy", action=Renamed, new="--preset", help=argparse.SUPPRESS)
+    p.add_argument("--router", choices=sorted(ROUTERS), default=None, help="[scheduler] router")
     composition = p.add_mutually_exclusive_group()
     composition.add_argument(
         "--adaptive",
@@ -87,12 +89,12 @@ def run(args: argparse.Namespace) -> int:
         },
     }
     choices = {
-        "scheduler": {"policy": args.router},
+        "scheduler": {"router": args.router},
         "controller": {"enabled": args.adaptive},
         "cache": {"replication": args.replication},
     }
     try:
-        cfg = sim_config.load(args.config, overrides, preset=args.policy, choices=choices)
+        cfg = sim_config.load(args.config, overrides, preset=args.preset, choices=choices)
         if cfg.start is not None:
             for why in cfg.start.warnings:
                 print(f"warning: {why}", file=sys.stderr)

@@ -6,7 +6,7 @@ The tables both commands read, with the same keys::
                   devices_per_host (``config/pool.py``)
     [profile]     path                    a profile file, or a shipped profile's name
                                           ("tiny-cpu", "qwen3-30b-a3b-h100")
-    [scheduler]   policy = "vertumnus"    the router: the cost rule, or round-robin,
+    [scheduler]   router = "vertumnus"    the cost rule, or round-robin,
                                           least-load, cache-first, length-threshold,
                                           sglang-cache-aware, dynamo-kv, llm-d
                   beta, gpu_penalty, backlog_weight, max_tokens_per_rank, coming_reuse
@@ -29,7 +29,7 @@ The tables both commands read, with the same keys::
 own and the shared ones, so a served pool can be simulated from its own file (with
 a workload whose prefix blocks are the pool's ``block_size``: a mismatch is refused).
 
-``--policy NAME`` (both commands) is a preset of the three choices, applied over
+``--preset NAME`` (both commands) is a preset of the three choices, applied over
 the file (``policy/pool_config.py``: vertumnus, fixed, no-replication, or a
 baseline router's name). Unknown tables, unknown keys and keys of earlier versions
 are errors that name them and say what to write instead.
@@ -55,13 +55,14 @@ SIMULATE_TABLES = ("sim", "workload")
 # Spellings of earlier versions -> what to write now.
 MOVED = {
     "policy": (
-        "[scheduler] policy (the router), [controller] enabled (adaptive or fixed) and "
-        "[cache] replication; the old policy names are presets: --policy NAME"
+        "[scheduler] router, [controller] enabled (adaptive or fixed) and "
+        "[cache] replication; the old policy names are presets: --preset NAME"
     ),
     "sim.block_tokens": "[engine] block_size",
     "sim.blocks_per_rank": "[engine] kv_blocks_per_rank",
     "sim.scan_interval_s": "[cache] scan_interval_s",
-    "sim.policy": "--policy NAME, or [scheduler] policy (the router)",
+    "sim.policy": "--preset NAME, or [scheduler] router",
+    "scheduler.policy": "[scheduler] router",
 }
 
 
@@ -110,7 +111,7 @@ def apply_preset(raw: dict[str, Any], name: str | None) -> dict[str, Any]:
     return with_overrides(
         raw,
         {
-            "scheduler": {"policy": choices["router"]},
+            "scheduler": {"router": choices["router"]},
             "controller": {"enabled": choices["adaptive"]},
             "cache": {"replication": choices["replication"], "ideal": choices["ideal_reuse"]},
         },
@@ -127,7 +128,7 @@ def _flag(table: dict[str, Any], key: str, where: str, default: bool) -> bool:
 def read_policy(raw: Mapping[str, Any], base: PolicyConfig) -> PolicyConfig:
     """``[scheduler]``, ``[controller]`` and ``[cache]`` over ``base``."""
     scheduler = dict(raw.get("scheduler", {}))
-    router = str(scheduler.pop("policy", base.router))
+    router = str(scheduler.pop("router", base.router))
     max_tokens = scheduler.pop("max_tokens_per_rank", base.max_tokens_per_rank)
     coming_reuse = _flag(scheduler, "coming_reuse", "scheduler", base.coming_reuse)
     weights = build_table(CostWeights, scheduler, "scheduler", base.weights)
@@ -159,7 +160,7 @@ def read_policy(raw: Mapping[str, Any], base: PolicyConfig) -> PolicyConfig:
         )
     except PolicyError as exc:
         where = {
-            "router": "[scheduler] policy",
+            "router": "[scheduler] router",
             "scan_interval_s": "[cache]",
             "ideal_reuse": "[cache] ideal",
         }

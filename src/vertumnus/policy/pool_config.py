@@ -134,7 +134,7 @@ def preset(name: str) -> Mapping[str, Any]:
     try:
         return PRESETS[name]
     except KeyError:
-        raise PolicyError(f"unknown policy {name!r}; choose one of {', '.join(PRESETS)}") from None
+        raise PolicyError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None
 
 
 @dataclass(frozen=True)

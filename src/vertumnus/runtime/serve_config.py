@@ -274,7 +274,7 @@ def load(
     topology: tuple[int, int] | None = None,
     preset: str | None = None,
 ) -> ServeConfig:
-    """The serving configuration (``preset``: ``--policy``, over the file). A
+    """The serving configuration (``preset``: ``--preset``, over the file). A
     multi-host pool (``[cluster]``) needs its ``topology`` (ranks, ranks per host),
     learned from its agents."""
     raw = apply_preset(_read(path), preset)

@@ -188,7 +188,7 @@ def test_serve_and_simulate_read_the_peer_routers(tmp_path: Path) -> None:
     from vertumnus.sim import config as sim_config
 
     path = tmp_path / "pool.toml"
-    path.write_text('[scheduler]\npolicy = "dynamo-kv"\n')
+    path.write_text('[scheduler]\nrouter = "dynamo-kv"\n')
     served = serve_config.load(path)
     assert served.policy.router == "dynamo-kv"
     raw = {"workload": {"phases": [{"duration_s": 10, "rate": 5}]}}

@@ -1,4 +1,4 @@
-"""Every router by its configuration name (``[scheduler] policy``, ``--policy``).
+"""Every router by its configuration name (``[scheduler] router``, ``--router``).
 
     vertumnus           the cost rule (``placement/scheduler.py``)
     round-robin, least-load, cache-first, length-threshold
