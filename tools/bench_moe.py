@@ -27,7 +27,7 @@ from vertumnus.engine.kv_store import PagedKVStore
 from vertumnus.engine.model import Qwen3ForCausalLM
 from vertumnus.engine.zigzag import prefill_rank
 from vertumnus.policy.cache.index import WorkerCacheIndex
-from vertumnus.runtime.worker import plan_prefill
+from vertumnus.runtime.prefill import plan_prefill
 
 BLOCK = 16
 

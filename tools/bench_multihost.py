@@ -6,8 +6,8 @@ lost host is seen, and how long its worker takes to rejoin.
 Runs the ``tiny`` model on 4 CPU ranks as one degree-4 worker (seeded weights),
 twice, with the coordinator in this process:
 
-  * **local**: a ``RankPool`` of 4 ranks, children of this process (the reference);
-  * **two hosts**: a ``ClusterPool``, with two ``python -m vertumnus agent``
+  * **local**: a ``ChildRanks`` of 4 ranks, children of this process (the reference);
+  * **two hosts**: a ``ClusterRanks``, with two ``python -m vertumnus agent``
     processes of 2 ranks each on loopback. The degree-4 worker spans both.
 
 For each, it sends ``--requests`` sequential prefills of distinct prompts. The
@@ -42,7 +42,7 @@ from vertumnus.config.pool import PoolConfig
 from vertumnus.perfmodel import DegreeCoeffs, Profile
 from vertumnus.policy.lattice import WorkerState
 from vertumnus.policy.pool_config import PolicyConfig
-from vertumnus.runtime.cluster import ClusterPool
+from vertumnus.runtime.cluster import ClusterRanks
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.serve_config import ClusterConfig, ServeConfig
 
@@ -94,7 +94,7 @@ async def two_hosts(
     from vertumnus.config import resolve_model
 
     model, model_dir = resolve_model("tiny")
-    pool = ClusterPool(cluster, model, model_dir, cfg.engine)
+    pool = ClusterRanks(cluster, model, model_dir, cfg.engine)
     address = f"127.0.0.1:{pool.port}"
     agents = {n: start_agent(address, n, tmp / f"{n}.log") for n in ("host0", "host1")}
     await asyncio.get_running_loop().run_in_executor(None, pool.gather)

@@ -7,14 +7,14 @@ length of ``--lengths``:
 (a) Vertumnus at C=1 against ``transformers.Qwen3ForCausalLM`` (attn_implementation
     "sdpa", ``logits_to_keep=1``, ``use_cache=False``, under ``torch.inference_mode()``),
     both with ``--threads`` intra-op threads. Ours runs through the real serving path:
-    a ``RankPool`` of one rank (``threads_per_rank=--threads``, ``kv_blocks_per_rank=0``
-    so that no prefix is ever reused) and ``PrefillWorker.prefill(tokens, logits="last")``,
+    a ``ChildRanks`` of one rank (``threads_per_rank=--threads``, ``kv_blocks_per_rank=0``
+    so that no prefix is ever reused) and ``PrefillClient.prefill(tokens, logits="last")``,
     timed by ``PrefillOutcome.prefill_s`` (dispatch to answer, queue overhead included).
     transformers runs in this process, timed around its forward call. Ratio a =
     transformers time / ours (target >= 1.0x at every length). The last-position logits
     of both are compared (max abs difference) to show that both compute the same thing.
 
-(b) Context-parallel scaling with one intra-op thread per rank: a ``RankPool`` of two
+(b) Context-parallel scaling with one intra-op thread per rank: a ``ChildRanks`` of two
     ranks (``threads_per_rank=1``, ``kv_blocks_per_rank=0``) serving a C=1 worker (rank
     0 alone; rank 1 idles on its queue) and a C=2 worker (ranks 0 and 1). Ratio b =
     time(C=1) / time(C=2), by ``prefill_s`` (limit 2x; target >= 1.6x at 8192 tokens).
@@ -54,8 +54,8 @@ import torch
 
 from vertumnus.config import PRESETS, EngineConfig, ModelConfig
 from vertumnus.engine.weights import random_model
-from vertumnus.runtime.pool import RankPool
-from vertumnus.runtime.worker import PrefillWorker
+from vertumnus.runtime.prefill import PrefillClient
+from vertumnus.runtime.ranks import ChildRanks
 
 TARGET_A = 1.0  # transformers / ours at C=1, every length
 TARGET_B = 1.6  # C=1 / C=2 with one thread per rank
@@ -212,7 +212,7 @@ def hf_prefill(model: Any, tokens: Sequence[int]) -> tuple[float, torch.Tensor]:
     return elapsed, out.logits[0, -1].float()
 
 
-def ours_prefill(worker: PrefillWorker, tokens: Sequence[int]) -> tuple[float, list[float], Any]:
+def ours_prefill(worker: PrefillClient, tokens: Sequence[int]) -> tuple[float, list[float], Any]:
     out = worker.prefill(tokens, logits="last")
     assert out.cached_tokens == 0 and out.computed_tokens == len(tokens), "cache was reused"
     return out.prefill_s, list(out.rank_compute_s), out.logits[-1]
@@ -365,9 +365,9 @@ def part_a(
     )
     results: dict[int, dict[str, Any]] = {}
     t0 = time.perf_counter()
-    with RankPool(cfg, None, engine, world_size=1, degrees=(1,)) as pool:
+    with ChildRanks(cfg, None, engine, world_size=1, degrees=(1,)) as pool:
         print(f"  pool of 1 rank started in {time.perf_counter() - t0:.1f} s", flush=True)
-        worker = PrefillWorker(pool, (0,))
+        worker = PrefillClient(pool, (0,))
 
         def run_hf(tokens: Sequence[int]) -> tuple[float, list[float], torch.Tensor]:
             t, lg = hf_prefill(model, tokens)
@@ -418,10 +418,10 @@ def part_b(
     )
     results: dict[int, dict[str, Any]] = {}
     t0 = time.perf_counter()
-    with RankPool(cfg, None, engine, world_size=2, degrees=(1, 2)) as pool:
+    with ChildRanks(cfg, None, engine, world_size=2, degrees=(1, 2)) as pool:
         print(f"  pool of 2 ranks started in {time.perf_counter() - t0:.1f} s", flush=True)
-        c1 = PrefillWorker(pool, (0,), worker_id=0)
-        c2 = PrefillWorker(pool, (0, 1), worker_id=1)
+        c1 = PrefillClient(pool, (0,), worker_id=0)
+        c2 = PrefillClient(pool, (0, 1), worker_id=1)
         runners: dict[str, Runner] = {
             "C=1": lambda tokens: ours_prefill(c1, tokens),
             "C=2": lambda tokens: ours_prefill(c2, tokens),

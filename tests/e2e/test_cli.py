@@ -32,8 +32,8 @@ from support.reference import (
     make_checkpoint,
     max_abs_diff,
 )
-from vertumnus.runtime.pool import RankPool
-from vertumnus.runtime.worker import PrefillWorker
+from vertumnus.runtime.prefill import PrefillClient
+from vertumnus.runtime.ranks import ChildRanks
 
 # Every test here starts a process (the CLI), most of them rank processes too.
 pytestmark = pytest.mark.multiproc
@@ -171,8 +171,8 @@ def test_tokens_file_matches_the_api(tmp_path: Path) -> None:
         75,
     )
     assert result["prefix_prefill_s"] is None
-    with RankPool(TINY, None, engine_config(seed=0), world_size=1, degrees=[1]) as pool:
-        api = PrefillWorker(pool, (0,)).prefill(tokens, logits="all")
+    with ChildRanks(TINY, None, engine_config(seed=0), world_size=1, degrees=[1]) as pool:
+        api = PrefillClient(pool, (0,)).prefill(tokens, logits="all")
     assert result["first_token"] == api.first_token
     cli_logits = torch.from_numpy(np.load(out_file))
     assert max_abs_diff(cli_logits, api.logits) < ATOL

@@ -30,7 +30,7 @@ from vertumnus.engine.messages import (
     PrefillDone,
     RankFailed,
 )
-from vertumnus.runtime.pool import RankPool, RankPoolError, wait_ready
+from vertumnus.runtime.ranks import ChildRanks, RanksError, wait_ready
 
 pytestmark = pytest.mark.multiproc
 KV_BLOCKS = 16  # per rank
@@ -42,14 +42,14 @@ _ids = itertools.count(1)
 
 
 @pytest.fixture(scope="module")
-def pool(no_leftover_ranks: None) -> Iterator[RankPool]:
+def pool(no_leftover_ranks: None) -> Iterator[ChildRanks]:
     engine = engine_config(block_size=BLOCK_SIZE, kv_blocks_per_rank=KV_BLOCKS)
-    with RankPool(TINY, None, engine, world_size=2, degrees=[1]) as pool:
+    with ChildRanks(TINY, None, engine, world_size=2, degrees=[1]) as pool:
         yield pool
 
 
 def _prefill(
-    pool: RankPool,
+    pool: ChildRanks,
     rank: int,
     tokens: Sequence[int],
     prefix_slots: Sequence[int],
@@ -74,17 +74,19 @@ def _prefill(
     return msg.logits
 
 
-def _fill(pool: RankPool, rank: int, tokens: Sequence[int], slots: Sequence[int]) -> None:
+def _fill(pool: ChildRanks, rank: int, tokens: Sequence[int], slots: Sequence[int]) -> None:
     """Store the K and V of the prefix blocks of ``tokens`` at ``slots`` of ``rank``."""
     _prefill(pool, rank, tokens[: len(slots) * BLOCK_SIZE], (), list(enumerate(slots)))
 
 
-def _probe(pool: RankPool, rank: int, tokens: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
+def _probe(
+    pool: ChildRanks, rank: int, tokens: Sequence[int], slots: Sequence[int]
+) -> torch.Tensor:
     """Logits of the suffix of ``tokens`` with its prefix read from ``slots`` of ``rank``."""
     return _prefill(pool, rank, tokens, slots, ())
 
 
-def _transfer(pool: RankPool, moves: Sequence[Move]) -> dict[int, object]:
+def _transfer(pool: ChildRanks, moves: Sequence[Move]) -> dict[int, object]:
     """Send one copy to every rank involved, as the coordinator does; answers by rank."""
     ranks = sorted({r for src, _, dst, _ in moves for r in (src, dst)})
     cmd = KVTransfer(next(_ids), tuple(moves), tuple((r, pool.incarnation(r)) for r in ranks))
@@ -100,7 +102,7 @@ def _transfer(pool: RankPool, moves: Sequence[Move]) -> dict[int, object]:
     return answers
 
 
-def _copied(pool: RankPool, moves: Sequence[Move]) -> None:
+def _copied(pool: ChildRanks, moves: Sequence[Move]) -> None:
     answers = _transfer(pool, moves)
     assert all(isinstance(msg, KVWritten) for msg in answers.values()), answers
 
@@ -110,7 +112,7 @@ def _prompt(seed: int) -> list[int]:
 
 
 @pytest.mark.timeout(120)
-def test_cross_rank_copy_is_bit_identical(pool: RankPool) -> None:
+def test_cross_rank_copy_is_bit_identical(pool: ChildRanks) -> None:
     tokens = _prompt(seed=1)
     src, dst = [3, 7, 1], [12, 0, 5]
     _fill(pool, 0, tokens, src)
@@ -121,7 +123,7 @@ def test_cross_rank_copy_is_bit_identical(pool: RankPool) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_copy_in_both_directions_at_once(pool: RankPool) -> None:
+def test_copy_in_both_directions_at_once(pool: ChildRanks) -> None:
     """Rank 0 sends to rank 1 and rank 1 to rank 0 in one copy, moves interleaved."""
     a, b = _prompt(seed=2), _prompt(seed=3)
     a_src, a_dst = [2, 9, 4], [8, 14, 6]  # rank 0 -> rank 1
@@ -140,7 +142,7 @@ def test_copy_in_both_directions_at_once(pool: RankPool) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_copy_within_a_rank(pool: RankPool) -> None:
+def test_copy_within_a_rank(pool: ChildRanks) -> None:
     tokens = _prompt(seed=4)
     src, dst = [6, 0, 11], [15, 2, 7]
     _fill(pool, 1, tokens, src)
@@ -150,7 +152,7 @@ def test_copy_within_a_rank(pool: RankPool) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_copy_with_a_restarted_peer(pool: RankPool) -> None:
+def test_copy_with_a_restarted_peer(pool: ChildRanks) -> None:
     """Rank 0 holds a pair group with rank 1 from earlier copies; rank 1 restarts (a
     new incarnation), and the next copy forms the pair anew."""
     tokens = _prompt(seed=5)
@@ -167,7 +169,7 @@ def test_copy_with_a_restarted_peer(pool: RankPool) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_bad_copy_rejected_by_every_rank(pool: RankPool) -> None:
+def test_bad_copy_rejected_by_every_rank(pool: ChildRanks) -> None:
     """One destination slot out of range on rank 1: rank 0, which only sends, rejects
     the copy too, so neither waits on a peer that gave up; the pool copies on."""
     tokens = _prompt(seed=6)
@@ -187,7 +189,7 @@ def test_bad_copy_rejected_by_every_rank(pool: RankPool) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_peer_killed_mid_copy_fails_the_copy_at_once(pool: RankPool) -> None:
+def test_peer_killed_mid_copy_fails_the_copy_at_once(pool: ChildRanks) -> None:
     """Rank 1 is stopped before it reads the copy, then SIGKILLed: rank 0, blocked
     sending to it, fails the copy as soon as the connection closes (not after the
     group's time-out), answers RankFailed, and then serves and copies on."""
@@ -210,7 +212,7 @@ def test_peer_killed_mid_copy_fails_the_copy_at_once(pool: RankPool) -> None:
         assert time.monotonic() - killed < 20, "rank 0 still blocked on its dead peer"
         try:
             msg = pool.poll(1.0)
-        except RankPoolError:  # rank 1's sentinel: expected
+        except RanksError:  # rank 1's sentinel: expected
             continue
         if isinstance(msg, RankFailed) and msg.rank == 0:
             answer = msg

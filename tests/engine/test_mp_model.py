@@ -24,8 +24,8 @@ from support.reference import (
     max_abs_diff,
 )
 from vertumnus.blocks import block_ids
-from vertumnus.runtime.pool import RankPool
-from vertumnus.runtime.worker import PrefillWorker
+from vertumnus.runtime.prefill import PrefillClient
+from vertumnus.runtime.ranks import ChildRanks
 
 pytestmark = [
     pytest.mark.multiproc,
@@ -49,13 +49,13 @@ CASES = [PoolCase(1, True), PoolCase(2, True), PoolCase(4, True), PoolCase(2, Fa
 
 @dataclass(frozen=True)
 class RunningPool:
-    pool: RankPool
+    pool: ChildRanks
     checkpoint: Checkpoint
     cp: int
 
-    def worker(self) -> PrefillWorker:
+    def worker(self) -> PrefillClient:
         """A worker with an empty cache index over all the pool's ranks."""
-        return PrefillWorker(self.pool, tuple(range(self.cp)))
+        return PrefillClient(self.pool, tuple(range(self.cp)))
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +66,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Checkpoi
     }
 
 
-def _start(checkpoint: Checkpoint, cp: int, **engine: object) -> RankPool:
-    pool = RankPool(
+def _start(checkpoint: Checkpoint, cp: int, **engine: object) -> ChildRanks:
+    pool = ChildRanks(
         checkpoint.config,
         str(checkpoint.model_dir),
         engine_config(**engine),

@@ -24,7 +24,7 @@ from vertumnus.engine.kv_store import PagedKVStore
 from vertumnus.engine.model import Qwen3ForCausalLM, causal_attention
 from vertumnus.engine.zigzag import RankPrefill, ZigzagAttention, ZigzagPartition, prefill_rank
 from vertumnus.policy.cache.index import BlockLocation, WorkerCacheIndex
-from vertumnus.runtime.worker import plan_prefill
+from vertumnus.runtime.prefill import plan_prefill
 
 LOGITS_ATOL = 1e-4  # fp32
 KV_ATOL = 1e-5  # fp32 K/V stored in the cache vs the reference's

@@ -124,7 +124,7 @@ def test_the_same_reuse_rule_in_the_policy_the_trie_and_the_engine() -> None:
     """A request of exactly k whole blocks reuses k - 1 of them everywhere: the last
     token must be computed for its logits."""
     from vertumnus.policy.cache.index import WorkerCacheIndex
-    from vertumnus.runtime.worker import plan_prefill
+    from vertumnus.runtime.prefill import plan_prefill
 
     k = 4
     n = k * BLOCK_SIZE

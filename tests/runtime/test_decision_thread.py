@@ -55,7 +55,7 @@ def test_decisions_replay_on_the_decision_thread(
     async def main() -> Coordinator:
         curves = reuse_curves(Profile.load(cfg.profile).coeffs)
         fake = FakeRanks(cfg.ranks, curves, TimeModel(SimSettings(switch_s=0.005), 16))
-        coord = Coordinator(cfg, pool=fake)  # offload_decisions: the default
+        coord = Coordinator(cfg, ranks=fake)  # offload_decisions: the default
         fake.deliver = coord.link.on_message
         await coord.start()
         try:

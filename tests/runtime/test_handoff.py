@@ -140,10 +140,10 @@ def test_the_pull_streams_the_prompts_kv_in_order(
         coord = Coordinator(make_config(tmp_path, layout))
         await coord.start()
         secret = {"Authorization": f"Bearer {coord.handoffs.secret}"}
-        assert coord.pool is not None
+        assert coord.ranks is not None
         sent_to_ranks: list[object] = []
-        send = coord.pool.send
-        coord.pool.send = lambda rank, msg: (sent_to_ranks.append(msg), send(rank, msg))[1]  # type: ignore[method-assign]
+        send = coord.ranks.send
+        coord.ranks.send = lambda rank, msg: (sent_to_ranks.append(msg), send(rank, msg))[1]  # type: ignore[method-assign]
         kinds: set[int] = set()
         try:
             app = build_app(coord, Tokenizer.for_model(None, TINY.vocab_size))

@@ -3,7 +3,7 @@
 A pool of 4 ranks with degrees {1, 2, 4} creates every worker group at start-up, so
 prefills run on any aligned worker without re-creating groups; a failing rank makes
 ``start`` raise and leaves no process; an error in a prefill surfaces as
-``RankPoolError`` and leaves the pool serving; ``close`` leaves no process, even
+``RanksError`` and leaves the pool serving; ``close`` leaves no process, even
 with a rank stuck in a collective, and may be called again.
 """
 
@@ -31,8 +31,8 @@ from vertumnus.blocks import block_ids
 from vertumnus.engine.messages import PrefillCommand, PrefillDone, RankFailed
 from vertumnus.policy.lattice import Lattice, LatticeConfig, LatticeError
 from vertumnus.runtime import worker as worker_module
-from vertumnus.runtime.pool import RankPool, RankPoolError, worker_groups
-from vertumnus.runtime.worker import PrefillWorker
+from vertumnus.runtime.prefill import PrefillClient
+from vertumnus.runtime.ranks import ChildRanks, RanksError, worker_groups
 
 # Every test but test_worker_groups starts rank processes: marked one by one.
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
@@ -40,8 +40,8 @@ KV_BLOCKS = 32  # per rank
 
 
 @pytest.fixture(scope="module")
-def pool4(checkpoint: Checkpoint) -> Iterator[RankPool]:
-    pool = RankPool(
+def pool4(checkpoint: Checkpoint) -> Iterator[ChildRanks]:
+    pool = ChildRanks(
         checkpoint.config,
         str(checkpoint.model_dir),
         engine_config(kv_blocks_per_rank=KV_BLOCKS),
@@ -88,7 +88,7 @@ def test_worker_groups_are_the_lattices_workers() -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(90)
-def test_every_rank_ready(pool4: RankPool, checkpoint: Checkpoint) -> None:
+def test_every_rank_ready(pool4: ChildRanks, checkpoint: Checkpoint) -> None:
     cfg = checkpoint.config
     kv_bytes = 2 * KV_BLOCKS * NUM_LAYERS * BLOCK_SIZE * cfg.num_key_value_heads * cfg.head_dim * 4
     assert sorted(pool4.ready) == [0, 1, 2, 3]
@@ -108,12 +108,12 @@ def test_every_rank_ready(pool4: RankPool, checkpoint: Checkpoint) -> None:
     ids=["0-1", "2-3", "0-1-2-3", "3", "0-1-again"],
 )
 def test_prefill_on_any_worker(
-    pool4: RankPool, checkpoint: Checkpoint, ranks: tuple[int, ...]
+    pool4: ChildRanks, checkpoint: Checkpoint, ranks: tuple[int, ...]
 ) -> None:
     """Workers overlap on ranks here, one after another; each starts with an empty
     cache index, so none reads KV slots that another one wrote."""
     tokens = make_tokens(77, seed=sum(ranks) + len(ranks), vocab=VOCAB)
-    worker = PrefillWorker(pool4, ranks)
+    worker = PrefillClient(pool4, ranks)
     out = worker.prefill(tokens[:40], logits="all")
     assert_exact(out, checkpoint, tokens[:40], cached_tokens=0)
     out = worker.prefill(tokens, logits="all")
@@ -122,7 +122,7 @@ def test_prefill_on_any_worker(
     assert len(out.rank_compute_s) == len(ranks)
 
 
-def _recv_answers(pool: RankPool, ranks: tuple[int, ...]) -> dict[int, object]:
+def _recv_answers(pool: ChildRanks, ranks: tuple[int, ...]) -> dict[int, object]:
     answers: dict[int, object] = {}
     while len(answers) < len(ranks):
         msg = pool.recv(30.0)
@@ -133,7 +133,7 @@ def _recv_answers(pool: RankPool, ranks: tuple[int, ...]) -> dict[int, object]:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(90)
-def test_bad_command_rejected_by_every_rank(pool4: RankPool, checkpoint: Checkpoint) -> None:
+def test_bad_command_rejected_by_every_rank(pool4: ChildRanks, checkpoint: Checkpoint) -> None:
     """A command with a slot out of range on one rank only is rejected by all of the
     worker's ranks before any collective, so none waits on a peer that gave up."""
     ranks = (0, 1, 2, 3)
@@ -159,7 +159,7 @@ def test_bad_command_rejected_by_every_rank(pool4: RankPool, checkpoint: Checkpo
     # The worker's group is in step: the next prefill on it is exact.
     tokens = make_tokens(70, seed=4, vocab=VOCAB)
     assert_exact(
-        PrefillWorker(pool4, ranks).prefill(tokens, logits="all"),
+        PrefillClient(pool4, ranks).prefill(tokens, logits="all"),
         checkpoint,
         tokens,
         cached_tokens=0,
@@ -186,7 +186,7 @@ def _corrupt_prefix(cmd: PrefillCommand) -> PrefillCommand:
 @pytest.mark.parametrize("corrupt", [_corrupt_write, _corrupt_prefix], ids=["write", "prefix"])
 @pytest.mark.parametrize("ranks", [(0, 1), (0, 1, 2, 3)], ids=["0-1", "0-1-2-3"])
 def test_prefill_error_surfaces_and_pool_serves_on(
-    pool4: RankPool,
+    pool4: ChildRanks,
     checkpoint: Checkpoint,
     monkeypatch: pytest.MonkeyPatch,
     ranks: tuple[int, ...],
@@ -194,7 +194,7 @@ def test_prefill_error_surfaces_and_pool_serves_on(
 ) -> None:
     # Blocks 0-3 cached first, then 4-7 new: some on every rank.
     tokens = make_tokens(130, seed=5, vocab=VOCAB)
-    worker = PrefillWorker(pool4, ranks)
+    worker = PrefillClient(pool4, ranks)
     assert_exact(
         worker.prefill(tokens[:64], logits="all"), checkpoint, tokens[:64], cached_tokens=0
     )
@@ -206,7 +206,7 @@ def test_prefill_error_surfaces_and_pool_serves_on(
 
     monkeypatch.setattr(worker_module, "plan_prefill", corrupted_plan)
     with pytest.raises(
-        RankPoolError,
+        RanksError,
         match=(
             rf"prefill 1 failed on rank {ranks[0]}: IndexError: CP rank {len(ranks) - 1}: "
             rf"KV slots \[{KV_BLOCKS}\] out of range \[0, {KV_BLOCKS}\)"
@@ -224,12 +224,12 @@ def test_prefill_error_surfaces_and_pool_serves_on(
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(90)
-def test_token_outside_vocabulary_fails_cleanly(pool4: RankPool, checkpoint: Checkpoint) -> None:
+def test_token_outside_vocabulary_fails_cleanly(pool4: ChildRanks, checkpoint: Checkpoint) -> None:
     """Only one rank's chunk holds the bad id; every rank rejects the prefill."""
     tokens = make_tokens(90, seed=6, vocab=VOCAB)
     bad = [*tokens[:50], VOCAB, *tokens[51:]]
-    worker = PrefillWorker(pool4, (0, 1, 2, 3))
-    with pytest.raises(RankPoolError, match=rf"token ids outside the vocabulary \[0, {VOCAB}\)"):
+    worker = PrefillClient(pool4, (0, 1, 2, 3))
+    with pytest.raises(RanksError, match=rf"token ids outside the vocabulary \[0, {VOCAB}\)"):
         worker.prefill(bad)
     assert len(worker.index) == 0
     assert_exact(worker.prefill(tokens, logits="all"), checkpoint, tokens, cached_tokens=0)
@@ -241,9 +241,9 @@ def test_rank_start_failure_raises_and_leaves_no_process(tmp_path: Path) -> None
     broken = make_checkpoint(tmp_path, tie_word_embeddings=False)
     drop_tensor(tmp_path, "model.layers.1.mlp.up_proj.weight")
     before = live_child_pids()
-    pool = RankPool(broken.config, str(tmp_path), engine_config(), world_size=2, degrees=[2])
+    pool = ChildRanks(broken.config, str(tmp_path), engine_config(), world_size=2, degrees=[2])
     with pytest.raises(
-        RankPoolError,
+        RanksError,
         match=(
             r"rank [01] failed to start: ConfigError: .*checkpoint lacks tensors: "
             r"model\.layers\.1\.mlp\.up_proj\.weight"
@@ -258,9 +258,9 @@ def test_rank_start_failure_raises_and_leaves_no_process(tmp_path: Path) -> None
 @pytest.mark.multiproc
 @pytest.mark.timeout(90)
 def test_close_is_idempotent_and_stops_a_stuck_rank(checkpoint: Checkpoint) -> None:
-    RankPool(checkpoint.config, None, engine_config(), 2, [2]).close()  # never started
+    ChildRanks(checkpoint.config, None, engine_config(), 2, [2]).close()  # never started
     before = live_child_pids()
-    pool = RankPool(
+    pool = ChildRanks(
         checkpoint.config, str(checkpoint.model_dir), engine_config(), world_size=2, degrees=[2]
     )
     with pool:
@@ -268,7 +268,7 @@ def test_close_is_idempotent_and_stops_a_stuck_rank(checkpoint: Checkpoint) -> N
         assert len(started) == 2
         tokens = make_tokens(30, seed=7, vocab=VOCAB)
         assert_exact(
-            PrefillWorker(pool, (0, 1)).prefill(tokens, logits="all"),
+            PrefillClient(pool, (0, 1)).prefill(tokens, logits="all"),
             checkpoint,
             tokens,
             cached_tokens=0,

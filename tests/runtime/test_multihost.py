@@ -32,7 +32,7 @@ from vertumnus.perfmodel import DegreeCoeffs
 from vertumnus.policy.cache.plans import CacheManagerConfig
 from vertumnus.policy.lattice import WorkerState
 from vertumnus.policy.pool_config import PolicyConfig
-from vertumnus.runtime.cluster import ClusterPool
+from vertumnus.runtime.cluster import ClusterRanks
 from vertumnus.runtime.coordinator import Coordinator, PrefillResult
 from vertumnus.runtime.serve_config import ClusterConfig, ServeConfig
 
@@ -56,7 +56,7 @@ def profile(path: Path) -> Path:
 @dataclass
 class Cluster:
     coord: Coordinator
-    pool: ClusterPool
+    ranks: ClusterRanks
     agents: dict[str, subprocess.Popen[bytes]]
     address: str
     logs: Path
@@ -74,14 +74,14 @@ async def cluster(
         listen="127.0.0.1:0", hosts=2, secret=SECRET, heartbeat_s=0.5, agent_timeout_s=3.0
     )
     engine = engine_config(kv_blocks_per_rank=128)
-    pool = ClusterPool(cluster_cfg, checkpoint.config, str(checkpoint.model_dir), engine)
-    c = Cluster(None, pool, {}, f"127.0.0.1:{pool.port}", tmp_path)  # type: ignore[arg-type]
+    hosts = ClusterRanks(cluster_cfg, checkpoint.config, str(checkpoint.model_dir), engine)
+    c = Cluster(None, hosts, {}, f"127.0.0.1:{hosts.port}", tmp_path)  # type: ignore[arg-type]
     sessions: set[int] = set()
     try:
         for name in ("host0", "host1"):
             c.start_agent(name)
         loop = asyncio.get_running_loop()
-        ranks, per_host = await loop.run_in_executor(None, pool.gather)
+        ranks, per_host = await loop.run_in_executor(None, hosts.gather)
         assert (ranks, per_host) == (4, 2)
         cfg = ServeConfig(
             model=str(checkpoint.model_dir),
@@ -96,8 +96,8 @@ async def cluster(
             step_timeout_s=30.0,
         )
         assert cfg.ranks == ranks
-        pool.configure(cfg.degrees)
-        c.coord = Coordinator(cfg, pool)
+        hosts.configure(cfg.degrees)
+        c.coord = Coordinator(cfg, hosts)
         await c.coord.start()
         yield c
     finally:
@@ -105,7 +105,7 @@ async def cluster(
         if c.coord is not None:
             await c.coord.close()
         else:
-            pool.close()
+            hosts.close()
         for agent in c.agents.values():
             try:  # the coordinator's Stop ends each agent
                 assert agent.wait(timeout=30) == 0
@@ -137,8 +137,8 @@ def test_degree4_worker_spanning_two_hosts_matches_reference(
         async with cluster(tmp_path, checkpoint, (4,)) as c:
             view = c.coord.workers_view()
             assert [(w["ranks"], w["hosts"]) for w in view] == [([0, 1, 2, 3], [0, 1])]
-            assert {c.pool.host_of(r) for r in (0, 1)} == {"host0"}
-            assert {c.pool.host_of(r) for r in (2, 3)} == {"host1"}
+            assert {c.ranks.host_of(r) for r in (0, 1)} == {"host0"}
+            assert {c.ranks.host_of(r) for r in (2, 3)} == {"host1"}
             prompt = make_tokens(300, seed=1, vocab=VOCAB)
             fresh = await c.coord.prefill(prompt)
             assert fresh.cp_degree == 4 and fresh.cached_tokens == 0
@@ -258,7 +258,7 @@ def test_agent_outlives_a_lost_coordinator(tmp_path: Path, checkpoint: Checkpoin
     ``agent_timeout_s`` of silence and joins the next coordinator on that address."""
     engine = engine_config(kv_blocks_per_rank=16)
     settings = dict(hosts=1, secret=SECRET, heartbeat_s=0.5, agent_timeout_s=2.0)
-    first = ClusterPool(
+    first = ClusterRanks(
         ClusterConfig(listen="127.0.0.1:0", **settings),  # type: ignore[arg-type]
         checkpoint.config,
         str(checkpoint.model_dir),
@@ -275,7 +275,7 @@ def test_agent_outlives_a_lost_coordinator(tmp_path: Path, checkpoint: Checkpoin
         old_ranks = ranks_in_session(agent.pid)
         assert len(old_ranks) == 2
         first.hub.crash_for_tests()  # silence, as if the coordinator's host died
-        second = ClusterPool(
+        second = ClusterRanks(
             ClusterConfig(listen=address, **settings),  # type: ignore[arg-type]
             checkpoint.config,
             str(checkpoint.model_dir),
@@ -310,7 +310,7 @@ def test_rank_killed_on_an_agent_host_is_restarted_through_its_agent(
     async def main() -> None:
         async with cluster(tmp_path, checkpoint, (2, 2)) as c:
             coord = c.coord
-            old = c.pool.pid(3)
+            old = c.ranks.pid(3)
             assert old is not None
             os.kill(old, signal.SIGKILL)
             killed = time.monotonic()
@@ -320,7 +320,7 @@ def test_rank_killed_on_an_agent_host_is_restarted_through_its_agent(
             while coord.lattice.workers[1].state is not WorkerState.ACTIVE:
                 assert time.monotonic() - killed < 120, "the worker did not rejoin"
                 await asyncio.sleep(0.1)
-            assert c.pool.pid(3) not in (None, old) and c.pool.incarnation(3) == 1
+            assert c.ranks.pid(3) not in (None, old) and c.ranks.incarnation(3) == 1
             assert c.agents["host1"].poll() is None  # the agent lived on
             merge = await coord.begin_reshape(coord.reshape_for("merge", None))
             assert [w["ranks"] for w in coord.workers_view()] == [[0, 1, 2, 3]]

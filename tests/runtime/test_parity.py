@@ -147,7 +147,7 @@ def run_coordinator(
         loop = asyncio.get_running_loop()
         curves = reuse_curves(Profile.load(cfg.profile).coeffs)
         fake = FakeRanks(cfg.ranks, curves, TimeModel(SETTINGS, BLOCK))
-        coord = Coordinator(cfg, pool=fake, clock=loop.time, offload_decisions=False)
+        coord = Coordinator(cfg, ranks=fake, clock=loop.time, offload_decisions=False)
         fake.deliver = coord.link.on_message
         await coord.start()
         assert loop.time() == 0.0, "the windows start where the simulator's do"

@@ -48,7 +48,7 @@ def test_a_rank_hung_in_a_switch_is_restarted_and_the_switch_completes(tmp_path:
         loop = asyncio.get_running_loop()
         curves = reuse_curves(Profile.load(cfg.profile).coeffs)
         fake = FakeRanks(cfg.ranks, curves, TimeModel(SimSettings(switch_s=0.01), 16))
-        coord = Coordinator(cfg, pool=fake, clock=loop.time, offload_decisions=False)
+        coord = Coordinator(cfg, ranks=fake, clock=loop.time, offload_decisions=False)
         fake.deliver = coord.link.on_message
         await coord.start()
         try:

@@ -206,7 +206,7 @@ async def start_coordinator(cfg: Any, settings: Any) -> tuple[Any, FakeRanks]:
         (model.num_hidden_layers, model.num_key_value_heads, model.head_dim),
         block,
     )
-    coord = Coordinator(cfg, pool=fake, clock=loop.time, offload_decisions=False)
+    coord = Coordinator(cfg, ranks=fake, clock=loop.time, offload_decisions=False)
     fake.deliver = coord.link.on_message
     await coord.start()
     return coord, fake

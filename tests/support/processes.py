@@ -43,7 +43,7 @@ def children_of(pid: int) -> list[int]:
 
 def descendants_of(pid: int) -> list[int]:
     """Children, their children and so on: a server's rank processes are children
-    of its fork server (``runtime/pool.py``)."""
+    of its fork server (``runtime/ranks.py``)."""
     found, todo = [], [pid]
     while todo:
         for child in children_of(todo.pop()):

@@ -16,7 +16,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from vertumnus.config import ModelConfig
-from vertumnus.runtime.worker import PrefillOutcome
+from vertumnus.runtime.prefill import PrefillOutcome
 
 # Shape of the reference checkpoint: small, but with grouped-query attention
 # (4 query heads on 2 KV heads), head_dim != hidden / heads, and 3 layers.

@@ -22,7 +22,7 @@ from vertumnus.engine.messages import PrefillCommand
 from vertumnus.engine.model import Qwen3ForCausalLM
 from vertumnus.engine.zigzag import prefill_rank
 from vertumnus.policy.cache.index import PrefillLease, WorkerCacheIndex
-from vertumnus.runtime.worker import plan_prefill
+from vertumnus.runtime.prefill import plan_prefill
 
 BLOCKS_PER_RANK = 16
 CPU = torch.device("cpu")
@@ -87,7 +87,7 @@ class CPResult:
 
 
 def cp_prefill(model: Qwen3ForCausalLM, worker: ThreadWorker, tokens: Sequence[int]) -> CPResult:
-    """Plan, run on C threads, commit: what ``PrefillWorker.prefill`` does over processes."""
+    """Plan, run on C threads, commit: what ``PrefillClient.prefill`` does over processes."""
     c = worker.index.cp_degree
     lease, cmd = plan_prefill(
         worker.index, tokens, BLOCK_SIZE, request_id=0, worker_ranks=tuple(range(c)), logits="all"

@@ -10,7 +10,7 @@ reference), ``fit`` (the execution-time model from measured samples), ``profile`
 ``simulate`` (the policies at cluster scale, in simulation), ``serve`` (the REST
 API), ``loadgen`` and ``agent`` (a host of a multi-host pool). Errors in
 what the user gave print one line on stderr and exit 2; a failure of the rank
-processes (``RankPoolError``) prints one line and exits 1.
+processes (``RanksError``) prints one line and exits 1.
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except Exception as exc:
         # Imported here: the pool (and torch) loads only once a subcommand needs ranks.
-        from vertumnus.runtime.pool import RankPoolError
+        from vertumnus.runtime.ranks import RanksError
 
-        if not isinstance(exc, RankPoolError):
+        if not isinstance(exc, RanksError):
             raise
         # The first line names the rank and its error; the rest is the rank's traceback.
         headline = str(exc).partition("\n")[0]

@@ -135,12 +135,12 @@ def run(args: argparse.Namespace) -> int:
         )
 
     # Heavy imports only once the arguments are known to be good.
-    from vertumnus.runtime.pool import RankPool
-    from vertumnus.runtime.worker import PrefillWorker
+    from vertumnus.runtime.prefill import PrefillClient
+    from vertumnus.runtime.ranks import ChildRanks
 
     want = "all" if (args.dump_logits is not None or args.check) else "last"
-    with RankPool(cfg, model_dir, engine, world_size=args.cp, degrees=[args.cp]) as pool:
-        worker = PrefillWorker(pool, tuple(range(args.cp)))
+    with ChildRanks(cfg, model_dir, engine, world_size=args.cp, degrees=[args.cp]) as pool:
+        worker = PrefillClient(pool, tuple(range(args.cp)))
         prefix_s = None
         if args.prefix_len:
             prefix_s = worker.prefill(tokens[: args.prefix_len]).prefill_s

@@ -129,12 +129,12 @@ async def gather_cluster(args: argparse.Namespace, cluster: Any) -> tuple[Any, A
     """Wait for the node agents of a multi-host pool; its configuration then
     has their topology (ranks, ranks per host)."""
     from vertumnus.config import resolve_model
-    from vertumnus.runtime.cluster import ClusterPool
+    from vertumnus.runtime.cluster import ClusterRanks
     from vertumnus.runtime.serve_config import load, load_rank_setup
 
     model, engine = load_rank_setup(args.config, args.model)
     model_cfg, model_dir = resolve_model(model)
-    pool = ClusterPool(cluster, model_cfg, model_dir, engine)
+    pool = ClusterRanks(cluster, model_cfg, model_dir, engine)
     try:
         host = cluster.listen.rpartition(":")[0]
         print(f"vertumnus waiting for {cluster.hosts} agent(s) on {host}:{pool.port}", flush=True)

@@ -46,7 +46,7 @@ from vertumnus.runtime.control import (
     ToRank,
     Welcome,
 )
-from vertumnus.runtime.pool import LocalRanks
+from vertumnus.runtime.ranks import LocalRanks
 
 log = structlog.get_logger("vertumnus")
 

@@ -3,7 +3,7 @@ the registry of node agents.
 
 Owns the ROUTER socket (``runtime/control.py``) and the one thread that touches it;
 which agents have joined, under which names, with which global ranks; their
-heartbeats; and their loss and return. It tells its owner (``ClusterPool``, through
+heartbeats; and their loss and return. It tells its owner (``ClusterRanks``, through
 ``HubEvents``) what concerns ranks: answers, spawns, exits, lost and returning
 hosts. It keeps nothing about ranks' pipes, specs or groups.
 
@@ -37,7 +37,7 @@ from vertumnus.runtime.control import (
     Stop,
     Welcome,
 )
-from vertumnus.runtime.pool import RankPoolError
+from vertumnus.runtime.ranks import RanksError
 from vertumnus.runtime.serve_config import ClusterConfig
 
 log = structlog.get_logger("vertumnus")
@@ -106,7 +106,7 @@ class AgentHub:
             while len(self._agents) < self.cluster.hosts:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closing.is_set():
-                    raise RankPoolError(
+                    raise RanksError(
                         f"{len(self._agents)} of {self.cluster.hosts} agents joined within "
                         f"{self.cluster.join_timeout_s:.0f} s: {sorted(self._agents)}"
                     )

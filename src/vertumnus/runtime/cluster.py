@@ -2,7 +2,7 @@
 
 Owns the ranks' side of a multi-host pool: the topology once the agents have
 gathered (``runtime/agent_hub.py``), the rank specs, starting and restarting ranks
-through their agents, and one local channel per remote rank. It has ``RankPool``'s
+through their agents, and one local channel per remote rank. It has ``ChildRanks``'s
 interface (``start``, ``send``, ``channels``, ``restart``, ``kill``, ``pid``,
 ``close``), so the coordinator drives both alike: each rank's answers are written
 into a local pipe, framed as the rank wrote them, and a local "sentinel" pipe
@@ -29,7 +29,7 @@ from typing import Any
 from vertumnus.config import EngineConfig, ModelConfig
 from vertumnus.runtime.agent_hub import AgentHub
 from vertumnus.runtime.control import Kill, Spawn, ToRank
-from vertumnus.runtime.pool import PoolCore, RankPoolError, poll_channels
+from vertumnus.runtime.ranks import RanksCore, RanksError, poll_channels
 from vertumnus.runtime.serve_config import ClusterConfig
 
 
@@ -57,7 +57,7 @@ class _Channel:
         os.close(self.sentinel)
 
 
-class ClusterPool(PoolCore):
+class ClusterRanks(RanksCore):
     _store_bind = "0.0.0.0"  # the ranks of every host rendezvous on it
 
     def __init__(
@@ -89,7 +89,7 @@ class ClusterPool(PoolCore):
     def start(self) -> None:
         """Start every rank through its agent and wait for all to be ready."""
         if self.world_size == 0:
-            raise RankPoolError("gather() the agents and configure() before start()")
+            raise RanksError("gather() the agents and configure() before start()")
         super().start()
 
     def _spawn(self, ranks: Sequence[int]) -> None:
@@ -114,11 +114,11 @@ class ClusterPool(PoolCore):
             self.hub.post(first, spawn, payload)
 
     def restart(self, ranks: Sequence[int]) -> list[tuple[tuple[int, ...], int]]:
-        """As ``RankPool.restart``; RankPoolError while a host of ``ranks`` has no agent
+        """As ``ChildRanks.restart``; RanksError while a host of ``ranks`` has no agent
         (its workers restart when it is back: ``on_rejoin``)."""
         gone = self.hub.disconnected(ranks)
         if gone:
-            raise RankPoolError(f"host(s) {gone} have no agent connected")
+            raise RanksError(f"host(s) {gone} have no agent connected")
         rebuild = self._forget(set(ranks))
         self._spawn(sorted(ranks))
         return rebuild
@@ -132,7 +132,7 @@ class ClusterPool(PoolCore):
             self._channels = {}
         self._store = None
 
-    # -- RankPool's interface ------------------------------------------------------------
+    # -- ChildRanks's interface ------------------------------------------------------------
 
     def incarnation(self, rank: int) -> int:
         return self._channels[rank].incarnation

@@ -53,8 +53,8 @@ from vertumnus.runtime import readiness, views
 from vertumnus.runtime.handoff import Handoffs
 from vertumnus.runtime.kv_copies import CopyRuns, KVCopier
 from vertumnus.runtime.metrics import Metrics
-from vertumnus.runtime.pool import RankPool, Ranks
 from vertumnus.runtime.rank_link import RankLink
+from vertumnus.runtime.ranks import ChildRanks, Ranks
 from vertumnus.runtime.recovery import Recovery
 from vertumnus.runtime.request_path import Overloaded, PrefillResult, RequestPath, Unavailable
 from vertumnus.runtime.reshaping import Reshaping
@@ -71,17 +71,17 @@ class Coordinator:
     def __init__(
         self,
         cfg: ServeConfig,
-        pool: Ranks | None = None,
+        ranks: Ranks | None = None,
         clock: Callable[[], float] = time.monotonic,
         offload_decisions: bool = True,
     ) -> None:
-        """``pool``: the ranks, when they are not this process's children (a
-        ``ClusterPool`` of node agents, already gathered; an in-process fake in
-        tests); None: a ``RankPool``. ``offload_decisions``: the controller's
+        """``ranks``: the ranks, when they are not this process's children (a
+        ``ClusterRanks`` of node agents, already gathered; an in-process fake in
+        tests); None: a ``ChildRanks``. ``offload_decisions``: the controller's
         replays run on their own thread (off: inline, as the simulator runs them)."""
         self.cfg = cfg
         self.clock = clock
-        self._given_pool = pool
+        self._given_ranks = ranks
         self.model_cfg, self.model_dir = resolve_model(cfg.model)
         try:
             self.profile = Profile.load(cfg.profile)
@@ -90,8 +90,8 @@ class Coordinator:
             raise ConfigError(f"{exc}") from exc
         period_s = cfg.policy.controller.period_s
         self.metrics = Metrics(cfg.timeline_s, cfg.timeline_samples, clock(), period_s)
-        self.pool: Ranks | None = None
-        self.copier = KVCopier(lambda: self.pool, cfg.engine.rank_timeout_s, self._copy_hung)
+        self.ranks: Ranks | None = None
+        self.copier = KVCopier(lambda: self.ranks, cfg.engine.rank_timeout_s, self._copy_hung)
         self.copies = CopyRuns(self.policy, self.copier, self.metrics, clock, self.apply)
         self.handoffs = Handoffs(self)
         self.link = RankLink(
@@ -150,21 +150,21 @@ class Coordinator:
             for why in self.cfg.start.warnings:
                 log.warning("start_source_skipped", reason=why)
             log.info("start_chosen", **self.cfg.start.to_json())
-        pool: Ranks = self._given_pool or RankPool(
+        ranks: Ranks = self._given_ranks or ChildRanks(
             self.model_cfg, self.model_dir, self.cfg.engine, self.cfg.ranks, self.cfg.degrees
         )
-        await loop.run_in_executor(None, pool.start)
-        self.pool = pool
+        await loop.run_in_executor(None, ranks.start)
+        self.ranks = ranks
 
-        def rejoin(ranks: list[int]) -> None:  # a host's agent came back (another thread)
-            loop.call_soon_threadsafe(self.recovery.hosts_back, ranks)
+        def rejoin(back: list[int]) -> None:  # a host's agent came back (another thread)
+            loop.call_soon_threadsafe(self.recovery.hosts_back, back)
 
-        pool.on_rejoin = rejoin
+        ranks.on_rejoin = rejoin
         for w in self.policy.lattice.workers.values():
             self.requests.add_worker(w.worker_id)
         # The event loop itself watches the ranks' answer pipes and their process
         # sentinels: no thread between a rank's answer and the request it finishes.
-        self.link.attach(loop, pool)
+        self.link.attach(loop, ranks)
         self.link.watch(range(self.cfg.ranks))
         self._start_ticks()
         self.ready = True
@@ -196,10 +196,10 @@ class Coordinator:
         self.save_composition()
         self.link.unwatch()
         self._decider.shutdown(wait=False, cancel_futures=True)
-        if self.pool is not None:
+        if self.ranks is not None:
             assert self._loop is not None
-            await self._loop.run_in_executor(None, self.pool.close)
-            self.pool = None
+            await self._loop.run_in_executor(None, self.ranks.close)
+            self.ranks = None
 
     def save_composition(self) -> None:
         """The composition the pool has, into ``[pool] state_file`` (if one is

@@ -51,7 +51,7 @@ from vertumnus.policy.lattice import WorkerState
 from vertumnus.runtime.kv_reads import CHUNK_BYTES, KVReads, bytes_of
 from vertumnus.runtime.kv_segments import store_runs
 from vertumnus.runtime.lease import HandoffError, Lease, Sink
-from vertumnus.runtime.pool import RankPool
+from vertumnus.runtime.ranks import ChildRanks
 
 if TYPE_CHECKING:
     from vertumnus.runtime.coordinator import Coordinator
@@ -301,8 +301,8 @@ class Handoffs:
     def _stores(self, devices: set[int]) -> dict[int, tuple[memoryview, memoryview]] | None:
         """The K and V bytes of the store of each of ``devices``, mapped here; None if
         one is not (GPU ranks, ranks under a node agent)."""
-        pool = self.coord.pool
-        if not isinstance(pool, RankPool):
+        pool = self.coord.ranks
+        if not isinstance(pool, ChildRanks):
             return None
         stores = {}
         for device in devices:

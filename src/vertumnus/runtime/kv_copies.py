@@ -30,7 +30,7 @@ from vertumnus.policy.cache.plans import CopyPlan
 from vertumnus.policy.pool_policy import PoolPolicy
 from vertumnus.policy.pool_results import Actions, ScanOutcome
 from vertumnus.runtime.metrics import Metrics
-from vertumnus.runtime.pool import RankPoolError, Ranks
+from vertumnus.runtime.ranks import Ranks, RanksError
 
 log = structlog.get_logger("vertumnus")
 
@@ -51,7 +51,7 @@ class KVCopier:
         False if a rank failed or the copy timed out."""
         try:
             await self._transfer(job.moves)
-        except (RankPoolError, TimeoutError) as exc:
+        except (RanksError, TimeoutError) as exc:
             log.error("copy_failed", plan=job.plan.plan_id, error=repr(exc))
             if isinstance(exc, TimeoutError):
                 self._on_hung(sorted({r for m in job.moves for r in (m[0], m[2])}))
@@ -96,13 +96,13 @@ class KVCopier:
             return
         for (copy_id, _), wait in list(self._waits.items()):
             if copy_id == msg.copy_id and not wait.done():
-                wait.set_exception(RankPoolError(msg.error))
+                wait.set_exception(RanksError(msg.error))
 
     def fail(self, error: str, ranks: set[int] | None = None) -> None:
         """Fail the copy waiting on any of ``ranks`` (None: every copy)."""
         for (_, r), wait in list(self._waits.items()):
             if (ranks is None or r in ranks) and not wait.done():
-                wait.set_exception(RankPoolError(error))
+                wait.set_exception(RanksError(error))
 
 
 class CopyRuns:

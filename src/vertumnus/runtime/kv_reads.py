@@ -2,7 +2,7 @@
 sequence order, as the wire format wants them (``handoff/wire.py``).
 
 One ``KVRead`` per rank involved, sent at once; ranks on the coordinator's host
-(``RankPool``) write their blocks straight into a shared-memory segment of this
+(``ChildRanks``) write their blocks straight into a shared-memory segment of this
 process (``engine/shared_rows.py``), at their rows, so the reads of a CP worker
 come back already interleaved; ranks under a node agent send their rows as bytes,
 put back in order here. A few segments are reused (``SEGMENTS``): a read hands
@@ -26,7 +26,7 @@ from vertumnus.engine.messages import KVData, KVRead, KVSend, RankFailed
 from vertumnus.engine.rank import resolve_device
 from vertumnus.engine.weights import resolve_dtype
 from vertumnus.policy.cache.index import BlockLocation
-from vertumnus.runtime.pool import RankPool, RankPoolError
+from vertumnus.runtime.ranks import ChildRanks, RanksError
 
 if TYPE_CHECKING:
     from vertumnus.runtime.coordinator import Coordinator
@@ -81,9 +81,9 @@ class KVReads:
         """Send ``command(read_id, cp_rank, locs)`` to each rank holding some of
         ``blocks`` (one read id for all), each answer awaited: the read id, and per
         rank in CP order its blocks and the future of its answer."""
-        pool = self.coord.pool
+        pool = self.coord.ranks
         if pool is None:
-            raise RankPoolError("the pool is stopped")
+            raise RanksError("the pool is stopped")
         loop = asyncio.get_running_loop()
         by_rank: dict[int, list[BlockLocation]] = {}
         for loc in blocks:
@@ -139,7 +139,7 @@ class KVReads:
         block, first = self.coord.cfg.engine.block_size, group[0].depth
         rows = len(group) * block
         size = len(group) * self.block_bytes()
-        shm = self._segment(size) if isinstance(self.coord.pool, RankPool) else None
+        shm = self._segment(size) if isinstance(self.coord.ranks, ChildRanks) else None
 
         def command(read_id: int, cp_rank: int, locs: list[BlockLocation]) -> KVRead:
             slots = tuple(loc.slot for loc in locs)
@@ -204,13 +204,13 @@ class KVReads:
             return
         for (read_id, _), wait in list(self._reads.items()):
             if read_id == msg.read_id and not wait.done():
-                wait.set_exception(RankPoolError(f"rank {msg.rank}: {msg.error}"))
+                wait.set_exception(RanksError(f"rank {msg.rank}: {msg.error}"))
 
     def fail(self, error: str, ranks: set[int] | None = None) -> None:
         """Fail the reads waiting on ``ranks`` (None: every read)."""
         for (_, rank), wait in list(self._reads.items()):
             if (ranks is None or rank in ranks) and not wait.done():
-                wait.set_exception(RankPoolError(error))
+                wait.set_exception(RanksError(error))
 
 
 def bytes_of(rows: Tensor) -> memoryview:

@@ -1,8 +1,8 @@
 """The profiling protocol: measure the real engine and fit E_C(R, P) per degree.
 
 A queue-free grid over input length and prefix-hit ratio, for every degree asked
-for: one CP worker of C ranks at a time (its own ``RankPool``), one request at a time
-through ``PrefillWorker``. For each grid point and repeat, fresh random tokens:
+for: one CP worker of C ranks at a time (its own ``ChildRanks``), one request at a time
+through ``PrefillClient``. For each grid point and repeat, fresh random tokens:
 their prefix (hit ratio x length, whole blocks) is prefilled first, untimed, so that
 the timed prefill of the whole sequence reuses it. Warm-up runs come first; then the
 repeats of all points run interleaved in a seeded random order (a slow spell of the
@@ -62,8 +62,8 @@ def measure(
     """Run the grid on the engine (``engine.kv_blocks_per_rank`` is sized here)."""
     from dataclasses import replace
 
-    from vertumnus.runtime.pool import RankPool
-    from vertumnus.runtime.worker import PrefillWorker
+    from vertumnus.runtime.prefill import PrefillClient
+    from vertumnus.runtime.ranks import ChildRanks
 
     points = grid.points
     blocks_needed = 2 * max(grid.lengths) // engine.block_size + 2
@@ -73,13 +73,13 @@ def measure(
     total, done = len(grid.degrees) * len(points) * grid.repeats, 0
     hardware: str | None = None
     for degree in grid.degrees:
-        with RankPool(model, model_dir, engine, world_size=degree, degrees=[degree]) as pool:
+        with ChildRanks(model, model_dir, engine, world_size=degree, degrees=[degree]) as pool:
             if hardware is None:
                 hardware = hardware_name(pool.ready[0].device)
 
             def one(length: int, hit: float) -> tuple[int, int, float]:
                 # A fresh worker index per run: nothing but the prefix is ever reused.
-                worker = PrefillWorker(pool, tuple(range(degree)))  # noqa: B023
+                worker = PrefillClient(pool, tuple(range(degree)))  # noqa: B023
                 tokens = [rng.randrange(model.vocab_size) for _ in range(length)]
                 prefix = int(length * hit) // engine.block_size * engine.block_size
                 if prefix:

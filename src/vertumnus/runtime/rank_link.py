@@ -29,8 +29,8 @@ from vertumnus.engine.messages import (
     RankReady,
 )
 from vertumnus.runtime.kv_copies import KVCopier
-from vertumnus.runtime.pool import RankPoolError, Ranks
 from vertumnus.runtime.rank_watch import RankWatch
+from vertumnus.runtime.ranks import Ranks, RanksError
 
 if TYPE_CHECKING:
     from vertumnus.runtime.kv_reads import KVReads
@@ -148,7 +148,7 @@ class RankLink:
             case RankFailed() if msg.request_id is None and (
                 msg.rank in self._ready or any(r == msg.rank for r, _ in self._groups)
             ):  # a restarted rank that could not start, or a peer that could not regroup
-                error = RankPoolError(f"rank {msg.rank}: {msg.error}")
+                error = RanksError(f"rank {msg.rank}: {msg.error}")
                 for key, wait in [(k, w) for k, w in self._groups.items() if k[0] == msg.rank]:
                     if not wait.done():
                         wait.set_exception(error)
@@ -160,7 +160,7 @@ class RankLink:
                 inflight = self._inflight.get(msg.request_id) if msg.request_id else None
                 if inflight is not None:
                     if not inflight.future.done():
-                        inflight.future.set_exception(RankPoolError(msg.error))
+                        inflight.future.set_exception(RanksError(msg.error))
                 else:
                     self._on_pool_failed(f"rank {msg.rank}: {msg.error}")
             case RankReady():
@@ -195,10 +195,10 @@ class RankLink:
         """The pool failed: every prefill, acknowledgement and copy fails."""
         for inflight in self._inflight.values():
             if not inflight.future.done():
-                inflight.future.set_exception(RankPoolError(error))
+                inflight.future.set_exception(RanksError(error))
         for wait in self._acks.values():
             if not wait.done():
-                wait.set_exception(RankPoolError(error))
+                wait.set_exception(RanksError(error))
         self.copier.fail(error)
         if self.reads is not None:
             self.reads.fail(error)

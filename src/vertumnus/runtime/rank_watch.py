@@ -9,7 +9,7 @@ agent reported it gone) is handed to ``on_exit`` once. It does not interpret any
 message: the coordinator does.
 
 The pipes come only from this pool's own rank processes, or from the I/O thread of
-a ``ClusterPool``, which passes on only what the signature of a holder of the
+a ``ClusterRanks``, which passes on only what the signature of a holder of the
 cluster secret covers; so unpickling them trusts nothing from the network.
 """
 

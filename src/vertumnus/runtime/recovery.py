@@ -55,7 +55,7 @@ class Recovery:
         worker leaves the candidate set and is restarted in the background, after any
         reshape it takes part in has finished."""
         coord = self.coord
-        if coord.stopping or coord.pool is None:
+        if coord.stopping or coord.ranks is None:
             return
         worker = self.worker_of_rank(rank)
         if worker is None:
@@ -99,7 +99,7 @@ class Recovery:
     def _mark_dead(self, ranks: set[int], lost: WorkerLost) -> None:
         """Kill ``ranks`` (a hung rank is dead from now on) and release what waits on
         them."""
-        pool = self.coord.pool
+        pool = self.coord.ranks
         assert pool is not None
         self.dead_ranks |= ranks
         for r in ranks:
@@ -119,7 +119,7 @@ class Recovery:
         """Take the failed worker of ``rank`` out, hand its work on, restart its ranks
         and let it rejoin with an empty cache (see the module docstring)."""
         coord = self.coord
-        policy, pool, link = coord.policy, coord.pool, coord.link
+        policy, pool, link = coord.policy, coord.ranks, coord.link
         assert pool is not None
         loop = asyncio.get_running_loop()
         started = coord.clock()

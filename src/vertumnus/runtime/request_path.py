@@ -29,9 +29,9 @@ from vertumnus.engine.messages import PrefillCommand, PrefillDone
 from vertumnus.policy.placement.scheduler import PlacementRequest
 from vertumnus.policy.pool_results import Finished, Started
 from vertumnus.runtime.lease import Lease, export_range
-from vertumnus.runtime.pool import RankPoolError
+from vertumnus.runtime.prefill import prefill_command
 from vertumnus.runtime.rank_link import WorkerLost
-from vertumnus.runtime.worker import prefill_command
+from vertumnus.runtime.ranks import RanksError
 
 if TYPE_CHECKING:
     from vertumnus.runtime.coordinator import Coordinator
@@ -210,7 +210,7 @@ class RequestPath:
 
     async def _run_one(self, started: Started) -> None:
         coord = self.coord
-        policy, pool = coord.policy, coord.pool
+        policy, pool = coord.policy, coord.ranks
         assert pool is not None
         rid, worker_id = started.request_id, started.worker_id
         start = coord.clock()
@@ -244,7 +244,7 @@ class RequestPath:
                 whole_worker=True,
             )
             failure = WorkerLost(f"worker {worker_id} timed out")
-        except (WorkerLost, RankPoolError) as exc:
+        except (WorkerLost, RanksError) as exc:
             failure = exc
         finally:
             coord.link.forget_prefill(rid)
@@ -334,13 +334,13 @@ class RequestPath:
         yet."""
         coord, policy = self.coord, self.coord.policy
         worker_id = started.worker_id
-        if isinstance(error, RankPoolError):  # the worker's group is out of step now
+        if isinstance(error, RanksError):  # the worker's group is out of step now
             coord.recovery.rank_down(
                 started.first_device, f"prefill failed: {error}", whole_worker=True
             )
         if finish:
             coord.apply(policy.finish(worker_id, now, ok=False).actions)
-        lost = isinstance(error, WorkerLost | RankPoolError) or coord.recovery.recovering(worker_id)
+        lost = isinstance(error, WorkerLost | RanksError) or coord.recovery.recovering(worker_id)
         wanted = req.request_id in self.open and not req.future.done()  # (not timed out)
         if lost and req.attempts < MAX_ATTEMPTS and wanted:
             log.warning("replaced", request_id=req.request_id, worker=worker_id, error=str(error))

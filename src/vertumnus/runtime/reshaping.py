@@ -90,7 +90,7 @@ class Reshaping:
 
     async def run_switch(self, switch: Switch) -> None:
         coord = self.coord
-        pool, link = coord.pool, coord.link
+        pool, link = coord.ranks, coord.link
         assert pool is not None
         transition, epoch = switch.transition, switch.epoch
         devices = dict(switch.workers)

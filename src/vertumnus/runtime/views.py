@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 def workers_view(coord: Coordinator) -> list[dict[str, Any]]:
     """``timeline.worker_rows`` (what a simulation's report shows too), plus where
     the ranks run: host names, process ids, and whether the worker is restarting."""
-    pool = coord.pool
+    pool = coord.ranks
     rows = worker_rows(coord.policy, coord.clock())
     for row in rows:
         ranks = row["ranks"]

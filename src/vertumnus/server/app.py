@@ -35,7 +35,7 @@ from aiohttp import web
 
 from vertumnus.policy.lattice import LatticeError
 from vertumnus.runtime.coordinator import Coordinator, Overloaded, Unavailable
-from vertumnus.runtime.pool import RankPoolError
+from vertumnus.runtime.ranks import RanksError
 from vertumnus.runtime.request_path import InternalError
 from vertumnus.runtime.reshaping import ReshapeFailed
 from vertumnus.server import dashboard_routes, handoff_routes
@@ -100,7 +100,7 @@ async def _serve_prefill(coord: Coordinator, tokens: list[int], handoff: bool = 
         return await coord.prefill(tokens, handoff)
     except Overloaded as exc:
         return error_response(503, f"overloaded: {exc}", "overloaded", retry_after_s=1)
-    except (Unavailable, RankPoolError) as exc:
+    except (Unavailable, RanksError) as exc:
         return error_response(503, f"unavailable: {exc}", "unavailable", retry_after_s=2)
     except InternalError as exc:  # (logged with its traceback where it happened)
         return error_response(500, f"internal error: {exc}", "internal_error")
@@ -242,7 +242,7 @@ async def reconfigure(request: web.Request) -> web.Response:
     except TimeoutError:
         message = f"the reshape is not done after [server] request_timeout_s = {timeout_s:g} s"
         return error_response(503, f"unavailable: {message}", "unavailable", retry_after_s=2)
-    except (ReshapeFailed, RankPoolError) as exc:
+    except (ReshapeFailed, RanksError) as exc:
         return error_response(503, f"unavailable: {exc}", "unavailable", retry_after_s=2)
     return json_response(
         {

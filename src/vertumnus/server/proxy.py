@@ -32,7 +32,7 @@ import structlog
 from aiohttp import web
 
 from vertumnus.runtime.coordinator import Coordinator, Overloaded, Unavailable
-from vertumnus.runtime.pool import RankPoolError
+from vertumnus.runtime.ranks import RanksError
 from vertumnus.runtime.request_path import InternalError, PrefillResult
 from vertumnus.runtime.serve_config import DecodeConfig
 from vertumnus.server.handoff_routes import transfer_params
@@ -209,7 +209,7 @@ class DecodeProxy:
             result = await coord.prefill(tokens, handoff=True)
         except Overloaded as exc:
             return _error(503, f"overloaded: {exc}", "overloaded")
-        except (Unavailable, RankPoolError) as exc:
+        except (Unavailable, RanksError) as exc:
             return _error(503, f"unavailable: {exc}", "unavailable")
         except InternalError as exc:  # (logged with its traceback where it happened)
             return _error(500, f"internal error: {exc}", "internal_error")

@@ -1,10 +1,12 @@
-"""One CP worker seen from the coordinator: plan a prefill, run it, keep the cache index.
+"""A prefill planned for one CP worker's ranks, and the blocking client that runs one.
 
 Owns the translation from a request (token ids) to a ``PrefillCommand``: block ids,
 the reusable prefix (whole blocks, at least one token always computed), which rank
 holds which prefix block and which slots the new full blocks go to. Keeps the
-worker's ``WorkerCacheIndex`` true: commit on success, abort on failure. Blocking
-(one prefill at a time); the asyncio coordinator drives the same planning code.
+worker's ``WorkerCacheIndex`` true: commit on success, abort on failure.
+``PrefillClient`` is the blocking client of ``prefill --check``, the benchmarks and
+tests: one prefill at a time on a fixed set of ranks. The asyncio coordinator
+drives the same planning code (``plan_prefill``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch import Tensor
 from vertumnus.blocks import block_ids, max_reuse_blocks
 from vertumnus.engine.messages import PrefillCommand, PrefillDone, RankFailed
 from vertumnus.policy.cache.index import CacheReport, PrefillLease, WorkerCacheIndex
-from vertumnus.runtime.pool import RankPool, RankPoolError
+from vertumnus.runtime.ranks import ChildRanks, RanksError
 
 
 def plan_prefill(
@@ -99,10 +101,11 @@ class PrefillOutcome:
         return int(self.logits[-1].argmax())
 
 
-class PrefillWorker:
-    """A worker of ``len(ranks)`` ranks of ``pool`` with its own cache index."""
+class PrefillClient:
+    """Prefills on ``len(ranks)`` ranks of ``pool``, one at a time and blocking, with
+    their own cache index (not a worker of the pool's lattice)."""
 
-    def __init__(self, pool: RankPool, ranks: tuple[int, ...], worker_id: int = 0) -> None:
+    def __init__(self, pool: ChildRanks, ranks: tuple[int, ...], worker_id: int = 0) -> None:
         self.pool, self.ranks = pool, ranks
         self.block_size = pool.engine.block_size
         self.index = WorkerCacheIndex(len(ranks), pool.engine.kv_blocks_per_rank, worker_id)
@@ -126,14 +129,14 @@ class PrefillWorker:
                 msg = self.pool.recv(self.pool.engine.rank_timeout_s)
                 match msg:
                     case RankFailed(request_id=None):
-                        raise RankPoolError(f"rank {msg.rank} failed: {msg.error}\n{msg.traceback}")
+                        raise RanksError(f"rank {msg.rank} failed: {msg.error}\n{msg.traceback}")
                     case RankFailed() if msg.request_id == request_id and msg.rank in self.ranks:
                         failed[msg.rank] = msg
                     case PrefillDone() if msg.request_id == request_id and msg.rank in self.ranks:
                         done[msg.rank] = msg
             if failed:
                 first = failed[min(failed)]
-                raise RankPoolError(
+                raise RanksError(
                     f"prefill {request_id} failed on rank {first.rank}: "
                     f"{first.error}\n{first.traceback}"
                 )

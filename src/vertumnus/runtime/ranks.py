@@ -1,18 +1,19 @@
-"""The coordinator's handle on its rank processes.
+"""The coordinator's handle on its rank processes (``Ranks``: ``ChildRanks`` here,
+``ClusterRanks`` under node agents).
 
 Owns process lifetime: starting the ranks (forks of a ``forkserver`` that imported
 the engine once, never of the coordinator: a restart imports no torch), the TCP
 store they rendezvous on (on a free port chosen by the OS: no port race), waiting
 for every readiness acknowledgement, the command and result channels, and an
 orderly shutdown that leaves no orphan (the fork server exits about a second after
-its parent). It does not plan prefills (``runtime/worker.py``) or run them
+its parent). It does not plan prefills (``runtime/prefill.py``) or run them
 (``engine/rank.py``).
 
 Commands go through one one-way pipe per rank, written by a sender thread of this
 process (``_CommandSender``), so a send never blocks the coordinator even when the
 rank is busy and the message is larger than a pipe's buffer. (Writing the pipe
 directly deadlocked: the coordinator blocked writing a large KV message to a busy
-rank, while that rank blocked writing its answer to the coordinator.) The pool
+rank, while that rank blocked writing its answer to the coordinator.) This process
 keeps no copy of a command pipe's read end, so once a rank is gone a pending write
 fails with EPIPE and the sender ends; nothing blocks shutdown, and there is no
 named semaphore for the resource tracker to report (``mp.Queue`` had one, whose
@@ -45,7 +46,7 @@ from vertumnus.policy.lattice import LatticeConfig, worker_slots
 from vertumnus.runtime.kv_segments import KVSegments
 
 
-class RankPoolError(RuntimeError):
+class RanksError(RuntimeError):
     """A rank failed to start, died, or did not answer in time."""
 
 
@@ -59,8 +60,8 @@ def worker_groups(world_size: int, degrees: Sequence[int]) -> tuple[tuple[int, .
 
 
 class Ranks(Protocol):
-    """What the coordinator needs of its ranks, wherever they run: ``RankPool``
-    (children of this process) and ``ClusterPool`` (under node agents) provide it.
+    """What the coordinator needs of its ranks, wherever they run: ``ChildRanks``
+    (children of this process) and ``ClusterRanks`` (under node agents) provide it.
 
     ``send`` never blocks; answers arrive on ``channels`` (an answer connection and
     a sentinel that becomes readable when the rank is gone, per rank), which change
@@ -126,7 +127,7 @@ def _context() -> Any:
 class LocalRanks:
     """The rank processes of this host, by global rank: start (``forkserver`` context, a
     command pipe written by a ``_CommandSender`` and an answer pipe each), kill, and
-    an orderly close. The coordinator's ``RankPool`` and a node agent
+    an orderly close. The coordinator's ``ChildRanks`` and a node agent
     (``runtime/agent.py``) both hold one."""
 
     def __init__(self) -> None:
@@ -204,7 +205,7 @@ def poll_channels(
     pending: list[object], results: Sequence[Any], sentinels: dict[Any, str], timeout_s: float
 ) -> object | None:
     """Next message from ``pending`` or from any answer connection in ``results``, or
-    None after ``timeout_s``; raises RankPoolError if a sentinel (waitable -> name of
+    None after ``timeout_s``; raises RanksError if a sentinel (waitable -> name of
     its rank) fired, after handing out what the ranks sent before."""
     if pending:
         return pending.pop(0)
@@ -223,23 +224,23 @@ def poll_channels(
         return pending.pop(0)
     dead = [sentinels[s] for s in ready if s in sentinels]
     if dead:
-        raise RankPoolError(f"rank process(es) exited unexpectedly: {', '.join(dead)}")
+        raise RanksError(f"rank process(es) exited unexpectedly: {', '.join(dead)}")
     return None
 
 
 def wait_ready(pool: Any, ranks: Sequence[int], timeout_s: float) -> None:
     """Collect a ``RankReady`` from each of ``ranks`` into ``pool.ready``; a
-    ``RankFailed`` raises RankPoolError naming the rank."""
+    ``RankFailed`` raises RanksError naming the rank."""
     while not set(ranks) <= set(pool.ready):
         msg = pool.recv(timeout_s)
         if isinstance(msg, RankFailed):
-            raise RankPoolError(f"rank {msg.rank} failed to start: {msg.error}\n{msg.traceback}")
+            raise RanksError(f"rank {msg.rank} failed to start: {msg.error}\n{msg.traceback}")
         if isinstance(msg, RankReady):
             pool.ready[msg.rank] = msg
 
 
-class PoolCore:
-    """What ``RankPool`` and ``ClusterPool`` share: the model and engine, the worker
+class RanksCore:
+    """What ``ChildRanks`` and ``ClusterRanks`` share: the model and engine, the worker
     groups and their generations, readiness, the TCP store the ranks rendezvous on,
     answers read but not handed out, and the start and restart sequences around each
     pool's own ``_spawn`` (start these ranks) and ``poll``."""
@@ -312,14 +313,14 @@ class PoolCore:
         return next_generations(self.groups, self.generations, dead)
 
     def recv(self, timeout_s: float) -> object:
-        """Next message from any rank; raises RankPoolError if a rank died or time ran out."""
+        """Next message from any rank; raises RanksError if a rank died or time ran out."""
         msg = self.poll(timeout_s)
         if msg is None:
-            raise RankPoolError(f"no answer from the ranks within {timeout_s:.0f} s")
+            raise RanksError(f"no answer from the ranks within {timeout_s:.0f} s")
         return msg
 
 
-class RankPool(PoolCore):
+class ChildRanks(RanksCore):
     """The ranks of a pool on this host, started by the coordinator itself."""
 
     def __init__(
@@ -335,7 +336,7 @@ class RankPool(PoolCore):
         self._incarnations: dict[int, int] = {}  # restarts of each rank; absent: 0
         self.kv_segments = KVSegments(model, engine)  # the CPU ranks' KV stores
 
-    def __enter__(self) -> RankPool:
+    def __enter__(self) -> ChildRanks:
         self.start()
         return self
 
@@ -390,7 +391,7 @@ class RankPool(PoolCore):
         return [(rank, conn, procs[rank].sentinel) for rank, conn in self._ranks.results.items()]
 
     def poll(self, timeout_s: float) -> object | None:
-        """Next message from any rank, or None after ``timeout_s``; raises RankPoolError
+        """Next message from any rank, or None after ``timeout_s``; raises RanksError
         if a rank process died (after handing out what it sent before)."""
         sentinels = {p.sentinel: p.name for p in self._ranks.procs.values()}
         results = list(self._ranks.results.values())
