@@ -6,7 +6,7 @@
 Starts a coordinator with its rank processes (CPU, fp32) and the REST app on
 127.0.0.1, then for each prompt length: one prefill with ``kv_transfer_params.
 do_remote_decode``, and its pull (``GET /v1/kv/{handle}``) by the decode server's
-own client (``handoff/kv_pull.py``, into its tensors), timed from the request to
+own client (``decode/kv_pull.py``, into its tensors), timed from the request to
 the last byte (``pull``) and from the answer's first bytes to the last
 (``stream``: the bandwidth, without the request's round trip). The puller runs in
 a process of its own, on uvloop, as a decode server does. Also: the stream read
@@ -40,8 +40,8 @@ from aiohttp import web
 
 from vertumnus.config import EngineConfig, resolve_model
 from vertumnus.config.pool import PoolConfig
-from vertumnus.handoff import kv_client
-from vertumnus.handoff.dist_client import pull_dist
+from vertumnus.decode import kv_client
+from vertumnus.decode.dist_client import pull_dist
 from vertumnus.perfmodel import DegreeCoeffs, Profile
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.runtime.coordinator import Coordinator
@@ -124,10 +124,10 @@ def copy_receive(port: int, size: int) -> tuple[float, float]:
 
 def pull_in_process(url: str, secret: str, mode: str) -> tuple[int, float, float | None]:
     """In the puller's own process (as a decode server is): the KV of one hand-off.
-    ``mode``: "tensors", with the decode server's own client (``handoff/kv_client.py``:
+    ``mode``: "tensors", with the decode server's own client (``decode/kv_client.py``:
     the stream parsed, and put into per-layer K and V tensors); "read", the stream
     only read; "dist", the ranks send it over torch.distributed (gloo here) into
-    tensors (``handoff/dist_client.py``)."""
+    tensors (``decode/dist_client.py``)."""
 
     async def pull() -> tuple[int, float, float | None]:
         timeout = aiohttp.ClientTimeout(total=600)

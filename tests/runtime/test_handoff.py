@@ -22,11 +22,11 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from support.factories import TINY, cpu_profile, engine_config, make_tokens
+from vertumnus import kv_wire as wire
 from vertumnus.config.pool import PoolConfig
+from vertumnus.decode.dist_client import pull_dist
 from vertumnus.engine.messages import KVRead
 from vertumnus.engine.model import Qwen3ForCausalLM, causal_attention
-from vertumnus.handoff import wire
-from vertumnus.handoff.dist_client import pull_dist
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.runtime import kv_segments
 from vertumnus.runtime.coordinator import Coordinator

@@ -19,10 +19,10 @@ from support.factories import engine_config, make_profile, make_tokens
 from support.reference import VOCAB, make_hf_model, make_hf_moe
 from vertumnus.config import ModelConfig
 from vertumnus.config.pool import PoolConfig
+from vertumnus.decode.engine import DecodeEngine
+from vertumnus.decode.kv_client import pull
+from vertumnus.decode.sampling import SamplingParams
 from vertumnus.engine.weights import load_model
-from vertumnus.handoff.decode_engine import DecodeEngine
-from vertumnus.handoff.kv_client import pull
-from vertumnus.handoff.sampling import SamplingParams
 from vertumnus.perfmodel import DegreeCoeffs
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.runtime.coordinator import Coordinator

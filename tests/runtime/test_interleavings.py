@@ -30,11 +30,11 @@ from support.fake_ranks import MemorySink, start_coordinator
 from support.virtual_time import run_virtual
 from vertumnus.config import EngineConfig
 from vertumnus.config.pool import PoolConfig
+from vertumnus.kv_wire import HandoffError
 from vertumnus.perfmodel import DegreeCoeffs
 from vertumnus.policy.lattice import LatticeError, WorkerState
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.runtime.coordinator import Coordinator, PrefillResult
-from vertumnus.runtime.lease import HandoffError
 from vertumnus.runtime.request_path import Overloaded, Unavailable
 from vertumnus.runtime.reshaping import ReshapeFailed
 from vertumnus.runtime.serve_config import HandoffConfig, ServeConfig

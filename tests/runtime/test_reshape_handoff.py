@@ -26,10 +26,10 @@ from support.fake_ranks import MemorySink, start_coordinator
 from support.virtual_time import run_virtual
 from vertumnus.config import EngineConfig
 from vertumnus.config.pool import PoolConfig
+from vertumnus.kv_wire import HandoffError
 from vertumnus.policy.lattice import WorkerState
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.runtime.coordinator import Coordinator
-from vertumnus.runtime.lease import HandoffError
 from vertumnus.runtime.request_path import InternalError
 from vertumnus.runtime.reshaping import ReshapeFailed
 from vertumnus.runtime.serve_config import HandoffConfig, ServeConfig

@@ -3,7 +3,7 @@
 Serves ``POST /v1/completions`` (docs/api.md, "Hand-off"): a request's prompt is
 prefilled by the pool at ``--prefill`` (or was, when it brings the pool's
 ``kv_transfer_params``), its KV is pulled from the pool, and this server decodes
-the rest with continuous batching on one thread (``vertumnus/handoff/``). The model
+the rest with continuous batching on one thread (``vertumnus/decode/``). The model
 must be the pool's: the same preset and ``--seed``, or the same folder. Its
 end-of-sequence ids come from the folder's ``generation_config.json`` (else
 ``config.json``); presets have none. ``--prefill-key`` (or
@@ -107,7 +107,7 @@ async def _exit_with(pid: int, stop: asyncio.Event) -> None:
 async def serve(args: argparse.Namespace, settings: Any, engine: Any, tokenizer: Any) -> int:
     from aiohttp import web
 
-    from vertumnus.handoff.decode_server import build_app
+    from vertumnus.decode.server import build_app
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -157,9 +157,9 @@ def run(args: argparse.Namespace) -> int:
     # Heavy imports only once the arguments are known to be good.
     import torch
 
+    from vertumnus.decode.engine import DecodeEngine
+    from vertumnus.decode.server import DecodeSettings
     from vertumnus.engine.weights import build_model, resolve_dtype
-    from vertumnus.handoff.decode_engine import DecodeEngine
-    from vertumnus.handoff.decode_server import DecodeSettings
     from vertumnus.server.tokenizer import Tokenizer
 
     if args.device == "cuda" and not torch.cuda.is_available():

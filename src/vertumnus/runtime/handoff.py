@@ -20,7 +20,7 @@ first step, as vLLM's disaggregated decode does) under a *lease*:
     (the policy may then park the worker and switch its reshape) and forgets the
     rows, once.
 
-``stream`` writes the wire format of ``handoff/wire.py`` to a ``Sink`` (the
+``stream`` writes the wire format of ``kv_wire.py`` to a ``Sink`` (the
 route's socket). CPU ranks on this host keep their stores in shared memory that
 this process maps (``runtime/kv_segments.py``): their blocks leave straight from
 there, as whole blocks, one ``writev`` run per run of slots, with no command to
@@ -44,13 +44,13 @@ import structlog
 import torch
 from torch import Tensor
 
-from vertumnus.handoff.wire import CHUNK_BLOCKS, END, KVHeader, chunk_header
+from vertumnus.kv_wire import CHUNK_BLOCKS, END, HandoffError, KVHeader, chunk_header
 from vertumnus.policy.cache.holds import Hold
 from vertumnus.policy.cache.index import BlockLocation
 from vertumnus.policy.lattice import WorkerState
 from vertumnus.runtime.kv_reads import CHUNK_BYTES, KVReads, bytes_of
 from vertumnus.runtime.kv_segments import store_runs
-from vertumnus.runtime.lease import HandoffError, Lease, Sink
+from vertumnus.runtime.lease import Lease, Sink
 from vertumnus.runtime.ranks import ChildRanks
 
 if TYPE_CHECKING:
@@ -161,15 +161,17 @@ class Handoffs:
         if lease is None:
             why = self.ended.get(handle)
             if why is None:
-                raise HandoffError(404, f"no KV hand-off {handle!r} here")
-            raise HandoffError(410, f"the KV hand-off {handle!r} ended: {why}")
+                raise HandoffError(f"no KV hand-off {handle!r} here", "unknown", 404)
+            raise HandoffError(f"the KV hand-off {handle!r} ended: {why}", "ended", 410)
         if self.coord.clock() >= lease.expires_s:
             self.end(handle, "expired")
-            raise HandoffError(410, f"the KV hand-off {handle!r} ended: expired")
+            raise HandoffError(f"the KV hand-off {handle!r} ended: expired", "ended", 410)
         if self.coord.indexes.get(lease.worker_id) is not lease.index:
             self.end(handle, "moved")
             raise HandoffError(
-                410, f"the KV hand-off {handle!r} ended: moved (worker {lease.worker_id} failed)"
+                f"the KV hand-off {handle!r} ended: moved (worker {lease.worker_id} failed)",
+                "ended",
+                410,
             )
         return lease
 
@@ -177,7 +179,7 @@ class Handoffs:
         """The decode side gave up: end the lease (404 / 410 as ``lookup``)."""
         lease = self.lookup(handle)
         if lease.pulling:
-            raise HandoffError(409, f"the KV hand-off {handle!r} is being pulled")
+            raise HandoffError(f"the KV hand-off {handle!r} is being pulled", "busy", 409)
         self.end(handle, "released")
 
     def expire(self) -> int:
@@ -296,7 +298,7 @@ class Handoffs:
     def _check_current(self, lease: Lease) -> None:
         """A pull under way stops if its worker's index went (a restart)."""
         if self.coord.indexes.get(lease.worker_id) is not lease.index:
-            raise HandoffError(410, f"the KV hand-off {lease.handle!r} ended: moved")
+            raise HandoffError(f"the KV hand-off {lease.handle!r} ended: moved", "ended", 410)
 
     def _stores(self, devices: set[int]) -> dict[int, tuple[memoryview, memoryview]] | None:
         """The K and V bytes of the store of each of ``devices``, mapped here; None if

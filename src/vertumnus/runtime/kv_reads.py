@@ -1,5 +1,5 @@
 """KV reads of a hand-off: a run of a worker's blocks fetched from its ranks, in
-sequence order, as the wire format wants them (``handoff/wire.py``).
+sequence order, as the wire format wants them (``kv_wire.py``).
 
 One ``KVRead`` per rank involved, sent at once; ranks on the coordinator's host
 (``ChildRanks``) write their blocks straight into a shared-memory segment of this

@@ -1,5 +1,6 @@
 """What a KV hand-off is, on the prefill side: a lease on a prompt's KV, the rows
-its prefill exports, its errors, and where a pull's stream goes (``Sink``). The
+its prefill exports, and where a pull's stream goes (``Sink``); its errors are
+``kv_wire.HandoffError``. The
 leases themselves, their ends and their pulls are ``runtime/handoff.py``'s."""
 
 from __future__ import annotations
@@ -27,14 +28,6 @@ class Sink(Protocol):
     async def drain(self) -> None: ...
     async def flush(self) -> None: ...
     def abort(self) -> None: ...
-
-
-class HandoffError(RuntimeError):
-    """A pull that cannot be served: ``status`` 404 (unknown) or 410 (ended)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass

@@ -4,7 +4,7 @@ for a decode server, and its pull.
     POST /v1/completions, /v1/prefill   with "kv_transfer_params": {"do_remote_decode":
                                         true}: the answer carries kv_transfer_params
                                         naming where and how to pull the KV
-    GET    /v1/kv/{handle}              the KV, streamed (``handoff/wire.py``)
+    GET    /v1/kv/{handle}              the KV, streamed (``kv_wire.py``)
     POST   /v1/kv/{handle}/dist         the ``dist`` transport: the ranks send the
                                         blocks point to point (NCCL / gloo)
     DELETE /v1/kv/{handle}              the decode side gave up: the lease ends
@@ -27,9 +27,8 @@ import orjson
 import structlog
 from aiohttp import web
 
-from vertumnus.handoff.wire import END, chunk_header
+from vertumnus.kv_wire import END, HandoffError, chunk_header
 from vertumnus.runtime.coordinator import Coordinator
-from vertumnus.runtime.lease import HandoffError
 from vertumnus.runtime.request_path import PrefillResult
 from vertumnus.server.keys import ADDRESS, COORDINATOR
 
@@ -89,8 +88,9 @@ def may_pull(coord: Coordinator, token: str | None) -> bool:
 
 
 def _gone(exc: HandoffError) -> web.Response:
-    kind = {404: "not_found", 409: "conflict", 410: "gone"}.get(exc.status, "error")
-    return web.json_response({"error": {"message": str(exc), "type": kind}}, status=exc.status)
+    status = exc.status or 500
+    kind = {404: "not_found", 409: "conflict", 410: "gone"}.get(status, "error")
+    return web.json_response({"error": {"message": str(exc), "type": kind}}, status=status)
 
 
 class SocketSink:
@@ -149,7 +149,7 @@ async def pull(request: web.Request) -> web.StreamResponse:
     except HandoffError as exc:
         return _gone(exc)
     if lease.pulling:
-        return _gone(HandoffError(409, f"the KV hand-off {handle!r} is being pulled"))
+        return _gone(HandoffError(f"the KV hand-off {handle!r} is being pulled", "busy", 409))
     response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
     response.content_length = coord.handoffs.stream_bytes(lease)
     await response.prepare(request)
@@ -190,7 +190,7 @@ async def send_dist(request: web.Request) -> web.StreamResponse:
     try:
         lease = coord.handoffs.lookup(handle)
         if lease.pulling:
-            raise HandoffError(409, f"the KV hand-off {handle!r} is being pulled")
+            raise HandoffError(f"the KV hand-off {handle!r} is being pulled", "busy", 409)
         header, ranks, rows = coord.handoffs.send_dist(lease, (host, port), prefix)
     except HandoffError as exc:
         return _gone(exc)

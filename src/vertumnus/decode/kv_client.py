@@ -4,7 +4,7 @@ straight into its tensors), or give it up (``release``).
 
 Whatever goes wrong (the pool's 404/410/401 with its JSON message, a stream cut
 short, a header whose shape is not the served model's, an unreachable pool) is one
-``HandoffError`` that says so. Not here: the wire format itself (``wire.py``), what
+``HandoffError`` that says so. Not here: the wire format itself (``kv_wire.py``), what
 the KV is used for (``decode_engine.py``).
 """
 
@@ -18,14 +18,14 @@ from typing import Any
 import aiohttp
 import orjson
 
-from vertumnus.handoff.kv_pull import (
+from vertumnus.decode.kv_pull import (
     TORCH_DTYPES,
-    HandoffError,
     PulledKV,
     check_header,
     error_message,
     pull,
 )
+from vertumnus.kv_wire import HandoffError
 
 __all__ = [
     "TORCH_DTYPES",

@@ -3,7 +3,7 @@
 ``GET {base}/v1/kv/{handle}`` is read by a small HTTP/1.1 client of its own, on a
 blocking socket in a thread (faster than the same reads driven by the event loop,
 which wakes for every 64 KB the socket holds): ``recv_into`` writes each chunk of
-the ``wire.py`` stream (its K and V, rows or whole blocks) straight into one
+the ``kv_wire.py`` stream (its K and V, rows or whole blocks) straight into one
 buffer, chunk after chunk, with no copy in this process; the caller gets the
 chunks as the pieces of a ``PromptKV`` (``prompt_kv.py``), which the decode
 engine copies into its cache once. The buffer comes from an ``Arena``: memory
@@ -14,7 +14,7 @@ once the KV is in its cache.
 The request is one GET with ``Connection: close``; the answer must carry a
 ``Content-Length`` (the pool always sends one). Errors are one ``HandoffError``,
 as for the other calls to the pool (``kv_client.py``). Not here: the wire format
-(``wire.py``).
+(``kv_wire.py``).
 """
 
 from __future__ import annotations
@@ -34,22 +34,13 @@ import orjson
 import torch
 from torch import Tensor
 
+from vertumnus import kv_wire as wire
 from vertumnus.config import ModelConfig
-from vertumnus.handoff import wire
-from vertumnus.handoff.prompt_kv import KVPiece, PromptKV
+from vertumnus.decode.prompt_kv import KVPiece, PromptKV
+from vertumnus.kv_wire import HandoffError
 
 HEAD_BYTES = 64 * 1024  # the most an answer's status line and headers may take
 ERROR_BODY_BYTES = 64 * 1024  # the most of an error answer's body read
-
-
-class HandoffError(RuntimeError):
-    """A hand-off that failed. ``status``: the pool's HTTP status when it answered
-    with an error (None otherwise); ``kind``: ``http``, ``unreachable``,
-    ``truncated``, ``malformed`` or ``mismatch``."""
-
-    def __init__(self, message: str, kind: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.kind, self.status = kind, status
 
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

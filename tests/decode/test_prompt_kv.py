@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vertumnus.handoff import wire
-from vertumnus.handoff.prompt_kv import KVPiece, PromptKV
+from vertumnus import kv_wire as wire
+from vertumnus.decode.prompt_kv import KVPiece, PromptKV
 
 L, H, D, B = 3, 2, 4, 4
 

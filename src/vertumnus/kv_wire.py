@@ -41,6 +41,18 @@ class WireError(ValueError):
     """A hand-off stream that is malformed or truncated."""
 
 
+class HandoffError(RuntimeError):
+    """A hand-off that failed, on either side. ``kind``: on the prefill side,
+    ``unknown`` (404: no such hand-off), ``ended`` (410) or ``busy`` (409: being
+    pulled); on the decode side, ``http`` (the pool answered with an error),
+    ``unreachable``, ``truncated``, ``malformed`` or ``mismatch``. ``status``: the
+    HTTP status it is answered or was answered with (None: none)."""
+
+    def __init__(self, message: str, kind: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.kind, self.status = kind, status
+
+
 @dataclass(frozen=True)
 class KVHeader:
     handle: str

@@ -38,21 +38,21 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from vertumnus.config import ModelConfig
-from vertumnus.handoff.completion import (
+from vertumnus.decode.completion import (
     Completion,
     Detokenizer,
     Generation,
     parse_completion,
 )
-from vertumnus.handoff.decode_engine import (
+from vertumnus.decode.dist_client import pull_dist
+from vertumnus.decode.engine import (
     DecodeEngine,
     DecodeFailure,
     DecodeLoop,
     NewSequence,
     StepOutput,
 )
-from vertumnus.handoff.dist_client import pull_dist
-from vertumnus.handoff.kv_client import (
+from vertumnus.decode.kv_client import (
     DEFAULT_TIMEOUT_S,
     PREFILL_TIMEOUT_S,
     HandoffError,

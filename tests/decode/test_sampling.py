@@ -1,4 +1,4 @@
-"""Token choice from logits (``handoff/sampling.py``): greedy is the argmax, top-p
+"""Token choice from logits (``decode/sampling.py``): greedy is the argmax, top-p
 keeps the smallest set of most likely ids that reaches the mass, seeded draws are
 reproducible and follow the distribution, and bad parameters are refused."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from vertumnus.handoff.sampling import (
+from vertumnus.decode.sampling import (
     SamplingParams,
     make_generator,
     nucleus_probs,

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vertumnus.config import ModelConfig
-from vertumnus.handoff.kv_client import PulledKV, TransferParams
-from vertumnus.handoff.sampling import SamplingParams
+from vertumnus.decode.kv_client import PulledKV, TransferParams
+from vertumnus.decode.sampling import SamplingParams
 from vertumnus.server.http import BadRequest
 from vertumnus.server.tokenizer import Tokenizer, TokenizerError
 

@@ -42,9 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vertumnus.decode.prompt_kv import PromptKV
+from vertumnus.decode.sampling import SamplingParams, make_generator, sample_rows
 from vertumnus.engine.model import Qwen3ForCausalLM
-from vertumnus.handoff.prompt_kv import PromptKV
-from vertumnus.handoff.sampling import SamplingParams, make_generator, sample_rows
 
 # Positions a new cache holds beyond the prompt before its first growth.
 INITIAL_HEADROOM = 64

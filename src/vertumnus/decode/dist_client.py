@@ -25,10 +25,9 @@ import orjson
 import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
+from vertumnus import kv_wire as wire
 from vertumnus.config import ModelConfig
-from vertumnus.engine.comm import make_group
-from vertumnus.handoff import wire
-from vertumnus.handoff.kv_client import (
+from vertumnus.decode.kv_client import (
     DEFAULT_TIMEOUT_S,
     TORCH_DTYPES,
     HandoffError,
@@ -38,7 +37,8 @@ from vertumnus.handoff.kv_client import (
     _session,
     check_header,
 )
-from vertumnus.handoff.prompt_kv import PromptKV
+from vertumnus.decode.prompt_kv import PromptKV
+from vertumnus.engine.comm import make_group
 
 
 async def pull_dist(

@@ -1,4 +1,4 @@
-"""The decode server's API (``handoff/decode_server.py``) in process, against a fake
+"""The decode server's API (``decode/server.py``) in process, against a fake
 prefill pool: a tiny aiohttp app that keeps a prompt's KV (computed by the model)
 under a handle, streams it in ``wire.py``'s format and answers as the pool does.
 Answers, streamed or not, carry the engine's greedy ids; the pool's refusals and
@@ -31,14 +31,14 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from support.factories import make_tokens
+from vertumnus import kv_wire as wire
 from vertumnus.cli.decode import eos_token_ids
 from vertumnus.config import ConfigError
+from vertumnus.decode.engine import DecodeEngine, StepOutput
+from vertumnus.decode.kv_client import HandoffError, pull, release
+from vertumnus.decode.sampling import SamplingParams
+from vertumnus.decode.server import DecodeSettings, build_app
 from vertumnus.engine.model import Qwen3ForCausalLM, causal_attention
-from vertumnus.handoff import wire
-from vertumnus.handoff.decode_engine import DecodeEngine, StepOutput
-from vertumnus.handoff.decode_server import DecodeSettings, build_app
-from vertumnus.handoff.kv_client import HandoffError, pull, release
-from vertumnus.handoff.sampling import SamplingParams
 from vertumnus.server.tokenizer import Tokenizer
 
 POOL_KEY = "pool-key-0123456789abcdef"

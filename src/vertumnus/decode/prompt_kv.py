@@ -1,5 +1,5 @@
 """A prompt's KV as it arrived from the prefill pool: pieces in sequence order,
-each kept in the layout the wire carried it in (``wire.py``), so that the pull
+each kept in the layout the wire carried it in (``kv_wire.py``), so that the pull
 writes the bytes once and the decode engine's cache takes them with one copy.
 
     rows piece     K, V [L, t, Hkv, D]         (the tokens no cache block holds, or

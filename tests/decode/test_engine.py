@@ -1,4 +1,4 @@
-"""The decode engine (``handoff/decode_engine.py``) against transformers: greedy ids
+"""The decode engine (``decode/engine.py``) against transformers: greedy ids
 equal ``generate(do_sample=False)`` on the same checkpoint, dense and Qwen3-MoE,
 from the prompt KV our own model computed (as the prefill pool hands it over);
 a batch of prompts of different lengths, with one joining mid-way, gives each the
@@ -19,16 +19,16 @@ import transformers
 from support.factories import TINY, make_tokens
 from support.reference import Checkpoint, make_hf_moe
 from vertumnus.config import ModelConfig
-from vertumnus.engine.model import Qwen3ForCausalLM, causal_attention
-from vertumnus.engine.weights import load_model, random_model
-from vertumnus.handoff.decode_engine import (
+from vertumnus.decode.engine import (
     DecodeEngine,
     DecodeFailure,
     DecodeLoop,
     NewSequence,
     StepOutput,
 )
-from vertumnus.handoff.sampling import SamplingParams
+from vertumnus.decode.sampling import SamplingParams
+from vertumnus.engine.model import Qwen3ForCausalLM, causal_attention
+from vertumnus.engine.weights import load_model, random_model
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0.0)

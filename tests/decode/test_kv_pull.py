@@ -1,4 +1,4 @@
-"""The decode side's pull client (``handoff/kv_pull.py``) against hand-made streams:
+"""The decode side's pull client (``decode/kv_pull.py``) against hand-made streams:
 whole blocks and rows received exactly, the receive buffer reused once released,
 an answer without Content-Length refused clearly, and a cancelled pull stopped at
 once (its thread freed); the scheme a pull is to use."""
@@ -13,9 +13,10 @@ import torch
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from vertumnus.handoff import wire
-from vertumnus.handoff.kv_client import TransferParams
-from vertumnus.handoff.kv_pull import Arena, HandoffError, pull
+from vertumnus import kv_wire as wire
+from vertumnus.decode.kv_client import TransferParams
+from vertumnus.decode.kv_pull import Arena, pull
+from vertumnus.kv_wire import HandoffError
 
 L, H, D, B = 2, 2, 8, 4
 
