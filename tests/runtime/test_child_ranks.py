@@ -30,7 +30,7 @@ from support.reference import (
 from vertumnus.blocks import block_ids
 from vertumnus.engine.messages import PrefillCommand, PrefillDone, RankFailed
 from vertumnus.policy.lattice import Lattice, LatticeConfig, LatticeError
-from vertumnus.runtime import worker as worker_module
+from vertumnus.runtime import prefill as prefill_module
 from vertumnus.runtime.prefill import PrefillClient
 from vertumnus.runtime.ranks import ChildRanks, RanksError, worker_groups
 
@@ -198,13 +198,13 @@ def test_prefill_error_surfaces_and_pool_serves_on(
     assert_exact(
         worker.prefill(tokens[:64], logits="all"), checkpoint, tokens[:64], cached_tokens=0
     )
-    plan = worker_module.plan_prefill
+    plan = prefill_module.plan_prefill
 
     def corrupted_plan(*args: object, **kwargs: object) -> tuple[object, PrefillCommand]:
         lease, cmd = plan(*args, **kwargs)  # type: ignore[arg-type]
         return lease, corrupt(cmd)
 
-    monkeypatch.setattr(worker_module, "plan_prefill", corrupted_plan)
+    monkeypatch.setattr(prefill_module, "plan_prefill", corrupted_plan)
     with pytest.raises(
         RanksError,
         match=(
