@@ -32,6 +32,7 @@ from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.costs import CostWeights
 from vertumnus.policy.lattice import Lattice, LatticeConfig
 from vertumnus.policy.placement.scheduler import PlacementRequest, Scheduler, SchedulerConfig
+from vertumnus.stats import percentile
 
 PROFILE = "qwen3-30b-a3b-h100"  # shipped with the package
 BLOCK_TOKENS = 512
@@ -116,14 +117,12 @@ def main() -> None:
     costs_only, _ = measure(bare, conversations, args.requests, args.seed + 1)
     placing = [t - u for t, u in zip(with_trie, updates, strict=True)]
 
-    def p99(values: list[float]) -> float:
-        return sorted(values)[int(0.99 * (len(values) - 1))]
-
     med = statistics.median(with_trie)
     print(f"64 workers (32 x CP4, 32 x CP8), trie of {n_nodes:,} nodes, 128-block requests")
     print(
         f"place(), all of it (trie lookup, 64 costs, reservation, Algorithm 1 update): "
-        f"median {med:.1f} us, p99 {p99(with_trie):.1f} us -> {med / 100:.2f}x of the 100 us target"
+        f"median {med:.1f} us, p99 {percentile(with_trie, 99):.1f} us "
+        f"-> {med / 100:.2f}x of the 100 us target"
     )
     print(
         f"  of which the placement (lookup, costs, reservation): median "
@@ -132,17 +131,18 @@ def main() -> None:
     )
     print(
         f"place() counting only held prefixes (coming_reuse off): median "
-        f"{statistics.median(held_only):.1f} us, p99 {p99(held_only):.1f} us -> coming "
+        f"{statistics.median(held_only):.1f} us, p99 {percentile(held_only, 99):.1f} us -> coming "
         f"prefixes cost {med / statistics.median(held_only):.2f}x"
     )
     print(
         f"place() without the backlog term (backlog_weight 0; the fewest waiting at a "
         f"worker: {waiting}): median {statistics.median(no_backlog):.1f} us, p99 "
-        f"{p99(no_backlog):.1f} us -> the term costs {med / statistics.median(no_backlog):.2f}x"
+        f"{percentile(no_backlog, 99):.1f} us "
+        f"-> the term costs {med / statistics.median(no_backlog):.2f}x"
     )
     print(
         f"place() without a cache manager (costs + reservation): median "
-        f"{statistics.median(costs_only):.1f} us, p99 {p99(costs_only):.1f} us"
+        f"{statistics.median(costs_only):.1f} us, p99 {percentile(costs_only, 99):.1f} us"
     )
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from _serving import start_server
+from vertumnus.stats import percentile
 
 ADMIN_TOKEN = "bench-serve-admin-token-0123"
 
@@ -46,10 +47,6 @@ def call(url: str, path: str, body: Any = None) -> Any:
         req.add_header("Authorization", f"Bearer {ADMIN_TOKEN}")
     with urllib.request.urlopen(req, timeout=120) as resp:
         return json.loads(resp.read())
-
-
-def p90(values: list[float]) -> float:
-    return sorted(values)[int(0.9 * (len(values) - 1))]
 
 
 def reshape_cycle(url: str) -> list[dict[str, Any]]:
@@ -107,17 +104,19 @@ def main() -> None:
             f"TTFT median {statistics.median(ttft):.2f} ms"
         )
         print(
-            f"coordinator overhead per request: median {med:.3f} ms, p90 {p90(overhead):.3f} ms "
+            f"coordinator overhead per request: median {med:.3f} ms, "
+            f"p90 {percentile(overhead, 90):.3f} ms "
             f"-> {med / 1.0:.2f}x of the 1 ms target"
         )
         sw = statistics.median(switch)
         print(
             f"switch, idle pool ({len(switch)} reshapes): median {sw:.2f} ms, "
-            f"p90 {p90(switch):.2f} ms -> {sw / 1000:.4f}x of the 1 s target"
+            f"p90 {percentile(switch, 90):.2f} ms -> {sw / 1000:.4f}x of the 1 s target"
         )
         print(
             f"under load ({len(drains)} reshapes, 4 clients of 512-token requests): drain median "
-            f"{statistics.median(drains):.1f} ms, p90 {p90(drains):.1f} ms; switch median "
+            f"{statistics.median(drains):.1f} ms, p90 {percentile(drains, 90):.1f} ms; "
+            f"switch median "
             f"{statistics.median(loaded_switch):.2f} ms; failed requests: {len(failures)}"
         )
     finally:

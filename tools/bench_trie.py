@@ -30,6 +30,7 @@ import trie_workload
 from vertumnus.perfmodel import Profile
 from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.cache.plans import CacheManagerConfig
+from vertumnus.stats import percentile
 
 PROFILE = "qwen3-30b-a3b-h100"  # shipped with the package
 BLOCK_TOKENS = 512
@@ -110,17 +111,14 @@ def main() -> None:
     result = manager.scan(views, loads)
     scan_s = time.perf_counter() - t
 
-    def pct(values: list[float], q: float) -> float:
-        return sorted(values)[min(len(values) - 1, int(q * len(values)))]
-
     med = statistics.median(update_us)
     print(
         f"on_request (match + update), 128 blocks: median {med:.1f} us, "
-        f"p99 {pct(update_us, 0.99):.1f} us  -> {med / 100:.2f}x of the 100 us target"
+        f"p99 {percentile(update_us, 99):.1f} us  -> {med / 100:.2f}x of the 100 us target"
     )
     print(
         f"reusable_tokens (scheduler query):        median {statistics.median(query_us):.1f} us, "
-        f"p99 {pct(query_us, 0.99):.1f} us"
+        f"p99 {percentile(query_us, 99):.1f} us"
     )
     print(
         f"scan: {scan_s:.3f} s over {touched:,} nodes with statistics and {replicated:,} "

@@ -55,6 +55,7 @@ from typing import Any
 import orjson
 
 from _serving import start_server
+from vertumnus.stats import percentile
 
 ADMIN_TOKEN = "soak-admin-token-0123456789"
 KINDS = (("prefill", 0.4), ("complete", 0.25), ("stream", 0.25), ("abandon", 0.1))
@@ -525,7 +526,7 @@ def summarize(
         "bugs_logged": sum(any(b in line for b in BUG_MARKS) for line in log.splitlines()),
         "internal_errors_counted": [m for m in metrics if m.startswith("vertumnus_internal_")],
         "mean_ttft_ms": 1e3 * statistics.fmean(ttft) if ttft else None,
-        "p99_ttft_ms": 1e3 * sorted(ttft)[int(0.99 * (len(ttft) - 1))] if ttft else None,
+        "p99_ttft_ms": 1e3 * percentile(ttft, 99) if ttft else None,
         "rss_growth_after_warmup": growth(run["memory"], args.duration_s / 5),
         "errors": sorted({str(o.get("error")) for o in lost + refused + decode_failed})[:10],
         "server_log": str(log_path),
