@@ -65,6 +65,18 @@ def test_policy_layers_import_downwards() -> None:
     assert offences == []
 
 
+def test_no_policy_part_holds_the_stack() -> None:
+    """The stack's parts are given their collaborators, never the stack: besides the
+    stack itself, only the timeline, which samples the stack it is passed, imports it."""
+    offences = [
+        str(path.relative_to(SRC))
+        for path in sorted((SRC / "policy").rglob("*.py"))
+        if path.name not in ("pool_policy.py", "timeline.py")
+        and any(n.startswith("vertumnus.policy.pool_policy") for n in imports(path))
+    ]
+    assert offences == []
+
+
 def test_policy_layers_exist() -> None:
     """The layer test above checks real folders: every layer is a package with modules."""
     for layer in POLICY_LAYERS:

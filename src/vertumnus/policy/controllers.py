@@ -11,31 +11,40 @@ Python.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
-from vertumnus.perfmodel import DegreeCoeffs, Profile
+from vertumnus.perfmodel import Profile
+from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.control.rules import Controller
 from vertumnus.policy.control.whatif import WhatIfController
-
-if TYPE_CHECKING:
-    from vertumnus.policy.pool_policy import PoolPolicy
+from vertumnus.policy.costs import ReuseCurve
+from vertumnus.policy.lattice import Lattice, Reshape
+from vertumnus.policy.pool_config import PolicyConfig
 
 
 def build_controller(
-    stack: PoolPolicy, profile: Profile, coeffs: Mapping[int, DegreeCoeffs]
+    config: PolicyConfig,
+    lattice: Lattice,
+    cache: PrefixCacheManager,
+    curves: Mapping[int, ReuseCurve],
+    profile: Profile,
 ) -> Controller:
-    config, cache = stack.config, stack.cache
-    kappa = {c: float(profile.capacity.get(c, {}).get("kappa_s", 1.0)) for c in coeffs}
+    """The controller of ``config``, over ``lattice``; ``curves``: each degree's
+    service-time curve (``costs.reuse_curves``)."""
+    kappa = {c: float(profile.capacity.get(c, {}).get("kappa_s", 1.0)) for c in curves}
+
+    def traffic(op: Reshape) -> float:  # the trie's expected reconciliation traffic
+        return cache.reconciliation_traffic(op.sources, op.target_degree, op.target_firsts)
+
     if config.controller.mode != "whatif":
-        return Controller(config.controller, stack.lattice, kappa, stack.traffic)
+        return Controller(config.controller, lattice, kappa, traffic)
     trie = cache.trie
     return WhatIfController(
         config.controller,
-        stack.lattice,
+        lattice,
         kappa,
-        stack.curves,
+        curves,
         config.weights,
-        stack.traffic,
+        traffic,
         lambda op: cache.reconciliation_share(op.sources, op.target_degree, op.target_firsts),
         lambda w: len(trie.worker_nodes.get(w, ())) + len(trie.worker_pending.get(w, ())),
         config.max_tokens_per_rank,

@@ -39,7 +39,6 @@ from vertumnus.policy.cache.ledger import CopyJob, KVLedger
 from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.cache.plans import CopyPlan
 from vertumnus.policy.control.candidates import PoolInputs
-from vertumnus.policy.control.rules import Controller
 from vertumnus.policy.controllers import build_controller
 from vertumnus.policy.costs import reuse_curves
 from vertumnus.policy.lanes import CopyLanes
@@ -85,7 +84,7 @@ class PoolPolicy:
             ),
             self.cache,
         )
-        self.controller: Controller = build_controller(self, profile, coeffs)
+        self.controller = build_controller(config, self.lattice, self.cache, self.curves, profile)
         self.holds = Holds()  # KV kept for decode servers (``policy/cache/holds.py``)
         self.reconf = Reconfigurer(
             self.lattice,
@@ -103,7 +102,17 @@ class PoolPolicy:
             self.add_worker(w.worker_id)
         self._running: dict[int, Running] = {}  # worker -> its prefill
         self.transitions: list[Transition] = []  # under way
-        self.outages = Outages(self)  # rank failures: workers out, reset, back
+        self.outages = Outages(  # rank failures: workers out, reset, back
+            self.lattice,
+            self.scheduler,
+            self.cache,
+            self.ledger,
+            self.holds,
+            self.indexes,
+            self.place,
+            self.add_worker,
+            self.retry_waiting,
+        )
         self.lanes = CopyLanes(
             self.ledger,
             self._commit,
@@ -127,10 +136,6 @@ class PoolPolicy:
     def build(cls, profile: Profile, pool: PoolSpec, config: PolicyConfig) -> PoolPolicy:
         """The one factory of the stack (the simulator's and the coordinator's)."""
         return cls(profile, pool, config)
-
-    def traffic(self, op: Reshape) -> float:
-        """The trie's expected reconciliation traffic of ``op`` (the controller's tie-break)."""
-        return self.cache.reconciliation_traffic(op.sources, op.target_degree, op.target_firsts)
 
     def add_worker(self, worker_id: int) -> None:
         w = self.lattice.workers[worker_id]
