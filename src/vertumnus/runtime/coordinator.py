@@ -93,7 +93,9 @@ class Coordinator:
         self.ranks: Ranks | None = None
         self.copier = KVCopier(lambda: self.ranks, cfg.engine.rank_timeout_s, self._copy_hung)
         self.copies = CopyRuns(self.policy, self.copier, self.metrics, clock, self.apply)
-        self.handoffs = Handoffs(self)
+        self.handoffs = Handoffs(
+            cfg, self.model_cfg, self.policy, self.metrics, clock, self.apply, lambda: self.ranks
+        )
         self.link = RankLink(
             self.copier, self._rank_exited, self._rank_pool_failed, self.handoffs.reads
         )

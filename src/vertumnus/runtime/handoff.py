@@ -37,24 +37,26 @@ import asyncio
 import secrets
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import structlog
 import torch
 from torch import Tensor
 
+from vertumnus.config import ModelConfig
 from vertumnus.kv_wire import CHUNK_BLOCKS, END, HandoffError, KVHeader, chunk_header
 from vertumnus.policy.cache.holds import Hold
 from vertumnus.policy.cache.index import BlockLocation
 from vertumnus.policy.lattice import WorkerState
+from vertumnus.policy.pool_policy import PoolPolicy
+from vertumnus.policy.pool_results import Actions
 from vertumnus.runtime.kv_reads import CHUNK_BYTES, KVReads, bytes_of
 from vertumnus.runtime.kv_segments import store_runs
 from vertumnus.runtime.lease import Lease, Sink
-from vertumnus.runtime.ranks import ChildRanks
-
-if TYPE_CHECKING:
-    from vertumnus.runtime.coordinator import Coordinator
+from vertumnus.runtime.metrics import Metrics
+from vertumnus.runtime.ranks import ChildRanks, Ranks
+from vertumnus.runtime.serve_config import ServeConfig
 
 log = structlog.get_logger("vertumnus")
 
@@ -63,9 +65,23 @@ READ_AHEAD = 2  # chunks read from the ranks ahead of the one written
 
 
 class Handoffs:
-    def __init__(self, coord: Coordinator) -> None:
-        self.coord = coord
-        self.cfg = coord.cfg.handoff
+    """Given the serving configuration, the model's shape, the policy stack (its holds
+    and indexes), the metrics, the clock, ``apply`` (the stack's actions, carried out)
+    and the ranks (``ranks()``: None before they start or after they close)."""
+
+    def __init__(
+        self,
+        serve: ServeConfig,
+        model: ModelConfig,
+        policy: PoolPolicy,
+        metrics: Metrics,
+        clock: Callable[[], float],
+        apply: Callable[[Actions], None],
+        ranks: Callable[[], Ranks | None],
+    ) -> None:
+        self.serve, self.model, self.policy, self.metrics = serve, model, policy, metrics
+        self.clock, self.apply, self.ranks = clock, apply, ranks
+        self.cfg = serve.handoff
         # A pull needs the API key, the cluster secret or this (never nothing).
         self.secret = self.cfg.secret or secrets.token_urlsafe(24)
         self.leases: dict[str, Lease] = {}
@@ -74,7 +90,7 @@ class Handoffs:
         self.pulled_bytes = 0
         self.pull_s = 0.0
         self._timer: asyncio.TimerHandle | None = None
-        self.reads = KVReads(coord)  # the blocks fetched from the ranks
+        self.reads = KVReads(serve.engine, model, ranks)  # the blocks fetched from the ranks
         # pulls under way: handle -> (devices read, sink, done)
         self._pulls: dict[str, tuple[set[int], Sink, asyncio.Future[None]]] = {}
 
@@ -86,14 +102,14 @@ class Handoffs:
     def open(self, hold: Hold, first_device: int, prompt_tokens: int, rows: Tensor | None) -> Lease:
         """A lease on the KV the policy holds for the request (``finish(hold=True)``)
         and the rows its prefill exported (the tokens the hold's blocks do not cover)."""
-        block = self.coord.cfg.engine.block_size
+        block = self.serve.engine.block_size
         num_rows = 0 if rows is None else int(rows.shape[2])
         if len(hold.blocks) * block + num_rows != prompt_tokens - 1:
             raise RuntimeError(
                 f"request {hold.request_id}: {len(hold.blocks)} held blocks and {num_rows} "
                 f"exported rows do not make the {prompt_tokens - 1} tokens of its hand-off"
             )
-        now = self.coord.clock()
+        now = self.clock()
         lease = Lease(
             handle="kv-" + secrets.token_urlsafe(18),
             hold=hold,
@@ -107,7 +123,7 @@ class Handoffs:
         self.leases[lease.handle] = lease
         self.counts["opened"] += 1
         self._schedule()
-        w = self.coord.policy.lattice.workers.get(hold.worker_id)
+        w = self.policy.lattice.workers.get(hold.worker_id)
         if w is not None and w.state is WorkerState.DRAINING:
             self._cut_later(hold.worker_id)  # (a reshape waits for this one too)
         return lease
@@ -120,19 +136,18 @@ class Handoffs:
             return False
         lease.rows = None
         self.counts[why] += 1
-        self.coord.metrics.lease_ended(why)
+        self.metrics.lease_ended(why)
         self.ended[handle] = why
         while len(self.ended) > REMEMBERED:
             self.ended.popitem(last=False)
-        coord = self.coord
-        coord.apply(coord.policy.release_hold(lease.hold, coord.clock()))
+        self.apply(self.policy.release_hold(lease.hold, self.clock()))
         return True
 
     def cut(self, worker_id: int, why: str, only_draining: bool = False) -> int:
         """End every lease on ``worker_id`` (its rank failed; or, ``only_draining``,
         its reshape's wait for the pulls is over), pulls under way cut off; how many."""
         if only_draining:
-            w = self.coord.policy.lattice.workers.get(worker_id)
+            w = self.policy.lattice.workers.get(worker_id)
             if w is None or w.state is not WorkerState.DRAINING:
                 return 0
         ended = [lease for lease in self.leases.values() if lease.worker_id == worker_id]
@@ -163,10 +178,10 @@ class Handoffs:
             if why is None:
                 raise HandoffError(f"no KV hand-off {handle!r} here", "unknown", 404)
             raise HandoffError(f"the KV hand-off {handle!r} ended: {why}", "ended", 410)
-        if self.coord.clock() >= lease.expires_s:
+        if self.clock() >= lease.expires_s:
             self.end(handle, "expired")
             raise HandoffError(f"the KV hand-off {handle!r} ended: expired", "ended", 410)
-        if self.coord.indexes.get(lease.worker_id) is not lease.index:
+        if self.policy.indexes.get(lease.worker_id) is not lease.index:
             self.end(handle, "moved")
             raise HandoffError(
                 f"the KV hand-off {handle!r} ended: moved (worker {lease.worker_id} failed)",
@@ -183,10 +198,10 @@ class Handoffs:
         self.end(handle, "released")
 
     def expire(self) -> int:
-        now = self.coord.clock()
+        now = self.clock()
         due = [x for x in self.leases.values() if x.expires_s <= now and not x.pulling]
         for lease in due:
-            current = self.coord.indexes.get(lease.worker_id) is lease.index
+            current = self.policy.indexes.get(lease.worker_id) is lease.index
             self.end(lease.handle, "expired" if current else "moved")
         return len(due)
 
@@ -203,14 +218,14 @@ class Handoffs:
             return
         loop = asyncio.get_running_loop()
         first = min(lease.expires_s for lease in self.leases.values())
-        delay = max(0.0, first - self.coord.clock())
+        delay = max(0.0, first - self.clock())
 
         def due() -> None:
             self._timer = None
             try:
                 self.expire()
             except Exception as exc:  # a bug: logged, counted; the timer goes on
-                self.coord.metrics.bug("handoff", "handoff_expiry_failed", exc)
+                self.metrics.bug("handoff", "handoff_expiry_failed", exc)
             finally:
                 self._schedule()
 
@@ -219,7 +234,7 @@ class Handoffs:
     # -- the pull ------------------------------------------------------------------------
 
     def header(self, lease: Lease, dtype: torch.dtype) -> KVHeader:
-        cfg, engine = self.coord.model_cfg, self.coord.cfg.engine
+        cfg, engine = self.model, self.serve.engine
         return KVHeader(
             handle=lease.handle,
             num_tokens=lease.num_tokens,
@@ -228,7 +243,7 @@ class Handoffs:
             head_dim=cfg.head_dim,
             dtype=str(dtype).removeprefix("torch."),
             block_size=engine.block_size,
-            model=self.coord.cfg.model,
+            model=self.serve.model,
         )
 
     async def stream(self, lease: Lease, sink: Sink) -> int:
@@ -259,7 +274,7 @@ class Handoffs:
                 if stores is not None:
                     size = self.reads.block_bytes() // 2
                     views = store_runs(stores, lease.first_device, group, size)
-                    tokens = len(group) * self.coord.cfg.engine.block_size
+                    tokens = len(group) * self.serve.engine.block_size
                     sink.writev([chunk_header(tokens, CHUNK_BLOCKS), *views])
                     sent += 8 + sum(len(v) for v in views)
                     await sink.drain()
@@ -292,18 +307,18 @@ class Handoffs:
         seconds = time.perf_counter() - started
         self.pulled_bytes += sent
         self.pull_s += seconds
-        self.coord.metrics.pulled(sent, seconds)
+        self.metrics.pulled(sent, seconds)
         return sent
 
     def _check_current(self, lease: Lease) -> None:
         """A pull under way stops if its worker's index went (a restart)."""
-        if self.coord.indexes.get(lease.worker_id) is not lease.index:
+        if self.policy.indexes.get(lease.worker_id) is not lease.index:
             raise HandoffError(f"the KV hand-off {lease.handle!r} ended: moved", "ended", 410)
 
     def _stores(self, devices: set[int]) -> dict[int, tuple[memoryview, memoryview]] | None:
         """The K and V bytes of the store of each of ``devices``, mapped here; None if
         one is not (GPU ranks, ranks under a node agent)."""
-        pool = self.coord.ranks
+        pool = self.ranks()
         if not isinstance(pool, ChildRanks):
             return None
         stores = {}

@@ -16,28 +16,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+from collections.abc import Callable
 from multiprocessing import shared_memory
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from vertumnus.config import EngineConfig, ModelConfig
 from vertumnus.engine.messages import KVData, KVRead, KVSend, RankFailed
 from vertumnus.engine.rank import resolve_device
 from vertumnus.engine.weights import resolve_dtype
 from vertumnus.policy.cache.index import BlockLocation
-from vertumnus.runtime.ranks import ChildRanks, RanksError
-
-if TYPE_CHECKING:
-    from vertumnus.runtime.coordinator import Coordinator
+from vertumnus.runtime.ranks import ChildRanks, Ranks, RanksError
 
 CHUNK_BYTES = 8 << 20  # KV read from the ranks per chunk of the stream (at least a block)
 SEGMENTS = 6  # shared-memory segments kept for reads (three per pull under way)
 
 
 class KVReads:
-    def __init__(self, coord: Coordinator) -> None:
-        self.coord = coord
+    """Given the engine's settings, the model's shape and the ranks (``ranks()``: None
+    before they start or after they close)."""
+
+    def __init__(
+        self, engine: EngineConfig, model: ModelConfig, ranks: Callable[[], Ranks | None]
+    ) -> None:
+        self.engine, self.model, self.ranks = engine, model, ranks
         self._reads: dict[tuple[int, int], asyncio.Future[KVData]] = {}  # (read, rank)
         self._ids = itertools.count(1)
         self._free: list[shared_memory.SharedMemory] = []  # segments not in use
@@ -55,12 +59,12 @@ class KVReads:
     def kv_dtype(self) -> torch.dtype:
         """The dtype the ranks keep their KV in."""
         if self._dtype is None:
-            engine = self.coord.cfg.engine
+            engine = self.engine
             self._dtype = resolve_dtype(engine.dtype, resolve_device(engine, 0))
         return self._dtype
 
     def block_bytes(self) -> int:
-        cfg, block = self.coord.model_cfg, self.coord.cfg.engine.block_size
+        cfg, block = self.model, self.engine.block_size
         return cfg.kv_bytes(self.kv_dtype.itemsize) * block
 
     def give_back(self, read: asyncio.Future[tuple[int, Any, Any]]) -> None:
@@ -81,7 +85,7 @@ class KVReads:
         """Send ``command(read_id, cp_rank, locs)`` to each rank holding some of
         ``blocks`` (one read id for all), each answer awaited: the read id, and per
         rank in CP order its blocks and the future of its answer."""
-        pool = self.coord.ranks
+        pool = self.ranks()
         if pool is None:
             raise RanksError("the pool is stopped")
         loop = asyncio.get_running_loop()
@@ -104,7 +108,7 @@ class KVReads:
         """Every rank's answer to ``read_id`` (a ``RankFailed`` or the timeout raises)."""
         try:
             waits = (wait for _, _, wait in sent)
-            timeout = self.coord.cfg.engine.rank_timeout_s
+            timeout = self.engine.rank_timeout_s
             return list(await asyncio.wait_for(asyncio.gather(*waits), timeout))
         finally:
             for key in [k for k in self._reads if k[0] == read_id]:
@@ -117,7 +121,7 @@ class KVReads:
         point to point (``KVSend``, group ``prefix/<CP rank>``): the layout the
         decode server receives by (per rank: its group and the blocks' depths, in the
         order sent), and a future of every rank's answer."""
-        timeout_s = self.coord.cfg.engine.rank_timeout_s
+        timeout_s = self.engine.rank_timeout_s
 
         def command(read_id: int, cp_rank: int, locs: list[BlockLocation]) -> KVSend:
             slots = tuple(loc.slot for loc in locs)
@@ -136,10 +140,10 @@ class KVReads:
         """Read a run of consecutive blocks from their ranks (one ``KVRead`` per rank,
         sent now), in sequence order: (tokens, their bytes as the wire wants them, the
         shared memory they are in, or None: the caller gives it back)."""
-        block, first = self.coord.cfg.engine.block_size, group[0].depth
+        block, first = self.engine.block_size, group[0].depth
         rows = len(group) * block
         size = len(group) * self.block_bytes()
-        shm = self._segment(size) if isinstance(self.coord.ranks, ChildRanks) else None
+        shm = self._segment(size) if isinstance(self.ranks(), ChildRanks) else None
 
         def command(read_id: int, cp_rank: int, locs: list[BlockLocation]) -> KVRead:
             slots = tuple(loc.slot for loc in locs)
