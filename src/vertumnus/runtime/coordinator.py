@@ -228,7 +228,14 @@ class Coordinator:
 
     def unready_reason(self) -> str | None:
         """Why the pool cannot dispatch a request now (None: it can): ``/ready``."""
-        return readiness.unready_reason(self)
+        return readiness.unready_reason(
+            self.ready,
+            self.rank_error,
+            self.stopping,
+            self.policy,
+            self.reshaping.overdue,
+            self.cfg.reshape_timeout_s,
+        )
 
     # -- doing what the policy returns ----------------------------------------------------
 

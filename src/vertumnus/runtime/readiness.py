@@ -13,39 +13,46 @@ side's own readiness (the local decode process) is the proxy's
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 from vertumnus.policy.lattice import WorkerState
+from vertumnus.policy.pool_policy import PoolPolicy
+from vertumnus.policy.transition import Transition
 
-if TYPE_CHECKING:
-    from vertumnus.runtime.coordinator import Coordinator
 
-
-def unready_reason(coord: Coordinator) -> str | None:
-    """None when the pool can dispatch now; else why not, in words."""
-    if not coord.ready:
-        return coord.rank_error or ("the server is stopping" if coord.stopping else "starting")
-    workers = list(coord.policy.lattice.workers.values())
+def unready_reason(
+    started: bool,
+    failure: str | None,
+    stopping: bool,
+    policy: PoolPolicy,
+    overdue: Callable[[], Sequence[Transition]],
+    reshape_timeout_s: float,
+) -> str | None:
+    """None when the pool can dispatch now; else why not, in words. ``started``: the
+    ranks are up and the pool is not stopping; ``failure``: why the ranks failed, if
+    they did; ``overdue()``: the reshapes past ``reshape_timeout_s``."""
+    if not started:
+        return failure or ("the server is stopping" if stopping else "starting")
+    workers = list(policy.lattice.workers.values())
     if not any(w.state is WorkerState.ACTIVE for w in workers):
-        return "no worker can take requests now: " + _why_none(coord)
-    overdue = coord.reshaping.overdue()
-    if overdue:
-        t = overdue[0]
+        return "no worker can take requests now: " + _why_none(policy)
+    late = overdue()
+    if late:
+        t = late[0]
         return (
             f"the {t.op.kind} of workers {list(t.op.sources)} is past [server] "
-            f"reshape_timeout_s = {coord.cfg.reshape_timeout_s:g} s"
+            f"reshape_timeout_s = {reshape_timeout_s:g} s"
         )
     return None
 
 
-def _why_none(coord: Coordinator) -> str:
+def _why_none(policy: PoolPolicy) -> str:
     """What every worker is doing instead of serving."""
-    transitions = coord.policy.transitions
-    parts = [f"a {t.op.kind} of workers {list(t.op.sources)} is {t.phase}" for t in transitions]
+    parts = [
+        f"a {t.op.kind} of workers {list(t.op.sources)} is {t.phase}" for t in policy.transitions
+    ]
     restarting = sorted(
-        w.worker_id
-        for w in coord.policy.lattice.workers.values()
-        if w.state is WorkerState.UNAVAILABLE
+        w.worker_id for w in policy.lattice.workers.values() if w.state is WorkerState.UNAVAILABLE
     )
     if restarting:
         parts.append(f"workers {restarting} are out (a rank failed)")
