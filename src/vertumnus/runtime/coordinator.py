@@ -399,13 +399,15 @@ class Coordinator:
         return self.policy.composition_name(self.ACTIVE)
 
     def workers_view(self) -> list[dict[str, Any]]:
-        return views.workers_view(self)
+        return views.workers_view(self.policy, self.ranks, self.clock(), self.recovery.recovering)
 
     def composition_view(self) -> dict[str, Any]:
-        return views.composition_view(self)
+        return views.composition_view(
+            self.policy, self.composition_name(), self.cfg, self.decisions
+        )
 
     def cache_view(self) -> dict[str, Any]:
-        return views.cache_view(self)
+        return views.cache_view(self.policy, self.metrics)
 
     def uptime_s(self) -> float:
         return time.monotonic() - self.started_s
