@@ -46,8 +46,13 @@ def installed_hash(twin: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def source_of(name: str) -> Path:
+    """The source file of ``name``, a dotted name under ``vertumnus.policy``."""
+    return SRC / "vertumnus" / "policy" / f"{name.replace('.', '/')}.py"
+
+
 def build(name: str, dest: Path) -> None:
-    source = SRC / "vertumnus" / "policy" / f"{name.replace('.', '/')}.py"
+    source = source_of(name)
     twin = native.twin_name(name)
     digest = native.source_hash(source)
     with tempfile.TemporaryDirectory(prefix="vertumnus-native-") as tmp:
@@ -87,7 +92,7 @@ def main() -> int:
     failed = 0
     for name in native.MODULES:
         twin = native.twin_name(name)
-        digest = native.source_hash(SRC / "vertumnus" / "policy" / f"{name.replace('.', '/')}.py")
+        digest = native.source_hash(source_of(name))
         current = installed_hash(twin) == digest
         if args.check or (current and not args.force):
             print(f"{name}: {'compiled, current' if current else 'not built for this source'}")
