@@ -77,6 +77,21 @@ def test_no_policy_part_holds_the_stack() -> None:
     assert offences == []
 
 
+def test_only_the_composition_root_names_the_coordinator() -> None:
+    """The runtime's parts are given their collaborators (and ``apply``), never the
+    coordinator: only the coordinator itself, the REST API it serves and the command
+    that builds it import it."""
+    allowed = ("runtime/coordinator.py", "cli/serve.py")
+    offences = [
+        str(path.relative_to(SRC))
+        for path in sorted(SRC.rglob("*.py"))
+        if str(path.relative_to(SRC)) not in allowed
+        and path.relative_to(SRC).parts[0] != "server"
+        and any(n.startswith("vertumnus.runtime.coordinator") for n in imports(path))
+    ]
+    assert offences == []
+
+
 def test_policy_layers_exist() -> None:
     """The layer test above checks real folders: every layer is a package with modules."""
     for layer in POLICY_LAYERS:

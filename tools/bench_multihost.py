@@ -42,7 +42,7 @@ from vertumnus.config.pool import PoolConfig
 from vertumnus.perfmodel import DegreeCoeffs, Profile
 from vertumnus.policy.lattice import WorkerState
 from vertumnus.policy.pool_config import PolicyConfig
-from vertumnus.runtime.cluster import ClusterRanks
+from vertumnus.runtime.cluster.ranks import ClusterRanks
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.serve_config import ClusterConfig, ServeConfig
 

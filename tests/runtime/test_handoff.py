@@ -28,8 +28,8 @@ from vertumnus.decode.dist_client import pull_dist
 from vertumnus.engine.messages import KVRead
 from vertumnus.engine.model import Qwen3ForCausalLM, causal_attention
 from vertumnus.policy.pool_config import PolicyConfig
-from vertumnus.runtime import kv_segments
 from vertumnus.runtime.coordinator import Coordinator
+from vertumnus.runtime.kv import segments
 from vertumnus.runtime.serve_config import DecodeConfig, HandoffConfig, ServeConfig
 from vertumnus.server.app import build_app
 from vertumnus.server.proxy import DecodeProxy
@@ -134,7 +134,7 @@ def test_the_pull_streams_the_prompts_kv_in_order(
     stores (blocks as they lie), or, where shared memory has no room for them,
     read through the ranks (``KVRead``, rows)."""
     if not from_store:
-        monkeypatch.setattr(kv_segments, "free_shared_bytes", lambda: 0)
+        monkeypatch.setattr(segments, "free_shared_bytes", lambda: 0)
 
     async def main() -> None:
         coord = Coordinator(make_config(tmp_path, layout))

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from vertumnus.policy.cache.index import BlockLocation
-from vertumnus.runtime.handoff import Handoffs
-from vertumnus.runtime.kv_segments import store_runs
+from vertumnus.runtime.kv.handoffs import Handoffs
+from vertumnus.runtime.kv.segments import store_runs
 
 
 class FakeSink:

@@ -32,7 +32,7 @@ from vertumnus.perfmodel import DegreeCoeffs
 from vertumnus.policy.cache.plans import CacheManagerConfig
 from vertumnus.policy.lattice import WorkerState
 from vertumnus.policy.pool_config import PolicyConfig
-from vertumnus.runtime.cluster import ClusterRanks
+from vertumnus.runtime.cluster.ranks import ClusterRanks
 from vertumnus.runtime.coordinator import Coordinator, PrefillResult
 from vertumnus.runtime.serve_config import ClusterConfig, ServeConfig
 

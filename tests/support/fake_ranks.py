@@ -160,7 +160,7 @@ class FakeRanks:
 
 
 class MemorySink:
-    """A hand-off pull's stream kept in memory (the ``Sink`` of ``runtime/lease.py``);
+    """A hand-off pull's stream kept in memory (the ``Sink`` of ``runtime/kv/leases.py``);
     ``aborted`` once cut off, after which its writes fail as a closed socket's do."""
 
     def __init__(self) -> None:

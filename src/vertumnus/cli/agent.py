@@ -2,7 +2,7 @@
 
 Connects to the coordinator (``serve`` with a ``[cluster]`` table) at
 ``--coordinator HOST:PORT``, starts this host's rank processes when told, and keeps
-them connected (``runtime/agent.py``). The cluster secret comes from
+them connected (``runtime/cluster/agent.py``). The cluster secret comes from
 ``$VERTUMNUS_CLUSTER_SECRET`` (at least 16 characters, the same as the
 coordinator's). The model must be readable at the same path on every host. Exits 0
 when the coordinator shuts the pool down, on SIGTERM or SIGINT, and 1 when the
@@ -31,19 +31,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from vertumnus.cli.serve import configure_logging
     from vertumnus.config import ConfigError
-    from vertumnus.runtime import control
+    from vertumnus.runtime.cluster import channel
 
     try:
-        keys = control.Keys(os.environ.get(control.SECRET_ENV, ""))
-        host, port = control.split_address(args.coordinator)
-    except control.ControlError as exc:
+        keys = channel.Keys(os.environ.get(channel.SECRET_ENV, ""))
+        host, port = channel.split_address(args.coordinator)
+    except channel.ControlError as exc:
         raise ConfigError(str(exc)) from exc
     if args.devices is not None and args.devices < 1:
         raise ConfigError("--devices must be >= 1")
     configure_logging()
     import torch
 
-    from vertumnus.runtime.agent import Agent
+    from vertumnus.runtime.cluster.agent import Agent
 
     cuda = torch.cuda.is_available()
     devices = args.devices if args.devices is not None else (torch.cuda.device_count() or 1)

@@ -129,7 +129,7 @@ async def gather_cluster(args: argparse.Namespace, cluster: Any) -> tuple[Any, A
     """Wait for the node agents of a multi-host pool; its configuration then
     has their topology (ranks, ranks per host)."""
     from vertumnus.config import resolve_model
-    from vertumnus.runtime.cluster import ClusterRanks
+    from vertumnus.runtime.cluster.ranks import ClusterRanks
     from vertumnus.runtime.serve_config import load, load_rank_setup
 
     model, engine = load_rank_setup(args.config, args.model)

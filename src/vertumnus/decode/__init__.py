@@ -2,4 +2,4 @@
 pool (``kv_pull``, ``dist_client``, ``kv_client``), the prompt's KV as it arrived
 (``prompt_kv``), and the reference decode server (``engine``, ``server``,
 ``completion``, ``sampling``). The wire format both sides speak is ``kv_wire``;
-the prefill side is ``runtime/handoff.py`` and ``server/handoff_routes.py``."""
+the prefill side is ``runtime/kv/handoffs.py`` and ``server/handoff_routes.py``."""

@@ -8,7 +8,7 @@ prefill command names them; this store only reads and writes.
 Layout: ``k``, ``v``: [num_blocks, num_layers, block_size, Hkv, D].
 
 On the CPU the two tensors may live in one shared-memory segment that the
-coordinator made (``runtime/kv_segments.py``: ``k`` first, then ``v``): the
+coordinator made (``runtime/kv/segments.py``: ``k`` first, then ``v``): the
 coordinator then streams a hand-off's blocks straight from it, without asking
 this rank. The segment outlives a restart of the rank; its contents then mean
 nothing until written again (the worker's index starts empty).

@@ -71,7 +71,7 @@ class RankSpec:
     group_generations: tuple[tuple[tuple[int, ...], int], ...] = ()
     local_ranks: int | None = None  # ranks on this host (None: world_size), for threads
     # Per rank, the shared-memory segment its KV store lives in (None, or past the
-    # end: its own memory); made by the coordinator (``runtime/kv_segments.py``).
+    # end: its own memory); made by the coordinator (``runtime/kv/segments.py``).
     kv_segments: tuple[str | None, ...] = ()
 
 

@@ -3,36 +3,34 @@
 The policy is ``PoolPolicy`` (``policy/pool_policy.py``), built by the same factory
 and driven the same way as in the simulator; a parity test runs one trace through
 both. The coordinator adds asyncio, the ranks and the views, in parts of one job
-each:
+each, which it builds and wires: each part is given the collaborators it uses, and
+``apply`` where it acts on what the policy returns; none is given the coordinator.
 
     request_path.py   an HTTP request's life: placement, the worker tasks, answers
     rank_link.py      the rank pipes: every answer a rank owes and who waits for it
     reshaping.py      a committed switch carried out on the ranks (SwitchEpoch, acks)
-    kv_copies.py      the cache manager's scans and copies; a copy job's blocks moved
-                      rank to rank (KVTransfer, KVWritten)
-    readiness.py      whether the pool can dispatch now, and if not, why (``/ready``)
-    handoff.py        KV kept for a decode server under leases, and its pull (KVRead)
     recovery.py       a failed rank: its worker out, restarted, back
+    periodic.py       the one timer: controller windows, cache scans, expiry
+    kv/copies.py      the cache manager's scans and copies; a copy job's blocks moved
+                      rank to rank (KVTransfer, KVWritten)
+    kv/handoffs.py    KV kept for a decode server under leases, and its pull (KVRead)
+    health.py         whether the pool serves (ready, its failure, stopping)
+    readiness.py      whether the pool can dispatch now, and if not, why (``/ready``)
     views.py          workers, composition and cache for the REST API
 
 and here: life (start, drain, close; the composition kept in ``[pool] state_file``),
 ``apply`` (doing what the policy returns: wake workers, refuse requests, run the
-copies or the switch the lanes allow), and one timer for the periodic work: the
-controller's window, the cache manager's scan and the expiry of reserved KV, in
-that order when they fall together (as in the simulator). Time is ``clock``
-(``time.monotonic`` unless given; the parity test gives the event loop's own,
-simulated, clock, and then deadlines are exact).
+copies or the switch the lanes allow), background tasks that are never lost, and the
+API's entry points. Time is ``clock`` (``time.monotonic`` unless given; the parity
+test gives the event loop's own, simulated, clock, and then deadlines are exact).
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
@@ -47,12 +45,14 @@ from vertumnus.policy.lattice import Lattice, LatticeError, Reshape, WorkerState
 from vertumnus.policy.placement.scheduler import Scheduler
 from vertumnus.policy.pool_config import PolicyError
 from vertumnus.policy.pool_policy import PoolPolicy
-from vertumnus.policy.pool_results import Actions, WindowPlan
+from vertumnus.policy.pool_results import Actions
 from vertumnus.policy.transition import Transition
 from vertumnus.runtime import readiness, views
-from vertumnus.runtime.handoff import Handoffs
-from vertumnus.runtime.kv_copies import CopyRuns, KVCopier
+from vertumnus.runtime.health import Health
+from vertumnus.runtime.kv.copies import CopyRuns, KVCopier
+from vertumnus.runtime.kv.handoffs import Handoffs
 from vertumnus.runtime.metrics import Metrics
+from vertumnus.runtime.periodic import Periodic
 from vertumnus.runtime.rank_link import RankLink
 from vertumnus.runtime.ranks import ChildRanks, Ranks
 from vertumnus.runtime.recovery import Recovery
@@ -99,23 +99,61 @@ class Coordinator:
         self.link = RankLink(
             self.copier, self._rank_exited, self._rank_pool_failed, self.handoffs.reads
         )
-        self.requests = RequestPath(self)
-        self.recovery = Recovery(self)
-        self.reshaping = Reshaping(self)
+        self.health = Health()
+        self.recovery = Recovery(
+            cfg=cfg,
+            policy=self.policy,
+            metrics=self.metrics,
+            link=self.link,
+            handoffs=self.handoffs,
+            health=self.health,
+            ranks=lambda: self.ranks,
+            clock=clock,
+            apply=self.apply,
+            spawn=self.spawn,
+            rejoined=lambda worker_id: self.requests.wake(worker_id),
+        )
+        self.requests = RequestPath(
+            cfg=cfg,
+            policy=self.policy,
+            metrics=self.metrics,
+            link=self.link,
+            handoffs=self.handoffs,
+            recovery=self.recovery,
+            health=self.health,
+            predict=self.profile.predict,
+            ranks=lambda: self.ranks,
+            clock=clock,
+            apply=self.apply,
+        )
+        self.reshaping = Reshaping(
+            cfg=cfg,
+            policy=self.policy,
+            metrics=self.metrics,
+            link=self.link,
+            handoffs=self.handoffs,
+            recovery=self.recovery,
+            health=self.health,
+            ranks=lambda: self.ranks,
+            clock=clock,
+            apply=self.apply,
+            save=self.save_composition,
+        )
+        self.periodic = Periodic(
+            cfg=cfg,
+            policy=self.policy,
+            metrics=self.metrics,
+            copies=self.copies,
+            health=self.health,
+            clock=clock,
+            apply=self.apply,
+            spawn=self.spawn,
+            begun=self.reshaping.begun,
+            offload=offload_decisions,
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stopping = threading.Event()
         self._background: set[asyncio.Task[Any]] = set()
-        self._tick: asyncio.TimerHandle | None = None
-        self._next_window = self._next_scan = math.inf
-        self._windows_started_s: float | None = None
-        self.offload_decisions = offload_decisions
-        self._decider = ThreadPoolExecutor(1, thread_name_prefix="vertumnus-decide")
-        self._deciding = False
-        self.decision_s: list[float] = []  # wall time of recent decisions' replays
-        self.decisions: deque[dict[str, Any]] = deque(maxlen=100)  # recent, as JSON
-        self.ready = False
         self.started_s = time.monotonic()
-        self.rank_error: str | None = None
 
     # -- what tests and the views read ---------------------------------------------------
 
@@ -137,7 +175,17 @@ class Coordinator:
 
     @property
     def stopping(self) -> bool:
-        return self._stopping.is_set()
+        return self.health.stopping
+
+    @property
+    def ready(self) -> bool:
+        """The ranks started and admission is open."""
+        return self.health.ready
+
+    @property
+    def rank_error(self) -> str | None:
+        """Why the pool cannot serve, when it cannot."""
+        return self.health.failure
 
     @property
     def open_requests(self) -> int:
@@ -168,14 +216,14 @@ class Coordinator:
         # sentinels: no thread between a rank's answer and the request it finishes.
         self.link.attach(loop, ranks)
         self.link.watch(range(self.cfg.ranks))
-        self._start_ticks()
-        self.ready = True
+        self.periodic.start(loop)
+        self.health.ready = True
         log.info("ready", ranks=self.cfg.ranks, composition=self.composition_name())
 
     def stop_admission(self) -> None:
         """New requests get a 503 (``Unavailable``); what was accepted goes on."""
-        self.ready = False
-        self.rank_error = self.rank_error or "the server is shutting down"
+        self.health.ready = False
+        self.health.failure = self.health.failure or "the server is shutting down"
 
     async def drain(self, grace_s: float) -> int:
         """Wait until every accepted request is answered, or ``grace_s`` passes;
@@ -187,17 +235,14 @@ class Coordinator:
 
     async def close(self) -> None:
         """Stop admission, fail what still waits (a clear 503), stop the ranks."""
-        self.ready = False
-        self._stopping.set()
-        if self._tick is not None:
-            self._tick.cancel()
+        self.health.stop()
+        self.periodic.close()
         self.requests.cancel_all()
         self.requests.fail_all(Unavailable("the server is shutting down"))
         self.handoffs.close()
         self.reshaping.close()
         self.save_composition()
         self.link.unwatch()
-        self._decider.shutdown(wait=False, cancel_futures=True)
         if self.ranks is not None:
             assert self._loop is not None
             await self._loop.run_in_executor(None, self.ranks.close)
@@ -261,102 +306,7 @@ class Coordinator:
         for job in actions.copies:
             self.spawn(self.copies.run(job))
 
-    # -- the periodic work ------------------------------------------------------------------
-
-    def _start_ticks(self) -> None:
-        now = self.clock()
-        self._windows_started_s = now
-        self._next_window = now + self.cfg.policy.controller.period_s
-        if self.cfg.policy.replication:
-            self._next_scan = now + self.cfg.policy.scan_interval_s
-        self._schedule_tick()
-
-    def _schedule_tick(self) -> None:
-        loop = self._loop
-        assert loop is not None
-        expiry = self.policy.ledger.next_deadline()
-        due = min(self._next_window, self._next_scan, math.inf if expiry is None else expiry)
-        if self._tick is not None:
-            self._tick.cancel()
-        own_clock: object = getattr(self.clock, "__self__", None)
-        if own_clock is loop:  # the loop's own clock (a simulated one): exact deadlines
-            self._tick = loop.call_at(due, self._on_tick)
-        else:
-            self._tick = loop.call_later(max(0.0, due - self.clock()), self._on_tick)
-
-    def _on_tick(self) -> None:
-        """The periodic work that is due; the next tick is set whatever happens (a
-        bug in one piece is logged with its traceback and counted)."""
-        self._tick = None
-        now = self.clock()
-        try:
-            if now >= self._next_window:
-                self._next_window += self.cfg.policy.controller.period_s
-                self._end_window(now)
-            if now >= self._next_scan:
-                self._next_scan += self.cfg.policy.scan_interval_s
-                # After the workers this tick's decision woke have started their
-                # prefills (their tasks run first), as the simulator orders it.
-                assert self._loop is not None
-                self._loop.call_soon(self._scan, now)
-            expiry = self.policy.ledger.next_deadline()
-            if expiry is not None and now >= expiry:
-                released = self.policy.expire(now)
-                if released:
-                    log.info("retained_released", blocks=released)
-        except Exception as exc:
-            self.metrics.bug("task", "tick_failed", exc)
-        finally:
-            if not self.stopping:
-                self._schedule_tick()
-
-    def _scan(self, now: float) -> None:
-        try:
-            self.copies.scan(now)
-        except Exception as exc:
-            self.metrics.bug("task", "scan_failed", exc)
-
-    def _end_window(self, now: float) -> None:
-        """The controller's decision: the pool is read now, the replays run on the
-        decision thread (off the event loop) unless ``offload_decisions`` is off, and
-        the decision is applied when they are done. A period whose decision is still
-        being computed when the next is due is skipped."""
-        if self._deciding:
-            log.warning("decision_skipped", reason="the previous decision is still computing")
-            return
-        plan = self.policy.prepare_window(now)
-        if not self.offload_decisions:
-            self._conclude(plan, plan.evaluate(), now)
-            return
-        self._deciding = True
-        self.spawn(self._decide(plan))
-
-    async def _decide(self, plan: WindowPlan) -> None:
-        assert self._loop is not None
-        try:
-            started = time.perf_counter()
-            evaluation = await self._loop.run_in_executor(self._decider, plan.evaluate)
-            self.decision_s.append(time.perf_counter() - started)
-            del self.decision_s[:-1000]
-            if not self.stopping:
-                self._conclude(plan, evaluation, self.clock())
-        finally:
-            self._deciding = False
-
-    def _conclude(self, plan: WindowPlan, evaluation: object, now: float) -> None:
-        outcome = self.policy.finish_window(plan, evaluation, now)
-        decision = outcome.decision
-        since = now - (self._windows_started_s or now)  # seconds since the server started
-        self.decisions.append({"time_s": since, **decision.to_json()})
-        del self.policy.controller.history[:-1000]  # a server runs for days
-        if self.cfg.policy.adaptive and (decision.ops or "candidates" in decision.inputs):
-            log.info("decision", **decision.to_json())
-        self.metrics.timeline.decided(now, decision.inputs)
-        for transition in outcome.begun:
-            self.reshaping.begun(transition, decision.to_json(), len(outcome.actions.placed))
-        self.apply(outcome.actions)
-
-    # -- the prefix-cache manager: scans and copies (``runtime/kv_copies.py``) ----------
+    # -- the prefix-cache manager: scans and copies (``runtime/kv/copies.py``) ----------
 
     async def scan_now(self) -> dict[str, Any]:
         """One scan now, waiting for its copies: what it did."""
@@ -379,8 +329,8 @@ class Coordinator:
             self.recovery.rank_down(rank, f"rank process {rank} exited unexpectedly")
 
     def _rank_pool_failed(self, error: str) -> None:
-        self.rank_error = error
-        self.ready = False
+        self.health.failure = error
+        self.health.ready = False
         log.error("rank_failure", error=error)
         self.link.fail_all(error)
 
@@ -412,8 +362,16 @@ class Coordinator:
     def uptime_s(self) -> float:
         return time.monotonic() - self.started_s
 
+    @property
+    def decision_s(self) -> list[float]:
+        """Wall time of the recent decisions' replays."""
+        return self.periodic.decision_s
+
+    @property
+    def decisions(self) -> deque[dict[str, Any]]:
+        """The recent decisions, as JSON."""
+        return self.periodic.decisions
+
     def window_phase_s(self) -> float | None:
         """How far into its current window the controller is."""
-        if self._windows_started_s is None:
-            return None
-        return (self.clock() - self._windows_started_s) % self.cfg.policy.controller.period_s
+        return self.periodic.phase_s()

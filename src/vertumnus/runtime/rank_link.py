@@ -28,12 +28,12 @@ from vertumnus.engine.messages import (
     RankFailed,
     RankReady,
 )
-from vertumnus.runtime.kv_copies import KVCopier
+from vertumnus.runtime.kv.copies import KVCopier
 from vertumnus.runtime.rank_watch import RankWatch
 from vertumnus.runtime.ranks import Ranks, RanksError
 
 if TYPE_CHECKING:
-    from vertumnus.runtime.kv_reads import KVReads
+    from vertumnus.runtime.kv.reads import KVReads
 
 log = structlog.get_logger("vertumnus")
 

@@ -43,7 +43,7 @@ from vertumnus.config import EngineConfig, ModelConfig
 from vertumnus.engine.messages import RankFailed, RankReady, Shutdown
 from vertumnus.engine.rank import RankSpec, rank_main
 from vertumnus.policy.lattice import LatticeConfig, worker_slots
-from vertumnus.runtime.kv_segments import KVSegments
+from vertumnus.runtime.kv.segments import KVSegments
 
 
 class RanksError(RuntimeError):
@@ -128,7 +128,7 @@ class LocalRanks:
     """The rank processes of this host, by global rank: start (``forkserver`` context, a
     command pipe written by a ``_CommandSender`` and an answer pipe each), kill, and
     an orderly close. The coordinator's ``ChildRanks`` and a node agent
-    (``runtime/agent.py``) both hold one."""
+    (``runtime/cluster/agent.py``) both hold one."""
 
     def __init__(self) -> None:
         self.procs: dict[int, Any] = {}

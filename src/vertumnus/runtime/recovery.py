@@ -18,24 +18,48 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 import structlog
 
 from vertumnus.engine.messages import RebuildGroups
 from vertumnus.policy.lattice import LatticeWorker, WorkerState
-from vertumnus.runtime.rank_link import WorkerLost
-
-if TYPE_CHECKING:
-    from vertumnus.runtime.coordinator import Coordinator
+from vertumnus.policy.pool_policy import PoolPolicy
+from vertumnus.policy.pool_results import Actions
+from vertumnus.runtime.health import Health
+from vertumnus.runtime.kv.handoffs import Handoffs
+from vertumnus.runtime.metrics import Metrics
+from vertumnus.runtime.rank_link import RankLink, WorkerLost
+from vertumnus.runtime.ranks import Ranks
+from vertumnus.runtime.serve_config import ServeConfig
 
 log = structlog.get_logger("vertumnus")
 
 
 class Recovery:
-    def __init__(self, coord: Coordinator) -> None:
-        self.coord = coord
+    def __init__(
+        self,
+        *,
+        cfg: ServeConfig,
+        policy: PoolPolicy,
+        metrics: Metrics,
+        link: RankLink,
+        handoffs: Handoffs,
+        health: Health,
+        ranks: Callable[[], Ranks | None],
+        clock: Callable[[], float],
+        apply: Callable[[Actions], None],
+        spawn: Callable[[Coroutine[Any, Any, Any]], None],
+        rejoined: Callable[[int], None],
+    ) -> None:
+        """``ranks``: the ranks once started; ``apply``: does what the policy returns;
+        ``spawn``: runs a background task; ``rejoined``: a worker's recovery ended
+        (it serves again, or was given up): its task looks at its queue."""
+        self.cfg, self.policy, self.metrics = cfg, policy, metrics
+        self.link, self.handoffs, self.health = link, handoffs, health
+        self.ranks, self.clock, self.apply, self.spawn = ranks, clock, apply, spawn
+        self.rejoined = rejoined
         self.dead_ranks: set[int] = set()  # failed ranks, until their worker rejoins
         self._recovering: set[int] = set()  # workers being restarted
         self._lock = asyncio.Lock()
@@ -45,7 +69,7 @@ class Recovery:
         return worker_id in self._recovering
 
     def worker_of_rank(self, rank: int) -> LatticeWorker | None:
-        workers = self.coord.policy.lattice.workers.values()
+        workers = self.policy.lattice.workers.values()
         return next((w for w in workers if rank in w.devices), None)
 
     def rank_down(self, rank: int, reason: str, whole_worker: bool = False) -> None:
@@ -54,8 +78,7 @@ class Recovery:
         that waits on it fails or, for a reshape's acknowledgement, is skipped; its
         worker leaves the candidate set and is restarted in the background, after any
         reshape it takes part in has finished."""
-        coord = self.coord
-        if coord.stopping or coord.ranks is None:
+        if self.health.stopping or self.ranks() is None:
             return
         worker = self.worker_of_rank(rank)
         if worker is None:
@@ -66,49 +89,48 @@ class Recovery:
             return
         first_failure = not (set(worker.devices) & self.dead_ranks)
         self._mark_dead(fresh, WorkerLost(f"worker {worker.worker_id} failed: {reason}"))
-        coord.apply(coord.policy.outages.failed(worker.worker_id, coord.clock()))
+        self.apply(self.policy.outages.failed(worker.worker_id, self.clock()))
         # Its KV is going: the hand-offs it holds end (a pull answers 410, moved), and
         # a reshape it drains for no longer waits for them.
-        coord.handoffs.cut(worker.worker_id, "moved")
+        self.handoffs.cut(worker.worker_id, "moved")
         log.error("worker_failed", worker=worker.worker_id, ranks=sorted(fresh), reason=reason)
         if first_failure:
-            coord.spawn(self._recover(rank, reason))
+            self.spawn(self._recover(rank, reason))
 
     def hosts_back(self, ranks: Sequence[int]) -> None:
         """The agent of ``ranks`` is back: restart the failed workers among them now
         (not at their next retry)."""
         back = set(ranks)
-        for w in list(self.coord.policy.lattice.workers.values()):
+        for w in list(self.policy.lattice.workers.values()):
             if back & set(w.devices) and (
                 set(w.devices) & self.dead_ranks or w.state is WorkerState.UNAVAILABLE
             ):
-                self.coord.spawn(self._recover(w.devices[0], "its host is back"))
+                self.spawn(self._recover(w.devices[0], "its host is back"))
 
     def new_workers_up(self, workers: Sequence[int]) -> None:
         """A reshape's new workers serve: one with a dead rank leaves at once, and is
         restarted (a split may have put the dead ranks of one old worker into two new
         ones; a restart already under way for it makes this one a no-op)."""
-        coord = self.coord
         for w in workers:
-            lw = coord.policy.lattice.workers.get(w)
+            lw = self.policy.lattice.workers.get(w)
             dead = set(lw.devices) & self.dead_ranks if lw is not None else set()
             if lw is not None and dead:
-                coord.apply(coord.policy.outages.failed(w, coord.clock()))
-                coord.spawn(self._recover(min(dead), f"worker {w} has failed ranks {sorted(dead)}"))
+                self.apply(self.policy.outages.failed(w, self.clock()))
+                self.spawn(self._recover(min(dead), f"worker {w} has failed ranks {sorted(dead)}"))
 
     def _mark_dead(self, ranks: set[int], lost: WorkerLost) -> None:
         """Kill ``ranks`` (a hung rank is dead from now on) and release what waits on
         them."""
-        pool = self.coord.ranks
+        pool = self.ranks()
         assert pool is not None
         self.dead_ranks |= ranks
         for r in ranks:
             pool.kill(r)
-        self.coord.link.mark_dead(ranks, lost)
+        self.link.mark_dead(ranks, lost)
 
     def _in_reshape(self, rank: int) -> bool:
-        lattice = self.coord.policy.lattice
-        for transition in self.coord.policy.transitions:
+        lattice = self.policy.lattice
+        for transition in self.policy.transitions:
             for w in (*transition.op.sources, *transition.new_workers):
                 lw = lattice.workers.get(w)
                 if lw is not None and rank in lw.devices:
@@ -118,11 +140,10 @@ class Recovery:
     async def _recover(self, rank: int, reason: str, attempt: int = 1) -> None:
         """Take the failed worker of ``rank`` out, hand its work on, restart its ranks
         and let it rejoin with an empty cache (see the module docstring)."""
-        coord = self.coord
-        policy, pool, link = coord.policy, coord.ranks, coord.link
+        policy, pool, link = self.policy, self.ranks(), self.link
         assert pool is not None
         loop = asyncio.get_running_loop()
-        started = coord.clock()
+        started = self.clock()
         worker_id: int | None = None
         ranks: tuple[int, ...] = (rank,)
         retrying = False
@@ -131,9 +152,9 @@ class Recovery:
                 # A reshape it takes part in ends first: its drain ends with the failed
                 # prefill, its switch skips the dead rank; and it is bounded (rolled
                 # back or finished at [server] reshape_timeout_s), so this wait is too.
-                bound_s = coord.cfg.reshape_timeout_s + coord.cfg.engine.rank_timeout_s
-                deadline = coord.clock() + bound_s
-                while self._in_reshape(rank) and coord.clock() < deadline:
+                bound_s = self.cfg.reshape_timeout_s + self.cfg.engine.rank_timeout_s
+                deadline = self.clock() + bound_s
+                while self._in_reshape(rank) and self.clock() < deadline:
                     await asyncio.sleep(0.02)
                 if self._in_reshape(rank):
                     log.error("recovery_past_reshape", rank=rank, waited_s=bound_s)
@@ -145,7 +166,7 @@ class Recovery:
                 self._recovering.add(worker_id)
                 # The whole worker restarts: its other ranks too; its cache is gone.
                 self._mark_dead(set(ranks), WorkerLost(f"worker {worker_id} failed: {reason}"))
-                coord.apply(policy.outages.reset(worker_id, coord.clock()))
+                self.apply(policy.outages.reset(worker_id, self.clock()))
                 link.unwatch(ranks)
                 rebuild = await loop.run_in_executor(None, pool.restart, ranks)
                 token = next(self._tokens)
@@ -156,24 +177,24 @@ class Recovery:
                     mine = tuple((g, gen) for g, gen in rebuild if r in g)
                     waits.append(link.expect_groups(r, token))
                     pool.send(r, RebuildGroups(token, mine))
-                await asyncio.wait_for(asyncio.gather(*waits), coord.cfg.engine.rank_timeout_s)
+                await asyncio.wait_for(asyncio.gather(*waits), self.cfg.engine.rank_timeout_s)
                 self.dead_ranks -= set(ranks)
-                coord.apply(policy.outages.restored(worker_id, coord.clock()))
-                if coord.rank_error and coord.rank_error.startswith(
+                self.apply(policy.outages.restored(worker_id, self.clock()))
+                if self.health.failure and self.health.failure.startswith(
                     f"worker {worker_id} could not"
                 ):
-                    coord.rank_error = None  # (it gave up before its host came back)
-                coord.metrics.restarted()
+                    self.health.failure = None  # (it gave up before its host came back)
+                self.metrics.restarted()
                 log.info(
                     "worker_rejoined",
                     worker=worker_id,
                     ranks=list(ranks),
                     attempt=attempt,
-                    seconds=round(coord.clock() - started, 3),
+                    seconds=round(self.clock() - started, 3),
                 )
         except Exception as exc:
             link.unwatch(ranks)  # the processes that failed to start: no crash loop
-            retrying = attempt < coord.cfg.max_restart_attempts and not coord.stopping
+            retrying = attempt < self.cfg.max_restart_attempts and not self.health.stopping
             delay = min(30.0, 2.0**attempt)
             log.error(
                 "worker_restart_failed",
@@ -183,18 +204,16 @@ class Recovery:
                 retry_in_s=delay if retrying else None,
             )
             if retrying:
-                loop.call_later(
-                    delay, lambda: coord.spawn(self._recover(rank, reason, attempt + 1))
-                )
+                loop.call_later(delay, lambda: self.spawn(self._recover(rank, reason, attempt + 1)))
             else:
-                coord.rank_error = (
+                self.health.failure = (
                     f"worker {worker_id} could not be restarted in {attempt} attempts: {exc}"
                 )
                 self.dead_ranks -= set(ranks)
                 if worker_id is not None:
-                    coord.apply(policy.outages.abandoned(worker_id, coord.clock()))
+                    self.apply(policy.outages.abandoned(worker_id, self.clock()))
         finally:
             if worker_id is not None:
                 self._recovering.discard(worker_id)
-                coord.requests.wake(worker_id)
+                self.rejoined(worker_id)
             link.forget_restart(ranks)

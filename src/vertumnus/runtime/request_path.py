@@ -18,23 +18,26 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
 from vertumnus.blocks import block_ids
 from vertumnus.engine.messages import PrefillCommand, PrefillDone
 from vertumnus.policy.placement.scheduler import PlacementRequest
-from vertumnus.policy.pool_results import Finished, Started
-from vertumnus.runtime.lease import Lease, export_range
+from vertumnus.policy.pool_policy import PoolPolicy
+from vertumnus.policy.pool_results import Actions, Finished, Started
+from vertumnus.runtime.health import Health
+from vertumnus.runtime.kv.handoffs import Handoffs
+from vertumnus.runtime.kv.leases import Lease, export_range
+from vertumnus.runtime.metrics import Metrics
 from vertumnus.runtime.prefill import prefill_command
-from vertumnus.runtime.rank_link import WorkerLost
-from vertumnus.runtime.ranks import RanksError
-
-if TYPE_CHECKING:
-    from vertumnus.runtime.coordinator import Coordinator
+from vertumnus.runtime.rank_link import RankLink, WorkerLost
+from vertumnus.runtime.ranks import Ranks, RanksError
+from vertumnus.runtime.recovery import Recovery
+from vertumnus.runtime.serve_config import ServeConfig
 
 log = structlog.get_logger("vertumnus")
 
@@ -81,8 +84,26 @@ class _Request:
 
 
 class RequestPath:
-    def __init__(self, coord: Coordinator) -> None:
-        self.coord = coord
+    def __init__(
+        self,
+        *,
+        cfg: ServeConfig,
+        policy: PoolPolicy,
+        metrics: Metrics,
+        link: RankLink,
+        handoffs: Handoffs,
+        recovery: Recovery,
+        health: Health,
+        predict: Callable[[int, int, int], float],
+        ranks: Callable[[], Ranks | None],
+        clock: Callable[[], float],
+        apply: Callable[[Actions], None],
+    ) -> None:
+        """``predict``: the profile's ``E_C(R, P)`` (for the SLO of an answer);
+        ``ranks``: the ranks once started; ``apply``: does what the policy returns."""
+        self.cfg, self.policy, self.metrics = cfg, policy, metrics
+        self.link, self.handoffs, self.recovery, self.health = link, handoffs, recovery, health
+        self.predict, self.ranks, self.clock, self.apply = predict, ranks, clock, apply
         self.open: dict[int, _Request] = {}
         self._ids = itertools.count(1)
         self._wake: dict[int, asyncio.Event] = {}
@@ -91,31 +112,30 @@ class RequestPath:
         self._next: dict[int, Started] = {}  # started by ``wake``, to run next
 
     async def prefill(self, tokens: Sequence[int], handoff: bool = False) -> PrefillResult:
-        """``handoff``: keep the prompt's KV under a lease (``runtime/handoff.py``)."""
-        coord = self.coord
-        if not coord.ready:
-            raise Unavailable(coord.rank_error or "the server is not ready")
-        if len(self.open) >= coord.cfg.max_queued:
+        """``handoff``: keep the prompt's KV under a lease (``runtime/kv/handoffs.py``)."""
+        if not self.health.ready:
+            raise Unavailable(self.health.failure or "the server is not ready")
+        if len(self.open) >= self.cfg.max_queued:
             raise Overloaded(f"{len(self.open)} requests in the pool")
-        if handoff and coord.handoffs.full():
-            raise Overloaded(f"{len(coord.handoffs.leases)} KV hand-offs wait to be pulled")
+        if handoff and self.handoffs.full():
+            raise Overloaded(f"{len(self.handoffs.leases)} KV hand-offs wait to be pulled")
         loop = asyncio.get_running_loop()
         rid = next(self._ids)
-        now = coord.clock()
+        now = self.clock()
         req = _Request(rid, list(tokens), now, loop.create_future(), handoff=handoff)
         self.open[rid] = req
-        ids = tuple(block_ids(tokens, coord.cfg.engine.block_size))
-        timeout_s = coord.cfg.request_timeout_s
+        ids = tuple(block_ids(tokens, self.cfg.engine.block_size))
+        timeout_s = self.cfg.request_timeout_s
         try:
-            coord.metrics.timeline.arrived(now)
-            coord.apply(coord.policy.arrive(PlacementRequest(rid, len(tokens), ids), now))
+            self.metrics.timeline.arrived(now)
+            self.apply(self.policy.arrive(PlacementRequest(rid, len(tokens), ids), now))
             return await asyncio.wait_for(asyncio.shield(req.future), timeout_s)
         except TimeoutError:
             limit = f"[server] request_timeout_s = {timeout_s:g} s"
             raise Unavailable(f"request {rid} was not answered within {limit}") from None
         finally:
             self.open.pop(rid, None)
-            coord.policy.abandon(rid, coord.clock())  # (nothing if answered)
+            self.policy.abandon(rid, self.clock())  # (nothing if answered)
             if req.future.done() and not req.future.cancelled():
                 req.future.exception()  # (retrieved: an answer nobody waits for is no bug)
 
@@ -152,7 +172,7 @@ class RequestPath:
             # An idle worker starts now, as in the simulator: what a start does to the
             # caches (the evictions its slots cause, reported at once) must come before
             # the placement of a request that arrives at the same moment.
-            started = self.coord.policy.start(worker_id, self.coord.clock())
+            started = self.policy.start(worker_id, self.clock())
             if started is not None:
                 self._next[worker_id] = started
         wake.set()
@@ -166,7 +186,7 @@ class RequestPath:
         A bug in one step is contained (``_contain``): that request is answered with
         an error, the policy's record of the step is closed, and the loop goes on."""
         wake = self._wake[worker_id]
-        policy = self.coord.policy
+        policy = self.policy
         while True:
             self._idle.add(worker_id)
             try:
@@ -178,7 +198,7 @@ class RequestPath:
             try:
                 while True:
                     if started is None:
-                        started = policy.start(worker_id, self.coord.clock())
+                        started = policy.start(worker_id, self.clock())
                         if started is None:
                             break
                     await self._run_one(started)
@@ -194,38 +214,36 @@ class RequestPath:
         """An unexpected exception in a worker's step: logged with its traceback and
         counted; a prefill the policy still runs for the request ends as failed; the
         request is answered once, with an error that names the bug."""
-        coord = self.coord
         rid = None if started is None else started.request_id
         fields = {"worker": worker_id, "request_id": rid}
-        coord.metrics.bug("worker_step", "worker_step_failed", exc, **fields)
+        self.metrics.bug("worker_step", "worker_step_failed", exc, **fields)
         if started is None:
             return
-        running = coord.policy.running(worker_id)
+        running = self.policy.running(worker_id)
         if running is not None and running.request_id == rid:
-            coord.apply(coord.policy.finish(worker_id, coord.clock(), ok=False).actions)
-        coord.policy.drop(started.request_id)
+            self.apply(self.policy.finish(worker_id, self.clock(), ok=False).actions)
+        self.policy.drop(started.request_id)
         req = self.open.get(started.request_id)
         if req is not None and not req.future.done():
             req.future.set_exception(InternalError(f"request {rid} failed: {exc!r}"))
 
     async def _run_one(self, started: Started) -> None:
-        coord = self.coord
-        policy, pool = coord.policy, coord.ranks
+        policy, pool = self.policy, self.ranks()
         assert pool is not None
         rid, worker_id = started.request_id, started.worker_id
-        start = coord.clock()
+        start = self.clock()
         req = self.open.get(rid)
         if req is None:  # (answered already: nothing to compute)
-            coord.apply(policy.finish(worker_id, start, ok=False).actions)
+            self.apply(policy.finish(worker_id, start, ok=False).actions)
             policy.drop(rid)
             return
         req.attempts += 1
         ranks = tuple(started.devices)
-        block = coord.cfg.engine.block_size
+        block = self.cfg.engine.block_size
         export = export_range(started.lease, len(req.tokens), block) if req.handoff else None
         cmd = prefill_command(started.lease, req.tokens, block, rid, ranks, export=export)
-        answers = coord.link.expect_prefill(rid, ranks)
-        dead = sorted(set(ranks) & coord.recovery.dead_ranks)
+        answers = self.link.expect_prefill(rid, ranks)
+        dead = sorted(set(ranks) & self.recovery.dead_ranks)
         if dead:  # (failed since the start: no answer will come)
             answers.set_exception(WorkerLost(f"worker {worker_id} failed: ranks {dead} are down"))
         else:
@@ -234,21 +252,21 @@ class RequestPath:
         failure: Exception | None = None
         done: dict[int, PrefillDone] = {}
         try:
-            done = await asyncio.wait_for(asyncio.shield(answers), coord.cfg.step_timeout_s)
+            done = await asyncio.wait_for(asyncio.shield(answers), self.cfg.step_timeout_s)
         except TimeoutError:
             # A hung rank: take the worker down (its ranks are killed and restarted)
             # and place the request again.
-            coord.recovery.rank_down(
+            self.recovery.rank_down(
                 ranks[0],
-                f"no answer within step_timeout_s = {coord.cfg.step_timeout_s} s",
+                f"no answer within step_timeout_s = {self.cfg.step_timeout_s} s",
                 whole_worker=True,
             )
             failure = WorkerLost(f"worker {worker_id} timed out")
         except (WorkerLost, RanksError) as exc:
             failure = exc
         finally:
-            coord.link.forget_prefill(rid)
-        end = coord.clock()
+            self.link.forget_prefill(rid)
+        end = self.clock()
         if failure is not None:
             self._failed(started, req, failure, end)
             return
@@ -263,7 +281,7 @@ class RequestPath:
                 return
             self._answer(started, req, cmd, done, finished, start, end)
         finally:
-            coord.apply(finished.actions)
+            self.apply(finished.actions)
 
     def _answer(
         self,
@@ -277,7 +295,6 @@ class RequestPath:
     ) -> None:
         """The prefill's answer (with its lease, for a hand-off), once; a lease that
         cannot be opened gives its hold back and the request an error."""
-        coord = self.coord
         rid, worker_id, ranks = req.request_id, started.worker_id, tuple(started.devices)
         logits = done[ranks[0]].logits
         lease = None
@@ -285,10 +302,10 @@ class RequestPath:
             assert logits is not None, "CP rank 0 answered no logits"
             if finished.hold is not None:
                 rows = done[ranks[0]].exported
-                lease = coord.handoffs.open(finished.hold, ranks[0], len(req.tokens), rows)
+                lease = self.handoffs.open(finished.hold, ranks[0], len(req.tokens), rows)
         except Exception as exc:
             if finished.hold is not None:
-                coord.apply(coord.policy.release_hold(finished.hold, end))
+                self.apply(self.policy.release_hold(finished.hold, end))
             raise InternalError(f"request {rid}: its hand-off could not open: {exc!r}") from exc
         compute_s = max(d.compute_s for d in done.values())
         result = PrefillResult(
@@ -305,9 +322,9 @@ class RequestPath:
             logits=logits[-1],
             handoff=lease,
         )
-        coord.metrics.request(result)
-        tau_s = coord.cfg.slo.tau_s(len(req.tokens), coord.profile.predict, coord.cfg.degrees)
-        coord.metrics.timeline.finished(
+        self.metrics.request(result)
+        tau_s = self.cfg.slo.tau_s(len(req.tokens), self.predict, self.cfg.degrees)
+        self.metrics.timeline.finished(
             end, result.ttft_s, tau_s, len(req.tokens), result.cached_tokens
         )
         log.info(
@@ -324,7 +341,7 @@ class RequestPath:
         if not req.future.done():
             req.future.set_result(result)
         elif lease is not None:  # (nobody waits for it any more)
-            coord.handoffs.end(lease.handle, "released")
+            self.handoffs.end(lease.handle, "released")
 
     def _failed(
         self, started: Started, req: _Request, error: Exception, now: float, finish: bool = True
@@ -332,19 +349,19 @@ class RequestPath:
         """The prefill failed: placed again while attempts remain and its worker was
         lost, else answered with the error. ``finish``: the policy has not been told
         yet."""
-        coord, policy = self.coord, self.coord.policy
+        policy = self.policy
         worker_id = started.worker_id
         if isinstance(error, RanksError):  # the worker's group is out of step now
-            coord.recovery.rank_down(
+            self.recovery.rank_down(
                 started.first_device, f"prefill failed: {error}", whole_worker=True
             )
         if finish:
-            coord.apply(policy.finish(worker_id, now, ok=False).actions)
-        lost = isinstance(error, WorkerLost | RanksError) or coord.recovery.recovering(worker_id)
+            self.apply(policy.finish(worker_id, now, ok=False).actions)
+        lost = isinstance(error, WorkerLost | RanksError) or self.recovery.recovering(worker_id)
         wanted = req.request_id in self.open and not req.future.done()  # (not timed out)
         if lost and req.attempts < MAX_ATTEMPTS and wanted:
             log.warning("replaced", request_id=req.request_id, worker=worker_id, error=str(error))
-            coord.apply(policy.replace(req.request_id, now))
+            self.apply(policy.replace(req.request_id, now))
             return
         policy.drop(req.request_id)
         if wanted:

@@ -25,18 +25,23 @@ not acknowledged. Either is logged and counted
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import structlog
 
 from vertumnus.engine.messages import SwitchEpoch
-from vertumnus.policy.lattice import Reshape
-from vertumnus.policy.pool_results import Switch
+from vertumnus.policy.lattice import Reshape, WorkerState
+from vertumnus.policy.pool_policy import PoolPolicy
+from vertumnus.policy.pool_results import Actions, Switch
 from vertumnus.policy.transition import Phase, Transition
-
-if TYPE_CHECKING:
-    from vertumnus.runtime.coordinator import Coordinator
+from vertumnus.runtime.health import Health
+from vertumnus.runtime.kv.handoffs import Handoffs
+from vertumnus.runtime.metrics import Metrics
+from vertumnus.runtime.rank_link import RankLink
+from vertumnus.runtime.ranks import Ranks
+from vertumnus.runtime.recovery import Recovery
+from vertumnus.runtime.serve_config import ServeConfig
 
 log = structlog.get_logger("vertumnus")
 
@@ -46,8 +51,26 @@ class ReshapeFailed(RuntimeError):
 
 
 class Reshaping:
-    def __init__(self, coord: Coordinator) -> None:
-        self.coord = coord
+    def __init__(
+        self,
+        *,
+        cfg: ServeConfig,
+        policy: PoolPolicy,
+        metrics: Metrics,
+        link: RankLink,
+        handoffs: Handoffs,
+        recovery: Recovery,
+        health: Health,
+        ranks: Callable[[], Ranks | None],
+        clock: Callable[[], float],
+        apply: Callable[[Actions], None],
+        save: Callable[[], None],
+    ) -> None:
+        """``ranks``: the ranks once started; ``apply``: does what the policy returns;
+        ``save``: keeps the composition for the next start (``[pool] state_file``)."""
+        self.cfg, self.policy, self.metrics = cfg, policy, metrics
+        self.link, self.handoffs, self.recovery, self.health = link, handoffs, recovery, health
+        self.ranks, self.clock, self.apply, self.save = ranks, clock, apply, save
         self._waits: dict[int, asyncio.Future[Transition]] = {}  # id(transition) -> done
         self._bounds: dict[int, asyncio.TimerHandle] = {}  # id(transition) -> its bound
 
@@ -55,42 +78,39 @@ class Reshaping:
         """Drain ``op``'s workers now; the future resolves when the new workers serve
         (LatticeError if the lattice cannot run ``op`` now; ReshapeFailed if it was
         rolled back)."""
-        coord = self.coord
-        transition, actions = coord.policy.begin_reshape(op, coord.clock())
+        transition, actions = self.policy.begin_reshape(op, self.clock())
         done = asyncio.get_running_loop().create_future()
         self._waits[id(transition)] = done
         ops = [{"kind": op.kind, "sources": list(op.sources), "degree": op.target_degree}]
         self.begun(transition, {"rule": "operator", "ops": ops}, len(actions.placed))
-        coord.apply(actions)
+        self.apply(actions)
         return done
 
     def begun(self, transition: Transition, decision: dict[str, Any], requeued: int) -> None:
         """A reshape began (the controller's or an operator's): logged, on the
         timeline, its bound set, and the leases on its workers given their wait."""
-        coord, op = self.coord, transition.op
+        op = transition.op
         log.info("reshape_begin", kind=op.kind, sources=list(op.sources), requeued=requeued)
-        coord.metrics.timeline.reshaped(coord.clock(), op.kind, decision)
-        coord.handoffs.wait_for_pulls(op.sources)
+        self.metrics.timeline.reshaped(self.clock(), op.kind, decision)
+        self.handoffs.wait_for_pulls(op.sources)
         loop = asyncio.get_running_loop()
         self._bounds[id(transition)] = loop.call_later(
-            coord.cfg.reshape_timeout_s, self._overdue, transition
+            self.cfg.reshape_timeout_s, self._overdue, transition
         )
 
     def choose(self, op_name: str, workers: Sequence[int] | None) -> Reshape:
         """The admin endpoint's request as a lattice operation (or the least loaded
         option when ``workers`` is empty); LatticeError when it cannot be done."""
-        return self.coord.policy.choose_reshape(op_name, workers, self.coord.clock())
+        return self.policy.choose_reshape(op_name, workers, self.clock())
 
     def overdue(self) -> list[Transition]:
         """Reshapes under way past ``reshape_timeout_s`` (none, but for a moment, while
         the bound does its work)."""
-        coord = self.coord
-        limit = coord.clock() - coord.cfg.reshape_timeout_s
-        return [t for t in coord.policy.transitions if t.started_s < limit]
+        limit = self.clock() - self.cfg.reshape_timeout_s
+        return [t for t in self.policy.transitions if t.started_s < limit]
 
     async def run_switch(self, switch: Switch) -> None:
-        coord = self.coord
-        pool, link = coord.ranks, coord.link
+        pool, link = self.ranks(), self.link
         assert pool is not None
         transition, epoch = switch.transition, switch.epoch
         devices = dict(switch.workers)
@@ -102,22 +122,22 @@ class Reshaping:
         try:
             # A hand-off pull may be streaming blocks straight from these ranks' stores:
             # once switched, their slots may be written for the new workers.
-            await coord.handoffs.settle({r for _, _, r in owed})
+            await self.handoffs.settle({r for _, _, r in owed})
             acks = []
             for worker_id, _, r in owed:
                 ack = link.expect_ack(r, epoch)
-                if r in coord.recovery.dead_ranks:
+                if r in self.recovery.dead_ranks:
                     ack.set_result(None)  # restarted after this switch, all groups new
                 else:
                     pool.send(r, SwitchEpoch(epoch, devices[worker_id]))
                 acks.append(ack)
             for (worker_id, cp_rank, r), ack in zip(list(owed), acks, strict=True):
                 try:
-                    await asyncio.wait_for(asyncio.shield(ack), coord.cfg.engine.rank_timeout_s)
+                    await asyncio.wait_for(asyncio.shield(ack), self.cfg.engine.rank_timeout_s)
                 except TimeoutError:
-                    coord.recovery.rank_down(r, f"no EpochAck for epoch {epoch}")
+                    self.recovery.rank_down(r, f"no EpochAck for epoch {epoch}")
                 owed.remove((worker_id, cp_rank, r))
-                coord.apply(coord.policy.acknowledge(transition, worker_id, cp_rank, coord.clock()))
+                self.apply(self.policy.acknowledge(transition, worker_id, cp_rank, self.clock()))
             log.info(
                 "reshape_done",
                 kind=transition.op.kind,
@@ -128,10 +148,10 @@ class Reshaping:
                 switch_s=transition.switch_s,
                 adopted_blocks=switch.adopted_blocks,
                 reserved_blocks=switch.reserved_blocks,
-                composition=coord.composition_name(),
+                composition=self.composition_name(),
             )
         except Exception as exc:  # the pool failed, or a bug: the switch finishes anyway
-            coord.metrics.bug("reshape", "reshape_step_failed", exc, epoch=epoch)
+            self.metrics.bug("reshape", "reshape_step_failed", exc, epoch=epoch)
             self._finish(transition, owed, f"the switch to epoch {epoch} failed: {exc!r}")
         finally:
             link.forget_acks(epoch)
@@ -140,13 +160,12 @@ class Reshaping:
         """Finish a committed switch whose ``owed`` acknowledgements will not come:
         their ranks are taken down (their workers restart once it is done), and the
         policy is told they acknowledged."""
-        coord = self.coord
         for _, _, r in owed:
-            coord.recovery.rank_down(r, why)
+            self.recovery.rank_down(r, why)
         for worker_id, cp_rank, r in list(owed):
             owed.remove((worker_id, cp_rank, r))
             if transition.phase is Phase.ACTIVATING:
-                coord.apply(coord.policy.acknowledge(transition, worker_id, cp_rank, coord.clock()))
+                self.apply(self.policy.acknowledge(transition, worker_id, cp_rank, self.clock()))
 
     def _overdue(self, transition: Transition) -> None:
         """The bound of a reshape passed: roll it back before its commit, or finish it
@@ -154,20 +173,19 @@ class Reshaping:
         try:
             self._end_overdue(transition)
         except Exception as exc:  # a bug: logged with its traceback, counted
-            self.coord.metrics.bug("reshape", "reshape_step_failed", exc, step="bound")
+            self.metrics.bug("reshape", "reshape_step_failed", exc, step="bound")
 
     def _end_overdue(self, transition: Transition) -> None:
-        coord = self.coord
         self._bounds.pop(id(transition), None)
-        if transition not in coord.policy.transitions or coord.stopping:
+        if transition not in self.policy.transitions or self.health.stopping:
             return
-        op, now = transition.op, coord.clock()
+        op, now = transition.op, self.clock()
         waited_s = round(now - transition.started_s, 3)
         if transition.phase in (Phase.DRAINING, Phase.SWITCHING):
             busy = {
                 s: {
-                    "running": coord.policy.running(s) is not None,
-                    "holds": len(coord.policy.holds.of(s)),
+                    "running": self.policy.running(s) is not None,
+                    "holds": len(self.policy.holds.of(s)),
                 }
                 for s in op.sources
             }
@@ -179,8 +197,8 @@ class Reshaping:
                 waited_s=waited_s,
                 participants=busy,
             )
-            coord.metrics.reshape_overdue("rolled_back")
-            coord.apply(coord.policy.abort_reshape(transition, now))
+            self.metrics.reshape_overdue("rolled_back")
+            self.apply(self.policy.abort_reshape(transition, now))
             done = self._waits.pop(id(transition), None)
             if done is not None and not done.done():
                 done.set_exception(
@@ -193,13 +211,16 @@ class Reshaping:
         owed = [
             (w, cp_rank, r)
             for w, acked in transition.acks.items()
-            for cp_rank, r in enumerate(coord.policy.lattice.workers[w].devices)
+            for cp_rank, r in enumerate(self.policy.lattice.workers[w].devices)
             if cp_rank not in acked
         ]
-        log.error("reshape_forced", kind=op.kind, epoch=coord.lattice.epoch, owed=len(owed))
-        coord.metrics.reshape_overdue("forced")
+        log.error("reshape_forced", kind=op.kind, epoch=self.policy.lattice.epoch, owed=len(owed))
+        self.metrics.reshape_overdue("forced")
         for _, _, r in owed:  # their acknowledgements are skipped: run_switch goes on
-            coord.recovery.rank_down(r, f"no EpochAck after {waited_s} s")
+            self.recovery.rank_down(r, f"no EpochAck after {waited_s} s")
+
+    def composition_name(self) -> str:
+        return self.policy.composition_name((WorkerState.ACTIVE,))
 
     def close(self) -> None:
         """The server stops: no bound fires any more."""
@@ -210,13 +231,12 @@ class Reshaping:
     def activated(self, transition: Transition) -> None:
         """Every rank acknowledged: the new workers serve, and the composition is
         kept for the next start (``[pool] state_file``)."""
-        coord = self.coord
         bound = self._bounds.pop(id(transition), None)
         if bound is not None:
             bound.cancel()
-        coord.metrics.reshape(transition)
-        coord.recovery.new_workers_up(transition.new_workers)
-        coord.save_composition()
+        self.metrics.reshape(transition)
+        self.recovery.new_workers_up(transition.new_workers)
+        self.save()
         done = self._waits.pop(id(transition), None)
         if done is not None and not done.done():
             done.set_result(transition)

@@ -70,7 +70,7 @@ class ClusterConfig:
     (``HOST:PORT``; port 0: a free one), each running the ranks of one host. Every
     host must run the same number of ranks (``devices_per_host``, learned from the
     agents). The secret (``$VERTUMNUS_CLUSTER_SECRET`` or ``secret``, at least 16
-    characters) signs and encrypts the control channel (``runtime/control.py``)."""
+    characters) signs and encrypts the control channel (``runtime/cluster/channel.py``)."""
 
     listen: str = "0.0.0.0:7700"
     hosts: int = 1

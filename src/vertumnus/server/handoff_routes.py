@@ -94,7 +94,7 @@ def _gone(exc: HandoffError) -> web.Response:
 
 
 class SocketSink:
-    """A pull's response body, written to its socket directly (``runtime/handoff.py``
+    """A pull's response body, written to its socket directly (``runtime/kv/handoffs.py``
     ``Sink``). After the first write (which sends the HTTP head with it), buffers go
     to the transport as they are, many at once (uvloop writes them with one
     ``writev``): the KV store's runs leave the process with no copy here. Flow

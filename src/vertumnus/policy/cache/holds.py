@@ -14,7 +14,7 @@ worker's state machine, not a side table of the driver's:
 
 Invariant: every hold's pin is on its worker's current index, or the hold was
 dropped with that index. Pure Python, clock-free. Not owned here: the lease, its
-handle, its deadline and the bytes of the pull (the driver's ``runtime/handoff.py``).
+handle, its deadline and the bytes of the pull (the driver's ``runtime/kv/handoffs.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a KV hand-off is, on the prefill side: a lease on a prompt's KV, the rows
 its prefill exports, and where a pull's stream goes (``Sink``); its errors are
 ``kv_wire.HandoffError``. The
-leases themselves, their ends and their pulls are ``runtime/handoff.py``'s."""
+leases themselves, their ends and their pulls are ``runtime/kv/handoffs.py``'s."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The coordinator's end of the control channel: its socket, its I/O thread, and
 the registry of node agents.
 
-Owns the ROUTER socket (``runtime/control.py``) and the one thread that touches it;
+Owns the ROUTER socket (``runtime/cluster/channel.py``) and the one thread that touches it;
 which agents have joined, under which names, with which global ranks; their
 heartbeats; and their loss and return. It tells its owner (``ClusterRanks``, through
 ``HubEvents``) what concerns ranks: answers, spawns, exits, lost and returning
@@ -24,8 +24,8 @@ from typing import Any, Protocol
 import structlog
 import zmq
 
-from vertumnus.runtime import control
-from vertumnus.runtime.control import (
+from vertumnus.runtime.cluster import channel
+from vertumnus.runtime.cluster.channel import (
     ControlError,
     FromRank,
     Heartbeat,
@@ -81,8 +81,8 @@ class AgentHub:
         self._lock = threading.Lock()  # the registry and the outbox socket
         self._joined = threading.Condition(self._lock)
         self._ctx: zmq.Context[Any] = zmq.Context()
-        self._router = control.server_socket(self._ctx, self._keys, cluster.listen)
-        self.port = control.bound_port(self._router)
+        self._router = channel.server_socket(self._ctx, self._keys, cluster.listen)
+        self.port = channel.bound_port(self._router)
         outbox_addr = f"inproc://vertumnus-outbox-{id(self)}"
         inbox = self._ctx.socket(zmq.PULL)
         inbox.setsockopt(zmq.RCVHWM, 0)
@@ -169,7 +169,7 @@ class AgentHub:
 
     def _post(self, agent: _Agent, msg: object, payload: bytes = b"") -> None:
         """Queue a message for the I/O thread (hold ``_lock``)."""
-        self._outbox.send_multipart([agent.peer, *control.encode(self._keys, msg, payload)])
+        self._outbox.send_multipart([agent.peer, *channel.encode(self._keys, msg, payload)])
 
     def _welcome(self, agent: _Agent) -> None:
         assert agent.first_rank is not None
@@ -179,7 +179,7 @@ class AgentHub:
         )
 
     def _io(self, inbox: zmq.Socket[Any]) -> None:
-        drops = control.monitor(self._router)
+        drops = channel.monitor(self._router)
         poller = zmq.Poller()
         for sock in (self._router, inbox, drops):
             poller.register(sock, zmq.POLLIN)
@@ -193,7 +193,7 @@ class AgentHub:
                             if sock is inbox:
                                 self._deliver(inbox.recv_multipart(zmq.NOBLOCK))
                             elif sock is drops:
-                                self._dropped(control.disconnected_fd(drops))
+                                self._dropped(channel.disconnected_fd(drops))
                             else:
                                 parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                                 self._receive([p.bytes for p in parts], parts[0].get(zmq.SRCFD))
@@ -256,7 +256,7 @@ class AgentHub:
 
     def _receive(self, frames: list[bytes], fd: int) -> None:
         try:
-            msg, payload = control.decode(self._keys, frames[1:])
+            msg, payload = channel.decode(self._keys, frames[1:])
         except ControlError as exc:
             log.warning("control_frame_dropped", error=str(exc))
             return
@@ -279,8 +279,8 @@ class AgentHub:
                 log.warning("control_unexpected", message=type(msg).__name__)
 
     def _refusal(self, hello: Hello, known: _Agent | None) -> str | None:
-        if hello.protocol != control.PROTOCOL:
-            return f"protocol {hello.protocol}; this coordinator speaks {control.PROTOCOL}"
+        if hello.protocol != channel.PROTOCOL:
+            return f"protocol {hello.protocol}; this coordinator speaks {channel.PROTOCOL}"
         if hello.devices < 1:
             return "an agent must run at least one rank"
         if known is None and len(self._agents) >= self.cluster.hosts:
@@ -301,7 +301,7 @@ class AgentHub:
             reason = self._refusal(hello, known)
             if reason is not None:
                 log.warning("agent_refused", agent=hello.name, reason=reason)
-                self._router.send_multipart([peer, *control.encode(self._keys, Refused(reason))])
+                self._router.send_multipart([peer, *channel.encode(self._keys, Refused(reason))])
                 return
             if known is None:
                 agent = _Agent(hello.name, peer, hello.devices, hello.device, fd)

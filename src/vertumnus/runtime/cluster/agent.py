@@ -1,7 +1,7 @@
 """The node agent of one host of a multi-host pool (``python -m vertumnus agent``).
 
 Owns that host's rank processes: it connects to the coordinator
-(``runtime/control.py``), says what the host has (``Hello``), and then starts,
+(``runtime/cluster/channel.py``), says what the host has (``Hello``), and then starts,
 restarts and kills its ranks when told, forwards the coordinator's commands to them
 and their answers back, and reports a rank that exits. The ranks' command and answer
 pipes stay on this host; their collectives and KV copies go straight to other ranks
@@ -30,8 +30,8 @@ import structlog
 import zmq
 
 from vertumnus.engine.rank import RankSpec
-from vertumnus.runtime import control
-from vertumnus.runtime.control import (
+from vertumnus.runtime.cluster import channel
+from vertumnus.runtime.cluster.channel import (
     ControlError,
     FromRank,
     Heartbeat,
@@ -55,7 +55,7 @@ class Agent:
     def __init__(self, keys: Keys, address: str, name: str, devices: int, cuda: bool) -> None:
         self.keys, self.address, self.name, self.devices = keys, address, name, devices
         self.device = "cuda" if cuda else "cpu"
-        self.store_host = control.split_address(address)[0]
+        self.store_host = channel.split_address(address)[0]
         self.stop = threading.Event()
         self._ctx: zmq.Context[Any] = zmq.Context()
 
@@ -76,11 +76,11 @@ class Agent:
     def _session(self) -> str:
         ranks = LocalRanks()
         ranks.warm()  # before joining: a first rank start would block the heartbeat
-        sock = control.client_socket(self._ctx, self.keys, self.address)
+        sock = channel.client_socket(self._ctx, self.keys, self.address)
         incarnations: dict[int, int] = {}
         try:
             hello = Hello(self.name, self.devices, self.device, os.getpid())
-            sock.send_multipart(control.encode(self.keys, hello))
+            sock.send_multipart(channel.encode(self.keys, hello))
             log.info("agent_connecting", coordinator=self.address, name=self.name)
             welcome: Welcome | None = None
             poller = zmq.Poller()
@@ -99,7 +99,7 @@ class Agent:
                         except zmq.Again:
                             break
                         try:
-                            msg, payload = control.decode(self.keys, frames)
+                            msg, payload = channel.decode(self.keys, frames)
                         except ControlError as exc:
                             log.warning("control_frame_dropped", error=str(exc))
                             continue
@@ -169,7 +169,7 @@ class Agent:
             sock.close(linger=0)
 
     def _send(self, sock: zmq.Socket[Any], msg: object, payload: bytes = b"") -> None:
-        sock.send_multipart(control.encode(self.keys, msg, payload))
+        sock.send_multipart(channel.encode(self.keys, msg, payload))
 
     @staticmethod
     def _watch(poller: zmq.Poller, watched: dict[int, int], ranks: LocalRanks, rank: int) -> None:

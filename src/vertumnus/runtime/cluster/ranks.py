@@ -1,7 +1,7 @@
 """The coordinator's handle on ranks that run on several hosts, under node agents.
 
 Owns the ranks' side of a multi-host pool: the topology once the agents have
-gathered (``runtime/agent_hub.py``), the rank specs, starting and restarting ranks
+gathered (``runtime/cluster/hub.py``), the rank specs, starting and restarting ranks
 through their agents, and one local channel per remote rank. It has ``ChildRanks``'s
 interface (``start``, ``send``, ``channels``, ``restart``, ``kill``, ``pid``,
 ``close``), so the coordinator drives both alike: each rank's answers are written
@@ -27,8 +27,8 @@ from multiprocessing import Pipe
 from typing import Any
 
 from vertumnus.config import EngineConfig, ModelConfig
-from vertumnus.runtime.agent_hub import AgentHub
-from vertumnus.runtime.control import Kill, Spawn, ToRank
+from vertumnus.runtime.cluster.channel import Kill, Spawn, ToRank
+from vertumnus.runtime.cluster.hub import AgentHub
 from vertumnus.runtime.ranks import RanksCore, RanksError, poll_channels
 from vertumnus.runtime.serve_config import ClusterConfig
 

@@ -1,8 +1,8 @@
 """The control channel between the coordinator and its node agents (ZeroMQ).
 
 Owns the messages that cross it, their wire form, and the sockets' security. It
-does not own what either side does with a message (``runtime/cluster.py``: the
-coordinator's side; ``runtime/agent.py``: a host's).
+does not own what either side does with a message (``runtime/cluster/ranks.py``: the
+coordinator's side; ``runtime/cluster/agent.py``: a host's).
 
     agent  --Hello / Heartbeat / Spawned / FromRank / RankExited-->  coordinator
     coordinator  --Welcome / Refused / Heartbeat / Spawn / ToRank / Kill / Stop-->  agent

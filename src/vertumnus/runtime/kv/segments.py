@@ -2,7 +2,7 @@
 
 A rank on the CPU keeps its paged KV store (``engine/kv_store.py``) in a segment
 made here, so that the coordinator streams a hand-off's blocks straight from the
-rank's own memory (``runtime/handoff.py``): no command to the rank, no gather, no
+rank's own memory (``runtime/kv/handoffs.py``): no command to the rank, no gather, no
 copy in this process. The coordinator writes nothing into a store; the blocks it
 reads are pinned by their lease, so no prefill or KV copy writes them meanwhile,
 and a reshape waits for the pulls under way on its ranks before it switches.

@@ -22,11 +22,11 @@ first step, as vLLM's disaggregated decode does) under a *lease*:
 
 ``stream`` writes the wire format of ``kv_wire.py`` to a ``Sink`` (the
 route's socket). CPU ranks on this host keep their stores in shared memory that
-this process maps (``runtime/kv_segments.py``): their blocks leave straight from
+this process maps (``runtime/kv/segments.py``): their blocks leave straight from
 there, as whole blocks, one ``writev`` run per run of slots, with no command to
 the ranks and no copy; a switch waits for such pulls on its ranks (``settle``).
 Other ranks (GPUs, ranks under a node agent) are read a chunk ahead of the one
-written (``runtime/kv_reads.py``, ``KVRead``). The ended handles are
+written (``runtime/kv/reads.py``, ``KVRead``). The ended handles are
 remembered (a bounded number) so that a late pull gets 410 with the reason, and an
 unknown one 404. Nothing here chooses workers or touches the policy's decisions.
 """
@@ -51,9 +51,9 @@ from vertumnus.policy.cache.index import BlockLocation
 from vertumnus.policy.lattice import WorkerState
 from vertumnus.policy.pool_policy import PoolPolicy
 from vertumnus.policy.pool_results import Actions
-from vertumnus.runtime.kv_reads import CHUNK_BYTES, KVReads, bytes_of
-from vertumnus.runtime.kv_segments import store_runs
-from vertumnus.runtime.lease import Lease, Sink
+from vertumnus.runtime.kv.leases import Lease, Sink
+from vertumnus.runtime.kv.reads import CHUNK_BYTES, KVReads, bytes_of
+from vertumnus.runtime.kv.segments import store_runs
 from vertumnus.runtime.metrics import Metrics
 from vertumnus.runtime.ranks import ChildRanks, Ranks
 from vertumnus.runtime.serve_config import ServeConfig
@@ -249,10 +249,9 @@ class Handoffs:
     async def stream(self, lease: Lease, sink: Sink) -> int:
         """Write the lease's KV to ``sink`` as the wire format; the bytes written. The
         lease ends (pulled) once every byte left this process; a failure leaves it
-        open. Blocks of ranks whose store this process maps (``runtime/
-        kv_segments.py``) go straight from that store, whole blocks, a run per run
-        of slots; the others are read from their ranks (``KVRead``), a chunk
-        ahead."""
+        open. Blocks of ranks whose store this process maps (``kv/segments.py``) go
+        straight from that store, whole blocks, a run per run of slots; the others
+        are read from their ranks (``KVRead``), a chunk ahead."""
         started = time.perf_counter()
         lease.pulling = True
         done = asyncio.get_running_loop().create_future()

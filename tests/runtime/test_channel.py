@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from vertumnus.config import ConfigError
-from vertumnus.runtime import control
-from vertumnus.runtime.control import ControlError, FromRank, Hello, Keys, Spawn
+from vertumnus.runtime.cluster import channel
+from vertumnus.runtime.cluster.channel import ControlError, FromRank, Hello, Keys, Spawn
 from vertumnus.runtime.serve_config import ClusterConfig, load, load_cluster
 
 SECRET = "control-test-secret-0123"
@@ -23,43 +23,43 @@ def test_round_trip_keeps_type_fields_and_payload() -> None:
         (Spawn((0, 1, 2), (0, 1, 0)), b"\x80\x05spec"),
         (FromRank(3, 2), bytes(range(256)) * 10),
     ):
-        frames = control.encode(keys, msg, payload)
-        assert control.decode(keys, frames) == (msg, payload)
+        frames = channel.encode(keys, msg, payload)
+        assert channel.decode(keys, frames) == (msg, payload)
 
 
 def test_another_secret_or_an_altered_frame_is_refused() -> None:
     keys = Keys(SECRET)
-    frames = control.encode(keys, FromRank(1, 0), b"payload")
+    frames = channel.encode(keys, FromRank(1, 0), b"payload")
     with pytest.raises(ControlError, match="bad signature"):
-        control.decode(Keys(SECRET + "x"), frames)
+        channel.decode(Keys(SECRET + "x"), frames)
     for k in (1, 2):
         altered = list(frames)
         altered[k] = altered[k].replace(b"1", b"2").replace(b"payload", b"paylaod")
         with pytest.raises(ControlError, match="bad signature"):
-            control.decode(keys, altered)
+            channel.decode(keys, altered)
     with pytest.raises(ControlError, match="3 frames"):
-        control.decode(keys, frames[:2])
+        channel.decode(keys, frames[:2])
 
 
 def test_a_signed_but_unknown_message_is_refused() -> None:
     keys = Keys(SECRET)
     header = b'{"type": "Exec", "code": "rm"}'
-    mac = control._mac(keys, header, b"")
+    mac = channel._mac(keys, header, b"")
     with pytest.raises(ControlError, match="malformed"):
-        control.decode(keys, [mac, header, b""])
+        channel.decode(keys, [mac, header, b""])
     with pytest.raises(TypeError):
-        control.encode(keys, object())
+        channel.encode(keys, object())
 
 
 def test_secret_and_address_checks() -> None:
     with pytest.raises(ControlError, match="16 characters"):
         Keys("short")
     assert "secret" not in repr(Keys(SECRET)).lower().replace("<secret>", "")
-    assert control.split_address("10.0.0.1:7700") == ("10.0.0.1", 7700)
-    assert control.split_address("[::1]:7700") == ("::1", 7700)
+    assert channel.split_address("10.0.0.1:7700") == ("10.0.0.1", 7700)
+    assert channel.split_address("[::1]:7700") == ("::1", 7700)
     for bad in ("10.0.0.1", ":7700", "host:port", "host:70000"):
         with pytest.raises(ControlError, match="HOST:PORT"):
-            control.split_address(bad)
+            channel.split_address(bad)
 
 
 def test_cluster_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
