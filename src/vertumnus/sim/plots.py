@@ -13,7 +13,7 @@ from typing import Any
 
 from vertumnus.policy.control.rules import Decision
 from vertumnus.sim.config import SimConfig
-from vertumnus.sim.simulator import SimResult
+from vertumnus.sim.results import SimResult
 from vertumnus.stats import percentile
 
 
