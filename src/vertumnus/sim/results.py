@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vertumnus.policy.cache.audit import ScanRecord
-from vertumnus.policy.control.rules import Decision
+from vertumnus.policy.control.decision import Decision
 from vertumnus.policy.timeline import Timeline
 
 

@@ -57,6 +57,7 @@ from typing import Any
 
 from vertumnus.policy.control.audit import band_of
 from vertumnus.policy.control.candidates import Candidate, DisturbedShares, PoolInputs, candidates
+from vertumnus.policy.control.decision import Decision, TrafficFn
 from vertumnus.policy.control.guards import (
     Streak,
     candidate_rows,
@@ -66,7 +67,7 @@ from vertumnus.policy.control.guards import (
 )
 from vertumnus.policy.control.observations import Observations
 from vertumnus.policy.control.replay import ReplayModel
-from vertumnus.policy.control.rules import Controller, ControllerConfig, Decision, TrafficFn
+from vertumnus.policy.control.rules import Controller, ControllerConfig
 from vertumnus.policy.control.search import Evaluation, WayBack, WhatIfPlan, evaluate, faster
 from vertumnus.policy.costs import CostWeights, ReuseCurve
 from vertumnus.policy.lattice import Lattice, Reshape, WorkerState
