@@ -1,4 +1,5 @@
-"""Chained block ids (DESIGN.md §3): a block id names the whole prefix up to its block."""
+"""Chained block ids (docs/architecture.md, "Zigzag CP prefill"): a block id names the
+whole prefix up to its block."""
 
 from __future__ import annotations
 

@@ -46,9 +46,9 @@ def test_packages_keep_their_boundaries(package: str, forbidden: tuple[str, ...]
 
 
 # The policy's layers, lowest first: each imports only the layers before it and the
-# base modules at the top of ``policy/`` (the cost terms and the lattice); the stack
-# (the other top-level modules) sits above them all.
-POLICY_BASE = ("costs", "lattice")
+# base modules at the top of ``policy/`` (the cost terms, the lattice's geometry and
+# the lattice); the stack (the other top-level modules) sits above them all.
+POLICY_BASE = ("costs", "geometry", "lattice")
 POLICY_LAYERS = ("cache", "placement", "control")
 
 

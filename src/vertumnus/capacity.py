@@ -1,9 +1,10 @@
 """Capacity kappa_C of one worker: the largest window demand it serves within the SLO.
 
-DESIGN.md §6: ``kappa_C`` is the largest window-level demand (the sum of predicted
-service times E_C(R, P) of the requests arriving in a window of H seconds) at which
-one degree-C worker still meets the target token-weighted TTFT SLO attainment. The
-controller compares the pool's demand with the sum of ``kappa`` of its workers.
+``kappa_C`` (docs/slo.md, "Capacity") is the largest window-level demand (the sum of
+predicted service times E_C(R, P) of the requests arriving in a window of H seconds)
+at which one degree-C worker still meets the target token-weighted TTFT SLO
+attainment. The controller compares the pool's demand with the sum of ``kappa`` of
+its workers.
 
 How it is measured here: one simulated worker, FIFO, one prefill at a time (as the
 engine runs them), service times from the profile. A fixed seeded sequence of

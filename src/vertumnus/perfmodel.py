@@ -1,6 +1,7 @@
 """Execution-time model E_C(R, P): prediction, fitting, profiles on disk.
 
-Owns the formula every predicted second in Vertumnus comes from (DESIGN.md §4):
+Owns the formula every predicted second in Vertumnus comes from (docs/gpu-profile.md,
+"Coefficients"):
 
     W(R, P)   = R*P + R*(R+1)/2                      # remaining attention work
     E_C(R, P) = d_C + a_C*R + b_C*P + (c_C*R + alpha_C*W(R, P)) / C

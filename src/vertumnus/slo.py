@@ -18,7 +18,7 @@ A fixed target (``2.5s``) is the other form. TTFT here is the prefill pool's par
 (queueing + prefill); time outside the pool (KV hand-off, first decode step) is not
 modelled.
 
-Token-weighted attainment (DESIGN.md §5) = sum of L_i over requests with
+Token-weighted attainment (docs/slo.md) = sum of L_i over requests with
 TTFT_i <= tau_i, divided by the sum of all L_i. ``DEFAULT_ATTAINMENT`` (0.9) is the
 target a worker must keep to count as within capacity.
 

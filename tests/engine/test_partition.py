@@ -1,4 +1,5 @@
-"""Properties of the zigzag partition of an uncached suffix over C ranks (DESIGN.md §3)."""
+"""Properties of the zigzag partition of an uncached suffix over C ranks
+(docs/architecture.md, "Zigzag CP prefill")."""
 
 from __future__ import annotations
 

@@ -5,9 +5,9 @@ rank attends over the cached prefix and the causally visible suffix. It does not
 communication (``comm.py``), the model (``model.py``) or slot allocation
 (``policy/cache/index.py``).
 
-Partition (DESIGN.md §3). The suffix of R tokens is padded to Rp = 2C * s tokens,
-s = ceil(R / 2C), and cut into 2C chunks of s tokens; rank k owns chunks k and
-2C-1-k, which balances causal attention work::
+Partition (docs/architecture.md, "Zigzag CP prefill"). The suffix of R tokens is
+padded to Rp = 2C * s tokens, s = ceil(R / 2C), and cut into 2C chunks of s tokens;
+rank k owns chunks k and 2C-1-k, which balances causal attention work::
 
     C = 2, chunks:   | 0 | 1 | 2 | 3 |      rank 0: chunks 0, 3
                                             rank 1: chunks 1, 2

@@ -8,7 +8,7 @@ pull of its prefix (``policy/pulls.py``) on the copy lanes. A request leaves whe
 its prefill commits, when the driver answers it with an error (``drop``), or when its
 client gives up (``abandon``: a queued or waiting one at once; a running one when it
 ends). Pure Python, clock-free. Not owned here: what runs on the workers
-(``PoolPolicy.start`` / ``finish``).
+(``prefills``).
 """
 
 from __future__ import annotations

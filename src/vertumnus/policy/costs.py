@@ -1,6 +1,7 @@
 """Placement cost terms shared by the scheduler and the prefix-cache manager.
 
-DESIGN.md §5, for request i on worker w of degree C_w with reusable prefix P_iw:
+For request i on worker w of degree C_w with reusable prefix P_iw (docs/scheduling.md,
+"Placement"):
 
     E_iw       = E_{C_w}(L_i - P_iw, P_iw)
     cost(i, w) = q_w + beta * E_iw + lambda * (C_w / C_min - 1) * E_iw

@@ -27,7 +27,7 @@ copies under way and queued, each at the copy timer's prediction): the price of
 a pull's wait. The simulator times each copy; the coordinator sends its commands
 to the ranks. Pure bookkeeping, clock-free. Not owned here: what to copy (the
 cache manager) or when to reshape (the controller), nor what a commit does
-(``PoolPolicy``).
+(``reshapes``).
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vertumnus.perfmodel import Profile
-from vertumnus.policy.cache.ledger import RetentionConfig
 from vertumnus.policy.cache.plans import CacheManagerConfig
+from vertumnus.policy.cache.retention import RetentionConfig
 from vertumnus.policy.control.rules import ControllerConfig
 from vertumnus.policy.costs import CostWeights
 from vertumnus.policy.lattice import LatticeConfig

@@ -1,11 +1,14 @@
 """The policy stack of a prefill pool: one object, driven the same way by the
-discrete-event simulator and the asyncio coordinator (DESIGN.md §2: one
-implementation, two drivers).
+discrete-event simulator and the asyncio coordinator (one implementation, two
+drivers: docs/architecture.md, "One policy stack, two drivers").
 
 ``PoolPolicy.build(profile, pool, config)`` is the one factory. The stack owns the
-lattice, the router (the cost rule or a baseline), the controller, the reshape
-transitions, the prefix-cache manager (trie), one ``WorkerCacheIndex`` per worker,
-the KV ledger and the hand-offs' holds. A driver calls it with the time:
+lattice, the router (the cost rule or a baseline), the controller, the prefix-cache
+manager (trie), one ``WorkerCacheIndex`` per worker, the KV ledger and the
+hand-offs' holds, and builds the parts that act on them, each given what it uses:
+the open requests (``admission``), the workers' prefills (``prefills``), the
+reshapes under way (``reshapes``), rank failures (``outages``), pulls (``pulls``)
+and the copy lanes (``lanes``). A driver calls it with the time:
 
     arrive / replace / drop / abandon   a request placed (or waiting, or refused),
                                   placed again, answered with an error, given up
@@ -29,16 +32,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vertumnus.blocks import max_reuse_blocks
 from vertumnus.perfmodel import Profile
 from vertumnus.policy.admission import Admission
 from vertumnus.policy.cache.copy_cost import CopyTimer
-from vertumnus.policy.cache.holds import Hold, Holds, held_blocks
+from vertumnus.policy.cache.holds import Hold, Holds
 from vertumnus.policy.cache.index import WorkerCacheIndex
 from vertumnus.policy.cache.ledger import CopyJob, KVLedger
 from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.cache.plans import CopyPlan
-from vertumnus.policy.control.candidates import PoolInputs
 from vertumnus.policy.controllers import build_controller
 from vertumnus.policy.costs import reuse_curves
 from vertumnus.policy.lanes import CopyLanes
@@ -53,12 +54,13 @@ from vertumnus.policy.pool_results import (
     Running,
     ScanOutcome,
     Started,
-    Switch,
     WindowOutcome,
     WindowPlan,
 )
+from vertumnus.policy.prefills import Prefills
 from vertumnus.policy.pulls import Pulls
-from vertumnus.policy.transition import Phase, Reconfigurer, Transition, operator_reshape
+from vertumnus.policy.reshapes import Reshapes
+from vertumnus.policy.transition import Reconfigurer, Transition
 
 
 class PoolPolicy:
@@ -100,8 +102,6 @@ class PoolPolicy:
         )
         for w in self.lattice.workers.values():
             self.add_worker(w.worker_id)
-        self._running: dict[int, Running] = {}  # worker -> its prefill
-        self.transitions: list[Transition] = []  # under way
         self.outages = Outages(  # rank failures: workers out, reset, back
             self.lattice,
             self.scheduler,
@@ -115,7 +115,7 @@ class PoolPolicy:
         )
         self.lanes = CopyLanes(
             self.ledger,
-            self._commit,
+            lambda transition, now: self.reshapes.commit(transition, now),  # (built below)
             CopyTimer(config.cache.copy_latency_s, config.cache.copy_block_s),
             config.cache.lanes,
         )
@@ -130,6 +130,37 @@ class PoolPolicy:
             self._someone_coming,
             pool.block_tokens,
             config.replication,
+        )
+        self.reshapes = Reshapes(  # from the window's decision to the new epoch
+            config,
+            self.lattice,
+            self.scheduler,
+            self.controller,
+            self.reconf,
+            self.cache,
+            self.ledger,
+            self.holds,
+            self.indexes,
+            self.lanes,
+            self.running,
+            self.add_worker,
+            self.place,
+            self.retry_waiting,
+        )
+        self.transitions = self.reshapes.transitions  # under way
+        self.prefills = Prefills(  # what the workers run
+            self.lattice,
+            self.scheduler,
+            self.admission,
+            self.pulls,
+            self.cache,
+            self.indexes,
+            self.holds,
+            self.controller,
+            self.curves,
+            pool.block_tokens,
+            config.ideal_reuse,
+            self.reshapes.parked,
         )
 
     @classmethod
@@ -160,7 +191,7 @@ class PoolPolicy:
 
     def running(self, worker_id: int) -> Running | None:
         """The worker's prefill under way, if any."""
-        return self._running.get(worker_id)
+        return self.prefills.running.get(worker_id)
 
     # -- requests (``policy/admission.py``) ---------------------------------------------
 
@@ -180,7 +211,8 @@ class PoolPolicy:
     def abandon(self, request_id: int, now: float) -> None:
         """The client gave up (``Admission.abandon``)."""
         self.admission.abandon(
-            request_id, lambda rid: any(run.request_id == rid for run in self._running.values())
+            request_id,
+            lambda rid: any(run.request_id == rid for run in self.prefills.running.values()),
         )
 
     def place(self, request_id: int, now: float) -> Actions:
@@ -196,40 +228,11 @@ class PoolPolicy:
     def retry_waiting(self, now: float) -> Actions:
         return self.admission.retry_waiting(now)
 
-    # -- a worker's prefills ---------------------------------------------------------
+    # -- a worker's prefills (``policy/prefills.py``) ------------------------------------
 
     def start(self, worker_id: int, now: float) -> Started | None:
-        """The next prefill of an idle, active worker (None: nothing to run). The lease
-        pins the prefix the worker holds now (at most ``max_reuse_blocks``) and
-        allocates the slots the new blocks go to."""
-        w = self.lattice.workers.get(worker_id)
-        if w is None or w.state is not WorkerState.ACTIVE or worker_id in self._running:
-            return None
-        request_id = self.scheduler.head(worker_id)
-        if request_id is None:
-            return None
-        if self.pulls.must_wait(request_id):
-            return None  # its prefix is on its way: ``Actions.woken`` says when
-        self.scheduler.start(request_id, now)
-        request = self.admission.requests[request_id]
-        index = self.indexes[worker_id]
-        usable = max_reuse_blocks(request.input_tokens, self.block_tokens)
-        lease = index.begin(request.block_ids, usable)
-        self.cache.apply_report(index.evictions(lease))
-        self.pulls.started(request_id, worker_id, lease)
-        cached = lease.num_reused_blocks * self.block_tokens
-        if self.config.ideal_reuse:
-            # The bound: the longest prefix cached anywhere now arrives free and at
-            # once (the lease writes the blocks the worker lacks, as a copy would).
-            anywhere = len(self.cache.trie.match(request.block_ids, usable))
-            cached = max(cached, anywhere * self.block_tokens)
-        exec_s = self.curves[w.cp_degree].time_s(request.input_tokens, cached)
-        key = request.block_ids[cached // self.block_tokens - 1] if cached else 0
-        self.controller.started(request_id, worker_id, cached, key)
-        self._running[worker_id] = Running(
-            request_id, lease, index, now, exec_s, w.cp_degree, request.input_tokens
-        )
-        return Started(request_id, worker_id, w.cp_degree, w.first_device, lease, cached, exec_s)
+        """The next prefill of an idle, active worker (None: nothing to run)."""
+        return self.prefills.start(worker_id, now)
 
     def finish(
         self,
@@ -239,56 +242,15 @@ class PoolPolicy:
         compute_s: float | None = None,
         hold: bool = False,
     ) -> Finished:
-        """The worker's prefill ended. ``ok``: its new blocks are written (they become
-        visible); else they are given back, and the request stays open for
-        ``replace`` or ``drop``. ``compute_s``: the ranks' own time for it, where the
-        driver has it (it calibrates the controller's model; else the time since
-        ``start`` does). ``hold``: its KV is handed off, and the prompt's whole blocks
-        stay pinned under ``Finished.hold`` until ``release_hold`` (``policy/cache/holds.py``);
-        on a worker reset meanwhile (its KV is gone) the prefill counts as failed
-        (``Finished.ok`` is False). A participant of a reshape that runs and holds
-        nothing parks now, and a reshape whose participants have all parked switches
-        (or waits its turn)."""
-        run = self._running.pop(worker_id)
-        current = self.indexes.get(worker_id) is run.index  # (a reset worker's is gone)
-        ok = ok and (current or not hold)
-        if ok:
-            self.scheduler.pace.ended(run.cp_degree, run.exec_s, now - run.started_s)
-            self.controller.prefill_done(
-                run.cp_degree, run.input_tokens, run.exec_s, now - run.started_s, compute_s
-            )
-            arrived = self.admission.arrived_s.get(run.request_id)
-            if arrived is not None:
-                self.controller.completed(run.request_id, now - arrived)
-        if current:
-            report = run.index.commit(run.lease) if ok else run.index.abort(run.lease)
-            self.cache.apply_report(report)
-        kept = None
-        if ok and hold:
-            blocks = held_blocks(run.lease, run.input_tokens, self.block_tokens)
-            ids = self.admission.requests[run.request_id].block_ids
-            kept = self.holds.take(run.request_id, worker_id, run.index, ids, blocks)
-        self.scheduler.complete(run.request_id)
-        if ok:
-            self.drop(run.request_id)
-        return Finished(run.request_id, self._parked(worker_id, now), ok, kept)
+        """The worker's prefill ended: ``ok`` (its blocks are written), ``compute_s``
+        (the ranks' own time), ``hold`` (its KV waits for ``release_hold``)."""
+        return self.prefills.finish(worker_id, now, ok, compute_s, hold)
 
     def release_hold(self, hold: Hold, now: float) -> Actions:
-        """The decode side has the KV (or gave up, or its time is up): the pin goes, and
-        a draining worker that held nothing else parks (its reshape may switch)."""
-        report = self.holds.release(hold, self.indexes.get(hold.worker_id))
-        if report is not None:
-            self.cache.apply_report(report)
-        return self._parked(hold.worker_id, now)
+        """The decode side has the KV (or gave up, or its time is up): the pin goes."""
+        return self.prefills.release_hold(hold, now)
 
-    def _parked(self, worker_id: int, now: float) -> Actions:
-        """Park ``worker_id`` if it takes part in a reshape and is idle now."""
-        for transition in self.transitions:
-            if worker_id in transition.op.sources and self.reconf.idle(transition, worker_id, now):
-                self.lanes.queue_switch(transition)
-        return self.lanes.pump(now)
-
-    # -- the controller and reshapes -------------------------------------------------
+    # -- the controller and reshapes (``policy/reshapes.py``) ------------------------------
 
     def end_window(self, now: float, final: bool = False) -> WindowOutcome:
         """The controller's decision, at once (``prepare_window``, its ``evaluate``,
@@ -298,88 +260,31 @@ class PoolPolicy:
 
     def prepare_window(self, now: float) -> WindowPlan:
         """What the controller needs of the pool now (on the driver's loop)."""
-        inputs = PoolInputs.of(self.scheduler, now)
-        return WindowPlan(self.controller, self.controller.prepare(inputs))
+        return self.reshapes.prepare_window(now)
 
     def finish_window(
         self, plan: WindowPlan, evaluation: object, now: float, final: bool = False
     ) -> WindowOutcome:
-        """Close the controller's period. Adaptive: its reshapes begin (participants
-        drain, their queued requests are placed again). Fixed, or ``final`` (the run
-        ended inside the window): the decision is noted, nothing runs."""
-        decision = self.controller.conclude(plan.plan, evaluation)
-        actions = Actions()
-        begun: list[Transition] = []
-        if final or not self.config.adaptive:
-            for op in decision.ops:
-                self.controller.reshape_done(op)
-        else:
-            for op in decision.ops:
-                transition, more = self.begin_reshape(op, now)
-                begun.append(transition)
-                actions.add(more)
-        return WindowOutcome(decision, tuple(begun), actions)
+        """Close the controller's period: an adaptive pool's reshapes begin."""
+        return self.reshapes.finish_window(plan, evaluation, now, final)
 
     def begin_reshape(self, op: Reshape, now: float) -> tuple[Transition, Actions]:
         """Start draining ``op``'s workers (LatticeError if it cannot run now)."""
-        transition, requeue = self.reconf.begin(op, now)
-        self.transitions.append(transition)
-        actions = Actions()
-        for request in requeue:
-            actions.add(self.place(request.request_id, now))
-        if transition.phase is Phase.SWITCHING:  # every participant was idle
-            self.lanes.queue_switch(transition)
-            actions.add(self.lanes.pump(now))
-        return transition, actions
+        return self.reshapes.begin(op, now)
 
     def choose_reshape(self, kind: str, workers: Sequence[int] | None, now: float) -> Reshape:
         """An operator's reshape (``transition.operator_reshape``)."""
-        busy = {s for t in self.transitions for s in t.op.sources}
-        return operator_reshape(self.lattice, kind, workers, busy, self.scheduler.loads(now))
+        return self.reshapes.choose(kind, workers, now)
 
     def acknowledge(
         self, transition: Transition, worker_id: int, cp_rank: int, now: float
     ) -> Actions:
-        """Rank ``cp_rank`` of new worker ``worker_id`` adopted the epoch. When every
-        rank has, the new workers serve, the copy lanes are free and waiting requests
-        are placed."""
-        if not self.reconf.acknowledge(transition, worker_id, cp_rank, now):
-            return Actions()
-        self.transitions.remove(transition)
-        self.lanes.release(transition)
-        if transition.switch_s is not None:
-            self.controller.switch_done(transition.switch_s)
-        actions = Actions(activated=[transition])
-        actions.add(self.retry_waiting(now))
-        return actions.add(self.lanes.pump(now))
+        """Rank ``cp_rank`` of new worker ``worker_id`` adopted the epoch."""
+        return self.reshapes.acknowledge(transition, worker_id, cp_rank, now)
 
     def abort_reshape(self, transition: Transition, now: float) -> Actions:
-        """Roll back a reshape that has not committed (the driver's bound on it
-        passed): its participants serve again as they were, waiting requests are
-        placed (LatticeError once it has committed: finish it instead)."""
-        self.reconf.abort(transition)
-        self.transitions.remove(transition)
-        self.lanes.unqueue_switch(transition)
-        actions = Actions(woken=list(transition.op.sources))
-        actions.add(self.retry_waiting(now))
-        return actions.add(self.lanes.pump(now))
-
-    def _commit(self, transition: Transition, now: float) -> Switch:
-        retained = self.ledger.collect(transition.op.sources)
-        adopt = self.reconf.switch(transition, now)
-        for s in transition.op.sources:
-            assert s not in self._running, "a parked worker runs a prefill"
-            assert not self.holds.holding(s), "a parked worker holds KV for a hand-off"
-            del self.indexes[s]
-        for w in transition.new_workers:
-            self.add_worker(w)
-        adopted, reserved = self.ledger.after_switch(transition.new_workers, retained, adopt, now)
-        if self.config.retention.fetch_at_switch:  # (they run once the ranks are free)
-            for plan in (p for w in transition.new_workers for p in self.cache.reconcile(w)):
-                self.lanes.queue_copy(plan)
-        workers = tuple((w, tuple(self.lattice.workers[w].devices)) for w in transition.new_workers)
-        expire = now + self.config.retention.retain_s if reserved else None
-        return Switch(transition, self.lattice.epoch, workers, adopted, reserved, expire)
+        """Roll back a reshape that has not committed (the driver's bound passed)."""
+        return self.reshapes.abort(transition, now)
 
     # -- the cache manager ---------------------------------------------------------------
 

@@ -23,7 +23,8 @@ from vertumnus.policy.cache.holds import Hold
 from vertumnus.policy.cache.index import PrefillLease, WorkerCacheIndex
 from vertumnus.policy.cache.ledger import CopyJob
 from vertumnus.policy.cache.plans import ScanResult
-from vertumnus.policy.control.rules import Controller, Decision
+from vertumnus.policy.control.decision import Decision
+from vertumnus.policy.control.rules import Controller
 from vertumnus.policy.placement.scheduler import Placement
 from vertumnus.policy.transition import Transition
 

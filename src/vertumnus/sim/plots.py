@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vertumnus.policy.control.rules import Decision
+from vertumnus.policy.control.decision import Decision
 from vertumnus.sim.config import SimConfig
-from vertumnus.sim.simulator import SimResult
+from vertumnus.sim.results import SimResult
 from vertumnus.stats import percentile
 
 

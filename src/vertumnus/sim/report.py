@@ -45,7 +45,7 @@ from vertumnus.policy.lattice import composition_name
 from vertumnus.policy.timeline import plain
 from vertumnus.sim.config import SimConfig
 from vertumnus.sim.plots import plot
-from vertumnus.sim.simulator import RequestRecord, SimResult
+from vertumnus.sim.results import RequestRecord, SimResult
 from vertumnus.stats import percentile
 
 

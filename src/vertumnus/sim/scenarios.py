@@ -20,22 +20,8 @@ shape's request rate and m the mean requests per session, from ``LEAD_S`` before
 with r0, r1 set so that lambda's peak over the run is ``load`` (0.2-1.1) x the
 saturation.
 
-Reuse families (``Reuse``): ``none``; ``system`` (a few hot prompts of 1-16K
-tokens with Zipf popularity begin a share of the requests); ``conversation``
-(turn k's prompt is turn k-1's, plus its answer, plus a new user message; think
-times of seconds to a minute); ``agent`` (a tool prompt per agent type, then a
-context that grows by short steps, gaps of 1 to a few seconds: a step's answer
-comes before the next step). The length mix
-(``LengthMix``) draws the new content of a session's first request: log-normal
-with a median of 1-8K tokens, or with probability ``long_share`` (0-25 %)
-log-uniform over 32K-128K; a session ends before a request past 128K.
-
-Block ids name whole prefixes: a request's block j has the id of block j of an
-earlier request only if both hold the same tokens up to the end of that block (a
-hot prompt's full blocks, the previous turn's full blocks); every other block gets
-a fresh random id. So the reusable prefix of a request with an unbounded cache is
-its run of leading blocks already seen (``unbounded_reuse``), as a prefix-chain
-hash would give.
+The reuse family and the length mix are ``sim/families.py``'s; a family's requests
+come as sessions, their block ids naming whole prefixes (``sim/sessions.py``).
 
 The load is against the saturation of the best composition for the family's
 request mix (a sample of ``MIX_REQUESTS``, each with its unbounded-cache reuse):
@@ -48,72 +34,50 @@ simulations and the report (``tools/robustness.py``).
 
 from __future__ import annotations
 
-import bisect
 import itertools
-import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from vertumnus.blocks import max_reuse_blocks
 from vertumnus.perfmodel import Profile
 from vertumnus.policy.lattice import LatticeConfig, composition_name, reachable_compositions
 from vertumnus.sim.config import DEFAULT_POOL, DEFAULT_PROFILE
+from vertumnus.sim.families import (
+    FAMILIES,
+    LONG_TOKENS,
+    MAX_TOKENS,
+    LengthMix,
+    Reuse,
+    draw_reuse,
+    log_uniform,
+)
 from vertumnus.sim.saturation import saturation
+from vertumnus.sim.sessions import BLOCK_TOKENS, family_sessions, mix_sample, unbounded_reuse
 from vertumnus.sim.workload import SimRequest
 
-BLOCK_TOKENS = 512  # the traces' and the default engine's block
-LONG_TOKENS = 32_768  # a request over this is long (the controller's default)
-MAX_TOKENS = 131_072
+__all__ = [
+    "BLOCK_TOKENS",
+    "FAMILIES",
+    "MAX_TOKENS",
+    "MIX_REQUESTS",
+    "REPORT_SEEDS",
+    "SHAPES",
+    "TUNE_SEEDS",
+    "Scenario",
+    "draw",
+    "measure",
+    "mix_sample",
+    "requests",
+    "scaled",
+    "unbounded_reuse",
+]
+
 SHAPES = ("steady", "step", "ramp", "burst")
-FAMILIES = ("none", "system", "conversation", "agent")
 TUNE_SEEDS = tuple(range(16))
 REPORT_SEEDS = tuple(range(100, 160))
 MIX_REQUESTS = 4_000  # the sample the saturation is computed on
 LEAD_S = 180.0  # sessions start this long before 0, so that the run starts in steady state
-
-
-@dataclass(frozen=True)
-class LengthMix:
-    short_median_tokens: int  # of the new content of a session's first request
-    short_sigma: float
-    long_share: float  # of sessions starting with 32K-128K tokens of their own
-
-
-@dataclass(frozen=True)
-class NoReuse:
-    family: str = "none"
-
-
-@dataclass(frozen=True)
-class SystemPrompts:
-    prompt_tokens: tuple[int, ...]  # each hot prompt's length, most popular first
-    zipf: float  # popularity of prompt k ~ 1 / (k + 1) ** zipf
-    prompted_share: float  # of requests that start with one
-    family: str = "system"
-
-
-@dataclass(frozen=True)
-class Conversations:
-    mean_turns: float  # geometric
-    answer_tokens: int  # the previous answer, in the next prompt
-    message_median_tokens: int  # a new user message (log-normal, sigma 0.7)
-    think_max_s: float  # think time uniform in [2 s, think_max_s]
-    family: str = "conversation"
-
-
-@dataclass(frozen=True)
-class Agents:
-    tool_tokens: tuple[int, ...]  # each agent type's tool/system prompt
-    zipf: float
-    mean_steps: float  # requests per run, geometric
-    step_median_tokens: int  # what a step appends: action and observation
-    gap_max_s: float  # gaps uniform in [1 s, gap_max_s] (the step's answer comes first)
-    family: str = "agent"
-
-
-Reuse = NoReuse | SystemPrompts | Conversations | Agents
 
 
 @dataclass(frozen=True)
@@ -173,33 +137,6 @@ class Scenario:
         return asdict(self)
 
 
-def _log_uniform(rng: random.Random, lo: float, hi: float) -> float:
-    return math.exp(rng.uniform(math.log(lo), math.log(hi)))
-
-
-def _draw_reuse(family: str, rng: random.Random) -> Reuse:
-    if family == "system":
-        prompts = tuple(int(_log_uniform(rng, 1024, 16384)) for _ in range(rng.randint(1, 8)))
-        return SystemPrompts(prompts, rng.uniform(0.5, 1.5), rng.uniform(0.1, 1.0))
-    if family == "conversation":
-        return Conversations(
-            rng.uniform(1.0, 4.0),
-            rng.randint(100, 800),
-            int(_log_uniform(rng, 100, 2000)),
-            rng.uniform(10.0, 60.0),
-        )
-    if family == "agent":
-        tools = tuple(int(_log_uniform(rng, 1024, 8192)) for _ in range(rng.randint(1, 6)))
-        return Agents(
-            tools,
-            rng.uniform(0.0, 1.2),
-            rng.uniform(1.0, 3.0),
-            int(_log_uniform(rng, 100, 1500)),
-            rng.uniform(2.0, 6.0),
-        )
-    return NoReuse()
-
-
 def draw(
     seed: int, profile: Profile | None = None, lattice: LatticeConfig | None = None
 ) -> Scenario:
@@ -211,9 +148,9 @@ def draw(
     duration_s = rng.uniform(120.0, 1200.0)
     shape = rng.choice(SHAPES)
     lengths = LengthMix(
-        int(_log_uniform(rng, 1000, 8000)), rng.uniform(0.4, 1.0), rng.uniform(0.0, 0.25)
+        int(log_uniform(rng, 1000, 8000)), rng.uniform(0.4, 1.0), rng.uniform(0.0, 0.25)
     )
-    reuse = _draw_reuse(rng.choice(FAMILIES), rng)
+    reuse = draw_reuse(rng.choice(FAMILIES), rng)
     load = rng.uniform(0.2, 1.1)
     default = composition_name(DEFAULT_POOL.composition)
     others = [n for c in reachable_compositions(lattice) if (n := composition_name(c)) != default]
@@ -269,105 +206,10 @@ def scaled(scenario: Scenario, factor: float) -> Scenario:
     )
 
 
-# -- sessions --------------------------------------------------------------------------
-
-
-class _Context:
-    """A prompt that grows: its full blocks' ids and its length in tokens."""
-
-    __slots__ = ("blocks", "rng", "tokens")
-
-    def __init__(self, rng: random.Random, shared: Sequence[int] = (), tokens: int = 0) -> None:
-        self.rng, self.blocks, self.tokens = rng, list(shared), tokens
-
-    def extend(self, tokens: int) -> None:
-        """Append ``tokens`` new tokens: the blocks they complete get fresh ids (the
-        one that was partial holds new content now)."""
-        self.tokens += tokens
-        self.blocks += [
-            self.rng.getrandbits(62) | 1 << 62
-            for _ in range(self.tokens // BLOCK_TOKENS - len(self.blocks))
-        ]
-
-
-def _new_content(rng: random.Random, lengths: LengthMix) -> int:
-    if rng.random() < lengths.long_share:
-        return int(_log_uniform(rng, LONG_TOKENS + 1, MAX_TOKENS))
-    median = lengths.short_median_tokens
-    return int(min(LONG_TOKENS, max(64, rng.lognormvariate(math.log(median), lengths.short_sigma))))
-
-
-def _shared_prompts(seed: int, lengths: Sequence[int]) -> list[tuple[int, list[int]]]:
-    rng = random.Random(f"prompts:{seed}")
-    return [(n, [rng.getrandbits(62) | 1 << 62 for _ in range(n // BLOCK_TOKENS)]) for n in lengths]
-
-
-def _pick(rng: random.Random, cum_weights: Sequence[float]) -> int:
-    return bisect.bisect_left(cum_weights, rng.random() * cum_weights[-1])
-
-
-def _zipf(count: int, exponent: float) -> list[float]:
-    return list(itertools.accumulate(1.0 / (k + 1) ** exponent for k in range(count)))
-
-
-Session = list[tuple[float, int, tuple[int, ...]]]  # (seconds after its start, tokens, ids)
-
-
-def _sessions(seed: int, lengths: LengthMix, reuse: Reuse, rng: random.Random) -> Iterator[Session]:
-    """Sessions of the family, one after another, their requests' times relative."""
-    prompts: list[tuple[int, list[int]]] = []
-    popularity: list[float] = []
-    if isinstance(reuse, SystemPrompts | Agents):
-        sizes = reuse.prompt_tokens if isinstance(reuse, SystemPrompts) else reuse.tool_tokens
-        prompts, popularity = _shared_prompts(seed, sizes), _zipf(len(sizes), reuse.zipf)
-    while True:
-        out: Session = []
-        context = _Context(rng)
-        if isinstance(reuse, Agents) or (
-            isinstance(reuse, SystemPrompts) and rng.random() < reuse.prompted_share
-        ):
-            tokens, shared = prompts[_pick(rng, popularity)]
-            context = _Context(rng, shared, tokens)
-        context.extend(_new_content(rng, lengths))
-        t_s = 0.0
-        while context.tokens <= MAX_TOKENS:
-            out.append((t_s, context.tokens, tuple(context.blocks)))
-            if isinstance(reuse, Conversations) and rng.random() < 1 - 1 / reuse.mean_turns:
-                message = rng.lognormvariate(math.log(reuse.message_median_tokens), 0.7)
-                context.extend(reuse.answer_tokens + max(1, int(message)))
-                t_s += rng.uniform(2.0, reuse.think_max_s)
-            elif isinstance(reuse, Agents) and rng.random() < 1 - 1 / reuse.mean_steps:
-                step = rng.lognormvariate(math.log(reuse.step_median_tokens), 0.7)
-                context.extend(max(1, int(step)))
-                t_s += rng.uniform(1.0, reuse.gap_max_s)
-            else:
-                break
-        if out:
-            yield out
-
-
-def mix_sample(seed: int, lengths: LengthMix, reuse: Reuse) -> Iterator[tuple[bool, int, int]]:
-    """(first of its session, input tokens, unbounded-cache reuse in tokens) of the
-    family's requests, session after session (their own stream of draws)."""
-    seen: set[int] = set()
-    for session in _sessions(seed, lengths, reuse, random.Random(f"mix:{seed}")):
-        for k, (_, tokens, ids) in enumerate(session):
-            yield k == 0, tokens, _reused_blocks(tokens, ids, seen) * BLOCK_TOKENS
-
-
-def _reused_blocks(tokens: int, ids: Sequence[int], seen: set[int]) -> int:
-    limit = min(len(ids), max_reuse_blocks(tokens, BLOCK_TOKENS))
-    reused = 0
-    while reused < limit and ids[reused] in seen:
-        reused += 1
-    seen.update(ids)
-    return reused
-
-
 def requests(scenario: Scenario) -> list[SimRequest]:
     """The scenario's requests in arrival order, ids 0.., phases per ``phase_at``."""
     arrivals = random.Random(f"arrivals:{scenario.seed}")
-    sessions = _sessions(
+    sessions = family_sessions(
         scenario.seed, scenario.lengths, scenario.reuse, random.Random(f"content:{scenario.seed}")
     )
     peak = scenario.peak_rate / scenario.session_requests
@@ -389,16 +231,6 @@ def requests(scenario: Scenario) -> list[SimRequest]:
         SimRequest(i, t, tokens, ids, scenario.phase_at(t))
         for i, (t, tokens, ids) in enumerate(found)
     ]
-
-
-# -- measures --------------------------------------------------------------------------
-
-
-def unbounded_reuse(reqs: Sequence[SimRequest]) -> list[int]:
-    """Per request (in the given order), the tokens an unbounded cache would reuse:
-    its leading blocks that an earlier request had (at most all but its last token)."""
-    seen: set[int] = set()
-    return [_reused_blocks(r.input_tokens, r.block_ids, seen) * BLOCK_TOKENS for r in reqs]
 
 
 def measure(scenario: Scenario, reqs: Sequence[SimRequest]) -> dict[str, float]:

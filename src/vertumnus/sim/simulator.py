@@ -5,18 +5,9 @@ router, controller, reshapes, prefix-cache manager, per-worker cache indexes, KV
 ledger). The simulator adds only an event heap and a time model
 (``sim/time_model.py``): a worker runs its queue FIFO, one prefill at a time, for
 as long as the time model says; a copy or a switch holds the policy's copy lanes for
-its time. Events are typed and ordered by (time, rank, sequence number), so a run
-is deterministic for a seed::
-
-    PrefillEnd (0)    a prefill ends: its KV is committed; reshapes may switch; next
-    CopyLanded (1)    a KV copy lands: its blocks become visible; the lanes pass on
-    SwitchAcked (2)   every rank of a reshape's new workers adopted the epoch
-    WindowDue (3)     the controller's window ends: decision, drains begin
-    ScanDue (4)       the cache manager's scan (replication on)
-    Arrival (5)       a request arrives: placement, statistics, maybe a fetch
-    ReservationsDue (6)  slots a reshape reserved go back to their caches
-    SampleDue (7)     the timeline's sample of the pool (``policy/timeline.py``), read
-                      after everything else at that time; it changes nothing
+its time. The events (``sim/events.py``) are ordered by (time, rank, sequence
+number), so a run is deterministic for a seed; ``Simulation.run`` pops them and
+does what the policy's answers ask, recording what happens (``sim/results.py``).
 
 A request that finds no candidate (every worker draining) waits in the policy and
 is placed when a reshape's new workers serve.
@@ -26,22 +17,29 @@ from __future__ import annotations
 
 import copy
 import heapq
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
 
 from vertumnus.perfmodel import COEFF_NAMES, DegreeCoeffs, Profile
-from vertumnus.policy.cache.audit import ScanRecord
-from vertumnus.policy.cache.holds import Hold
-from vertumnus.policy.cache.ledger import CopyJob
-from vertumnus.policy.control.rules import Decision
 from vertumnus.policy.placement.scheduler import PlacementRequest
 from vertumnus.policy.pool_config import PolicyConfig, PolicyError, PoolSpec
 from vertumnus.policy.pool_policy import PoolPolicy
 from vertumnus.policy.pool_results import Actions, Switch
 from vertumnus.policy.timeline import Timeline, trailing_window_s, worker_rows
+from vertumnus.sim.events import (
+    PERIODIC,
+    Arrival,
+    CopyLanded,
+    Event,
+    HandoffEnd,
+    PrefillEnd,
+    ReservationsDue,
+    SampleDue,
+    ScanDue,
+    SwitchAcked,
+    WindowDue,
+)
+from vertumnus.sim.results import RequestRecord, ReshapeRecord, SimResult, WindowRow
 from vertumnus.sim.time_model import SimSettings, SimulationError, TimeModel
 from vertumnus.sim.workload import SimRequest
 from vertumnus.stats import progress
@@ -49,137 +47,7 @@ from vertumnus.stats import progress
 __all__ = ["SimResult", "SimSettings", "Simulation", "SimulationError"]
 
 
-# -- events ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillEnd:
-    rank: ClassVar[int] = 0
-    worker_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class CopyLanded:
-    rank: ClassVar[int] = 1
-    job: CopyJob
-
-
-@dataclass(frozen=True, slots=True)
-class SwitchAcked:
-    rank: ClassVar[int] = 2
-    switch: Switch
-
-
-@dataclass(frozen=True, slots=True)
-class WindowDue:
-    rank: ClassVar[int] = 3
-
-
-@dataclass(frozen=True, slots=True)
-class ScanDue:
-    rank: ClassVar[int] = 4
-
-
-@dataclass(frozen=True, slots=True)
-class Arrival:
-    rank: ClassVar[int] = 5
-    request_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class ReservationsDue:
-    rank: ClassVar[int] = 6
-
-
-@dataclass(frozen=True, slots=True)
-class SampleDue:
-    rank: ClassVar[int] = 7
-
-
-@dataclass(frozen=True, slots=True)
-class HandoffEnd:  # the decode server has the prompt's KV: its hold ends
-    rank: ClassVar[int] = 8
-    hold: Hold
-
-
-Event = (
-    PrefillEnd
-    | CopyLanded
-    | SwitchAcked
-    | WindowDue
-    | ScanDue
-    | Arrival
-    | ReservationsDue
-    | SampleDue
-    | HandoffEnd
-)
-PERIODIC = (WindowDue, ScanDue, SampleDue)  # due whether or not requests wait
 SAMPLES = 500  # the timeline's samples over the arrivals, unless [sim] sample_s says
-
-
-# -- results ---------------------------------------------------------------------------
-
-
-@dataclass
-class RequestRecord:
-    request_id: int
-    arrival_s: float
-    input_tokens: int
-    phase: int
-    cached_tokens: int = 0
-    worker: int | None = None
-    cp_degree: int | None = None
-    start_s: float | None = None
-    end_s: float | None = None
-    tau_s: float = math.inf
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.end_s is None else self.end_s - self.arrival_s
-
-
-@dataclass
-class WindowRow:
-    window: int
-    start_s: float
-    end_s: float
-    arrivals: int
-    demand_s: float
-    capacity_s: float
-    composition: str
-    long_fraction: float
-    rule: str
-
-
-@dataclass
-class ReshapeRecord:
-    kind: str
-    started_s: float
-    drain_s: float | None
-    switch_s: float | None
-
-
-@dataclass
-class SimResult:
-    records: list[RequestRecord]
-    windows: list[WindowRow]
-    reshapes: list[ReshapeRecord]
-    decisions: list[Decision]
-    copies: int
-    blocks_copied: int
-    reclaims: int
-    # The cache manager's audit: per kind of copy, blocks installed, used, wasted
-    # (``CopyAudit.summary``), and one record per scan.
-    cache_audit: dict[str, Any]
-    scans: list[ScanRecord]
-    wall_s: float
-    sim_end_s: float
-    devices: int
-    timeline: Timeline  # the pool sampled over the run, as the dashboard shows it
-    workers: list[dict[str, Any]]  # at the run's end (``timeline.worker_rows``)
-
-
-# -- the run ---------------------------------------------------------------------------
 
 
 class Simulation:

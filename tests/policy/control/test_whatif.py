@@ -320,7 +320,7 @@ def test_the_replay_times_are_kept_while_the_forecast_keeps_the_request() -> Non
     ctl = policy.controller
     assert isinstance(ctl, WhatIfController)
     kept = set(ctl.forecast.by_id)
-    assert min(kept) >= 5 * 95 and ctl._times and set(ctl._times) <= kept
+    assert min(kept) >= 5 * 95 and ctl.observations.times and set(ctl.observations.times) <= kept
 
 
 def mix_changes(check: bool, start: dict[int, int] | None = None) -> PoolPolicy:
@@ -494,16 +494,16 @@ def test_a_start_that_reuses_more_revises_every_replay_of_the_request() -> None:
     rid = driver.next_id - 1
     stale = ctl.forecast.by_id[rid]
     ((audit, *_),) = [(a,) for a in ctl.move_audits._open]
-    period = ctl._periods.current
+    period = ctl.observations.periods.current
     assert audit.samples[rid] is stale and period is not None
     assert period.samples[rid] is stale
-    ctl._times[rid] = (0, (1.0, 1.0), ())  # (as a replay would have cached it)
+    ctl.observations.times[rid] = (0, (1.0, 1.0), ())  # (as a replay would have cached it)
     worker = next(iter(policy.lattice.workers))
     ctl.started(rid, worker, 8, key=77)
     revised = ctl.forecast.by_id[rid]
     assert revised.holders == ((worker, 8),) and revised.prefix_key == 77
     assert audit.samples[rid] is revised and period.samples[rid] is revised
-    assert rid not in ctl._times
+    assert rid not in ctl.observations.times
     ctl.started(rid, worker, 8, key=77)  # no more than it holds: nothing changes
     assert ctl.forecast.by_id[rid] is revised
 

@@ -4,5 +4,6 @@ hand-over of prefixes when workers split or merge, the ledger that turns plans i
 slot moves, hand-off holds and the prefixes on their way.
 
 Imports only the lattice and the cost terms beside it (``policy/costs.py``,
-``policy/lattice.py``): never placement or control (``tests/test_layout.py``).
+``policy/geometry.py``, ``policy/lattice.py``): never placement or control
+(``tests/test_layout.py``).
 """

@@ -10,7 +10,7 @@ copy is left. ``reconciliation_traffic`` prices a reshaping before it is chosen.
 
 Owned here: which prefixes each new worker inherits, from which device, and the
 adopt plans. Not owned here: the plans' bookkeeping (``inflight``), the
-fetch on first reuse (``manager``), moving the KV (the driver).
+fetch on first reuse (``fetches``), moving the KV (the driver).
 """
 
 from __future__ import annotations

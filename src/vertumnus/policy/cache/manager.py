@@ -1,7 +1,5 @@
 """The prefix-cache manager, the policy stack's one entry: per-request statistics
-(Algorithm 1).
-
-DESIGN.md §7 and the paper's Algorithm 1, over the ``PrefixTrie``.
+(the paper's Algorithm 1, over the ``PrefixTrie``; docs/cache.md).
 
 Per request (``on_request``, after placement on worker w of degree C_w):
     MatchedPath = the request's longest prefix held anywhere (whole blocks, at least
@@ -14,15 +12,16 @@ Per request (``on_request``, after placement on worker w of degree C_w):
 The periodic scan (Algorithm 2) is ``scan``'s. Plans are requests; the trie
 changes only through ``apply_report`` (see ``plans``).
 
-A worker that inherited a *pending* prefix through a split or merge fetches its
-missing blocks on the first request that reuses it: ``fetch`` plans, from the
-retained copy, else any holder, or an ordinary miss when no copy is left.
+A request placed where placement counted on more than the worker holds gets a
+``pull`` plan; a worker that inherited a *pending* prefix through a split or merge
+fetches its missing blocks on the first request that reuses it (a ``fetch`` plan,
+or an ordinary miss when no copy is left).
 
-Owned here: the statistics and their meaning, fetches, copies asked for by hand,
+Owned here: the statistics and their meaning, when a request pulls or fetches,
 the invariants against the workers' caches. Not owned here: the choice of copies
-and reclamations (``scan``), the plans in flight and their indexes
-(``inflight``), which prefixes new workers inherit at a split or merge
-(``handover``), the trie's structure (``trie``).
+and reclamations (``scan``), the pull, fetch and by-hand plans (``fetches``), the
+plans in flight and their indexes (``inflight``), which prefixes new workers
+inherit at a split or merge (``handover``), the trie's structure (``trie``).
 """
 
 from __future__ import annotations
@@ -31,13 +30,12 @@ from collections.abc import Callable, Mapping, Sequence
 
 from vertumnus.blocks import max_reuse_blocks
 from vertumnus.perfmodel import DegreeCoeffs
-from vertumnus.policy.cache import handover
+from vertumnus.policy.cache import fetches, handover
 from vertumnus.policy.cache.audit import CopyAudit
 from vertumnus.policy.cache.copy_cost import EvictionValue
 from vertumnus.policy.cache.index import CacheReport
 from vertumnus.policy.cache.inflight import PlansInFlight
 from vertumnus.policy.cache.plans import (
-    BlockMove,
     CacheManagerConfig,
     CopyPlan,
     PrefixLookup,
@@ -47,7 +45,7 @@ from vertumnus.policy.cache.plans import (
     WorkerCacheView,
 )
 from vertumnus.policy.cache.scan import PeriodicScan, ScanPricing
-from vertumnus.policy.cache.trie import Node, PrefixTrie, TrieError, WorkerInfo
+from vertumnus.policy.cache.trie import Node, PrefixTrie, WorkerInfo
 from vertumnus.policy.costs import CostWeights, prefer_degree, reuse_curves
 
 
@@ -192,82 +190,12 @@ class PrefixCacheManager:
                     missed[kp] += benefit
         fetch, awaits = None, None
         if reused > held:
-            fetch, awaits = self._pull_plan(path, held, reused, info, now)
+            fetch, awaits = fetches.pull(
+                trie, self.in_flight, path, held, reused, info, self.pull_source_s, now
+            )
         elif trie.worker_pending[worker_id]:
-            fetch = self._fetch_plan(block_ids, usable, reused, info)
+            fetch = fetches.fetch(trie, self.in_flight, block_ids, usable, reused, info)
         return RequestUpdate(len(path), reused, preferred, fetch, awaits)
-
-    def _pull_plan(
-        self, path: Sequence[Node], held: int, upto: int, dest: WorkerInfo, now: float
-    ) -> tuple[CopyPlan | None, int | None]:
-        """Blocks ``held`` to ``upto`` of ``path``, from a holder of the whole of it (the
-        first whose devices are free for the copy, then of the destination's degree,
-        so that nothing is re-sharded), to ``dest``: the new plan, and the plan the
-        request waits for (an earlier copy bringing the same blocks, if there is one)."""
-        last = path[upto - 1]
-        for plan in self.in_flight.copies.values():
-            if plan.dest_worker == dest.worker_id and last.block_id in plan.prefix_ids:
-                return None, plan.plan_id  # a pull or fetch bringing them already
-        ready = self.pull_source_s
-        src = min(
-            self.trie.holders_of(last),
-            key=lambda h: (
-                ready(h, now) if ready is not None else 0.0,
-                h.cp_degree != dest.cp_degree,
-                h.slot,
-            ),
-        )
-        moves = [
-            BlockMove(
-                z.block_id, z.depth, src.worker_id, src.device_of(z.depth), dest.device_of(z.depth)
-            )
-            for z in path[held:upto]
-        ]
-        plan = self.in_flight.start_copy("pull", dest, moves, score=0.0)
-        return plan, plan.plan_id
-
-    def _fetch_plan(
-        self, block_ids: Sequence[int], usable: int, held: int, dest: WorkerInfo
-    ) -> CopyPlan | None:
-        """Missing blocks of a pending prefix at ``dest`` that this request would reuse:
-        from the retained copy, else any holder; a block with no copy ends the fetch
-        (the rest is an ordinary miss, and its pending marks go)."""
-        trie, moves = self.trie, []
-        parent = trie.nodes.get(block_ids[held - 1]) if held else None
-        for depth in range(held, usable):
-            node = trie.nodes.get(block_ids[depth])
-            if node is None or node.parent is not parent or not node.pending:
-                break
-            if (
-                dest.slot not in node.pending
-                or (node.block_id, dest.worker_id) in self.in_flight.copying
-            ):
-                break
-            retained = node.pending[dest.slot]
-            if retained is not None:
-                src_worker, src_device = None, retained
-            elif node.holders:
-                src = min(
-                    trie.holders_of(node), key=lambda h: (h.cp_degree != dest.cp_degree, h.slot)
-                )
-                src_worker, src_device = src.worker_id, src.device_of(depth)
-            else:
-                self._drop_pending_below(node, dest, block_ids[depth:usable])
-                break
-            moves.append(
-                BlockMove(node.block_id, depth, src_worker, src_device, dest.device_of(depth))
-            )
-            parent = node
-        if not moves:
-            return None
-        return self.in_flight.start_copy("fetch", dest, moves, score=0.0)
-
-    def _drop_pending_below(self, node: Node, dest: WorkerInfo, block_ids: Sequence[int]) -> None:
-        for bid in block_ids:
-            below = self.trie.nodes.get(bid)
-            if below is None or below.pending is None or dest.slot not in below.pending:
-                break
-            self.trie.clear_pending(below, dest.worker_id)
 
     # -- the periodic scan (``scan``) -----------------------------------------
 
@@ -291,21 +219,7 @@ class PrefixCacheManager:
     def plan_copy(self, block_id: int, source: int, dest: int) -> CopyPlan:
         """A copy asked for by hand (an operator warming a cache, a test): the prefix
         ending at ``block_id``, from a worker that holds it to one that does not."""
-        trie = self.trie
-        node = trie.nodes.get(block_id)
-        src, dst = trie.worker(source), trie.worker(dest)
-        if node is None or not node.holders >> src.slot & 1:
-            raise TrieError(f"worker {source} does not hold block {block_id:#x}")
-        if node.holders >> dst.slot & 1:
-            raise TrieError(f"worker {dest} already holds block {block_id:#x}")
-        path = node.path()
-        held = trie.held_depth(path, dst.slot)
-        moves = [
-            BlockMove(z.block_id, z.depth, source, src.device_of(z.depth), dst.device_of(z.depth))
-            for z in path[held:]
-        ]
-        kind = "intra" if src.cp_degree == dst.cp_degree else "inter"
-        return self.in_flight.start_copy(kind, dst, moves, score=0.0)
+        return fetches.by_hand(self.trie, self.in_flight, block_id, source, dest)
 
     # -- plans in flight (``inflight``) ----------------------------------------
 
@@ -357,23 +271,8 @@ class PrefixCacheManager:
 
     def reconcile(self, worker_id: int) -> list[CopyPlan]:
         """Fetch plans for every pending prefix of a new worker, right after its switch
-        (most accessed first): a pending prefix is invisible to placement, so left to
-        its first reuse it would be recomputed. A prefix that shares blocks with one
-        planned before it fetches the rest only (its plan queues behind on the same
-        devices)."""
-        trie, copying = self.trie, self.in_flight.copying
-        info = trie.worker(worker_id)
-        plans = []
-        for leaf in handover.pending_leaves(trie, worker_id):
-            path = leaf.path()
-            held = trie.held_depth(path, info.slot)
-            while held < len(path) and (path[held].block_id, worker_id) in copying:
-                held += 1
-            ids = [z.block_id for z in path]
-            plan = self._fetch_plan(ids, len(ids), held, info)
-            if plan is not None:
-                plans.append(plan)
-        return plans
+        (``fetches.reconcile``)."""
+        return fetches.reconcile(self.trie, self.in_flight, worker_id)
 
     def reconciliation_traffic(
         self, sources: Sequence[int], target_degree: int, target_firsts: Sequence[int]

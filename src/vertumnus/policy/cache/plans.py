@@ -33,7 +33,7 @@ from vertumnus.policy.cache.trie import Node
 
 @dataclass(frozen=True)
 class CacheManagerConfig:
-    """Thresholds of the periodic scan (DESIGN.md §7). ``access`` counts reuses and
+    """Thresholds of the periodic scan (docs/cache.md). ``access`` counts reuses and
     ``missed`` seconds of predicted prefill time, both decayed by ``decay`` after
     every scan, so a threshold reads "per scan interval, in steady state, times
     1 / (1 - decay)"."""

@@ -1,4 +1,4 @@
-"""The prefix-cache manager's periodic scan (the paper's Algorithm 2, DESIGN.md §7).
+"""The prefix-cache manager's periodic scan (the paper's Algorithm 2, docs/cache.md).
 
 Over the statistics that ``PrefixCacheManager.on_request`` gathers, with
 r = ReplicaCount(z, C) (+ copies in flight):

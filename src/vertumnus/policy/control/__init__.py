@@ -1,7 +1,8 @@
-"""Control: when and how the composition changes. The paper's threshold rules
-(``rules.py``, whose ``Controller`` every controller extends), the what-if controller
-(``whatif.py``) with its candidates, search, guards, replay, forecast, calibration and
-audits, and the initial composition.
+"""Control: when and how the composition changes. The ``Decision`` every controller
+returns (``decision.py``); the paper's threshold rules (``rules.py``, whose
+``Controller`` every controller extends, with their options in ``options.py``); the
+what-if controller (``whatif.py``) with its candidates, search, guards, replay,
+observations (forecast, calibration and audits); and the initial composition.
 
 Imports placement, the cache and the cost terms; never the stack above it
 (``tests/test_layout.py``).

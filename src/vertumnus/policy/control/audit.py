@@ -1,4 +1,5 @@
-"""The audit of every move the what-if controller makes (DESIGN.md §6c).
+"""The audit of every move the what-if controller makes (docs/scheduling.md, "The
+what-if controller").
 
 When a decision starts reshapes, an audit opens with what was predicted for the
 next forecast span: the move's mean TTFT and holding's, both from the same live

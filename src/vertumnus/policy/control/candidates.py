@@ -20,7 +20,7 @@ it (a merge keeps them on one worker, a split gives each prefix to one child), a
 ``policy/cache/handover.py`` hands them on.
 
 ``best_start`` chooses a pool's starting composition by replaying a representative
-workload over every composition of the lattice (DESIGN.md §6b, "start right").
+workload over every composition of the lattice (docs/scheduling.md, "Start right").
 Pure Python.
 """
 

@@ -1,9 +1,9 @@
 """The initial worker composition, from a representative historical workload.
 
-DESIGN.md §6: among the lattice's compositions (within the bounds), the ones whose
-profiled capacity covers the expected demand are suitable; of those, the one with
-the most large-degree workers wins (the most workers of the largest degree, then of
-the next, ...). If none is suitable, the one with the largest capacity.
+Among the lattice's compositions (within the bounds), the ones whose profiled
+capacity covers the expected demand are suitable; of those, the one with the most
+large-degree workers wins (the most workers of the largest degree, then of the
+next, ...). If none is suitable, the one with the largest capacity.
 
 The expected demand of a composition is ``requests_per_window`` times the mean, over
 the historical length mix, of E_C(L - P, P) at the degree each request would prefer

@@ -1,5 +1,5 @@
-"""The controllers' configuration: the what-if controller's (DESIGN.md §6b, §6c) and
-the paper's threshold rules' (§6), one frozen dataclass whose fields are the
+"""The controllers' configuration: the what-if controller's and the paper's threshold
+rules' (docs/scheduling.md), one frozen dataclass whose fields are the
 ``[controller]`` keys. Validated on construction. Not owned here: the controllers
 (``rules``, ``whatif``).
 """
@@ -19,7 +19,7 @@ class ControllerConfig:
     # (policy/control/whatif.py, the default); "rules": the paper's threshold rules below.
     mode: str = "whatif"
     window_s: float = 30.0  # the rules' window (and the capacity kappa's)
-    # -- the what-if controller (DESIGN.md §6b) -----------------------------------
+    # -- the what-if controller -------------------------------------------------------
     decision_s: float = 10.0  # its decision period
     horizon_s: float = 30.0  # forecast: the arrivals of at least this long ...
     min_requests: int = 400  # ... or this many ...

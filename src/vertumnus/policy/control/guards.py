@@ -1,5 +1,6 @@
 """The what-if controller's guards: the pessimistic gains, the streak of evidence
-that confirms a move, and the rows a decision reports (DESIGN.md §6c).
+that confirms a move, and the rows a decision reports (docs/scheduling.md, "The
+what-if controller").
 
     gain_k = (hold_k - J_k * (1 + pessimism(kind_k) * share_k)) / hold_k
 
@@ -14,7 +15,8 @@ unless it takes the pool back towards its start.
 The streak is the run of consecutive decisions whose best is the same kind of
 move (direction and level); it confirms a move at two decisions whose gain clears
 the margin at a significance of at least ``z_confirm`` each, or at
-``confirm_limit`` decisions whose mean gain clears it. Pure Python.
+``confirm_limit`` decisions whose mean gain clears it. ``hold_rule`` says why the
+best candidate waits, if it does. Pure Python.
 """
 
 from __future__ import annotations
@@ -99,6 +101,29 @@ class Streak:
             return True
         n = self.confirm_limit
         return len(e) >= n and sum(g for g, _ in e[-n:]) / n >= margin
+
+
+def hold_rule(
+    plan: WhatIfPlan, best: int, gain: float, margin: float, urgent: bool,
+    overloaded: bool, in_flight: bool, watching: bool, confirmed: bool,
+) -> str | None:  # fmt: skip
+    """Why the best candidate (``best``, of pessimistic ``gain``) waits, or None: it
+    acts. ``urgent``: its gain and significance act at once; ``overloaded``: the
+    pool is, or the gain is urgent_gain or more; ``in_flight``: reshapes are under
+    way; ``watching``: the last move's audit has not seen its span; ``confirmed``:
+    the streak confirms it."""
+    if plan.forecast_requests == 0 or best == 0 or gain < margin:
+        return "hold"  # (no harm: the present pessimistic gain must clear the margin)
+    if plan.warming and not (urgent and overloaded):
+        # (overload as the warm cache will have it: a cold one alone looks like it)
+        return "hold:warm-up"
+    if in_flight and not urgent:
+        return "hold:reshapes-in-flight"
+    if watching and not urgent:
+        return "hold:auditing"  # (the next move once the last one's span has been seen)
+    if not urgent and not confirmed:
+        return "hold:confirming"
+    return None
 
 
 def homeward(start: Mapping[int, int], now: Mapping[int, int], then: Mapping[int, int]) -> bool:

@@ -1,7 +1,8 @@
-"""The undisturbed audit's periods (DESIGN.md §6c): each decision period the pool
-spent undisturbed (no reshape under way, every worker serving) is replayed once
-all its requests ended, from the workers it started with, and its measured mean
-TTFT compared with that prediction (``calibration.Calibration.audit``).
+"""The undisturbed audit's periods (docs/scheduling.md, "The what-if controller"):
+each decision period the pool spent undisturbed (no reshape under way, every worker
+serving) is replayed once all its requests ended, from the workers it started with,
+and its measured mean TTFT compared with that prediction
+(``calibration.Calibration.audit``).
 
 This module keeps the periods: the arrivals of each (their samples as revised by
 the reuse they found at their start), their answers, and which periods are done.

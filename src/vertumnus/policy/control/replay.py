@@ -1,4 +1,5 @@
-"""Replay a forecast through the scheduler's cost rule over FIFO workers (DESIGN.md §6b).
+"""Replay a forecast through the scheduler's cost rule over FIFO workers (docs/scheduling.md,
+"The what-if controller").
 
 A candidate composition is a set of workers, each with a degree and the time it can
 start new work (its backlog, or, for a worker a reshape makes, the drain of its

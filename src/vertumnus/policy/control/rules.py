@@ -1,4 +1,5 @@
-"""The window controller: when to split or merge, and which worker (DESIGN.md §6).
+"""The window controller: when to split or merge, and which worker (the paper's rules:
+docs/scheduling.md, "The lattice" and "The paper's rules").
 
 Windows of H seconds. In window k, demand D_k = the sum over the requests first placed
 in it (once each: not again when a drain or a failure places them anew) of
@@ -30,53 +31,27 @@ most ``max_concurrent_reshapes`` reshapes run at once (draining many workers at 
 leaves nowhere to route). The lattice's bounds (workers per degree) limit the
 options. Among the allowed options the controller picks the smallest predicted drain
 time (the most outstanding work among the participants), then the least expected KV
-reconciliation traffic (from the trie), then the lowest device.
+reconciliation traffic (from the trie), then the lowest device (``options``).
 
-Every ``Decision`` carries the rule that fired and its inputs, for logs and the
-timeline. Pure Python, clock-free. Not owned here: executing a reshape
-(``transition``).
+Every ``Decision`` (``decision``) carries the rule that fired and its inputs, for
+logs and the timeline. ``Controller`` is also the interface every controller
+extends (the what-if controller's hooks and three steps). Pure Python, clock-free.
+Not owned here: executing a reshape (``transition``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 from vertumnus.policy.control.config import CONTROLLER_MODES, ControllerConfig
+from vertumnus.policy.control.decision import Decision, TrafficFn
+from vertumnus.policy.control.options import pick_merge, pick_splits
 from vertumnus.policy.lattice import Lattice, LatticeError, Reshape, WorkerState
 from vertumnus.policy.placement.scheduler import Placement, PlacementRequest
 
 __all__ = ["CONTROLLER_MODES", "Controller", "ControllerConfig", "Decision", "TrafficFn"]
-
-
-@dataclass(frozen=True)
-class Decision:
-    window: int
-    rule: str  # "split:capacity", "merge:capacity", "merge:long-fraction", ... "hold"
-    ops: tuple[Reshape, ...]
-    demand_s: float
-    capacity_s: float
-    long_fraction: float
-    inputs: Mapping[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "window": self.window,
-            "rule": self.rule,
-            "ops": [
-                {"kind": op.kind, "sources": list(op.sources), "degree": op.target_degree}
-                for op in self.ops
-            ],
-            "demand_s": self.demand_s,
-            "capacity_s": self.capacity_s,
-            "long_fraction": self.long_fraction,
-            **dict(self.inputs),
-        }
-
-
-TrafficFn = Callable[[Reshape], float]  # expected KV reconciliation traffic of a reshape
 
 
 class Controller:
@@ -277,9 +252,22 @@ class Controller:
             return "hold", []
         if room <= 0:
             return "hold:reshapes-in-flight", []
+        busy = {s for op in self.in_flight for s in op.sources}
+        counts = self.planned_composition()
+
+        def score(op: Reshape) -> tuple[float, float, int]:
+            # least drain, then least reconciliation traffic, then the lowest device
+            drain_s = max(loads.get(s, 0.0) for s in op.sources)
+            return (drain_s, self.traffic(op), min(op.target_firsts))
+
         if wants_split or long_split:
             limit = min(room, cfg.max_splits_per_window) if wants_split else 1
-            ops = self._pick_splits(demand, limit, loads, until_fits=wants_split, inputs=inputs)
+
+            def fits(after: Mapping[int, int]) -> bool:
+                return demand <= cfg.upper_fraction * self.capacity_s(after)
+
+            until = fits if wants_split else None  # (capacity: as many as bring rho under upper)
+            ops = pick_splits(self.lattice, busy, counts, score, limit, until, inputs)
             if not ops:
                 return "hold:no-split-allowed", []
             return ("split:capacity" if wants_split else "split:long-fraction"), ops
@@ -288,87 +276,9 @@ class Controller:
         ceiling = (
             (cfg.lower_fraction + cfg.upper_fraction) / 2 if wants_merge else cfg.upper_fraction
         )
-        op = self._pick_merge(demand, ceiling, loads, inputs)
+        op = pick_merge(self.lattice, busy, counts, score, self.capacity_s, demand, ceiling, inputs)
         if op is None:
             if inputs["merges_refused"]:
                 return "hold:merge-refused-capacity", []
             return "hold:no-merge-allowed", []
         return ("merge:capacity" if wants_merge else "merge:long-fraction"), [op]
-
-    def _score(self, op: Reshape, loads: Mapping[int, float]) -> tuple[float, float, int]:
-        drain_s = max(loads.get(s, 0.0) for s in op.sources)
-        return (drain_s, self.traffic(op), min(op.target_firsts))
-
-    def _pick_splits(
-        self,
-        demand: float,
-        limit: int,
-        loads: Mapping[int, float],
-        until_fits: bool,
-        inputs: dict[str, Any],
-    ) -> list[Reshape]:
-        busy = {s for op in self.in_flight for s in op.sources}
-        options = [op for op in self.lattice.split_options() if op.sources[0] not in busy]
-        options.sort(key=lambda op: self._score(op, loads))
-        inputs["split_options"] = [
-            {
-                "worker": op.sources[0],
-                "drain_s": self._score(op, loads)[0],
-                "traffic": self._score(op, loads)[1],
-            }
-            for op in options
-        ]
-        counts = self.planned_composition()
-        chosen: list[Reshape] = []
-        bounds = self.lattice.config
-        for op in options:
-            if len(chosen) >= limit:
-                break
-            degree = self.lattice.workers[op.sources[0]].cp_degree
-            after = counts.copy()
-            after[degree] -= 1
-            after[op.target_degree] += 2
-            if not bounds.within_bounds(after):
-                continue
-            chosen.append(op)
-            counts = after
-            if until_fits and demand <= self.config.upper_fraction * self.capacity_s(counts):
-                break
-        return chosen
-
-    def _pick_merge(
-        self, demand: float, ceiling: float, loads: Mapping[int, float], inputs: dict[str, Any]
-    ) -> Reshape | None:
-        busy = {s for op in self.in_flight for s in op.sources}
-        counts = self.planned_composition()
-        admitted, refused = [], []
-        for op in self.lattice.merge_options():
-            if busy & set(op.sources):
-                continue
-            degree = self.lattice.workers[op.sources[0]].cp_degree
-            after = counts.copy()
-            after[degree] -= 2
-            after[op.target_degree] += 1
-            if not self.lattice.config.within_bounds(after):
-                continue
-            merged_capacity = self.capacity_s(after)
-            if demand <= ceiling * merged_capacity:
-                admitted.append(op)
-            else:
-                refused.append((op, merged_capacity))
-        inputs["merge_ceiling"] = ceiling
-        inputs["merges_refused"] = [
-            {"workers": list(op.sources), "merged_capacity_s": cap} for op, cap in refused
-        ]
-        if not admitted:
-            return None
-        admitted.sort(key=lambda op: self._score(op, loads))
-        inputs["merge_options"] = [
-            {
-                "workers": list(op.sources),
-                "drain_s": self._score(op, loads)[0],
-                "traffic": self._score(op, loads)[1],
-            }
-            for op in admitted
-        ]
-        return admitted[0]

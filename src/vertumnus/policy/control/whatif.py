@@ -1,6 +1,6 @@
 """The what-if controller: predict each reachable composition's TTFT, then act,
-and never do harm (DESIGN.md §6b, §6c; the paper's threshold rules are
-``rules.Controller``).
+and never do harm (docs/scheduling.md, "The what-if controller"; the paper's
+threshold rules are ``rules.Controller``).
 
 Every ``decision_s`` seconds (10 s by default, apart from the capacity window):
 
@@ -37,19 +37,14 @@ Every ``decision_s`` seconds (10 s by default, apart from the capacity window):
      trie matched it: a cold cache alone looks like overload) and only an urgent
      move under overload, or of at least ``urgent_gain``, is made.
 
-Every move is audited (``audit``): once the arrivals of the span after it are
-answered, their measured mean TTFT is compared with the move replayed on them and
-with holding replayed on them from the same state; the error feeds the next
-decisions' pessimism, and every audit is listed in the decision that closed it.
+Every move is audited, and every period the pool spent undisturbed
+(``observations``); the errors feed the next decisions' pessimism and margin.
 
 The decision is cut in three so that a server computes the replays off its event
 loop: ``prepare`` (reads the pool: on the loop), ``evaluate`` (the replays: pure,
 touches nothing shared, safe in a thread) and ``conclude`` (the guards and the
 bookkeeping: on the loop). Every ``Decision`` lists the candidates with their
 predictions, the margin and the choice.
-
-The undisturbed audit: each period the pool spent undisturbed is replayed once all
-its requests ended and its measured mean TTFT compared with that (``periods``).
 
 Pure Python, clock-free. Not owned here: executing reshapes (``transition``).
 """
@@ -60,23 +55,20 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from vertumnus.blocks import max_reuse_blocks
-from vertumnus.policy.control.audit import MoveAudits, OpenAudit, band_of
-from vertumnus.policy.control.calibration import Calibration
+from vertumnus.policy.control.audit import band_of
 from vertumnus.policy.control.candidates import Candidate, DisturbedShares, PoolInputs, candidates
-from vertumnus.policy.control.forecast import Forecast, ForecastConfig, make_sample
-from vertumnus.policy.control.guards import Streak, candidate_rows, homeward, pessimistic_gains
-from vertumnus.policy.control.periods import Period, Periods
-from vertumnus.policy.control.replay import ReplayModel, ReplayWorker, Times
-from vertumnus.policy.control.rules import Controller, ControllerConfig, Decision, TrafficFn
-from vertumnus.policy.control.search import (
-    Evaluation,
-    MoveAuditInput,
-    WayBack,
-    WhatIfPlan,
-    evaluate,
-    faster,
+from vertumnus.policy.control.decision import Decision, TrafficFn
+from vertumnus.policy.control.guards import (
+    Streak,
+    candidate_rows,
+    hold_rule,
+    homeward,
+    pessimistic_gains,
 )
+from vertumnus.policy.control.observations import Observations
+from vertumnus.policy.control.replay import ReplayModel
+from vertumnus.policy.control.rules import Controller, ControllerConfig
+from vertumnus.policy.control.search import Evaluation, WayBack, WhatIfPlan, evaluate, faster
 from vertumnus.policy.costs import CostWeights, ReuseCurve
 from vertumnus.policy.lattice import Lattice, Reshape, WorkerState
 from vertumnus.policy.placement.scheduler import Placement, PlacementRequest
@@ -109,83 +101,35 @@ class WhatIfController(Controller):
         self.max_tokens_per_rank = max_tokens_per_rank  # the scheduler's KV limit
         self.curves = curves
         self.weights = weights
-        self.forecast = Forecast(
-            ForecastConfig(
-                config.horizon_s,
-                config.min_requests,
-                config.max_horizon_s,
-                recent_s=min(config.decision_s, config.horizon_s),
-                long_s=config.steady_horizon_s,
-            ),
-            # (each request's replay times are kept while the forecast keeps it)
-            forget=lambda request_id: self._times.pop(request_id, None),
-        )
-        self.calibration = Calibration(lattice.config.degrees)
+        # what it has seen of the pool, and how its replays fared (``observations``)
+        self.observations = Observations(config, lattice, self.settled)
+        self.forecast = self.observations.forecast
+        self.calibration = self.observations.calibration
+        self.move_audits = self.observations.move_audits
         # consecutive decisions whose best is the same kind of move
         self._streak = Streak(config.z_confirm, config.confirm_limit)
-        self.move_audits = MoveAudits(config.move_error_priors, config.move_error_weight)
-        self._audited: list[dict[str, Any]] = []  # closed since the last decision
-        self._periods = Periods()  # the undisturbed audit's (``periods``)
         self._shares = DisturbedShares(disturbed or (lambda op: 0.0))
-        self._times: dict[int, Times] = {}  # request -> its E per degree (the replay's)
-        self._due: dict[int, OpenAudit] = {}  # move audits being replayed, by id
 
-    # -- inputs ------------------------------------------------------------------------
+    # -- inputs (``observations``) ----------------------------------------------------
 
     def placed(self, request: PlacementRequest, placed: Placement, at_s: float, block: int) -> None:
         """A request placed for the first time: its arrival, length and holders."""
-        deepest = max((p for _, p in placed.holders), default=0) // block
-        update = placed.update
-        matched = 0
-        if update is not None:
-            usable = max_reuse_blocks(request.input_tokens, block)
-            matched = min(update.matched_blocks, usable) * block
-        sample = make_sample(
-            request.request_id,
-            at_s,
-            request.input_tokens,
-            placed.holders,
-            placed.num_candidates,
-            request.block_ids[deepest - 1] if deepest else 0,
-            matched,
-        )
-        self.forecast.record(sample)
-        if not self._periods.started:  # the first period starts with the first arrival
-            workers = tuple(
-                ReplayWorker(w.worker_id, w.cp_degree, 0.0) for w in self.lattice.active()
-            )
-            first = Period(self.window, sample.arrival_s, workers, self.settled())
-            self._periods.open(first, True)
-        self._periods.arrived(sample)
-        self.move_audits.arrived(sample)
+        self.observations.placed(request, placed, at_s, block, self.window)
 
     def prefill_done(
         self, cp_degree: int, input_tokens: int, predicted_s: float, busy_s: float,
         compute_s: float | None,
     ) -> None:  # fmt: skip
-        cal = self.calibration
-        cal.prefill(
-            cp_degree, input_tokens, predicted_s, busy_s if compute_s is None else compute_s
-        )
-        if compute_s is not None:
-            cal.path_overhead(busy_s - compute_s)
+        self.observations.prefill_done(cp_degree, input_tokens, predicted_s, busy_s, compute_s)
 
     def switch_done(self, switch_s: float) -> None:
         self.calibration.switch(switch_s)
 
     def started(self, request_id: int, worker_id: int, reused_tokens: int, key: int) -> None:
-        if not self.forecast.revise(request_id, worker_id, reused_tokens, key):
-            return
-        # Every replay of this request takes the reuse it found: the forecast's, the
-        # period's and the move audits' (its times are computed again).
-        self._times.pop(request_id, None)
-        revised = self.forecast.by_id[request_id]
-        self.move_audits.revised(revised)
-        self._periods.revised(revised)
+        self.observations.started(request_id, worker_id, reused_tokens, key)
 
     def completed(self, request_id: int, ttft_s: float) -> None:
-        self.move_audits.completed(request_id, ttft_s)
-        self._periods.completed(request_id, ttft_s)
+        self.observations.completed(request_id, ttft_s)
 
     # -- the decision ------------------------------------------------------------------
 
@@ -201,9 +145,9 @@ class WhatIfController(Controller):
             cal.overhead_s,
             self.max_tokens_per_rank,
         )
+        seen = self.observations
         window = self.forecast.window(now)
-        if len(self._times) > 2 * len(self.forecast) + 1000:  # (those an audit added late)
-            self._times = {r: t for r, t in self._times.items() if r in self.forecast.by_id}
+        seen.trim_times()
         n = window.count
         dilation = max(1.0, n / cfg.replay_requests)
         # In the cold-cache warm-up, the replay sees the cache as it will be: each
@@ -215,7 +159,7 @@ class WhatIfController(Controller):
             window.start_s,
             dilation,
             window.span_s,
-            None if warming else self._times,
+            None if warming else seen.times,
             warm=warming,
         )
         backlog_scale = {c: sum(s) / len(s) for c, s in scales.items()} if scales else {}
@@ -241,24 +185,9 @@ class WhatIfController(Controller):
             self.forecast.by_id.get,
             self._shares.decision(now),
         )
-        audits = []
-        # One audit a decision (the latest period answered): it is a replay of its
-        # own. A period of the cold start is not one (its cache was filling: the
-        # model's error there says nothing of the next decisions').
-        period = self._periods.done(self.window, None if first is None else first + cfg.horizon_s)
-        if period is not None:
-            d = max(1.0, 3 * len(period.samples) / cfg.replay_requests)  # (a third as many)
-            samples = list(period.samples.values())
-            replayed = model.prepare(samples, period.start_s, d, cache=self._times)
-            audits.append((period.index, replayed, period.workers, period.measured_s()))
-        moves: list[MoveAuditInput] = []
-        self._due = {}
-        for audit, moved, held in self.move_audits.due(now, self.lattice.workers):
-            d = max(1.0, len(moved) / cfg.replay_requests)
-            start = audit.start_s
-            moves.append((audit.audit_id, model.prepare(moved, start, d),
-                          model.prepare(held, start, d), audit.chosen, audit.holding))  # fmt: skip
-            self._due[audit.audit_id] = audit
+        audits, moves = seen.audits_due(
+            model, now, self.window, None if first is None else first + cfg.horizon_s
+        )
         # The load's mix over the longest stable span, at today's rate: a move must
         # also win there (a gain the last horizon_s alone shows is noise in its mix).
         long_forecast = None
@@ -270,11 +199,11 @@ class WhatIfController(Controller):
             if long.span_s >= 1.5 * window.span_s and window.rate > 0 and long.rate > 0:
                 d = max(1.0, long.count / cfg.replay_requests)
                 prepared = model.prepare(long.thinned(1.0 / d), long.start_s, d, long.span_s,
-                                         self._times)  # fmt: skip
+                                         seen.times)  # fmt: skip
                 long_forecast = faster(prepared, window.rate / long.rate)
         span = max(window.span_s, cfg.decision_s)
         cycle_s = max(window.span_s, 1e-9)
-        audit_cycles = max(1, math.ceil(self._audit_span(cycle_s) / cycle_s - 1e-9))
+        audit_cycles = max(1, math.ceil(seen.audit_span(cycle_s) / cycle_s - 1e-9))
         way_back = None
         if cfg.way_back_utilisation > 0:
             way_back = WayBack(cfg.way_back_utilisation, cfg.way_back_rate_max,
@@ -295,13 +224,7 @@ class WhatIfController(Controller):
 
     def conclude(self, plan: WhatIfPlan, evaluation: Evaluation) -> Decision:
         cfg, cal, audits, streak = self.config, self.calibration, self.move_audits, self._streak
-        for index, predicted, measured in evaluation.audits:
-            cal.audit(index, predicted, measured)
-        audited = [
-            audits.record(self._due.pop(audit_id), move_s, hold_s, cal.bias)
-            for audit_id, move_s, hold_s in evaluation.move_audits
-            if audit_id in self._due
-        ]
+        audited = self.observations.audited(evaluation)
         busy = evaluation.busy_fraction
         band = band_of(busy, cfg.overload_utilisation)
         # Pessimistic: each candidate at J * (1 + its kind's audited error), against
@@ -324,26 +247,17 @@ class WhatIfController(Controller):
             streak.add(key, gain, z)
         confirmed = streak.confirmed(margin)
         streak_n = len(streak.entries)
-        if plan.forecast_requests == 0 or best == 0 or gain < margin:
-            rule = "hold"  # (no harm: the present pessimistic gain must clear the margin)
-        elif plan.warming and not (urgent and (overloaded or large)):
-            # (overload as the warm cache will have it: a cold one alone looks like it)
-            rule = "hold:warm-up"
-        elif self.in_flight and not urgent:
-            rule = "hold:reshapes-in-flight"
-        elif audits.watching(plan.now) and not urgent:
-            # (the next move once the last one's span has been seen)
-            rule = "hold:auditing"
-        elif not urgent and not confirmed:
-            rule = "hold:confirming"
-        else:
+        watching = audits.watching(plan.now)
+        rule = hold_rule(plan, best, gain, margin, urgent, overloaded or large,
+                         bool(self.in_flight), watching, confirmed)  # fmt: skip
+        if rule is None:
             ops = tuple(op for op in chosen.ops if self.still_possible(op))
             rule = f"{chosen.kind}:{'urgent' if urgent else 'whatif'}" if ops else "hold:stale"
             streak.reset()
         if self.acting:
             self.in_flight.extend(ops)
             if ops:
-                self._open_audit(plan, evaluation, best, band, gain)
+                self.observations.open_move_audit(self.window, plan, evaluation, best, band, gain)
         inputs: dict[str, Any] = {
             "mode": "whatif",
             "forecast_requests": plan.forecast_requests,
@@ -364,35 +278,10 @@ class WhatIfController(Controller):
             "move_audits": audited,
         }
         decision = self._close(rule, ops, inputs)
-        self._open_period(plan.now, plan.candidates[0], bool(ops) and self.acting)
+        self.observations.open_period(
+            self.window, plan.now, plan.candidates[0], bool(ops) and self.acting
+        )
         return decision
-
-    def _open_audit(
-        self, plan: WhatIfPlan, evaluation: Evaluation, best: int, band: str, gain: float
-    ) -> None:
-        """The move's audit: the arrivals of the next ``horizon_s`` (or the forecast's
-        span, if longer), as predicted now (the live replays' first cycles over it)."""
-        live, hold = evaluation.next[best], evaluation.next[0]
-        if live is None or hold is None or not live.cycle_ttft_s or not hold.cycle_ttft_s:
-            return
-        chosen = plan.candidates[best]
-        sources = {
-            s: self.lattice.workers[s].devices
-            for op in chosen.ops
-            for s in op.sources
-            if s in self.lattice.workers
-        }
-        span = self._audit_span(plan.forecast.span_s)
-        k = plan.audit_cycles
-        first, first_hold = live.cycle_ttft_s[:k], hold.cycle_ttft_s[:k]
-        predicted, predicted_hold = sum(first) / len(first), sum(first_hold) / len(first_hold)
-        self.move_audits.open(self.window, plan.now, span, chosen, plan.candidates[0], band,
-                              predicted, predicted_hold, gain, sources)  # fmt: skip
-
-    def _audit_span(self, forecast_span_s: float) -> float:
-        """What a move's audit watches: the next ``horizon_s`` (at least a decision
-        period), or the forecast's span if longer."""
-        return max(forecast_span_s, self.config.horizon_s, self.config.decision_s)
 
     def _homeward(self, cand: Candidate, hold: Candidate) -> bool:
         """``cand`` takes the pool towards the composition it started in, never past
@@ -409,11 +298,4 @@ class WhatIfController(Controller):
             Decision(
                 self.window, rule, tuple(ops), demand, self.capacity_s(), long_fraction, inputs
             )
-        )
-
-    def _open_period(self, now: float, hold: Candidate, reshaping: bool) -> None:
-        start_workers = tuple(w for w in hold.next_workers if w.worker_id in self.lattice.workers)
-        settled = self.settled()
-        self._periods.open(
-            Period(self.window, now, start_workers, settled and not reshaping), settled
         )

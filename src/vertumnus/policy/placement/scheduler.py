@@ -1,4 +1,5 @@
-"""Placement: every request to one worker, by predicted cost (DESIGN.md §5).
+"""Placement: every request to one worker, by predicted cost (docs/scheduling.md,
+"Placement").
 
 Candidates W_i: ACTIVE workers that can hold the request (its KV per rank within
 ``max_tokens_per_rank``). A prefix miss does not exclude. For w in W_i, with P_iw
@@ -12,8 +13,7 @@ q_w is the worker's outstanding predicted work at ``now``: its queue plus what i
 left of the prefill it runs (its elapsed seconds counted at the pace measured,
 ``costs.Pace``: the profile's seconds, as the queue's). The minimum wins; ties go
 to the lower q_w, then the lower degree, then the lower worker id. E_iw is reserved
-on w at once, so the next arrival sees it, and released when the prefill completes
-or is cancelled.
+on w at once, so the next arrival sees it (the queues: ``queues``).
 
 The backlog term (``CostWeights.backlog_weight``, kappa): n_min is the fewest
 requests waiting (placed, not started) at any candidate. While some worker has at
@@ -23,7 +23,7 @@ E_iw also delays the requests that will queue behind it (about n_min - 1 of them
 the shortest queue's, less the one next in line): the work a placement saves (a
 hit, a faster degree) is worth that many times more than the wait it costs the
 request itself. Without it, near saturation the load term scatters prefixes and
-the pool loses throughput to recomputation (DESIGN.md §5's known weakness).
+the pool loses throughput to recomputation (the cost rule's known weakness).
 
 Pulls (``pull_cost`` set: the cache manager pulls, ``cache.copy_cost``): w may also reuse
 the request's whole MatchedPath P*, copied from a holder while w works off its
@@ -41,37 +41,40 @@ where the requests outstanding at w bring more of the request's prefix: FIFO, th
 write it before the request starts (``coming``). Only what w holds or pulls is
 reported to the cache manager.
 
-Workers run their queue FIFO, one prefill at a time (as the engine does). When a
-worker starts draining, ``drain`` hands back its queued (not started) requests for
-re-placement; what it runs finishes where it is.
-
-Pure Python, clock-free: ``now`` is an argument. Not owned here: the composition
-(``lattice``), when to reshape it (``control``), the trie (``cache.manager``).
+Pure Python, clock-free: ``now`` is an argument. Not owned here: the workers' FIFO
+queues and the reservations (``queues``, which ``Scheduler`` extends), the
+composition (``lattice``), when to reshape it (``control``), the trie
+(``cache.manager``).
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from vertumnus.blocks import max_reuse_blocks
 from vertumnus.perfmodel import DegreeCoeffs
-from vertumnus.policy.cache.coming import ComingBlocks, coming_run
+from vertumnus.policy.cache.coming import coming_run
 from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.cache.plans import RequestUpdate
 from vertumnus.policy.cache.trie import Node
-from vertumnus.policy.costs import CostWeights, Pace, reuse_curves
+from vertumnus.policy.costs import CostWeights, reuse_curves
 from vertumnus.policy.lattice import Lattice, LatticeWorker, WorkerState
+from vertumnus.policy.placement.queues import PlacementRequest, SchedulerError, WorkerQueues
+
+__all__ = [
+    "Choice",
+    "Placement",
+    "PlacementRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerError",
+]
 
 # (worker id, its degree, P_iw, E_iw, q_w, cost, the part of P_iw the worker holds
 # or pulls: the rest is coming there)
 Choice = tuple[int, int, int, float, float, float, int]
-
-
-class SchedulerError(ValueError):
-    """A call that contradicts the scheduler's state (a driver bug)."""
 
 
 @dataclass(frozen=True)
@@ -91,13 +94,6 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
-class PlacementRequest:
-    request_id: int
-    input_tokens: int
-    block_ids: tuple[int, ...] = ()  # chained block ids of its whole blocks
-
-
-@dataclass(frozen=True)
 class Placement:
     request_id: int
     worker_id: int
@@ -112,14 +108,7 @@ class Placement:
     holders: tuple[tuple[int, int], ...] = ()
 
 
-@dataclass
-class _Running:
-    request_id: int
-    start_s: float
-    exec_s: float
-
-
-class Scheduler:
+class Scheduler(WorkerQueues):
     reads_coming = True  # (a baseline router's own rule does not read coming reuse)
 
     def __init__(
@@ -132,19 +121,10 @@ class Scheduler:
         missing = set(lattice.config.degrees) - set(coeffs)
         if missing:
             raise SchedulerError(f"the profile has no coefficients for degrees {sorted(missing)}")
-        self.lattice = lattice
+        super().__init__(lattice)
         self.config = config or SchedulerConfig()
         self.cache = cache
         self.curves = reuse_curves(coeffs)
-        # (real seconds into the profile's: a running prefill's; the policy stack
-        # measures it from every prefill that ends well, against the E it ran)
-        self.pace = Pace()
-        self._queue: dict[int, OrderedDict[int, float]] = {}  # worker -> request -> E
-        self._queued_s: dict[int, float] = {}
-        self._running: dict[int, _Running] = {}
-        self._where: dict[int, int] = {}  # request -> worker
-        self._requests: dict[int, PlacementRequest] = {}
-        self.coming = ComingBlocks()  # the prefixes outstanding requests bring
         self.counts_coming = self.config.coming_reuse and self.reads_coming
         # (MatchedPath, blocks to copy, destination, now) -> (predicted seconds until a
         # pull of them lands, the future prefill seconds its evictions cost); None: no
@@ -152,39 +132,6 @@ class Scheduler:
         self.pull_cost: Callable[[Sequence[Node], int, int, float], tuple[float, float]] | None = (
             None
         )
-
-    # -- load ------------------------------------------------------------------------
-
-    def outstanding_s(self, worker_id: int, now: float) -> float:
-        """q_w: predicted seconds of work queued or left running at ``now``."""
-        run = self._running.get(worker_id)
-        if run is None:
-            return self._queued_s.get(worker_id, 0.0)
-        done = (now - run.start_s) * self.pace.of(self.lattice.workers[worker_id].cp_degree)
-        return self._queued_s.get(worker_id, 0.0) + max(0.0, run.exec_s - done)
-
-    def queued_s(self, worker_id: int) -> float:
-        """Predicted seconds of the worker's queued (not started) requests."""
-        return self._queued_s.get(worker_id, 0.0)
-
-    def loads(self, now: float) -> dict[int, float]:
-        return {w: self.outstanding_s(w, now) for w in self.lattice.workers}
-
-    def queued(self, worker_id: int) -> list[int]:
-        return list(self._queue.get(worker_id, ()))
-
-    def is_queued(self, request_id: int) -> bool:
-        """Placed and not yet started."""
-        worker_id = self._where.get(request_id)
-        return worker_id is not None and request_id in self._queue.get(worker_id, ())
-
-    def head(self, worker_id: int) -> int | None:
-        """The request the worker runs next (FIFO), if any."""
-        return next(iter(self._queue.get(worker_id, ())), None)
-
-    def running(self, worker_id: int) -> int | None:
-        run = self._running.get(worker_id)
-        return None if run is None else run.request_id
 
     # -- placement -------------------------------------------------------------------
 
@@ -318,87 +265,7 @@ class Scheduler:
     def _reserve(
         self, request: PlacementRequest, worker_id: int, exec_s: float, held_tokens: int = 0
     ) -> None:
-        self._queue.setdefault(worker_id, OrderedDict())[request.request_id] = exec_s
-        self._queued_s[worker_id] = self._queued_s.get(worker_id, 0.0) + exec_s
-        self._where[request.request_id] = worker_id
-        self._requests[request.request_id] = request
-        if self.counts_coming:
-            first = held_tokens // self._block()
-            self.coming.add(request.request_id, worker_id, request.block_ids, first)
-
-    # -- a placed request's life -----------------------------------------------------
-
-    def start(self, request_id: int, now: float) -> None:
-        """The worker begins the head of its queue."""
-        worker_id = self._worker_of(request_id)
-        queue = self._queue[worker_id]
-        head = next(iter(queue))
-        if head != request_id:
-            raise SchedulerError(f"worker {worker_id} runs FIFO: {head} is first, not {request_id}")
-        if worker_id in self._running:
-            raise SchedulerError(f"worker {worker_id} already runs a prefill")
-        exec_s = queue.pop(request_id)
-        self._queued_s[worker_id] -= exec_s
-        self._running[worker_id] = _Running(request_id, now, exec_s)
-
-    def complete(self, request_id: int) -> None:
-        """The prefill finished (or failed): release its reservation."""
-        worker_id = self._worker_of(request_id)
-        run = self._running.get(worker_id)
-        if run is None or run.request_id != request_id:
-            raise SchedulerError(f"request {request_id} is not running on worker {worker_id}")
-        del self._running[worker_id]
-        self._forget(request_id)
-
-    def cancel(self, request_id: int) -> PlacementRequest:
-        """Take a request back, queued or running (its worker failed, say)."""
-        worker_id = self._worker_of(request_id)
-        run = self._running.get(worker_id)
-        if run is not None and run.request_id == request_id:
-            del self._running[worker_id]
-        else:
-            self._queued_s[worker_id] -= self._queue[worker_id].pop(request_id)
-        return self._forget(request_id)
-
-    def drain(self, worker_id: int) -> list[PlacementRequest]:
-        """Hand back the worker's queued requests (in queue order) for re-placement;
-        the one it runs stays."""
-        queue = self._queue.pop(worker_id, OrderedDict())
-        self._queued_s[worker_id] = 0.0
-        return [self._forget(rid) for rid in queue]
-
-    def forget_worker(self, worker_id: int) -> list[PlacementRequest]:
-        """The worker is gone (failed or reshaped): everything it had, running first."""
-        out = []
-        run = self._running.pop(worker_id, None)
-        if run is not None:
-            out.append(self._forget(run.request_id))
-        out += self.drain(worker_id)
-        self._queued_s.pop(worker_id, None)
-        return out
-
-    def _forget(self, request_id: int) -> PlacementRequest:
-        del self._where[request_id]
-        request = self._requests.pop(request_id)
-        self.coming.remove(request_id, request.block_ids)
-        return request
-
-    def _worker_of(self, request_id: int) -> int:
-        try:
-            return self._where[request_id]
-        except KeyError:
-            raise SchedulerError(f"request {request_id} is not placed") from None
-
-    def check(self, now: float) -> None:
-        """Raise AssertionError if the reservations disagree with the queues."""
-        placed: dict[int, int] = {}
-        for worker_id, queue in self._queue.items():
-            assert abs(self._queued_s.get(worker_id, 0.0) - sum(queue.values())) < 1e-9
-            for rid in queue:
-                placed[rid] = worker_id
-        for worker_id, run in self._running.items():
-            placed[run.request_id] = worker_id
-        assert placed == self._where and set(self._requests) == set(placed)
-        self.coming.check({r: (w, self._requests[r].block_ids) for r, w in placed.items()})
-        for worker_id in placed.values():
-            assert self.outstanding_s(worker_id, now) >= 0
+        """E_iw reserved at the worker; the request's blocks past the ``held_tokens``
+        its worker holds (or pulls) count as coming there, where the rule reads them."""
+        first = held_tokens // self._block() if self.counts_coming else None
+        self._enqueue(request, worker_id, exec_s, first)
