@@ -98,7 +98,7 @@ def test_an_experiment_report_compares_its_variants(tmp_path: Path) -> None:
     from selenium.webdriver.support.ui import Select
 
     spec = importlib.util.spec_from_file_location(
-        "sim_experiment", ROOT / "tools" / "sim_experiment.py"
+        "sim_experiment", ROOT / "tools" / "experiments" / "sim_experiment.py"
     )
     assert spec is not None and spec.loader is not None
     tool = importlib.util.module_from_spec(spec)

@@ -1,4 +1,4 @@
-"""``configs/grafana/vertumnus.json``: what ``tools/grafana_dashboard.py`` writes, an
+"""``configs/grafana/vertumnus.json``: what ``tools/gen/grafana_dashboard.py`` writes, an
 importable dashboard (a Prometheus data source asked for on import, unique panel
 ids, a place on the grid for each), and every series it queries one that the
 pool's ``/metrics`` exports."""
@@ -18,7 +18,7 @@ COMMITTED = ROOT / "configs" / "grafana" / "vertumnus.json"
 
 def tool_output() -> str:
     spec = importlib.util.spec_from_file_location(
-        "grafana", ROOT / "tools" / "grafana_dashboard.py"
+        "grafana", ROOT / "tools" / "gen" / "grafana_dashboard.py"
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -43,7 +43,7 @@ def exported_series() -> set[str]:
 
 def test_the_committed_dashboard_is_the_tools_output() -> None:
     assert COMMITTED.read_text() == tool_output(), (
-        "configs/grafana/vertumnus.json is stale: run tools/grafana_dashboard.py"
+        "configs/grafana/vertumnus.json is stale: run tools/gen/grafana_dashboard.py"
     )
 
 

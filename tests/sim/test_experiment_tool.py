@@ -1,5 +1,6 @@
-"""``tools/sim_experiment.py``: the fixed sweep, the comparison against the best fixed
-composition, and the decisions each run writes (a tiny generated workload)."""
+"""``tools/experiments/sim_experiment.py``: the fixed sweep, the comparison against
+the best fixed composition, and the decisions each run writes (a tiny generated
+workload)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from typing import Any
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "sim_experiment.py"
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "experiments" / "sim_experiment.py"
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +163,7 @@ def test_the_start_rate_scales_with_the_run(tool: ModuleType) -> None:
     assert "start_rate" not in tool.variant_overrides(auto, None, raw).get("pool", {})
 
 
-EXPERIMENTS = sorted((TOOL.parents[1] / "configs" / "sim").glob("*.toml"))
+EXPERIMENTS = sorted((ROOT / "configs" / "sim").glob("*.toml"))
 
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=[p.stem for p in EXPERIMENTS])
@@ -186,7 +188,7 @@ def test_the_experiments_start_from_what_a_server_has(tool: ModuleType, path: Pa
 def test_the_time_varying_experiment_starts_from_the_builtin_mix(tool: ModuleType) -> None:
     from vertumnus.sim import config as sim_config
 
-    path = TOOL.parents[1] / "configs" / "sim" / "time-varying.toml"
+    path = ROOT / "configs" / "sim" / "time-varying.toml"
     raw = tomllib.loads(path.read_text())
     variant = raw.pop("experiment")["variants"][0]
     assert variant["label"] == "vertumnus"

@@ -1,6 +1,6 @@
-"""``tools/robustness.py`` on one scenario shrunk to seconds: every run, the ratios and
-targets in the JSON and the markdown, and the baselines taken from the cache on a
-second call (their files untouched)."""
+"""``tools/experiments/robustness.py`` on one scenario shrunk to seconds: every run,
+the ratios and targets in the JSON and the markdown, and the baselines taken from the
+cache on a second call (their files untouched)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "robustness.py"
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "experiments" / "robustness.py"
 SEED = 101  # a system-prompt scenario with a burst: about 270 requests at this scale
 SCALE = 0.01
 

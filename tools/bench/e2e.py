@@ -1,6 +1,6 @@
 """End-to-end benchmark on the real server, and the simulator's fidelity against it.
 
-    .venv/bin/python tools/bench_e2e.py [--requests 600] [--rate-scale 10]
+    .venv/bin/python tools/bench/e2e.py [--requests 600] [--rate-scale 10]
         [--length-scale 0.03125] [--output-tokens 1] [--out results/e2e]
 
 It replays the first ``--requests`` requests of

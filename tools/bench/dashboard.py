@@ -1,7 +1,7 @@
 """The live dashboard's cost to the server, and its responsiveness, at 64 workers and
 1,000 samples.
 
-    .venv/bin/python tools/bench_dashboard.py [--workers 64] [--samples 1000]
+    .venv/bin/python tools/bench/dashboard.py [--workers 64] [--samples 1000]
         [--seconds 60] [--polls 2000]
 
 Serves the REST app in this process (the coordinator's event loop, as ``serve`` runs
@@ -41,7 +41,7 @@ from vertumnus.runtime.serve_config import DecodeConfig, ServeConfig
 from vertumnus.server.app import build_app
 from vertumnus.server.tokenizer import Tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 
 def filled(workers: int, samples: int) -> Coordinator:

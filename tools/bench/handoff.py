@@ -1,6 +1,6 @@
 """The KV hand-off's bandwidth against a plain socket copy of the same bytes.
 
-    .venv/bin/python tools/bench_handoff.py [--model tiny] [--layout 1,1]
+    .venv/bin/python tools/bench/handoff.py [--model tiny] [--layout 1,1]
         [--tokens 8192,16384,32768] [--repeat 3]
 
 Starts a coordinator with its rank processes (CPU, fp32) and the REST app on

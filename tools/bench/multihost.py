@@ -1,7 +1,7 @@
 """Figures of a two-host pool on one machine: what the agent hop costs, how fast a
 lost host is seen, and how long its worker takes to rejoin.
 
-    .venv/bin/python tools/bench_multihost.py [--requests 100] [--prompt-tokens 64]
+    .venv/bin/python tools/bench/multihost.py [--requests 100] [--prompt-tokens 64]
 
 Runs the ``tiny`` model on 4 CPU ranks as one degree-4 worker (seeded weights),
 twice, with the coordinator in this process:

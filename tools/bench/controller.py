@@ -2,7 +2,7 @@
 1,024 GPUs (DESIGN.md §6b; targets: under 20 ms median at 40 GPUs, under 50 ms at
 1,024).
 
-    .venv/bin/python tools/bench_controller.py [--seconds 90]
+    .venv/bin/python tools/bench/controller.py [--seconds 90]
 
 (The server computes ``evaluate`` on its decision thread, off the event loop.)
 

@@ -31,9 +31,9 @@ run the script waits (up to ``--max-wait`` s) until other processes use less tha
 
 Run (from the repository root)::
 
-    .venv/bin/python tools/bench_prefill.py                      # 512, 2048, 8192 tokens
-    .venv/bin/python tools/bench_prefill.py --lengths 512,2048 --repeats 5 --json out.json
-    .venv/bin/python tools/bench_prefill.py --parts b            # CP scaling only
+    .venv/bin/python tools/bench/prefill.py                      # 512, 2048, 8192 tokens
+    .venv/bin/python tools/bench/prefill.py --lengths 512,2048 --repeats 5 --json out.json
+    .venv/bin/python tools/bench/prefill.py --parts b            # CP scaling only
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def machine_info(threads: int) -> dict[str, Any]:
     import transformers
 
     try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         head = subprocess.run(
             ["git", "-C", root, "rev-parse", "--short", "HEAD"],
             capture_output=True,

@@ -1,6 +1,6 @@
 """Figures of the serving runtime: coordinator overhead, switch and drain times.
 
-    .venv/bin/python tools/bench_serve.py [--requests 200] [--reshapes 10]
+    .venv/bin/python tools/bench/serve.py [--requests 200] [--reshapes 10]
 
 Starts ``python -m vertumnus serve`` (the embedded default, the controller off) on a
 free port and measures:

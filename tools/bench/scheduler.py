@@ -1,6 +1,6 @@
 """Benchmark of one placement over 64 workers, trie lookups included.
 
-    .venv/bin/python tools/bench_scheduler.py [--nodes 200000] [--requests 3000]
+    .venv/bin/python tools/bench/scheduler.py [--nodes 200000] [--requests 3000]
 
 A pool of 384 devices as 32 degree-4 and 32 degree-8 workers, the derived H100
 profile, and a prefix trie of about ``--nodes`` blocks built from cache reports

@@ -1,6 +1,6 @@
 """Prefill throughput of the Qwen3-MoE engine against transformers, same weights.
 
-    .venv/bin/python tools/bench_moe.py [--lengths 512,2048] [--repeats 3] [--threads 2]
+    .venv/bin/python tools/bench/moe.py [--lengths 512,2048] [--repeats 3] [--threads 2]
 
 The model is Qwen3-30B-A3B's layer shape cut to 2 layers (the ``qwen3-30b-a3b-2l``
 preset: hidden 2048, 32 query and 4 KV heads of 128, 128 experts of 768, top 8,

@@ -1,6 +1,6 @@
 """Benchmark of the global prefix trie and cache manager at cluster scale.
 
-    .venv/bin/python tools/bench_trie.py [--nodes 1000000] [--requests 2000]
+    .venv/bin/python tools/bench/trie.py [--nodes 1000000] [--requests 2000]
 
 A trie of about ``--nodes`` blocks held across 40 workers (20 of degree 4, 20 of
 degree 8; 240 devices), built from cache reports as the coordinator would get them.
