@@ -66,10 +66,10 @@ from vertumnus import loadgen
 from vertumnus.config import resolve_model
 from vertumnus.perfmodel import Profile
 from vertumnus.runtime import serve_config
-from vertumnus.sim.report import percentile
 from vertumnus.sim.simulator import SimSettings, Simulation, biased
 from vertumnus.sim.traces import load_trace
 from vertumnus.sim.workload import SimRequest
+from vertumnus.stats import percentile
 
 TRACE = Path("../shared/traces/conversation_trace.jsonl")
 PERIOD_S = 5.0
