@@ -1,6 +1,6 @@
 """How long one what-if decision takes: forecast, candidates and replays, at 40 and
-1,024 GPUs (DESIGN.md §6b; targets: under 20 ms median at 40 GPUs, under 50 ms at
-1,024).
+1,024 GPUs (the controller: ``docs/scheduling.md``, "The what-if controller";
+targets: under 20 ms median at 40 GPUs, under 50 ms at 1,024).
 
     .venv/bin/python tools/bench/controller.py [--seconds 90]
 
