@@ -5,11 +5,11 @@ pool's ``/metrics`` exports."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
 
+from support.tools import load_tool
 from vertumnus.runtime.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,13 +17,7 @@ COMMITTED = ROOT / "configs" / "grafana" / "vertumnus.json"
 
 
 def tool_output() -> str:
-    spec = importlib.util.spec_from_file_location(
-        "grafana", ROOT / "tools" / "gen" / "grafana_dashboard.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    text: str = module.render()
+    text: str = load_tool("gen/grafana_dashboard.py").render()
     return text
 
 

@@ -5,10 +5,8 @@ workload)."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
-import sys
 import tomllib
 from pathlib import Path
 from types import ModuleType
@@ -16,18 +14,14 @@ from typing import Any
 
 import pytest
 
+from support.tools import load_tool
+
 ROOT = Path(__file__).resolve().parents[2]
-TOOL = ROOT / "tools" / "experiments" / "sim_experiment.py"
 
 
 @pytest.fixture(scope="module")
 def tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sim_experiment", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("sim_experiment", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("experiments/sim_experiment.py")
 
 
 CONFIG = """
@@ -207,10 +201,7 @@ def test_the_time_varying_experiment_starts_from_the_builtin_mix(tool: ModuleTyp
 
 
 def test_the_cache_table_measures_the_manager_against_its_bound(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("cache_table", TOOL.parent / "cache_table.py")
-    assert spec is not None and spec.loader is not None
-    table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(table)
+    table = load_tool("experiments/cache_table.py")
 
     def run(policy: str, rate: float, mean: float, p90: float, **audit: Any) -> dict[str, Any]:
         return {
