@@ -73,7 +73,7 @@ class LengthMix:
     @classmethod
     def builtin(cls) -> LengthMix:
         """A systematic sample (every 24th request) of the Mooncake conversation trace,
-        with its unbounded-cache prefix reuse; made by ``tools/make_builtin_mix.py``."""
+        with its unbounded-cache prefix reuse; made by ``tools/gen/make_builtin_mix.py``."""
         text = (resources.files("vertumnus") / "data" / f"mix-{BUILTIN_MIX}.csv").read_text()
         rows = [line.split(",") for line in text.splitlines()[1:] if line.strip()]
         return cls(f"builtin:{BUILTIN_MIX}", tuple((int(a), int(b)) for a, b in rows))

@@ -5,7 +5,6 @@ summary's figures in its table. The screenshots are saved in the test's folder."
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,10 +14,10 @@ from typing import Any
 import pytest
 
 from support.browser import CHARTS_JS, RESOURCES_JS, chromium, wait_for
+from support.tools import load_tool
 
 pytestmark = [pytest.mark.browser, pytest.mark.multiproc]
 
-ROOT = Path(__file__).resolve().parents[2]
 CONFIG = """
 [pool]
 composition = "4CP4"
@@ -97,12 +96,7 @@ def test_an_experiment_report_compares_its_variants(tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
-    spec = importlib.util.spec_from_file_location(
-        "sim_experiment", ROOT / "tools" / "sim_experiment.py"
-    )
-    assert spec is not None and spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("experiments/sim_experiment.py")
     config = tmp_path / "experiment.toml"
     config.write_text(
         "[experiment]\nsweep_fixed = true\nrate_scales = [1, 2]\nvariants = [\n"

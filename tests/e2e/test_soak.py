@@ -1,4 +1,4 @@
-"""The soak in short form (``tools/soak.py``, 30 s instead of 10 minutes): steady
+"""The soak in short form (``tools/bench/soak.py``, 30 s instead of 10 minutes): steady
 load, 60 % of it completions through the local decode process (streamed, not, and
 abandoned), splits and merges every 7 s, one rank killed half-way and the decode
 process at 21 s. No request lost, answered twice, short or wrong; only the
@@ -20,7 +20,7 @@ from support.processes import wait_gone
 
 pytestmark = pytest.mark.multiproc
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "soak.py"
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench" / "soak.py"
 
 
 @pytest.mark.timeout(240)

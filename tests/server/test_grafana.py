@@ -1,15 +1,15 @@
-"""``configs/grafana/vertumnus.json``: what ``tools/grafana_dashboard.py`` writes, an
+"""``configs/grafana/vertumnus.json``: what ``tools/gen/grafana_dashboard.py`` writes, an
 importable dashboard (a Prometheus data source asked for on import, unique panel
 ids, a place on the grid for each), and every series it queries one that the
 pool's ``/metrics`` exports."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
 
+from support.tools import load_tool
 from vertumnus.runtime.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,13 +17,7 @@ COMMITTED = ROOT / "configs" / "grafana" / "vertumnus.json"
 
 
 def tool_output() -> str:
-    spec = importlib.util.spec_from_file_location(
-        "grafana", ROOT / "tools" / "grafana_dashboard.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    text: str = module.render()
+    text: str = load_tool("gen/grafana_dashboard.py").render()
     return text
 
 
@@ -43,7 +37,7 @@ def exported_series() -> set[str]:
 
 def test_the_committed_dashboard_is_the_tools_output() -> None:
     assert COMMITTED.read_text() == tool_output(), (
-        "configs/grafana/vertumnus.json is stale: run tools/grafana_dashboard.py"
+        "configs/grafana/vertumnus.json is stale: run tools/gen/grafana_dashboard.py"
     )
 
 

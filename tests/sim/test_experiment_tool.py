@@ -1,13 +1,12 @@
-"""``tools/sim_experiment.py``: the fixed sweep, the comparison against the best fixed
-composition, and the decisions each run writes (a tiny generated workload)."""
+"""``tools/experiments/sim_experiment.py``: the fixed sweep, the comparison against
+the best fixed composition, and the decisions each run writes (a tiny generated
+workload)."""
 
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
-import sys
 import tomllib
 from pathlib import Path
 from types import ModuleType
@@ -15,17 +14,14 @@ from typing import Any
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "sim_experiment.py"
+from support.tools import load_tool
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sim_experiment", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("sim_experiment", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("experiments/sim_experiment.py")
 
 
 CONFIG = """
@@ -161,7 +157,7 @@ def test_the_start_rate_scales_with_the_run(tool: ModuleType) -> None:
     assert "start_rate" not in tool.variant_overrides(auto, None, raw).get("pool", {})
 
 
-EXPERIMENTS = sorted((TOOL.parents[1] / "configs" / "sim").glob("*.toml"))
+EXPERIMENTS = sorted((ROOT / "configs" / "sim").glob("*.toml"))
 
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=[p.stem for p in EXPERIMENTS])
@@ -186,7 +182,7 @@ def test_the_experiments_start_from_what_a_server_has(tool: ModuleType, path: Pa
 def test_the_time_varying_experiment_starts_from_the_builtin_mix(tool: ModuleType) -> None:
     from vertumnus.sim import config as sim_config
 
-    path = TOOL.parents[1] / "configs" / "sim" / "time-varying.toml"
+    path = ROOT / "configs" / "sim" / "time-varying.toml"
     raw = tomllib.loads(path.read_text())
     variant = raw.pop("experiment")["variants"][0]
     assert variant["label"] == "vertumnus"
@@ -205,10 +201,7 @@ def test_the_time_varying_experiment_starts_from_the_builtin_mix(tool: ModuleTyp
 
 
 def test_the_cache_table_measures_the_manager_against_its_bound(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("cache_table", TOOL.parent / "cache_table.py")
-    assert spec is not None and spec.loader is not None
-    table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(table)
+    table = load_tool("experiments/cache_table.py")
 
     def run(policy: str, rate: float, mean: float, p90: float, **audit: Any) -> dict[str, Any]:
         return {

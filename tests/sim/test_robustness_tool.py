@@ -1,31 +1,25 @@
-"""``tools/robustness.py`` on one scenario shrunk to seconds: every run, the ratios and
-targets in the JSON and the markdown, and the baselines taken from the cache on a
-second call (their files untouched)."""
+"""``tools/experiments/robustness.py`` on one scenario shrunk to seconds: every run,
+the ratios and targets in the JSON and the markdown, and the baselines taken from the
+cache on a second call (their files untouched)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "robustness.py"
+from support.tools import load_tool
+
 SEED = 101  # a system-prompt scenario with a burst: about 270 requests at this scale
 SCALE = 0.01
 
 
 @pytest.fixture(scope="module")
 def tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("robustness", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("robustness", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("experiments/robustness.py")
 
 
 def without_wall(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -72,7 +72,7 @@ def check_tables(raw: Mapping[str, Any], where: str) -> None:
         if name == "experiment":
             raise ConfigError(
                 f"{where}: [experiment] is an experiment file's table: run it with "
-                f"`python tools/sim_experiment.py {where}`"
+                f"`python tools/experiments/sim_experiment.py {where}`"
             )
         if name in MOVED:
             raise ConfigError(f"{where}: [{name}] is gone: write {MOVED[name]}")

@@ -1,6 +1,7 @@
 """The simulator's plots: TTFT and composition over a run (the paper's Fig. 13) with
 the decisions that moved the composition marked, and an experiment's comparison.
-Written by ``sim/report.py`` and ``tools/sim_experiment.py``; matplotlib only here.
+Written by ``sim/report.py`` and ``tools/experiments/sim_experiment.py``; matplotlib
+only here.
 """
 
 from __future__ import annotations

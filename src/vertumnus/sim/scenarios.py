@@ -29,7 +29,7 @@ the fluid bound of ``sim/saturation.py``, an upper bound on what the simulated p
 serves, so that past load 1 every composition overloads.
 
 Pure Python. Not owned here: the fluid bound (``sim/saturation.py``), running the
-simulations and the report (``tools/robustness.py``).
+simulations and the report (``tools/experiments/robustness.py``).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@
                    step): ``ext_latency_s`` + (input tokens - 1) *
                    ``kv_bytes_per_token`` / ``handoff_bytes_s`` (0: no hand-off, the
                    TTFT ends with the prefill, as a prefill-only pool's does);
-                   measured by ``tools/bench_handoff.py`` and the decode server
+                   measured by ``tools/bench/handoff.py`` and the decode server
 
 ``SimSettings`` holds these knobs and the run's own (seed, SLO, where t = 0 falls in
 the controller's window). Every policy knob is ``PolicyConfig``'s. The parity test's

@@ -2,7 +2,7 @@
 under steady load with periodic splits and merges, one rank killed and one decode
 process killed, checked for lost requests, wrong answers, leaks and memory growth.
 
-    .venv/bin/python tools/soak.py [--duration-s 600] [--rate 8] [--reshape-every-s 20]
+    .venv/bin/python tools/bench/soak.py [--duration-s 600] [--rate 8] [--reshape-every-s 20]
         [--kill-at-s DURATION/2] [--decode-kill-at-s DURATION*0.7] [--hosts 1|2]
         [--agent-down-s 10] [--out results/soak.json]
 
@@ -33,6 +33,10 @@ rank each on loopback (``docs/multi-host.md``), so the degree-2 worker a merge m
 spans both. At ``--kill-at-s`` the second host's agent is SIGKILLed instead of a
 rank (its rank exits with it), and a new agent for that host starts
 ``--agent-down-s`` later.
+
+The JSON holds the machine and source it ran on, and what other processes used
+meanwhile (``harness.py``; the soak does not wait for a quiet machine unless given
+``--max-wait``: its verdicts do not depend on speed).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from typing import Any
 
 import orjson
 
+import harness
 from _serving import start_server
 from vertumnus.stats import percentile
 
@@ -391,6 +396,7 @@ def main() -> int:
     parser.add_argument("--agent-down-s", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("results/soak.json"))
+    harness.add_arguments(parser, json_option=False, max_wait_s=0.0)
     args = parser.parse_args()
     if args.kill_at_s is None:
         args.kill_at_s = args.duration_s / 2
@@ -398,6 +404,7 @@ def main() -> int:
         args.decode_kill_at_s = args.duration_s * 0.7
     pool = prompts(args.seed)
     expected = reference(pool)
+    session = harness.Session("soak", args)
     config = Path(tempfile.mkdtemp()) / "soak.toml"
     config.write_text(
         "[controller]\nenabled = false\n[engine]\nthreads_per_rank = 1\n"
@@ -437,8 +444,7 @@ def main() -> int:
                         os.killpg(agent.pid, signal.SIGKILL)
                         agent.wait()
     summary = summarize(run, end, expected, args, wall, log_path)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    session.finish(args.out, summary)
     for key, value in summary.items():
         if key not in ("memory", "args", "unready", "refused_at_s"):
             print(f"{key:<24} {value}")

@@ -1,6 +1,6 @@
 """Run one simulator experiment: every variant (and rate) of a ``configs/sim`` file.
 
-    .venv/bin/python tools/sim_experiment.py configs/sim/time-varying.toml [--out DIR]
+    .venv/bin/python tools/experiments/sim_experiment.py configs/sim/time-varying.toml [--out DIR]
 
 The file is a ``simulate`` configuration (see ``vertumnus.sim.config``) plus an
 ``[experiment]`` table::

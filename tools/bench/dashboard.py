@@ -1,7 +1,7 @@
 """The live dashboard's cost to the server, and its responsiveness, at 64 workers and
 1,000 samples.
 
-    .venv/bin/python tools/bench_dashboard.py [--workers 64] [--samples 1000]
+    .venv/bin/python tools/bench/dashboard.py [--workers 64] [--samples 1000]
         [--seconds 60] [--polls 2000]
 
 Serves the REST app in this process (the coordinator's event loop, as ``serve`` runs
@@ -20,6 +20,8 @@ second. Then, in the same run:
 
 CPU is this process's (``time.process_time``): the server's loop; Chromium runs in
 processes of its own. Needs Chromium and ChromeDriver (``tools/browser.sh``).
+``--json PATH`` writes the figures with the machine and source they were measured
+on (``harness.py``).
 """
 
 from __future__ import annotations
@@ -35,13 +37,14 @@ from typing import Any
 
 from aiohttp import ClientSession, web
 
+import harness
 from vertumnus.config.pool import PoolConfig
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.serve_config import DecodeConfig, ServeConfig
 from vertumnus.server.app import build_app
 from vertumnus.server.tokenizer import Tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 
 def filled(workers: int, samples: int) -> Coordinator:
@@ -102,7 +105,7 @@ def browse(url: str, seconds: float, folder: Path) -> dict[str, Any]:
     return out
 
 
-async def main(args: argparse.Namespace) -> None:
+async def main(args: argparse.Namespace) -> dict[str, Any]:
     coord = filled(args.workers, args.samples)
     app = build_app(coord, Tokenizer.for_model(coord.model_dir, coord.model_cfg.vocab_size))
     runner = web.AppRunner(app, access_log=None)
@@ -147,6 +150,18 @@ async def main(args: argparse.Namespace) -> None:
             f"longest {result['max_redraw_ms']:.0f} ms; errors {result['errors']}"
         )
         print(f"screenshot: {folder / 'dashboard-64.png'}")
+        return {
+            "args": vars(args),
+            "samples": len(body["samples"]),
+            "reshape_events": len(body["events"]),
+            "first_answer_bytes": len(whole),
+            "poll_bytes": len(answer),
+            "poll_cpu_ms": per_poll_ms,
+            "browser": result,
+            "page_cpu_pct": cost,
+            "target_page_cpu_pct": 1.0,
+            "screenshot": str(folder / "dashboard-64.png"),
+        }
     finally:
         await runner.cleanup()
         await coord.close()
@@ -159,9 +174,11 @@ def run() -> None:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--polls", type=int, default=2000)
     parser.add_argument("--folder", default="results/dashboard")
+    harness.add_arguments(parser)
     args = parser.parse_args()
+    session = harness.Session("dashboard", args)
     threading.current_thread().name = "server"
-    asyncio.run(main(args))
+    session.finish(args.json, asyncio.run(main(args)))
 
 
 if __name__ == "__main__":

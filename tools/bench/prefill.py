@@ -27,31 +27,31 @@ pool of (a) is closed and the transformers model freed before (b) starts. Each p
 is started once and kept across lengths. The machine may be shared: before each timed
 run the script waits (up to ``--max-wait`` s) until other processes use less than
 ``--max-foreign`` cores, and a run during which they used more is redone (up to
-``--retries`` times, then kept and flagged); every run prints the cores others used.
+``--retries`` times, then kept and flagged); every run prints the cores others used
+(``harness.interleaved``). ``--json`` writes the figures with the machine and the
+source they were measured on (``harness.py``).
 
 Run (from the repository root)::
 
-    .venv/bin/python tools/bench_prefill.py                      # 512, 2048, 8192 tokens
-    .venv/bin/python tools/bench_prefill.py --lengths 512,2048 --repeats 5 --json out.json
-    .venv/bin/python tools/bench_prefill.py --parts b            # CP scaling only
+    .venv/bin/python tools/bench/prefill.py                      # 512, 2048, 8192 tokens
+    .venv/bin/python tools/bench/prefill.py --lengths 512,2048 --repeats 5 --json out.json
+    .venv/bin/python tools/bench/prefill.py --parts b            # CP scaling only
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
-import json
 import os
-import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+import harness
 from vertumnus.config import PRESETS, EngineConfig, ModelConfig
 from vertumnus.engine.weights import random_model
 from vertumnus.runtime.prefill import PrefillClient
@@ -62,106 +62,21 @@ TARGET_B = 1.6  # C=1 / C=2 with one thread per rank
 TARGET_B_LENGTH = 8192
 
 
-@dataclass
-class Timed:
-    """Timed runs of one configuration at one length (seconds)."""
-
-    runs: list[float] = field(default_factory=list)
-    rank_compute: list[list[float]] = field(default_factory=list)  # per run, per rank
-    foreign: list[float] = field(default_factory=list)  # cores used by others, per run
-    discarded: int = 0  # runs redone because other processes were busy
-    flagged: int = 0  # runs kept although other processes were busy (retries exhausted)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.runs)
-
-    def rank_compute_median(self) -> list[float]:
-        if not self.rank_compute:
-            return []
-        return [statistics.median(col) for col in zip(*self.rank_compute, strict=True)]
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "median_s": self.median,
-            "runs_s": self.runs,
-            "others_cores_per_run": self.foreign,
-            "discarded_runs": self.discarded,
-            "flagged_runs": self.flagged,
-        }
-        if self.rank_compute:
-            out["rank_compute_median_s"] = self.rank_compute_median()
-            out["rank_compute_runs_s"] = self.rank_compute
-        return out
+def rank_runs(timed: harness.Timed) -> list[list[float]]:
+    """The ranks' compute of each kept run (seconds, per rank); none for transformers."""
+    return [ranks for ranks, _ in timed.details if ranks]
 
 
-def src_fingerprint() -> str:
-    """sha256 (12 hex digits) of the engine's source files, as imported by the ranks."""
-    import hashlib
-    from pathlib import Path
-
-    import vertumnus
-
-    root = Path(vertumnus.__file__).parent
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()[:12]
+def rank_medians(timed: harness.Timed) -> list[float]:
+    return [statistics.median(col) for col in zip(*rank_runs(timed), strict=True)]
 
 
-def machine_info(threads: int) -> dict[str, Any]:
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError):
-        mem_gib = float("nan")
-    import subprocess
-
-    import transformers
-
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        head = subprocess.run(
-            ["git", "-C", root, "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", root, "status", "--porcelain", "--", "src"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        git = f"{head}{' + uncommitted changes in src/' if dirty else ''}"
-    except (OSError, subprocess.CalledProcessError):
-        git = "unknown"
-    import vertumnus
-
-    return {
-        "git": git,
-        "src": os.path.dirname(vertumnus.__file__),
-        "src_sha256": src_fingerprint(),
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "memory_gib": round(mem_gib, 1),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "torch_num_interop_threads": torch.get_num_interop_threads(),
-        "threads_a": threads,
-        "mkldnn": torch.backends.mkldnn.is_available(),
-    }
+def figures(timed: harness.Timed) -> dict[str, Any]:
+    out = timed.to_dict()
+    if rank_runs(timed):
+        out["rank_compute_median_s"] = rank_medians(timed)
+        out["rank_compute_runs_s"] = rank_runs(timed)
+    return out
 
 
 def make_tokens(length: int, vocab: int, seed: int) -> list[int]:
@@ -212,134 +127,31 @@ def hf_prefill(model: Any, tokens: Sequence[int]) -> tuple[float, torch.Tensor]:
     return elapsed, out.logits[0, -1].float()
 
 
-def ours_prefill(worker: PrefillClient, tokens: Sequence[int]) -> tuple[float, list[float], Any]:
+Run = tuple[float, tuple[list[float], torch.Tensor]]  # seconds, (rank compute, logits)
+
+
+def ours_prefill(worker: PrefillClient, tokens: Sequence[int]) -> Run:
     out = worker.prefill(tokens, logits="last")
     assert out.cached_tokens == 0 and out.computed_tokens == len(tokens), "cache was reused"
-    return out.prefill_s, list(out.rank_compute_s), out.logits[-1]
-
-
-Runner = Callable[[Sequence[int]], tuple[float, list[float], torch.Tensor]]
-
-
-class Load:
-    """CPU use of the whole machine and of this benchmark's process tree, from /proc.
-
-    The machine may be shared: a run during which other processes used more than
-    ``max_foreign`` cores on average is discarded and repeated (``--max-foreign``).
-    """
-
-    TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-    def __init__(self, max_foreign: float, max_wait_s: float, retries: int) -> None:
-        self.max_foreign, self.max_wait_s, self.retries = max_foreign, max_wait_s, retries
-        self.available = os.path.exists("/proc/stat")
-
-    @staticmethod
-    def _machine() -> tuple[int, int]:
-        """(busy jiffies, steal jiffies) summed over all CPUs."""
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        # user nice system idle iowait irq softirq steal ...
-        return v[0] + v[1] + v[2] + v[5] + v[6], v[7] if len(v) > 7 else 0
-
-    @staticmethod
-    def _own() -> int:
-        """utime + stime jiffies of this process and its live descendants."""
-        procs: dict[int, tuple[int, int]] = {}
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    raw = f.read()
-            except OSError:
-                continue
-            fields = raw[raw.rindex(")") + 2 :].split()
-            procs[int(name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
-        mine, frontier, total = {os.getpid()}, [os.getpid()], 0
-        while frontier:
-            pid = frontier.pop()
-            total += procs.get(pid, (0, 0))[1]
-            for child, (ppid, _) in procs.items():
-                if ppid == pid and child not in mine:
-                    mine.add(child)
-                    frontier.append(child)
-        return total
-
-    def snapshot(self) -> tuple[float, int, int, int]:
-        if not self.available:
-            return time.perf_counter(), 0, 0, 0
-        busy, steal = self._machine()
-        return time.perf_counter(), busy, steal, self._own()
-
-    def foreign(self, a: tuple[float, int, int, int], b: tuple[float, int, int, int]) -> float:
-        """Average cores used by other processes between two snapshots."""
-        wall = b[0] - a[0]
-        if not self.available or wall <= 0:
-            return 0.0
-        return max(0.0, ((b[1] - a[1]) - (b[3] - a[3])) / self.TICK / wall)
-
-    def wait_quiet(self) -> float:
-        """Wait (at most max_wait_s) until others use < max_foreign cores over 1 s."""
-        if not self.available:
-            return 0.0
-        deadline = time.monotonic() + self.max_wait_s
-        while True:
-            a = self.snapshot()
-            time.sleep(1.0)
-            f = self.foreign(a, self.snapshot())
-            if f < self.max_foreign or time.monotonic() >= deadline:
-                return f
+    return out.prefill_s, (list(out.rank_compute_s), out.logits[-1])
 
 
 def compare(
-    runners: dict[str, Runner], tokens: Sequence[int], repeats: int, load: Load
-) -> tuple[dict[str, Timed], dict[str, torch.Tensor]]:
-    """Warm each runner up once, then ``repeats`` timed rounds of one run each.
+    runners: dict[str, Callable[[Sequence[int]], Run]],
+    tokens: Sequence[int],
+    repeats: int,
+    load: harness.Load,
+) -> tuple[dict[str, harness.Timed], dict[str, torch.Tensor]]:
+    """Each configuration on ``tokens``: ``harness.interleaved`` (a warm-up, then
+    ``repeats`` rounds in alternating order, each run guarded against other
+    processes' load), and the warm-up's last-position logits."""
 
-    The order within a round reverses every round (A B, B A, A B, ...), so that
-    neither configuration always runs right after the other.
+    def ranks(detail: tuple[list[float], torch.Tensor]) -> str:
+        return f"  (rank compute {', '.join(f'{r:.3f}' for r in detail[0])} s)" if detail[0] else ""
 
-    Each timed run waits for a quiet machine first; a run during which other processes
-    used more than ``load.max_foreign`` cores is discarded and redone (at most
-    ``load.retries`` times per run; after that it is kept and flagged).
-    """
-    timed = {name: Timed() for name in runners}
-    logits: dict[str, torch.Tensor] = {}
-    for name, run in runners.items():
-        t, _, lg = run(tokens)
-        logits[name] = lg
-        print(f"    warm-up {name:<18} {t:8.3f} s", flush=True)
-    for i in range(repeats):
-        order = list(runners.items())
-        for name, run in order if i % 2 == 0 else reversed(order):
-            for attempt in range(load.retries + 1):
-                load.wait_quiet()
-                before = load.snapshot()
-                t, ranks, _ = run(tokens)
-                foreign = load.foreign(before, load.snapshot())
-                steal = (load.snapshot()[2] - before[2]) / load.TICK / max(t, 1e-9)
-                extra = (
-                    f"  (rank compute {', '.join(f'{r:.3f}' for r in ranks)} s)" if ranks else ""
-                )
-                clean = foreign <= load.max_foreign
-                note = "" if clean else "  DISCARDED: " if attempt < load.retries else "  FLAGGED: "
-                if note:
-                    note += f"other processes used {foreign:.2f} cores"
-                print(
-                    f"    run {i + 1}/{repeats} {name:<18} {t:8.3f} s{extra}"
-                    f"  [others {foreign:.2f} cores, steal {steal:.2f}]{note}",
-                    flush=True,
-                )
-                if clean or attempt == load.retries:
-                    timed[name].runs.append(t)
-                    timed[name].foreign.append(foreign)
-                    timed[name].flagged += not clean
-                    if ranks:
-                        timed[name].rank_compute.append(ranks)
-                    break
-                timed[name].discarded += 1
-    return timed, logits
+    bound = {name: functools.partial(run, tokens) for name, run in runners.items()}
+    timed, warm = harness.interleaved(bound, repeats, load, ranks)
+    return timed, {name: logits for name, (_, logits) in warm.items()}
 
 
 def part_a(
@@ -349,7 +161,7 @@ def part_a(
     repeats: int,
     seed: int,
     timeout: float,
-    load: Load,
+    load: harness.Load,
 ) -> dict[int, dict[str, Any]]:
     print(f"\n(a) transformers vs Vertumnus C=1, {threads} intra-op thread(s) each", flush=True)
     torch.set_num_threads(threads)
@@ -369,11 +181,11 @@ def part_a(
         print(f"  pool of 1 rank started in {time.perf_counter() - t0:.1f} s", flush=True)
         worker = PrefillClient(pool, (0,))
 
-        def run_hf(tokens: Sequence[int]) -> tuple[float, list[float], torch.Tensor]:
+        def run_hf(tokens: Sequence[int]) -> Run:
             t, lg = hf_prefill(model, tokens)
-            return t, [], lg
+            return t, ([], lg)
 
-        runners: dict[str, Runner] = {
+        runners: dict[str, Callable[[Sequence[int]], Run]] = {
             "transformers": run_hf,
             "vertumnus C=1": lambda tokens: ours_prefill(worker, tokens),
         }
@@ -388,8 +200,8 @@ def part_a(
                 logits["vertumnus C=1"].argmax()
             )
             results[length] = {
-                "transformers": hf.to_dict(),
-                "vertumnus_c1": ours.to_dict(),
+                "transformers": figures(hf),
+                "vertumnus_c1": figures(ours),
                 "ratio": hf.median / ours.median,
                 "logits_max_abs_diff": diff,
                 "logits_max_abs": scale,
@@ -397,7 +209,7 @@ def part_a(
             }
             print(
                 f"  -> transformers {hf.median:.3f} s, ours {ours.median:.3f} s "
-                f"(rank compute {ours.rank_compute_median()[0]:.3f} s), "
+                f"(rank compute {rank_medians(ours)[0]:.3f} s), "
                 f"ratio {hf.median / ours.median:.2f}x, logits max|diff| {diff:.2e} "
                 f"(max|logit| {scale:.1f}, same argmax: {same_argmax})",
                 flush=True,
@@ -406,7 +218,12 @@ def part_a(
 
 
 def part_b(
-    cfg: ModelConfig, lengths: list[int], repeats: int, seed: int, timeout: float, load: Load
+    cfg: ModelConfig,
+    lengths: list[int],
+    repeats: int,
+    seed: int,
+    timeout: float,
+    load: harness.Load,
 ) -> dict[int, dict[str, Any]]:
     print("\n(b) CP scaling, 1 intra-op thread per rank: C=1 vs C=2", flush=True)
     engine = EngineConfig(
@@ -422,7 +239,7 @@ def part_b(
         print(f"  pool of 2 ranks started in {time.perf_counter() - t0:.1f} s", flush=True)
         c1 = PrefillClient(pool, (0,), worker_id=0)
         c2 = PrefillClient(pool, (0, 1), worker_id=1)
-        runners: dict[str, Runner] = {
+        runners: dict[str, Callable[[Sequence[int]], Run]] = {
             "C=1": lambda tokens: ours_prefill(c1, tokens),
             "C=2": lambda tokens: ours_prefill(c2, tokens),
         }
@@ -433,14 +250,14 @@ def part_b(
             one, two = timed["C=1"], timed["C=2"]
             diff = float((logits["C=1"] - logits["C=2"]).abs().max())
             results[length] = {
-                "c1": one.to_dict(),
-                "c2": two.to_dict(),
+                "c1": figures(one),
+                "c2": figures(two),
                 "ratio": one.median / two.median,
                 "logits_max_abs_diff": diff,
             }
-            rc2 = ", ".join(f"{r:.3f}" for r in two.rank_compute_median())
+            rc2 = ", ".join(f"{r:.3f}" for r in rank_medians(two))
             print(
-                f"  -> C=1 {one.median:.3f} s (rank compute {one.rank_compute_median()[0]:.3f}),"
+                f"  -> C=1 {one.median:.3f} s (rank compute {rank_medians(one)[0]:.3f}),"
                 f" C=2 {two.median:.3f} s (rank compute {rc2}), "
                 f"ratio {one.median / two.median:.2f}x, logits max|diff| {diff:.2e}",
                 flush=True,
@@ -505,17 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--rank-timeout", type=float, default=1800.0, help="rank_timeout_s of the pools"
     )
-    parser.add_argument(
-        "--max-foreign",
-        type=float,
-        default=0.25,
-        help="redo a timed run if other processes used more cores than this during it",
-    )
-    parser.add_argument(
-        "--max-wait", type=float, default=300.0, help="longest wait (s) for a quiet machine"
-    )
-    parser.add_argument("--retries", type=int, default=5, help="redos per timed run")
-    parser.add_argument("--json", metavar="OUT", help="write the figures to this JSON file")
+    harness.add_arguments(parser, retries=True)
     args = parser.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
@@ -524,12 +331,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeats < 1 or args.threads < 1:
         parser.error("--repeats and --threads must be positive")
     cfg = PRESETS[args.model]
-    load = Load(args.max_foreign, args.max_wait, args.retries)
-    info = machine_info(args.threads)
     print(f"vertumnus prefill benchmark: model {cfg.name} (random weights, seed {args.seed}), fp32")
     print(f"lengths {lengths}, {args.repeats} timed run(s) after 1 warm-up, median reported")
-    for k, v in info.items():
-        print(f"  {k}: {v}")
+    session = harness.Session("prefill", args)
+    load = session.load
     started = time.perf_counter()
     a = (
         part_a(cfg, lengths, args.threads, args.repeats, args.seed, args.rank_timeout, load)
@@ -568,28 +373,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"target (b) {v['b']['target']}: {verdict}")
     total = time.perf_counter() - started
     print(f"total wall time {total:.0f} s")
-    if src_fingerprint() != info["src_sha256"]:
-        print(
-            "WARNING: the engine's source files changed during the run "
-            f"(src_sha256 {info['src_sha256']} -> {src_fingerprint()}): figures may mix versions"
-        )
-    if args.json:
-        doc = {
+    session.finish(
+        args.json,
+        {
             "model": cfg.name,
             "seed": args.seed,
             "lengths": lengths,
             "repeats": args.repeats,
             "threads_a": args.threads,
-            "machine": info,
-            "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
             "a": {str(n): r for n, r in a.items()},
             "b": {str(n): r for n, r in b.items()},
             "verdicts": v,
-            "total_wall_s": total,
-        }
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2, default=str)
-        print(f"figures written to {args.json}")
+        },
+    )
     return 0
 
 

@@ -1,6 +1,6 @@
 """The KV hand-off's bandwidth against a plain socket copy of the same bytes.
 
-    .venv/bin/python tools/bench_handoff.py [--model tiny] [--layout 1,1]
+    .venv/bin/python tools/bench/handoff.py [--model tiny] [--layout 1,1]
         [--tokens 8192,16384,32768] [--repeat 3]
 
 Starts a coordinator with its rank processes (CPU, fp32) and the REST app on
@@ -16,7 +16,8 @@ connection by one thread (``sendall`` of one buffer) and received by another
 (``recv_into`` one buffer). Prints per length the KV bytes (and bytes per token
 of the model), GB/s of each, and the ratios to the reference (target: 0.8 or
 more from 8K tokens up). The pull is repeated ``--repeat`` times (a fresh prefill
-each), interleaved with the others, and the median taken.
+each), interleaved with the others, and the median taken. ``--json PATH`` writes the
+figures with the machine and source they were measured on (``harness.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+import harness
 from vertumnus.config import EngineConfig, resolve_model
 from vertumnus.config.pool import PoolConfig
 from vertumnus.decode import kv_client
@@ -173,7 +175,7 @@ async def pull_once(
     return await loop.run_in_executor(puller, pull_in_process, url, secret, mode)
 
 
-async def main(args: argparse.Namespace) -> None:
+async def main(args: argparse.Namespace) -> dict[str, Any]:
     layout = tuple(int(x) for x in args.layout.split(","))
     coeffs = {c: DegreeCoeffs(d=0.004, c=3e-5, alpha=3e-8) for c in sorted(set(layout))}
     with tempfile.TemporaryDirectory() as tmp:
@@ -219,6 +221,7 @@ async def main(args: argparse.Namespace) -> None:
         copy_port = ports.get(timeout=60)
         puller = ProcessPoolExecutor(1, mp_context=ctx)
         loop = asyncio.get_running_loop()
+        lengths: dict[int, Any] = {}
         try:
             timeout = aiohttp.ClientTimeout(total=600)
             async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -260,12 +263,23 @@ async def main(args: argparse.Namespace) -> None:
                         + " |",
                         flush=True,
                     )
+                    lengths[n] = {
+                        "bytes": size,
+                        "gb_s": rate,
+                        "runs_s": runs,
+                        "pull_over_copy": ratios[0],
+                        "stream_over_copy_from_first_byte": ratios[1],
+                        "pull_over_copy_threads": ratios[2],
+                        "aiohttp_over_copy": ratios[3],
+                        "dist_over_copy": ratios[4],
+                    }
         finally:
             puller.shutdown()
             sender.kill()
             sender.join()
             await runner.cleanup()
             await coord.close()
+    return {"args": vars(args), "kv_bytes_per_token": per_token, "lengths": lengths}
 
 
 if __name__ == "__main__":
@@ -275,10 +289,13 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", default="8192,16384,32768")
     parser.add_argument("--blocks", type=int, default=4096, help="KV blocks per rank")
     parser.add_argument("--repeat", type=int, default=3)
+    harness.add_arguments(parser)
     args = parser.parse_args()
+    session = harness.Session("handoff", args)
     try:  # the event loop serve runs on
         import uvloop
 
-        uvloop.run(main(args))
+        figures = uvloop.run(main(args))
     except ImportError:
-        asyncio.run(main(args))
+        figures = asyncio.run(main(args))
+    session.finish(args.json, figures)

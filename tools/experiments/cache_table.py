@@ -1,8 +1,8 @@
 """The prefix-cache manager against its bound, from experiments' ``comparison.json``
-(``tools/sim_experiment.py`` with the presets ``fixed``, ``no-replication`` and
+(``tools/experiments/sim_experiment.py`` with the presets ``fixed``, ``no-replication`` and
 ``ideal-replication`` at the same compositions):
 
-    .venv/bin/python tools/cache_table.py results/sim/cache-ablation \\
+    .venv/bin/python tools/experiments/cache_table.py results/sim/cache-ablation \\
         results/sim/cache-ablation-conversation
 
 One row per experiment, rate and starting composition: mean / P90 TTFT with the

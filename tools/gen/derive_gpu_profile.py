@@ -1,14 +1,14 @@
 """Derive the Qwen3-30B-A3B / H100 execution-time profile from the model's shape.
 
-    .venv/bin/python tools/derive_gpu_profile.py \
+    .venv/bin/python tools/gen/derive_gpu_profile.py \
         [--out src/vertumnus/data/profiles/qwen3-30b-a3b-h100.json]
 
-No GPU measurement behind it: each coefficient of E_C(R, P) (DESIGN.md §4) comes from
-the model's shape and realistic H100 throughput, and the one term that first
-principles do not give (the per-token CP overhead ``a_C``) is solved so that the
-predicted speed-ups at 64K input tokens match the paper's measurements (2.71x for
-C=4 and 3.91x for C=8 over C=1). The derivation is printed, written into the
-profile's provenance and explained in docs/gpu-profile.md.
+No GPU measurement behind it: each coefficient of E_C(R, P) comes from the model's
+shape and realistic H100 throughput, and the one term that first principles do not
+give (the per-token CP overhead ``a_C``) is solved so that the predicted speed-ups at
+64K input tokens match the paper's measurements (2.71x for C=4 and 3.91x for C=8 over
+C=1). The derivation is printed, written into the profile's provenance and explained
+in ``docs/gpu-profile.md`` (the coefficients, one by one).
 """
 
 from __future__ import annotations

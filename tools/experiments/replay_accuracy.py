@@ -1,11 +1,11 @@
 """Does the what-if replay rank the compositions as the fixed pools do?
 
-    .venv/bin/python tools/replay_accuracy.py [--out results/robustness-tune]
+    .venv/bin/python tools/experiments/replay_accuracy.py [--out results/robustness-tune]
         [--seeds 0,10] [--window-s 60] [--ideal]
 
-For each robustness scenario (``tools/robustness.py``; its cached fixed runs under
-``OUT/cache`` give each composition's measured mean TTFT and token hit rate), it
-runs the adaptive pool once from the best fixed composition to record every
+For each robustness scenario (``tools/experiments/robustness.py``; its cached fixed
+runs under ``OUT/cache`` give each composition's measured mean TTFT and token hit
+rate), it runs the adaptive pool once from the best fixed composition to record every
 request as the controller samples it, then replays the whole trace, in windows of
 ``--window-s`` from empty queues, on every composition of the lattice with the
 controller's replay model (the profile's times, uncalibrated), each request's
@@ -109,7 +109,10 @@ def main() -> None:
             if preset == "fixed" and path.exists():
                 fixed[comp] = orjson.loads(path.read_bytes())["row"]
         if not fixed:
-            print(f"seed {seed}: no cached fixed runs under {out} (run tools/robustness.py)")
+            print(
+                f"seed {seed}: no cached fixed runs under {out} "
+                "(run tools/experiments/robustness.py)"
+            )
             continue
         best = min(fixed, key=lambda c: fixed[c]["mean_ttft_s"])
         samples, cfg = recorded(scenario, best)

@@ -1,6 +1,6 @@
 """Figures of the serving runtime: coordinator overhead, switch and drain times.
 
-    .venv/bin/python tools/bench_serve.py [--requests 200] [--reshapes 10]
+    .venv/bin/python tools/bench/serve.py [--requests 200] [--reshapes 10]
 
 Starts ``python -m vertumnus serve`` (the embedded default, the controller off) on a
 free port and measures:
@@ -15,7 +15,8 @@ free port and measures:
   * **Drain time**: the same reshapes under a load of concurrent 512-token
     requests: the wait for the participants' running prefills to finish.
 
-Prints medians and p90s with the ratio to each target.
+Prints medians and p90s with the ratio to each target; ``--json PATH`` writes the
+figures with the machine and source they were measured on (``harness.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import harness
 from _serving import start_server
 from vertumnus.stats import percentile
 
@@ -59,7 +61,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--reshapes", type=int, default=10)
+    harness.add_arguments(parser)
     args = parser.parse_args()
+    session = harness.Session("serve", args)
     config = Path(tempfile.mkdtemp()) / "bench-serve.toml"
     config.write_text(f'[controller]\nenabled = false\n[server]\nadmin_token = "{ADMIN_TOKEN}"\n')
     proc, url = start_server(config)
@@ -118,6 +122,19 @@ def main() -> None:
             f"{statistics.median(drains):.1f} ms, p90 {percentile(drains, 90):.1f} ms; "
             f"switch median "
             f"{statistics.median(loaded_switch):.2f} ms; failed requests: {len(failures)}"
+        )
+        session.finish(
+            args.json,
+            {
+                "args": vars(args),
+                "ttft_ms": harness.summary(ttft),
+                "overhead_ms": harness.summary(overhead),
+                "switch_idle_ms": harness.summary(switch),
+                "drain_loaded_ms": harness.summary(drains),
+                "switch_loaded_ms": harness.summary(loaded_switch),
+                "failed_requests": len(failures),
+                "targets": {"overhead_median_ms": 1.0, "switch_median_ms": 1000.0},
+            },
         )
     finally:
         proc.send_signal(signal.SIGTERM)

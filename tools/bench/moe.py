@@ -1,26 +1,30 @@
 """Prefill throughput of the Qwen3-MoE engine against transformers, same weights.
 
-    .venv/bin/python tools/bench_moe.py [--lengths 512,2048] [--repeats 3] [--threads 2]
+    .venv/bin/python tools/bench/moe.py [--lengths 512,2048] [--repeats 3] [--threads 2]
 
 The model is Qwen3-30B-A3B's layer shape cut to 2 layers (the ``qwen3-30b-a3b-2l``
 preset: hidden 2048, 32 query and 4 KV heads of 128, 128 experts of 768, top 8,
 vocabulary 151,936), with random weights. transformers' ``Qwen3MoeForCausalLM`` is
 built first; the engine's model then takes the very same tensors (no copy). For each
-length: one warm-up each, then ``--repeats`` timed prefills of each, interleaved.
-The engine runs its C = 1 path (``prefill_rank`` with the KV written to a paged
-store); transformers runs one forward with ``logits_to_keep=1`` and no cache. Prints
-tokens per second and the ratio, and the engine's expert load of the last run.
+length: one warm-up each, then ``--repeats`` timed prefills of each, interleaved in
+alternating order, each guarded against other processes' load
+(``harness.interleaved``). The engine runs its C = 1 path (``prefill_rank`` with the
+KV written to a paged store); transformers runs one forward with ``logits_to_keep=1``
+and no cache. Prints tokens per second and the ratio, and the engine's expert load of
+the last run; ``--json PATH`` writes the figures with the machine and source they
+were measured on (``harness.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
+from typing import Any
 
 import torch
 import transformers
 
+import harness
 from vertumnus.config import PRESETS
 from vertumnus.engine.comm import SoloComm
 from vertumnus.engine.kv_store import PagedKVStore
@@ -76,14 +80,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model", default="qwen3-30b-a3b-2l")
+    harness.add_arguments(parser, retries=True)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    session = harness.Session("moe", args)
     cfg = PRESETS[args.model]
     start = time.perf_counter()
     hf = hf_model(args.model)
     ours = engine_model(args.model, hf)
     print(f"built {args.model} in {time.perf_counter() - start:.0f} s", flush=True)
     gen = torch.Generator().manual_seed(1)
+    lengths: dict[int, Any] = {}
     for n in (int(x) for x in args.lengths.split(",")):
         tokens = torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
         blocks = -(-n // BLOCK) + 1
@@ -105,13 +112,9 @@ def main() -> None:
                 hf(input_ids=ids, use_cache=False, logits_to_keep=1)
             return time.perf_counter() - t
 
-        run_ours()
-        run_hf()
-        ours_s, hf_s = [], []
-        for _ in range(args.repeats):
-            ours_s.append(run_ours())
-            hf_s.append(run_hf())
-        o, h = statistics.median(ours_s), statistics.median(hf_s)
+        runners = {"engine": lambda: (run_ours(), None), "transformers": lambda: (run_hf(), None)}
+        timed, _ = harness.interleaved(runners, args.repeats, session.load)
+        o, h = timed["engine"].median, timed["transformers"].median
         load = ours.expert_tokens() or {}  # of the last engine run, by sparse layer
         first = load[min(load)]
         print(
@@ -121,6 +124,15 @@ def main() -> None:
             f"{sum(c == 0 for c in first)} of {len(first)}",
             flush=True,
         )
+        lengths[n] = {
+            "engine": timed["engine"].to_dict(),
+            "transformers": timed["transformers"].to_dict(),
+            "engine_tokens_s": n / o,
+            "transformers_tokens_s": n / h,
+            "ratio": h / o,
+            "layer0_expert_load": first,
+        }
+    session.finish(args.json, {"args": vars(args), "lengths": lengths})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The robustness suite: randomized scenarios, the adaptive pool against every baseline.
 
-    .venv/bin/python tools/robustness.py [--seeds report|tune|all|100,103,110-119]
+    .venv/bin/python tools/experiments/robustness.py [--seeds report|tune|all|100,103,110-119]
         [--jobs N] [--out results/robustness] [--duration-scale X] [--only vertumnus]
         [--set controller.KEY=VALUE ...] [--tag NAME]
 

@@ -1,8 +1,8 @@
 """How long one what-if decision takes: forecast, candidates and replays, at 40 and
-1,024 GPUs (DESIGN.md §6b; targets: under 20 ms median at 40 GPUs, under 50 ms at
-1,024).
+1,024 GPUs (the controller: ``docs/scheduling.md``, "The what-if controller";
+targets: under 20 ms median at 40 GPUs, under 50 ms at 1,024).
 
-    .venv/bin/python tools/bench_controller.py [--seconds 90]
+    .venv/bin/python tools/bench/controller.py [--seconds 90]
 
 (The server computes ``evaluate`` on its decision thread, off the event loop.)
 
@@ -16,7 +16,9 @@ Then it evaluates every decision's plan again, once with the replay loop that ru
 (compiled where ``tools/build_native.py`` built it) and once with the pure Python
 loop, checks that both give the same evaluation, and prints the ratio of their
 medians. ``--seconds 330`` reaches the steady state of the 1,024-GPU slice (its
-long window full: five minutes of arrivals); the default 90 s does not.
+long window full: five minutes of arrivals); the default 90 s does not. ``--json
+PATH`` writes the figures with the machine and source they were measured on
+(``harness.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import harness
 from vertumnus import native
 from vertumnus.config import read_toml
 from vertumnus.policy.control import replay, replay_loop, search
@@ -115,7 +118,7 @@ def evaluate_times(plans: list[Any]) -> tuple[list[float], list[Any]]:
     return times, outs
 
 
-def against_pure(plans: list[Any]) -> str:
+def against_pure(plans: list[Any]) -> dict[str, Any]:
     """The same plans evaluated by the loop in use and by the pure Python one."""
     used, used_out = evaluate_times(plans)
     compiled = replay.Replay
@@ -124,19 +127,30 @@ def against_pure(plans: list[Any]) -> str:
         pure, pure_out = evaluate_times(plans)
     finally:
         replay.Replay = search.Replay = compiled  # type: ignore[misc]
-    same = "the same evaluations" if used_out == pure_out else "DIFFERENT EVALUATIONS"
     a, b = statistics.median(used), statistics.median(pure)
-    return (
+    same = used_out == pure_out
+    print(
         f"  evaluate again, the same {len(plans)} plans: this loop {a * 1e3:.2f} ms, pure Python "
-        f"{b * 1e3:.2f} ms (median) -> {b / a:.2f}x; {same}"
+        f"{b * 1e3:.2f} ms (median) -> {b / a:.2f}x; "
+        + ("the same evaluations" if same else "DIFFERENT EVALUATIONS")
     )
+    return {
+        "plans": len(plans),
+        "this_loop_median_s": a,
+        "pure_python_median_s": b,
+        "ratio": b / a,
+        "same_evaluations": same,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
     parser.add_argument("--seconds", type=float, default=90.0, help="simulated seconds per case")
+    harness.add_arguments(parser)
     args = parser.parse_args()
+    session = harness.Session("controller", args)
     print(f"replay loop: {native.status()}")
+    cases: dict[str, Any] = {}
     for name, path, composition, rate_scale, target in CASES:
         timed = run_case(path, composition, rate_scale, args.seconds)
         whole = [sum(p) for p in zip(*timed.parts.values(), strict=True)]
@@ -164,7 +178,23 @@ def main() -> None:
             f"median {statistics.median(dilation):.1f}, candidates median "
             f"{statistics.median(candidates):.0f}"
         )
-        print(against_pure(timed.plans))
+        cases[name] = {
+            "config": path,
+            "composition": composition,
+            "rate_scale": rate_scale,
+            "decisions": len(whole),
+            "parts_s": {part: harness.summary(values) for part, values in timed.parts.items()},
+            "whole_s": harness.summary(whole),
+            "target_median_s": target,
+            "gc_pauses_s": harness.summary(timed.gc_pauses),
+            "forecast_requests_median": statistics.median(requests),
+            "dilation_median": statistics.median(dilation),
+            "candidates_median": statistics.median(candidates),
+            "against_pure": against_pure(timed.plans),
+        }
+    session.finish(
+        args.json, {"seconds": args.seconds, "replay_loop": native.status(), "cases": cases}
+    )
 
 
 if __name__ == "__main__":

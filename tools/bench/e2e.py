@@ -1,6 +1,6 @@
 """End-to-end benchmark on the real server, and the simulator's fidelity against it.
 
-    .venv/bin/python tools/bench_e2e.py [--requests 600] [--rate-scale 10]
+    .venv/bin/python tools/bench/e2e.py [--requests 600] [--rate-scale 10]
         [--length-scale 0.03125] [--output-tokens 1] [--out results/e2e]
 
 It replays the first ``--requests`` requests of
@@ -47,6 +47,9 @@ profile's E for the same requests, read from the answers; the simulated prefills
 take that much longer, the policy still plans with the profile). The second is a
 measured input like the others above; what the simulator still predicts is the
 queueing, placement and reshaping that follow from it.
+
+Everything goes to ``OUT/e2e.json``, with the machine and source it was measured on
+(``harness.py``).
 """
 
 from __future__ import annotations
@@ -61,15 +64,16 @@ from typing import Any
 
 import orjson
 
+import harness
 from _serving import start_server
 from vertumnus import loadgen
 from vertumnus.config import resolve_model
 from vertumnus.perfmodel import Profile
 from vertumnus.runtime import serve_config
-from vertumnus.sim.report import percentile
 from vertumnus.sim.simulator import SimSettings, Simulation, biased
 from vertumnus.sim.traces import load_trace
 from vertumnus.sim.workload import SimRequest
+from vertumnus.stats import percentile
 
 TRACE = Path("../shared/traces/conversation_trace.jsonl")
 PERIOD_S = 5.0
@@ -288,6 +292,7 @@ def main() -> None:
         default=",".join(VARIANTS),
         help="comma-separated subset of " + ", ".join(VARIANTS),
     )
+    harness.add_arguments(parser, json_option=False)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     trace = load_trace(TRACE)
@@ -299,6 +304,7 @@ def main() -> None:
     unknown = sorted(set(chosen) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    session = harness.Session("e2e", args)
     for repeat in range(args.repeats):
         for name in chosen:
             summary, phase, timing, slowdown = serve_once(
@@ -336,18 +342,15 @@ def main() -> None:
             + (gap if "fixed" in medians and name != "fixed" else ""),
             flush=True,
         )
-    (args.out / "e2e.json").write_bytes(
-        orjson.dumps(
-            {
-                "args": vars(args) | {"out": str(args.out)},
-                "server": summaries,
-                "median_mean_ttft_ms": medians,
-                "fidelity": fidelity,
-            },
-            option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY,
-        )
+    session.finish(
+        args.out / "e2e.json",
+        {
+            "args": vars(args) | {"out": str(args.out)},
+            "server": summaries,
+            "median_mean_ttft_ms": medians,
+            "fidelity": fidelity,
+        },
     )
-    print(f"results in {args.out / 'e2e.json'}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Benchmark of one placement over 64 workers, trie lookups included.
 
-    .venv/bin/python tools/bench_scheduler.py [--nodes 200000] [--requests 3000]
+    .venv/bin/python tools/bench/scheduler.py [--nodes 200000] [--requests 3000]
 
 A pool of 384 devices as 32 degree-4 and 32 degree-8 workers, the derived H100
 profile, and a prefix trie of about ``--nodes`` blocks built from cache reports
@@ -15,7 +15,8 @@ all 64 candidates, reserves E_iw and runs the cache manager's per-request update
 (Algorithm 1). The request is then cancelled, so the load stays the same. Printed:
 the median and p99, with the ratio to the 100 us target, the same placement with
 coming prefixes not counted, without the backlog term, and without a cache
-manager (costs and reservation only), for reference.
+manager (costs and reservation only), for reference. ``--json PATH`` writes the
+figures with the machine and source they were measured on (``harness.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import statistics
 import time
 from typing import Any
 
+import harness
 import trie_workload
 from vertumnus.perfmodel import Profile
 from vertumnus.policy.cache.manager import PrefixCacheManager
@@ -100,7 +102,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=3_000)
     parser.add_argument("--warm-requests", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=0)
+    harness.add_arguments(parser)
     args = parser.parse_args()
+    session = harness.Session("scheduler", args)
     full, conversations = setup(args.nodes, args.seed, with_cache=True)
     held, _ = setup(args.nodes, args.seed, with_cache=True, coming=False)
     flat, _ = setup(args.nodes, args.seed, with_cache=True, backlog_weight=0.0)
@@ -143,6 +147,22 @@ def main() -> None:
     print(
         f"place() without a cache manager (costs + reservation): median "
         f"{statistics.median(costs_only):.1f} us, p99 {percentile(costs_only, 99):.1f} us"
+    )
+    session.finish(
+        args.json,
+        {
+            "workers": 64,
+            "nodes": n_nodes,
+            "args": vars(args),
+            "place_us": harness.summary(with_trie),
+            "placement_us": harness.summary(placing),
+            "statistics_update_us": harness.summary(updates),
+            "place_held_only_us": harness.summary(held_only),
+            "place_no_backlog_us": harness.summary(no_backlog),
+            "fewest_waiting": waiting,
+            "place_no_cache_manager_us": harness.summary(costs_only),
+            "target_median_us": 100.0,
+        },
     )
 
 

@@ -1,8 +1,8 @@
 """The headline table "Vertumnus against the best configuration of each peer", from
-experiments' ``comparison.json`` (``tools/sim_experiment.py`` with
+experiments' ``comparison.json`` (``tools/experiments/sim_experiment.py`` with
 ``sweep_routers``):
 
-    .venv/bin/python tools/peers_table.py results/sim/time-varying \\
+    .venv/bin/python tools/experiments/peers_table.py results/sim/time-varying \\
         results/sim/all-policies results/sim/cache-ablation
 
 One row per experiment, rate and phase: Vertumnus's mean / P90 TTFT and token SLO

@@ -1,7 +1,7 @@
 """Figures of a two-host pool on one machine: what the agent hop costs, how fast a
 lost host is seen, and how long its worker takes to rejoin.
 
-    .venv/bin/python tools/bench_multihost.py [--requests 100] [--prompt-tokens 64]
+    .venv/bin/python tools/bench/multihost.py [--requests 100] [--prompt-tokens 64]
 
 Runs the ``tiny`` model on 4 CPU ranks as one degree-4 worker (seeded weights),
 twice, with the coordinator in this process:
@@ -21,6 +21,9 @@ agent and measures two things:
   * **detection**: from the kill until that worker leaves the candidate set;
   * **rejoin**: from a new agent's start until the worker serves again. This
     includes starting its 2 rank processes, loading weights and forming groups.
+
+``--json PATH`` writes the figures with the machine and source they were measured
+on (``harness.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+import harness
 from vertumnus.config import EngineConfig
 from vertumnus.config.pool import PoolConfig
 from vertumnus.perfmodel import DegreeCoeffs, Profile
@@ -125,7 +130,7 @@ async def overheads(coord: Coordinator, n: int, tokens: int) -> tuple[list[float
     return over, compute
 
 
-async def main(args: argparse.Namespace) -> None:
+async def main(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         local = Coordinator(config(tmp, (4,), None))
@@ -167,10 +172,26 @@ async def main(args: argparse.Namespace) -> None:
         print("host 1's agent SIGKILLed (layout 2CP2, one worker per host)")
         print(f"  detection (kill -> out of the candidate set): {detect_s * 1e3:.1f} ms")
         print(f"  rejoin (agent started -> worker active):      {rejoin_s:.2f} s")
+        return {
+            "args": vars(args),
+            "overhead_s": {
+                "local": harness.summary(local_over),
+                "two_hosts": harness.summary(remote_over),
+            },
+            "rank_compute_s": {
+                "local": harness.summary(local_compute),
+                "two_hosts": harness.summary(remote_compute),
+            },
+            "detection_s": detect_s,
+            "rejoin_s": rejoin_s,
+        }
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
     p.add_argument("--requests", type=int, default=100)
     p.add_argument("--prompt-tokens", type=int, default=64)
-    asyncio.run(main(p.parse_args()))
+    harness.add_arguments(p)
+    args = p.parse_args()
+    session = harness.Session("multihost", args)
+    session.finish(args.json, asyncio.run(main(args)))

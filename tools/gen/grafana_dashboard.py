@@ -1,6 +1,6 @@
 """Write the Grafana dashboard over the pool's Prometheus metrics.
 
-    .venv/bin/python tools/grafana_dashboard.py [--out configs/grafana/vertumnus.json]
+    .venv/bin/python tools/gen/grafana_dashboard.py [--out configs/grafana/vertumnus.json]
 
 The dashboard (Grafana's JSON model, schema 39) asks for its Prometheus data source
 on import (``__inputs``: ``DS_PROMETHEUS``) and has a ``job`` variable. Rows: the
@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-OUT = Path(__file__).resolve().parents[1] / "configs" / "grafana" / "vertumnus.json"
+OUT = Path(__file__).resolve().parents[2] / "configs" / "grafana" / "vertumnus.json"
 DS = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
 SEL = '{job=~"$job"}'
 RATE = "$__rate_interval"
