@@ -13,7 +13,7 @@ conversation held by one to three workers. Then:
   * one full scan, after the statistics of ``--warm-requests`` requests;
   * memory per node (tracemalloc, over the whole manager).
 
-Targets (issue 4): match + update under 100 us median, one scan under 1 s, under
+Targets: match + update under 100 us median, one scan under 1 s, under
 1 KB per node. Each figure is printed with its ratio to the target; ``--json PATH``
 writes them with the machine and source they were measured on (``harness.py``).
 """
