@@ -1,6 +1,6 @@
 """``serve``'s log lines are JSON, and a contained bug's (``Metrics.bug``) carries
-its traceback and the ``bug`` mark that soaks and tests look for (before issue 29,
-``worker_loop_crashed`` said ``"exc_info": true`` and nothing more)."""
+its traceback and the ``bug`` mark that soaks and tests look for (it once said:
+``worker_loop_crashed`` with ``"exc_info": true`` and nothing more)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """``/ready`` tells the truth about the default path, and a decode process that dies
 at start-up takes nothing with it: ``python -m vertumnus serve`` with its local
 decode process, which the test SIGKILLs the moment it appears (before it listens).
-Before issue 29 ``serve`` then exited (``the local decode process failed to start:
+``serve`` once exited then (``the local decode process failed to start:
 ''``), and ``/ready`` answered 200 before the decode process was up.
 
 Now ``serve`` keeps serving prefills, ``/ready`` is 503 naming the decode process

@@ -6,7 +6,7 @@ prefill-only requests, completions of 2-32 tokens (non-streamed and streamed),
 streams the client abandons after the first event, and hand-offs asked for
 directly whose leases are pulled, released, or left to expire.
 
-Before issue 29 this path wedged the pool for good after one reshape: a hand-off's
+This path once wedged the pool for good after one reshape: a hand-off's
 prefill that ended a drain looked up its merged-away worker (``KeyError``), the
 switch never reached the ranks, and every later request timed out.
 

@@ -1,7 +1,7 @@
 """Reshapes under hand-off traffic, on simulated time (fake in-process ranks): the
 path every completion takes (prefill with export, lease, pull) meeting a split or a
-merge. Before issue 29, a hand-off prefill that finished the drain of a reshape
-committed the switch inside ``finish`` and then looked for its worker's cache
+merge. A hand-off prefill that finished the drain of a reshape
+once committed the switch inside ``finish`` and then looked for its worker's cache
 index, which the switch had removed (``KeyError``): the worker's loop died, the
 switch was never sent to the ranks, and the pool stayed ``switching`` for good.
 

@@ -1,8 +1,8 @@
 """A rank that hangs in the middle of a switch, on simulated time: the coordinator
 takes it down after ``rank_timeout_s`` (its acknowledgement is skipped), the switch
 completes, the new worker with the dead rank is restarted and serves again, and
-every request sent meanwhile is answered once. (Before issue 16 a missing
-acknowledgement failed the switch and left its new workers out for good.)"""
+every request sent meanwhile is answered once. (A missing
+acknowledgement once failed the switch and left its new workers out for good.)"""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ from vertumnus.runtime.cluster.channel import (
     ToRank,
     Welcome,
 )
-from vertumnus.runtime.ranks import LocalRanks
+from vertumnus.runtime.processes import LocalRanks
 
 log = structlog.get_logger("vertumnus")
 

@@ -73,8 +73,8 @@ class KVSegments:
             device = resolve_device(self.engine, rank)
         except RuntimeError:  # CUDA asked for and absent: the rank says so as it starts
             return None
-        if device.type != "cpu" or self._refused:
-            return None
+        if device.type != "cpu" or self._refused or self.size == 0:
+            return None  # (a rank without KV blocks has no store to share)
         if self._room is not None and self.size * (len(self._made) + 1) > self._room:
             self._refused = True
             log.warning(
