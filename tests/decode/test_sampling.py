@@ -103,3 +103,57 @@ def test_rows_are_chosen_each_by_its_own_params() -> None:
 def test_bad_parameters_are_refused(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_min_tokens_bans_the_end_until_reached() -> None:
+    from vertumnus.decode.sampling import Choosing, adjust
+
+    logits = torch.tensor([0.0, 5.0, 1.0])
+    choosing = Choosing(SamplingParams(temperature=0.0), None, frozenset({1}), min_tokens=2)
+    assert torch.isinf(adjust(logits, choosing, [2])[1])
+    assert adjust(logits, choosing, [2, 2]) is logits  # reached: nothing changes
+
+
+def test_logit_bias_and_penalties_follow_vllm() -> None:
+    from vertumnus.decode.sampling import Choosing, adjust
+
+    logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
+    params = SamplingParams(
+        temperature=0.0,
+        repetition_penalty=2.0,
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+        logit_bias=((3, 10.0),),
+    )
+    out = adjust(logits, Choosing(params, None, prompt_ids=[0]), [1, 1])
+    # id 0 (in the prompt): 2 / 2; id 1 (output twice): -2 * 2 - 0.5 * 2 - 0.25;
+    # id 2 unseen; id 3 biased.
+    assert out.tolist() == [1.0, -5.25, 1.0, 10.5]
+    assert logits.tolist() == [2.0, -2.0, 1.0, 0.5]  # the raw row is kept for logprobs
+
+
+def test_top_k_and_min_p_truncate() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    kept = nucleus_probs(logits, 1.0, 1.0, top_k=2)
+    assert kept.tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0])
+    kept = nucleus_probs(logits, 1.0, 1.0, min_p=0.2)  # p >= 0.1
+    assert kept.tolist() == pytest.approx([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0])
+
+
+def test_top_logprobs_are_raw_and_sorted() -> None:
+    from vertumnus.decode.sampling import LOGPROB_FLOOR, top_logprobs
+
+    logits = torch.tensor([[0.0, 1.0, float("-inf")], [3.0, 0.0, 0.0]])
+    first, second = top_logprobs(logits, [2, 0], k=2)
+    lse = torch.logsumexp(logits[0], dim=-1).item()
+    assert first.token_id == 2 and first.logprob == LOGPROB_FLOOR
+    assert [i for i, _ in first.top] == [1, 0]
+    assert first.top[0][1] == pytest.approx(1.0 - lse)
+    assert second.logprob == pytest.approx(torch.log_softmax(logits[1], -1)[0].item())
+    assert top_logprobs(logits, [0, 0], k=0)[0].top == ()
+
+
+def test_copies_get_their_own_seeds() -> None:
+    params = SamplingParams(seed=5)
+    assert params.for_copy(0).seed == 5 and params.for_copy(2).seed == 7
+    assert SamplingParams().for_copy(3).seed is None

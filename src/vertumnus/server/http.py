@@ -1,8 +1,9 @@
 """What every HTTP server of the project answers alike (the pool's REST API and the
 decode server): JSON bodies in and out with orjson, JSON errors ``{"error":
-{"message", "type"}}``, bearer tokens compared in constant time, and a middleware
-that turns unknown routes, wrong methods, oversized bodies and bugs into JSON
-errors too."""
+{"message", "type", "param", "code"}}`` (``param``: the request field at fault, or
+null; ``code``: the HTTP status, as vLLM answers), bearer tokens compared in
+constant time, and a middleware that turns unknown routes, wrong methods, oversized
+bodies and bugs into JSON errors too."""
 
 from __future__ import annotations
 
@@ -19,7 +20,12 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class BadRequest(ValueError):
-    """What the client sent cannot be served (a 400 naming the field)."""
+    """What the client sent cannot be served: a 400 (or ``status``) naming the field
+    (``param``)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.status = param, status
 
 
 def json_response(
@@ -42,11 +48,20 @@ def error_response(
     kind: str,
     retry_after_s: int | None = None,
     headers: dict[str, str] | None = None,
+    param: str | None = None,
 ) -> web.Response:
     extra = dict(headers or {})
     if retry_after_s is not None:
         extra["Retry-After"] = str(retry_after_s)
-    return json_response({"error": {"message": message, "type": kind}}, status, extra or None)
+    error = {"message": message, "type": kind, "param": param, "code": status}
+    return json_response({"error": error}, status, extra or None)
+
+
+def bad_request(exc: BadRequest, kind: str = "invalid_request_error") -> web.Response:
+    """The answer to what the client sent (404 for a model this server does not serve)."""
+    if exc.status == 404:
+        kind = "NotFoundError"
+    return error_response(exc.status, str(exc), kind, param=exc.param)
 
 
 def parse_json(content_type: str, raw: bytes) -> dict[str, Any]:
