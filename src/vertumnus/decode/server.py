@@ -45,13 +45,7 @@ from vertumnus.decode.completion import (
     parse_completion,
 )
 from vertumnus.decode.dist_client import pull_dist
-from vertumnus.decode.engine import (
-    DecodeEngine,
-    DecodeFailure,
-    DecodeLoop,
-    NewSequence,
-    StepOutput,
-)
+from vertumnus.decode.engine import DecodeEngine, StepOutput
 from vertumnus.decode.kv_client import (
     DEFAULT_TIMEOUT_S,
     PREFILL_TIMEOUT_S,
@@ -62,6 +56,7 @@ from vertumnus.decode.kv_client import (
     release,
     request_prefill,
 )
+from vertumnus.decode.loop import DecodeFailure, DecodeLoop, NewSequence
 from vertumnus.server.http import (
     BadRequest,
     bearer,
