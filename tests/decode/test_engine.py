@@ -4,7 +4,7 @@ from the prompt KV our own model computed (as the prefill pool hands it over);
 a batch of prompts of different lengths, with one joining mid-way, gives each the
 ids it gets alone, in one forward per step; seeded sampling is reproducible;
 end-of-sequence ids and the model's last position stop a sequence; the decode
-thread delivers, cancels and fails sequences as it promises."""
+thread (``decode/loop.py``) delivers, cancels and fails sequences as it promises."""
 
 from __future__ import annotations
 
@@ -19,13 +19,8 @@ import transformers
 from support.factories import TINY, make_tokens
 from support.reference import Checkpoint, make_hf_moe
 from vertumnus.config import ModelConfig
-from vertumnus.decode.engine import (
-    DecodeEngine,
-    DecodeFailure,
-    DecodeLoop,
-    NewSequence,
-    StepOutput,
-)
+from vertumnus.decode.engine import DecodeEngine, StepOutput
+from vertumnus.decode.loop import DecodeFailure, DecodeLoop, NewSequence
 from vertumnus.decode.sampling import SamplingParams
 from vertumnus.engine.model import Qwen3ForCausalLM, causal_attention
 from vertumnus.engine.weights import load_model, random_model

@@ -15,7 +15,8 @@ from aiohttp.test_utils import TestServer
 
 from vertumnus import kv_wire as wire
 from vertumnus.decode.kv_client import TransferParams
-from vertumnus.decode.kv_pull import Arena, pull
+from vertumnus.decode.kv_pull import pull
+from vertumnus.decode.kv_stream import Arena
 from vertumnus.kv_wire import HandoffError
 
 L, H, D, B = 2, 2, 8, 4

@@ -35,9 +35,10 @@ from vertumnus import kv_wire as wire
 from vertumnus.cli.decode import eos_token_ids
 from vertumnus.config import ConfigError
 from vertumnus.decode.engine import DecodeEngine, StepOutput
+from vertumnus.decode.keys import DecodeSettings
 from vertumnus.decode.kv_client import HandoffError, pull, release
 from vertumnus.decode.sampling import SamplingParams
-from vertumnus.decode.server import DecodeSettings, build_app
+from vertumnus.decode.server import build_app
 from vertumnus.engine.model import Qwen3ForCausalLM, causal_attention
 from vertumnus.server.tokenizer import Tokenizer
 

@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from vertumnus.decode.engine import DecodeEngine
-    from vertumnus.decode.server import DecodeSettings
+    from vertumnus.decode.keys import DecodeSettings
     from vertumnus.engine.weights import build_model, resolve_dtype
     from vertumnus.server.tokenizer import Tokenizer
 

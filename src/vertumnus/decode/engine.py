@@ -1,5 +1,5 @@
 """Continuous-batching decode over a ``Qwen3ForCausalLM``: the reference decode
-server's engine (``DecodeEngine``) and the one thread that steps it (``DecodeLoop``).
+server's engine (``DecodeEngine``).
 
 A sequence joins with the KV of its prompt but the last token, pulled from the
 prefill pool (``prompt_kv.py``: pieces as they came), and that last token. Every ``step`` runs
@@ -24,20 +24,16 @@ Cache of a sequence (per layer, K and V alike)::
 A sequence leaves when it chose an end-of-sequence id (``finish_reason`` "stop",
 unless ``ignore_eos``), reached ``max_tokens`` or the model's last position
 ("length"), or was removed. Sequences join and leave between steps. The engine is
-not thread-safe: ``DecodeLoop`` owns it and applies joins and cancellations from
-other threads between steps. Not here: HTTP, the pull of the KV (``kv_client``),
-text.
+not thread-safe: ``DecodeLoop`` (``loop.py``) owns it and applies joins and
+cancellations from other threads between steps. Not here: HTTP, the pull of the KV
+(``kv_client``), text.
 """
 
 from __future__ import annotations
 
-import itertools
-import threading
-import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
-import structlog
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -48,7 +44,6 @@ from vertumnus.engine.model import Qwen3ForCausalLM
 
 # Positions a new cache holds beyond the prompt before its first growth.
 INITIAL_HEADROOM = 64
-log = structlog.get_logger("vertumnus.decode")
 
 
 @dataclass(frozen=True)
@@ -231,172 +226,3 @@ class DecodeEngine:
                 del self._seqs[seq.seq_id]
             outputs.append(StepOutput(seq.seq_id, token, reason))
         return outputs
-
-
-@dataclass(frozen=True)
-class NewSequence:
-    """What a request hands the decode thread: ``DecodeEngine.add``'s arguments."""
-
-    prompt_kv: PromptKV | Sequence[tuple[Tensor, Tensor]]
-    last_token: int
-    params: SamplingParams
-    max_tokens: int
-    eos_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    # called once the prompt's KV is in the cache (or refused): its memory is free
-    release: Callable[[], None] | None = None
-
-
-@dataclass(frozen=True)
-class DecodeFailure:
-    """The sequence could not join or its step failed; it is out of the batch."""
-
-    seq_id: int
-    message: str
-
-
-# Called on the decode thread with each token (or the failure) and the time it was
-# chosen (``time.perf_counter``); it must not block (``loop.call_soon_threadsafe``).
-Deliver = Callable[[StepOutput | DecodeFailure, float], None]
-
-
-@dataclass
-class _Inbox:
-    adds: list[tuple[int, NewSequence, Deliver]] = field(default_factory=list)
-    cancels: set[int] = field(default_factory=set)
-
-
-class DecodeLoop:
-    """The one thread that steps a ``DecodeEngine`` while sequences are active.
-
-    ``submit`` and ``cancel`` may be called from any thread: they queue the change,
-    which the decode thread applies between steps (cancellations first, then joins).
-    Every sequence gets each of its tokens through its ``Deliver``, then nothing more
-    after the one with a ``finish_reason`` or a ``DecodeFailure``; a cancelled one
-    gets nothing more. ``close`` fails what is left and joins the thread."""
-
-    def __init__(self, engine: DecodeEngine) -> None:
-        self.engine = engine
-        self._cond = threading.Condition()
-        self._inbox = _Inbox()
-        self._stopping = False
-        self._ids = itertools.count()
-        self._deliver: dict[int, Deliver] = {}  # the decode thread's own
-        self._thread = threading.Thread(target=self._run, name="vertumnus-decode", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    @property
-    def num_active(self) -> int:
-        """Sequences decoding (approximate from another thread)."""
-        return len(self.engine)
-
-    def submit(self, seq: NewSequence, deliver: Deliver) -> int:
-        """Queue a sequence to join at the next step; returns its id."""
-        with self._cond:
-            if self._stopping:
-                raise RuntimeError("the decode loop is closed")
-            seq_id = next(self._ids)
-            self._inbox.adds.append((seq_id, seq, deliver))
-            self._cond.notify()
-        return seq_id
-
-    def cancel(self, seq_id: int) -> None:
-        """Take the sequence out of the batch before the next step (no-op if done)."""
-        with self._cond:
-            self._inbox.cancels.add(seq_id)
-            self._cond.notify()
-
-    def close(self, timeout_s: float = 30.0) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-
-    def _take(self) -> _Inbox | None:
-        """The queued changes, waiting while there is nothing to do; None: stop."""
-        with self._cond:
-            while not (
-                self._stopping or self._inbox.adds or self._inbox.cancels or len(self.engine)
-            ):
-                self._cond.wait()
-            inbox, self._inbox = self._inbox, _Inbox()
-            if self._stopping:
-                for seq_id, _, deliver in inbox.adds:
-                    self._deliver[seq_id] = deliver
-                return None
-            return inbox
-
-    def _run(self) -> None:
-        while True:
-            inbox = self._take()
-            if inbox is None:
-                break
-            self._apply(inbox)
-            del inbox  # the prompts' pulled KV: in the caches now, not kept twice
-            if len(self.engine):
-                self._step()
-        self._fail_all("the decode server is shutting down")
-
-    def _apply(self, inbox: _Inbox) -> None:
-        for seq_id in inbox.cancels:
-            self.engine.remove(seq_id)
-            self._deliver.pop(seq_id, None)
-        for seq_id, seq, deliver in inbox.adds:
-            try:
-                if seq_id not in inbox.cancels:
-                    self._add(seq_id, seq, deliver)
-            finally:
-                if seq.release is not None:
-                    seq.release()
-
-    def _add(self, seq_id: int, seq: NewSequence, deliver: Deliver) -> None:
-        try:
-            self.engine.add(
-                seq_id,
-                seq.prompt_kv,
-                seq.last_token,
-                seq.params,
-                seq.max_tokens,
-                seq.eos_token_ids,
-                seq.ignore_eos,
-            )
-        except (ValueError, RuntimeError) as exc:  # bad KV, or out of memory
-            self._send(deliver, DecodeFailure(seq_id, f"cannot decode: {exc}"))
-            return
-        self._deliver[seq_id] = deliver
-
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:  # a bug or out of memory: the batch fails, the loop goes on
-            log.exception("decode_step_failed", sequences=len(self.engine), error=repr(exc))
-            self._fail_all(f"decode step failed: {type(exc).__name__}: {exc}")
-            return
-        now = time.perf_counter()
-        for out in outputs:
-            deliver = self._deliver.get(out.seq_id)
-            if out.finish_reason is not None:
-                self._deliver.pop(out.seq_id, None)
-            if deliver is not None and not self._send(deliver, out, now):
-                self.engine.remove(out.seq_id)  # nobody listens any more
-                self._deliver.pop(out.seq_id, None)
-
-    def _fail_all(self, message: str) -> None:
-        for seq_id in self.engine.seq_ids:
-            self.engine.remove(seq_id)
-        for seq_id, deliver in list(self._deliver.items()):
-            self._send(deliver, DecodeFailure(seq_id, message))
-        self._deliver.clear()
-
-    @staticmethod
-    def _send(
-        deliver: Deliver, event: StepOutput | DecodeFailure, now: float | None = None
-    ) -> bool:
-        try:
-            deliver(event, time.perf_counter() if now is None else now)
-        except RuntimeError:  # its event loop is closed
-            return False
-        return True

@@ -5,7 +5,7 @@ straight into its tensors), or give it up (``release``).
 Whatever goes wrong (the pool's 404/410/401 with its JSON message, a stream cut
 short, a header whose shape is not the served model's, an unreachable pool) is one
 ``HandoffError`` that says so. Not here: the wire format itself (``kv_wire.py``), what
-the KV is used for (``decode_engine.py``).
+the KV is used for (``engine.py``).
 """
 
 from __future__ import annotations
@@ -18,13 +18,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from vertumnus.decode.kv_pull import (
-    TORCH_DTYPES,
-    PulledKV,
-    check_header,
-    error_message,
-    pull,
-)
+from vertumnus.decode.kv_pull import PulledKV, error_message, pull
+from vertumnus.decode.kv_stream import TORCH_DTYPES, check_header
 from vertumnus.kv_wire import HandoffError
 
 __all__ = [

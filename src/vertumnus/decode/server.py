@@ -8,11 +8,10 @@
 
 A request with ``kv_transfer_params`` (a proxy's, as the prefill pool answered them)
 pulls the KV they name from ``{remote_scheme}://{remote_host}:{remote_port}``; without them
-this server asks its prefill pool for the prefill first (``kv_client``). The steps
-run on the decode thread (``DecodeLoop``); each request waits on an asyncio queue
-that thread feeds through ``loop.call_soon_threadsafe``. A client that goes away
-(its handler cancelled, its stream broken, its connection closed) takes its
-sequence out of the batch.
+this server asks its prefill pool for the prefill first (``handoff.py``). The steps
+run on the decode thread (``loop.py``), whose tokens each request relays
+(``answers.py``). A client that goes away (its handler cancelled, its stream
+broken, its connection closed) takes its sequence out of the batch.
 
 Errors are JSON ``{"error": {"message", "type"}}``: 400 naming the field for what
 the client sent; for the hand-off, the pool's 400 and 503 pass through and anything
@@ -24,44 +23,20 @@ failure is one ``data: {"error": ...}`` event, and the stream ends. With an API 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import aclosing
-from dataclasses import dataclass
-from functools import partial
-from typing import Any
+from collections.abc import AsyncIterator
 
 import aiohttp
-import orjson
 import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from vertumnus.config import ModelConfig
-from vertumnus.decode.completion import (
-    Completion,
-    Detokenizer,
-    Generation,
-    parse_completion,
-)
-from vertumnus.decode.dist_client import pull_dist
-from vertumnus.decode.engine import (
-    DecodeEngine,
-    DecodeFailure,
-    DecodeLoop,
-    NewSequence,
-    StepOutput,
-)
-from vertumnus.decode.kv_client import (
-    DEFAULT_TIMEOUT_S,
-    PREFILL_TIMEOUT_S,
-    HandoffError,
-    PulledKV,
-    TransferParams,
-    pull,
-    release,
-    request_prefill,
-)
+from vertumnus.decode.answers import DecodeFailed, answer_json, answer_stream
+from vertumnus.decode.completion import Generation, parse_completion
+from vertumnus.decode.engine import DecodeEngine
+from vertumnus.decode.handoff import handoff, handoff_error
+from vertumnus.decode.keys import RESOURCES, SETTINGS, TOKENIZER, DecodeSettings, Resources
+from vertumnus.decode.kv_client import HandoffError
+from vertumnus.decode.loop import DecodeLoop
 from vertumnus.server.http import (
     BadRequest,
     bearer,
@@ -78,216 +53,24 @@ MAX_BODY_BYTES = 16 * 1024 * 1024
 log = structlog.get_logger("vertumnus.decode")
 
 
-@dataclass(frozen=True)
-class DecodeSettings:
-    """What the app needs besides the engine. ``prefill_url`` None: every request
-    must bring ``kv_transfer_params``; ``prefill_key``: the bearer sent to the pool
-    for prefills and pulls; ``api_key``: guards ``/v1/*`` here."""
-
-    model: ModelConfig
-    eos_token_ids: tuple[int, ...] = ()
-    prefill_url: str | None = None
-    prefill_key: str | None = None
-    api_key: str | None = None
-    pool_timeout_s: float = DEFAULT_TIMEOUT_S  # connect, and between two reads of a pull
-    # How the KV travels: "http" (the pull stream) or "dist" (the pool's ranks send it
-    # point to point; ``dist_host``: this server's address as they reach it)
-    transport: str = "http"
-    dist_host: str = "127.0.0.1"
-    prefill_timeout_s: float = PREFILL_TIMEOUT_S  # for the answer of a prefill we ask for
-
-
-SETTINGS = web.AppKey("settings", DecodeSettings)
-TOKENIZER = web.AppKey("tokenizer", Tokenizer)
-
-
-@dataclass
-class Resources:
-    """What lives as long as the app: the decode thread (started with the app,
-    closed at its cleanup) and the client session to the prefill pool."""
-
-    decode: DecodeLoop
-    session: aiohttp.ClientSession | None = None
-
-    def pool_session(self) -> aiohttp.ClientSession:
-        if self.session is None:
-            raise RuntimeError("the app has not started")
-        return self.session
-
-
-RESOURCES = web.AppKey("resources", Resources)
-
-
-class DecodeFailed(RuntimeError):
-    pass
-
-
-async def _handoff(request: web.Request, req: Completion) -> tuple[PulledKV, float | None]:
-    """The prompt's KV (``PulledKV``) and the seconds of the prefill this server asked
-    for (None when the request brought ``kv_transfer_params``)."""
-    settings, session = request.app[SETTINGS], request.app[RESOURCES].pool_session()
-    key, timeout_s = settings.prefill_key, settings.pool_timeout_s
-    transfer, prefill_s = req.transfer, None
-    if transfer is None:
-        if settings.prefill_url is None:
-            raise BadRequest("'kv_transfer_params' is needed: this server has no prefill pool")
-        start = time.perf_counter()
-        params = await request_prefill(
-            settings.prefill_url,
-            req.token_ids,
-            key,
-            session=session,
-            timeout_s=settings.prefill_timeout_s,
-        )
-        prefill_s = time.perf_counter() - start
-        try:
-            transfer = TransferParams.parse(params)
-        except ValueError as exc:
-            raise HandoffError(f"the prefill pool's answer: {exc}", "malformed") from None
-    n = len(req.token_ids) - 1
-    if transfer.num_tokens != n:
-        try:  # nobody will pull it: let the pool free it now
-            await release(transfer.base_url, transfer.handle, key, session=session, timeout_s=5.0)
-        except HandoffError as exc:
-            log.warning("release_failed", handle=transfer.handle, error=str(exc))
-        raise BadRequest(
-            f"'kv_transfer_params.num_tokens' is {transfer.num_tokens}; a prompt of "
-            f"{len(req.token_ids)} tokens needs the KV of {n}"
-        )
-    fetch = (
-        pull
-        if settings.transport == "http"
-        else partial(pull_dist, host=settings.dist_host, session=session)
-    )
-    pulled = await fetch(
-        transfer.base_url, transfer.handle, key, model=settings.model, timeout_s=timeout_s
-    )
-    if pulled.header.num_tokens != n:
-        raise BadRequest(
-            f"the pulled KV holds {pulled.header.num_tokens} tokens; a prompt of "
-            f"{len(req.token_ids)} tokens needs {n}"
-        )
-    return pulled, prefill_s
-
-
-def _handoff_error(exc: HandoffError) -> web.Response:
-    if exc.status == 400:
-        return error_response(400, str(exc), "invalid_request_error")
-    if exc.status == 503:
-        return error_response(503, str(exc), "unavailable", retry_after_s=1)
-    return error_response(502, str(exc), "handoff_error")
-
-
-async def _decode(request: web.Request, run: Generation) -> AsyncGenerator[StepOutput, None]:
-    """The sequence's tokens as the decode thread chooses them (recorded in ``run``);
-    the sequence leaves the batch if the consumer stops early (the client went away).
-    Use under ``aclosing``, so that leaving happens when the consumer stops."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[StepOutput | DecodeFailure, float]] = asyncio.Queue()
-
-    def deliver(event: StepOutput | DecodeFailure, at: float) -> None:  # decode thread
-        loop.call_soon_threadsafe(queue.put_nowait, (event, at))
-
-    decode, req = request.app[RESOURCES].decode, run.req
-    eos = request.app[SETTINGS].eos_token_ids
-    if run.pulled is None:
-        raise RuntimeError("this generation was handed to the decode thread already")
-    new = NewSequence(
-        run.pulled.prompt,
-        req.token_ids[-1],
-        req.params,
-        req.max_tokens,
-        eos,
-        req.ignore_eos,
-        run.pulled.release,
-    )
-    run.pulled = None
-    run.submitted = time.perf_counter()
-    seq_id = decode.submit(new, deliver)
-    del new  # the decode thread holds the prompt's KV until it has joined the batch
-    finished = False
-    try:
-        while not finished:
-            event, at = await queue.get()
-            if isinstance(event, DecodeFailure):
-                finished = True
-                raise DecodeFailed(event.message)
-            finished = event.finish_reason is not None
-            run.ids.append(event.token_id)
-            run.times.append(at)
-            run.finish_reason = event.finish_reason
-            yield event
-    finally:
-        if not finished:
-            decode.cancel(seq_id)
-
-
-def _client_gone(request: web.Request) -> bool:
-    return request.transport is None or request.transport.is_closing()
-
-
-async def _answer_json(request: web.Request, run: Generation) -> web.StreamResponse:
-    async with aclosing(_decode(request, run)) as tokens:
-        async for _ in tokens:
-            if _client_gone(request):  # a backstop: handlers are cancelled on disconnect
-                log.info("client_gone", completion_tokens=len(run.ids))
-                return web.Response(status=499)
-    return json_response(run.answer(request.app[TOKENIZER].decode(run.ids)))
-
-
-def _event(data: Any) -> bytes:
-    return b"data: " + orjson.dumps(data) + b"\n\n"
-
-
-async def _answer_stream(request: web.Request, run: Generation) -> web.StreamResponse:
-    """One event per token (the last with ``finish_reason``, ``usage`` and
-    ``timings``), then ``[DONE]``; a failure is one error event, then the end."""
-    stream = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
-    await stream.prepare(request)
-    text = Detokenizer(request.app[TOKENIZER])
-    tail = b"data: [DONE]\n\n"
-    try:
-        try:
-            async with aclosing(_decode(request, run)) as tokens:
-                async for out in tokens:
-                    piece = text.add(out.token_id, last=out.finish_reason is not None)
-                    await stream.write(_event(run.chunk(piece)))
-        except DecodeFailed as exc:
-            log.warning("decode_failed", error=str(exc), completion_tokens=len(run.ids))
-            tail = _event({"error": {"message": str(exc), "type": "decode_error"}})
-        except Exception as exc:  # a bug: the headers are sent, so it ends the stream
-            if isinstance(exc, ConnectionResetError):
-                raise
-            log.exception("internal_error", path=request.path, error=repr(exc))
-            message = f"internal error: {type(exc).__name__}"
-            tail = _event({"error": {"message": message, "type": "internal_error"}})
-        await stream.write(tail)
-        await stream.write_eof()
-    except ConnectionResetError:
-        log.info("client_gone", completion_tokens=len(run.ids))
-    return stream
-
-
 async def completions(request: web.Request) -> web.StreamResponse:
     tokenizer, cfg = request.app[TOKENIZER], request.app[SETTINGS].model
     try:
         body = parse_json(request.content_type, await request.read())
         req = parse_completion(body, tokenizer, cfg)
-        pulled, prefill_s = await _handoff(request, req)
+        pulled, prefill_s = await handoff(request, req)
     except BadRequest as exc:
         return error_response(400, str(exc), "invalid_request_error")
     except HandoffError as exc:
         log.warning("handoff_failed", kind=exc.kind, status=exc.status, error=str(exc))
-        return _handoff_error(exc)
+        return handoff_error(exc)
     run = Generation(req, pulled, prefill_s)
     del pulled  # ``run`` holds the KV until the decode thread has it
     if req.stream:
-        response = await _answer_stream(request, run)
+        response = await answer_stream(request, run)
     else:
         try:
-            response = await _answer_json(request, run)
+            response = await answer_json(request, run)
         except DecodeFailed as exc:
             log.warning("decode_failed", error=str(exc), completion_tokens=len(run.ids))
             return error_response(500, str(exc), "decode_error")
