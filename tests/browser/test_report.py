@@ -100,8 +100,8 @@ def test_an_experiment_report_compares_its_variants(tmp_path: Path) -> None:
     config = tmp_path / "experiment.toml"
     config.write_text(
         "[experiment]\nsweep_fixed = true\nrate_scales = [1, 2]\nvariants = [\n"
-        '  { label = "vertumnus", policy = "vertumnus" },\n'
-        '  { label = "fixed (start)", policy = "fixed" },\n]\n' + CONFIG
+        '  { label = "vertumnus", preset = "vertumnus" },\n'
+        '  { label = "fixed (start)", preset = "fixed" },\n]\n' + CONFIG
     )
     out = tool.run_experiment(config, tmp_path / "out", echo=False)
     runs = json.loads((out / "comparison.json").read_text())["runs"]

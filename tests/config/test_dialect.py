@@ -182,7 +182,7 @@ def test_a_workload_must_come_in_the_pools_blocks(tmp_path: Path) -> None:
 
 def test_an_experiment_file_is_not_a_simulate_configuration(tmp_path: Path) -> None:
     path = tmp_path / "experiment.toml"
-    path.write_text('[experiment]\nvariants = [{ label = "a", policy = "fixed" }]\n')
+    path.write_text('[experiment]\nvariants = [{ label = "a", preset = "fixed" }]\n')
     with pytest.raises(
         ConfigError, match=r"run it with `python tools/experiments/sim_experiment\.py"
     ):

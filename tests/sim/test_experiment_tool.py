@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from support.tools import load_tool
+from vertumnus.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,8 +29,8 @@ CONFIG = """
 [experiment]
 sweep_fixed = true
 variants = [
-  { label = "vertumnus", policy = "vertumnus", pool = { composition = "auto", ranks = 16 } },
-  { label = "fixed (start)", policy = "fixed" },
+  { label = "vertumnus", preset = "vertumnus", pool = { composition = "auto", ranks = 16 } },
+  { label = "fixed (start)", preset = "fixed" },
 ]
 
 [pool]
@@ -72,7 +73,7 @@ def test_sweep_and_best_fixed_and_decisions(tool: ModuleType, tmp_path: Path) ->
 
     best = comparison["against_best_fixed"]
     assert [e["phase"] for e in best] == [None, 0, 1]
-    fixed = [r for r in runs if r["policy"] == "fixed"]
+    fixed = [r for r in runs if r["preset"] == "fixed"]
     adaptive = runs[0]
     for e in best:
         phase = e["phase"]
@@ -119,8 +120,21 @@ def test_sweep_and_best_fixed_and_decisions(tool: ModuleType, tmp_path: Path) ->
         assert "Vertumnus.report" in (out / r["run"] / "report.html").read_text()
 
 
+def test_a_variant_of_an_earlier_version_is_refused(tool: ModuleType, tmp_path: Path) -> None:
+    """A variant that names its preset ``policy`` (the key's earlier name) is refused,
+    naming the key to write, before anything runs (in one line from the command)."""
+    path = tmp_path / "old.toml"
+    path.write_text(CONFIG.replace('preset = "fixed"', 'policy = "fixed"'))
+    moved = r"variant 'fixed \(start\)': \[experiment\.variants\] policy moved: write preset = NAME"
+    with pytest.raises(ConfigError, match=moved):
+        tool.run_experiment(path, tmp_path / "out", echo=False)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit, match=r"^error: .*policy moved: write preset = NAME"):
+        tool.main([str(path), "--out", str(tmp_path / "out")])
+
+
 def test_overrides_merge_and_the_sweep_keeps_the_bounds(tool: ModuleType) -> None:
-    variant = {"label": "v", "policy": "fixed", "composition": "6CP4/2CP8", "pool": {"ranks": 40}}
+    variant = {"label": "v", "preset": "fixed", "composition": "6CP4/2CP8", "pool": {"ranks": 40}}
     assert tool.variant_overrides(variant, 2.0) == {
         "pool": {"ranks": 40, "composition": "6CP4/2CP8"},
         "workload": {"rate_scale": 2.0},
@@ -133,20 +147,20 @@ def test_overrides_merge_and_the_sweep_keeps_the_bounds(tool: ModuleType) -> Non
         }
     }
     variants = [
-        {"label": "vertumnus", "policy": "vertumnus", "pool": {"composition": "auto", "ranks": 40}},
-        {"label": "fixed 4/3", "policy": "fixed", "composition": "4CP4/3CP8"},
+        {"label": "vertumnus", "preset": "vertumnus", "pool": {"composition": "auto", "ranks": 40}},
+        {"label": "fixed 4/3", "preset": "fixed", "composition": "4CP4/3CP8"},
         # Not a plain fixed composition: it does not stand for 6CP4/2CP8.
-        {"label": "no scans", "policy": "fixed", "composition": "6CP4/2CP8", "cache": {}},
+        {"label": "no scans", "preset": "fixed", "composition": "6CP4/2CP8", "cache": {}},
     ]
     added = tool.sweep_variants(raw, variants)
     assert added == [
-        {"label": f"fixed {name}", "policy": "fixed", "composition": name.replace("-", "/")}
+        {"label": f"fixed {name}", "preset": "fixed", "composition": name.replace("-", "/")}
         for name in ("2CP4-4CP8", "6CP4-2CP8", "8CP4-1CP8")
     ]
 
 
 def test_the_start_rate_scales_with_the_run(tool: ModuleType) -> None:
-    auto = {"label": "v", "policy": "vertumnus", "pool": {"composition": "auto", "ranks": 40}}
+    auto = {"label": "v", "preset": "vertumnus", "pool": {"composition": "auto", "ranks": 40}}
     raw = {"pool": {"start_rate": 3.4}}
     assert tool.variant_overrides(auto, 2.0, raw) == {
         "pool": {"composition": "auto", "ranks": 40, "start_rate": 6.8},
@@ -203,12 +217,12 @@ def test_the_time_varying_experiment_starts_from_the_builtin_mix(tool: ModuleTyp
 def test_the_cache_table_measures_the_manager_against_its_bound(tmp_path: Path) -> None:
     table = load_tool("experiments/cache_table.py")
 
-    def run(policy: str, rate: float, mean: float, p90: float, **audit: Any) -> dict[str, Any]:
+    def run(preset: str, rate: float, mean: float, p90: float, **audit: Any) -> dict[str, Any]:
         return {
-            "policy": policy,
+            "preset": preset,
             "rate_scale": rate,
             "composition_start": "4CP4/3CP8",
-            "run": f"{policy}@{rate}",
+            "run": f"{preset}@{rate}",
             "mean_ttft_s": mean,
             "p90_ttft_s": p90,
             "cache_audit": audit,
@@ -230,3 +244,7 @@ def test_the_cache_table_measures_the_manager_against_its_bound(tmp_path: Path) 
     assert not first["never_worse"]  # P90 0.61 > 1.01 * 0.60
     assert first["waste"] == 0.01 and first["blocks"]["pull"] == "1 / 100"
     assert second["overloaded"] and second["blocks"]["pull"] == "–"
+    # A comparison written before the field was named "preset" reads the same.
+    old = [{("policy" if k == "preset" else k): v for k, v in r.items()} for r in runs]
+    (tmp_path / "comparison.json").write_text(json.dumps({"runs": old}))
+    assert table.rows(tmp_path, overload_s=10.0) == [first, second]

@@ -34,6 +34,16 @@ def test_seeds_parse(tool: ModuleType) -> None:
     )
 
 
+def test_a_cached_row_names_its_preset(tool: ModuleType, tmp_path: Path) -> None:
+    """A baseline kept before the row's field was named ``preset`` (``policy``) is read
+    as a row of now, its fields in their order."""
+    path = tmp_path / "row.json"
+    path.write_text(json.dumps({"key": {}, "row": {"policy": "fixed", "mean_ttft_s": 0.5}}))
+    assert list(tool.cached_row(path).items()) == [("preset", "fixed"), ("mean_ttft_s", 0.5)]
+    path.write_text(json.dumps({"key": {}, "row": {"preset": "dynamo-kv", "reshapes": 0}}))
+    assert tool.cached_row(path) == {"preset": "dynamo-kv", "reshapes": 0}
+
+
 def test_one_scenario_then_the_cache(tool: ModuleType, tmp_path: Path) -> None:
     out = tmp_path / "out"
     first = tool.run_suite([SEED], out, jobs=1, duration_scale=SCALE, echo=False)
@@ -45,7 +55,7 @@ def test_one_scenario_then_the_cache(tool: ModuleType, tmp_path: Path) -> None:
     assert len(entry["runs"]) == 15 and entry["scenario"]["seed"] == SEED
     assert entry["realised"]["requests"] > 50
     runs = entry["runs"]
-    assert {r["policy"] for r in runs.values()} == {
+    assert {r["preset"] for r in runs.values()} == {
         "fixed",
         "sglang-cache-aware",
         "dynamo-kv",
@@ -55,17 +65,17 @@ def test_one_scenario_then_the_cache(tool: ModuleType, tmp_path: Path) -> None:
     for run in runs.values():
         assert run["completed"] == run["requests"] == entry["realised"]["requests"]
         assert run["mean_ttft_s"] > 0 and run["p90_ttft_s"] >= 0
-        if run["policy"] != "vertumnus":
+        if run["preset"] != "vertumnus":
             assert run["reshapes"] == 0 and run["moves"] == []
             assert run["composition_end"] == run["composition_start"]
     pairs = report["pairs"]
     assert [p["start"] for p in pairs] == entry["scenario"]["starts"]
-    fixed = [r["mean_ttft_s"] for r in runs.values() if r["policy"] == "fixed"]
+    fixed = [r["mean_ttft_s"] for r in runs.values() if r["preset"] == "fixed"]
     by_mean = sorted(
-        (r for r in runs.values() if r["policy"] == "fixed"), key=lambda r: r["mean_ttft_s"]
+        (r for r in runs.values() if r["preset"] == "fixed"), key=lambda r: r["mean_ttft_s"]
     )
     best_two = [r["composition_start"] for r in by_mean[:2]]
-    assert {k.split("@")[1] for k, r in runs.items() if r["policy"] in tool.PEERS} == set(best_two)
+    assert {k.split("@")[1] for k, r in runs.items() if r["preset"] in tool.PEERS} == set(best_two)
     for p in pairs:
         v, hold = runs[f"vertumnus@{p['start']}"], runs[f"fixed@{p['start']}"]
         assert p["v_hold"] == pytest.approx(v["mean_ttft_s"] / hold["mean_ttft_s"])
@@ -113,8 +123,8 @@ def test_one_scenario_then_the_cache(tool: ModuleType, tmp_path: Path) -> None:
     for start in tagged["scenarios"][0]["scenario"]["starts"]:
         v = held[f"vertumnus@{start}"]  # no gain clears a margin of 99 %: it holds
         assert v["reshapes"] == 0 and v["mean_ttft_s"] == held[f"fixed@{start}"]["mean_ttft_s"]
-    assert {k: r for k, r in held.items() if r["policy"] != "vertumnus"} == {
-        k: r for k, r in runs.items() if r["policy"] != "vertumnus"
+    assert {k: r for k, r in held.items() if r["preset"] != "vertumnus"} == {
+        k: r for k, r in runs.items() if r["preset"] != "vertumnus"
     }
     assert json.loads((out / "robustness.json").read_text())["overrides"] == {}
     # --no-peers: the peers' stage left out, the best-peer ratio blank.

@@ -18,7 +18,7 @@ from vertumnus.perfmodel import DegreeCoeffs, Profile
 from vertumnus.policy.cache.plans import CacheManagerConfig
 from vertumnus.policy.control.rules import ControllerConfig
 from vertumnus.policy.lattice import LatticeConfig
-from vertumnus.policy.pool_config import PolicyConfig, PoolSpec, preset
+from vertumnus.policy.pool_config import PRESETS, PolicyConfig, PoolSpec
 from vertumnus.sim.report import percentile, summarize
 from vertumnus.sim.simulator import SimSettings, Simulation, SimulationError
 from vertumnus.sim.workload import LengthDistribution, Phase, SimRequest, phased
@@ -40,11 +40,11 @@ def run(
     requests: list[SimRequest],
     layout: list[int],
     prof: Profile | None = None,
-    policy: str = "vertumnus",
+    preset: str = "vertumnus",
     controller: ControllerConfig | None = None,
     **settings: object,
 ) -> Simulation:
-    config = PolicyConfig(**preset(policy))
+    config = PolicyConfig(**PRESETS[preset])
     if controller is not None:
         config = dataclasses.replace(config, controller=controller)
     sim = Simulation(SimSettings(**settings), prof or profile(), pool(layout), config, requests)  # type: ignore[arg-type]
@@ -54,7 +54,7 @@ def run(
 
 def test_one_worker_fifo_by_hand() -> None:
     reqs = [SimRequest(0, 0.0, 100), SimRequest(1, 0.5, 100), SimRequest(2, 10.0, 100)]
-    sim = run(reqs, [4], policy="fixed")
+    sim = run(reqs, [4], preset="fixed")
     # E = d = 1 s each: the second waits for the first (0.5 s), the third finds it idle.
     assert [r.ttft_s for r in sim.records] == [1.0, 1.5, 1.0]
     assert [r.start_s for r in sim.records] == [0.0, 1.0, 10.0]
@@ -63,7 +63,7 @@ def test_one_worker_fifo_by_hand() -> None:
 
 def test_dispatch_time_keeps_the_worker_busy() -> None:
     reqs = [SimRequest(0, 0.0, 100), SimRequest(1, 0.5, 100)]
-    sim = run(reqs, [4], policy="fixed", dispatch_s=0.25)
+    sim = run(reqs, [4], preset="fixed", dispatch_s=0.25)
     # E = d = 1 s, plus 0.25 s of the serving path each; the second waits 0.75 s.
     assert [r.ttft_s for r in sim.records] == [1.25, 2.0]
     with pytest.raises(SimulationError, match="dispatch_s >= 0"):
@@ -75,7 +75,7 @@ def test_prefix_reuse_shortens_the_prefill_exactly() -> None:
     prof = profile(d4=0.5, c4=1e-3)
     chain = (11, 12, 13)
     reqs = [SimRequest(0, 0.0, 1536, chain), SimRequest(1, 5.0, 1536, chain)]
-    sim = run(reqs, [4], prof, policy="fixed")
+    sim = run(reqs, [4], prof, preset="fixed")
     first, second = sim.records
     assert first.ttft_s == pytest.approx(0.5 + 1e-3 * 1536 / 4)
     assert second.cached_tokens == 1024  # whole blocks, one token left to compute
@@ -89,7 +89,7 @@ def test_same_seed_same_summary_and_every_request_once() -> None:
         long_tokens=32_768,
     )
     prof = profile(d4=0.05, c4=2e-5, d8=0.06, c8=2e-5)
-    common = {"policy": "vertumnus", "noise_cv": 0.2, "seed": 5}
+    common = {"preset": "vertumnus", "noise_cv": 0.2, "seed": 5}
     one = run(reqs, [4, 4, 8], prof, **common)
     two = run(reqs, [4, 4, 8], prof, **common)
     keys = [(r.request_id, r.worker, r.start_s, r.end_s, r.cached_tokens) for r in one.records]
@@ -107,7 +107,7 @@ def test_reshapes_keep_every_device_and_answer_everyone() -> None:
     reqs = phased([Phase(300, 40.0, 0.0), Phase(900, 0.2, 0.5)], seed=1, long_tokens=32_768)
     prof = profile(d4=0.2, c4=1e-5, d8=0.25, c8=1e-5)
     rules = ControllerConfig(mode="rules")  # (two splits in one window)
-    sim = run(reqs, [8, 8], prof, policy="vertumnus", controller=rules, switch_s=0.5)
+    sim = run(reqs, [8, 8], prof, preset="vertumnus", controller=rules, switch_s=0.5)
     result = sim.result  # type: ignore[attr-defined]
     kinds = [r.kind for r in result.reshapes]
     assert "split" in kinds and "merge" in kinds
@@ -183,14 +183,14 @@ def test_copies_share_no_device_and_switches_wait_for_them(lanes: str) -> None:
 
 def test_baseline_routers_route_as_documented() -> None:
     reqs = [SimRequest(i, 0.0, 100) for i in range(6)]
-    sim = run(reqs, [4, 4, 8], policy="round-robin")
+    sim = run(reqs, [4, 4, 8], preset="round-robin")
     assert [r.worker for r in sim.records] == [0, 1, 2, 0, 1, 2]
     long_and_short = [SimRequest(0, 0.0, 40_000), SimRequest(1, 0.0, 1_000)]
-    sim = run(long_and_short, [4, 4, 8], policy="length-threshold")
+    sim = run(long_and_short, [4, 4, 8], preset="length-threshold")
     assert [r.cp_degree for r in sim.records] == [8, 4]
     chain = (21, 22, 23)
     reqs = [SimRequest(0, 0.0, 1600, chain), SimRequest(1, 3.0, 1600, chain)]
-    sim = run(reqs, [4, 4, 8], policy="cache-first")
+    sim = run(reqs, [4, 4, 8], preset="cache-first")
     assert sim.records[1].worker == sim.records[0].worker and sim.records[1].cached_tokens == 1536
 
 
@@ -284,7 +284,7 @@ def test_simulate_names_the_bad_line_of_a_trace(
 
 def test_slo_of_the_summary_is_token_weighted() -> None:
     reqs = [SimRequest(0, 0.0, 100), SimRequest(1, 0.0, 300)]
-    sim = run(reqs, [4], policy="fixed", slo=TtftSlo(scale=None, fixed_s=1.5))
+    sim = run(reqs, [4], preset="fixed", slo=TtftSlo(scale=None, fixed_s=1.5))
     result = sim.result  # type: ignore[attr-defined]
 
     cfg = SimpleNamespace(
@@ -323,7 +323,7 @@ def test_t_ext_adds_the_hand_off_and_first_step_to_every_ttft() -> None:
     base = SimSettings()
     ext = dataclasses.replace(base, handoff_bytes_s=10e9, ext_latency_s=0.02)
     runs = [
-        Simulation(s, prof, pool([8, 8]), PolicyConfig(**preset("fixed")), reqs).run()
+        Simulation(s, prof, pool([8, 8]), PolicyConfig(**PRESETS["fixed"]), reqs).run()
         for s in (base, ext)
     ]
     for plain, handed in zip(runs[0].records, runs[1].records, strict=True):
@@ -342,7 +342,7 @@ def test_a_hand_off_holds_its_worker_in_a_drain_until_pulled() -> None:
     drains = []
     for handoff_bytes_s in (0.0, 1000 * kv / 2.0):  # 1,000 tokens pulled in 2 s
         sim = run(
-            reqs, [4, 4], policy="vertumnus", controller=merge_soon, handoff_bytes_s=handoff_bytes_s
+            reqs, [4, 4], preset="vertumnus", controller=merge_soon, handoff_bytes_s=handoff_bytes_s
         )
         result = sim.result  # type: ignore[attr-defined]
         (merge,) = result.reshapes
@@ -362,7 +362,7 @@ def test_an_agent_step_follows_its_predecessor_while_it_waits(coming_reuse: bool
     prof = profile(d4=0.1, c4=4e-4)  # E_4 = 0.1 s + 0.1 ms per uncached token
     path = tuple(range(1, 9))
     reqs = [SimRequest(0, 0.0, 4096, path), SimRequest(1, 0.2, 4608, (*path, 9))]
-    config = dataclasses.replace(PolicyConfig(**preset("fixed")), coming_reuse=coming_reuse)
+    config = dataclasses.replace(PolicyConfig(**PRESETS["fixed"]), coming_reuse=coming_reuse)
     sim = Simulation(SimSettings(), prof, pool([4, 4]), config, reqs)
     sim.run()
     first, step = sim.records

@@ -48,7 +48,8 @@ def rows(folder: Path, overload_s: float) -> list[dict[str, Any]]:
     data = orjson.loads((folder / "comparison.json").read_bytes())
     groups: dict[tuple[Any, Any], dict[str, dict[str, Any]]] = {}
     for run in data["runs"]:
-        role = ROLES.get(run.get("policy", ""))
+        # (``policy``: the preset, in a comparison written before it was named ``preset``)
+        role = ROLES.get(run.get("preset", run.get("policy", "")))
         if role is not None:
             key = (run["rate_scale"], run["composition_start"])
             groups.setdefault(key, {})[role] = run

@@ -27,8 +27,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import robustness as rb
@@ -107,7 +105,7 @@ def main() -> None:
         for label, preset, comp in rb.run_labels(scenario):
             path = rb.cache_path(out, rb.cache_key(scenario, label))
             if preset == "fixed" and path.exists():
-                fixed[comp] = orjson.loads(path.read_bytes())["row"]
+                fixed[comp] = rb.cached_row(path)
         if not fixed:
             print(
                 f"seed {seed}: no cached fixed runs under {out} "

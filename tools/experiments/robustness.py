@@ -117,7 +117,7 @@ def peer_labels(entry: dict[str, Any]) -> list[tuple[str, str, str]]:
     fixed = [
         (r["mean_ttft_s"], r["composition_start"])
         for r in entry["runs"].values()
-        if r["policy"] == "fixed" and r["mean_ttft_s"] is not None
+        if r["preset"] == "fixed" and r["mean_ttft_s"] is not None
     ]
     best = [c for _, c in sorted(fixed)[:PEER_COMPOSITIONS]]
     return [(f"{peer}@{n}", peer, n) for peer in PEERS for n in best]
@@ -133,6 +133,13 @@ def cache_key(scenario: Scenario, label: str) -> dict[str, Any]:
 def cache_path(out: Path, key: dict[str, Any]) -> Path:
     digest = hashlib.sha256(orjson.dumps(key, option=orjson.OPT_SORT_KEYS)).hexdigest()
     return out / "cache" / f"{digest[:24]}.json"
+
+
+def cached_row(path: Path) -> dict[str, Any]:
+    """A baseline's row from the cache (a row kept before its preset was named
+    ``preset`` names it ``policy``)."""
+    row = orjson.loads(path.read_bytes())["row"]
+    return {("preset" if k == "policy" else k): v for k, v in row.items()}
 
 
 @functools.lru_cache(maxsize=4)
@@ -198,7 +205,7 @@ def simulate(
         for a in d.inputs.get("move_audits", ())
     ]  # fmt: skip
     return {
-        "policy": preset,
+        "preset": preset,
         "composition_start": composition,
         "audits": audits,
         "composition_end": result.windows[-1].composition if result.windows else composition,
@@ -287,8 +294,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def compare(entry: dict[str, Any]) -> list[dict[str, Any]]:
     """Per start of one scenario: vertumnus against hold, best fixed and best peer."""
     runs = entry["runs"]
-    fixed = [(k, r) for k, r in runs.items() if r["policy"] == "fixed" and r["mean_ttft_s"]]
-    peers = [(k, r) for k, r in runs.items() if r["policy"] in PEERS and r["mean_ttft_s"]]
+    fixed = [(k, r) for k, r in runs.items() if r["preset"] == "fixed" and r["mean_ttft_s"]]
+    peers = [(k, r) for k, r in runs.items() if r["preset"] in PEERS and r["mean_ttft_s"]]
     best_fixed = min(fixed, key=lambda kr: kr[1]["mean_ttft_s"], default=None)
     best_peer = min(peers, key=lambda kr: kr[1]["mean_ttft_s"], default=None)
     out = []
@@ -540,7 +547,7 @@ def run_suite(
                 key = cache_key(scenario, label)
                 path = None if preset == "vertumnus" else cache_path(out, key)
                 if path is not None and path.exists():
-                    entry["runs"][label] = orjson.loads(path.read_bytes())["row"]
+                    entry["runs"][label] = cached_row(path)
                     counts["cached"] += 1
                 elif path is not None and only == "vertumnus":
                     left_out.append(scenario.seed)

@@ -11,12 +11,12 @@ The file is a ``simulate`` configuration (see ``vertumnus.sim.config``) plus an
     sweep_fixed = true                      # optional: every composition, fixed
     sweep_routers = ["dynamo-kv"]           # optional: each router on every composition
     variants = [
-      { label = "vertumnus", policy = "vertumnus", pool = { composition = "auto", ranks = 40 } },
-      { label = "fixed 4CP4/3CP8", policy = "fixed", composition = "4CP4/3CP8" },
-      { label = "no scans", policy = "fixed", cache = { replication = false } },
+      { label = "vertumnus", preset = "vertumnus", pool = { composition = "auto", ranks = 40 } },
+      { label = "fixed 4CP4/3CP8", preset = "fixed", composition = "4CP4/3CP8" },
+      { label = "no scans", preset = "fixed", cache = { replication = false } },
     ]
 
-A variant's ``policy`` is a preset (``--preset``); its tables override the file's,
+A variant's ``preset`` is a ``--preset`` name; its tables override the file's,
 key by key (``composition = X`` is ``pool = { composition = X }``). A variant that
 starts at ``composition = "auto"`` needs what it starts from, in its ``pool`` or the
 file's (``start_rate = 15.0``, or ``start_workload = "FILE"``: ``config/start.py``);
@@ -24,7 +24,7 @@ with ``rate_scales``, that ``start_rate`` (or ``start_rate_scale``) is scaled wi
 the run's rate too: an operator knows the rate they run at, never the requests to
 come.
 
-``sweep_fixed = true`` adds a variant ``{ label = "fixed 6CP4-2CP8", policy = "fixed",
+``sweep_fixed = true`` adds a variant ``{ label = "fixed 6CP4-2CP8", preset = "fixed",
 composition = "6CP4/2CP8" }`` for every composition the lattice allows (its bounds
 kept) that no ``fixed`` variant already runs. The lattice is the file's ``[pool]``
 with the first variant's ``pool`` over it (the devices, degrees and bounds).
@@ -37,7 +37,7 @@ variant of least mean TTFT and every other variant's gap to it in %) and
 which shows TTFT over time for each variant (the adaptive ones' moves marked), or
 TTFT and hit rate against the rate for a sweep, and ``OUT/report.html``: one
 self-contained page with every run's figures in a table and, over time, the
-adaptive variants beside the best run of each fixed policy (``fixed`` and each
+adaptive variants beside the best run of each fixed preset (``fixed`` and each
 router) at each rate: TTFT, attainment, hit rate, and each one's composition with
 its reshapes (``vertumnus/dashboard.py``; each run's own ``report.html`` has the
 rest).
@@ -58,7 +58,8 @@ from typing import Any
 
 import orjson
 
-from vertumnus.config import read_toml
+from vertumnus.config import ConfigError, read_toml
+from vertumnus.config.dialect import check_keys
 from vertumnus.config.pool import PoolConfig, parse_composition
 from vertumnus.dashboard import comparison_html
 from vertumnus.policy.lattice import LatticeConfig, composition_name, reachable_compositions
@@ -135,7 +136,7 @@ def sweep_variants(raw: dict[str, Any], variants: list[dict[str, Any]]) -> list[
     present = [
         start_composition(raw, v)
         for v in variants
-        if v.get("policy") == "fixed"
+        if v.get("preset") == "fixed"
         and all(k == "pool" for k, val in v.items() if isinstance(val, dict))
     ]
     added = []
@@ -144,7 +145,7 @@ def sweep_variants(raw: dict[str, Any], variants: list[dict[str, Any]]) -> list[
             continue
         name = composition_name(counts)
         added.append(
-            {"label": f"fixed {name.replace('/', '-')}", "policy": "fixed", "composition": name}
+            {"label": f"fixed {name.replace('/', '-')}", "preset": "fixed", "composition": name}
         )
     return added
 
@@ -157,7 +158,7 @@ def router_sweep(
     return [
         {
             "label": f"{router} {composition_name(c).replace('/', '-')}",
-            "policy": router,
+            "preset": router,
             "composition": composition_name(c),
         }
         for c in reachable_compositions(experiment_lattice(raw, variants))
@@ -166,7 +167,7 @@ def router_sweep(
 
 def best_of_each(rows: list[dict[str, Any]], mine: str) -> list[dict[str, Any]]:
     """Per rate (and phase): the run labelled ``mine`` against the best run of every
-    other fixed-composition policy (``fixed`` and each router), that policy's best
+    other fixed-composition preset (``fixed`` and each router), that preset's best
     composition chosen after the fact."""
     out = []
     for rate in dict.fromkeys(r["rate_scale"] for r in rows):
@@ -181,17 +182,17 @@ def best_of_each(rows: list[dict[str, Any]], mine: str) -> list[dict[str, Any]]:
         groups: dict[str, list[dict[str, Any]]] = {}
         for r in here:
             if not r.get("adaptive") and r["label"] != mine:
-                groups.setdefault(str(r.get("policy")), []).append(r)
+                groups.setdefault(str(r.get("preset")), []).append(r)
         for phase in scopes:
             entry: dict[str, Any] = {"rate_scale": rate, "phase": phase, "mine": {
                 "mean_ttft_s": _mean(me, phase),
                 "p90_ttft_s": _stat(me, phase, "p90_ttft_s"),
                 "attainment": _stat(me, phase, "token_slo_attainment"),
             }, "peers": {}}  # fmt: skip
-            for policy, runs in groups.items():
+            for preset, runs in groups.items():
                 top = min(runs, key=lambda r: _mean(r, phase))
                 best_s = _mean(top, phase)
-                entry["peers"][policy] = {
+                entry["peers"][preset] = {
                     "label": top["label"],
                     "mean_ttft_s": best_s,
                     "p90_ttft_s": _stat(top, phase, "p90_ttft_s"),
@@ -213,9 +214,9 @@ def peers_markdown(peers: list[dict[str, Any]]) -> str:
     lines = [
         "\n## Against the best configuration of each peer\n",
         "Per rate and phase: `vertumnus` (mean / P90 TTFT, token SLO attainment) and, for"
-        " each fixed-composition policy, its best composition after the fact and the gap"
+        " each fixed-composition preset, its best composition after the fact and the gap"
         " of `vertumnus` to it (negative: faster).\n",
-        "| rate / phase | vertumnus | policy | its best | mean / P90, attainment | gap |",
+        "| rate / phase | vertumnus | preset | its best | mean / P90, attainment | gap |",
         "| --- | --- | --- | --- | --- | ---: |",
     ]
     for e in peers:
@@ -223,10 +224,10 @@ def peers_markdown(peers: list[dict[str, Any]]) -> str:
         where = (f"×{e['rate_scale']:g}, " if e["rate_scale"] is not None else "") + scope
         m = e["mine"]
         me = f"{m['mean_ttft_s']:.3f} / {m['p90_ttft_s']:.3f}, {m['attainment']:.3f}"
-        for policy, p in sorted(e["peers"].items()):
+        for preset, p in sorted(e["peers"].items()):
             them = f"{p['mean_ttft_s']:.3f} / {p['p90_ttft_s']:.3f}, {p['attainment']:.3f}"
             gap = "–" if p["gap_pct"] is None else f"{p['gap_pct']:+.1f} %"
-            lines.append(f"| {where} | {me} | {policy} | {p['label']} | {them} | {gap} |")
+            lines.append(f"| {where} | {me} | {preset} | {p['label']} | {them} | {gap} |")
     return "\n".join(lines) + "\n"
 
 
@@ -248,9 +249,11 @@ def run_experiment(
             raise SystemExit(f"--set wants TABLE.KEY=VALUE, got {setting!r}")
         raw.setdefault(table, {})[key] = tomllib.loads(f"v = {value}")["v"]
     experiment = raw.pop("experiment")
+    variants = [dict(v) for v in experiment["variants"]]
+    for v in variants:
+        check_keys(v, "experiment.variants", f"{config}: variant {v.get('label')!r}")
     out = out or Path(experiment.get("out", f"results/sim/{config.stem}"))
     out.mkdir(parents=True, exist_ok=True)
-    variants = [dict(v) for v in experiment["variants"]]
     if experiment.get("sweep_fixed", False):
         variants += sweep_variants(raw, variants)
     for router in experiment.get("sweep_routers", []):
@@ -269,7 +272,7 @@ def run_experiment(
                 None,
                 variant_overrides(variant, rate, raw),
                 raw=copy.deepcopy(raw),
-                preset=variant.get("policy"),
+                preset=variant.get("preset"),
             )
             result = Simulation(cfg.settings, cfg.profile, cfg.spec, cfg.policy, cfg.requests).run()
             summary = report.write(result, cfg, out / name)
@@ -318,11 +321,14 @@ def main(argv: list[str] | None = None) -> None:
         help="override a setting for every variant (e.g. sim.noise_cv=0.2)",
     )
     args = parser.parse_args(argv)
-    run_experiment(args.config, args.out, settings=args.set)
+    try:
+        run_experiment(args.config, args.out, settings=args.set)
+    except ConfigError as exc:  # one line, as `python -m vertumnus simulate` says it
+        raise SystemExit(f"error: {exc}") from exc
 
 
 REPORT_COLUMNS = [
-    "policy",
+    "preset",
     "rate_scale",
     "composition_start",
     "composition_end",
@@ -341,12 +347,12 @@ MAX_OVER_TIME = 12  # runs drawn over time in the comparison report
 
 def over_time(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The runs the report draws over time: every adaptive one, and per rate the run
-    of least mean TTFT of each fixed policy (``fixed``, each router)."""
+    of least mean TTFT of each fixed preset (``fixed``, each router)."""
     best: dict[tuple[Any, str], dict[str, Any]] = {}
     for row in rows:
         if row["adaptive"]:
             continue
-        key = (row["rate_scale"], row["policy"])
+        key = (row["rate_scale"], row["preset"])
         if key not in best or row["mean_ttft_s"] < best[key]["mean_ttft_s"]:
             best[key] = row
     chosen = {id(r) for r in rows if r["adaptive"]} | {id(r) for r in best.values()}
@@ -378,7 +384,7 @@ def against_best_fixed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for rate in dict.fromkeys(r["rate_scale"] for r in rows):
         mine = [r for r in rows if r["rate_scale"] == rate]
-        fixed = [r for r in mine if r.get("policy") == "fixed"]
+        fixed = [r for r in mine if r.get("preset") == "fixed"]
         if not fixed:
             continue
         phases = mine[0].get("phases", [])
@@ -393,7 +399,7 @@ def against_best_fixed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             best_s = _mean(top, phase)
             others = []
             for r in mine:
-                if r.get("policy") == "fixed":
+                if r.get("preset") == "fixed":
                     continue
                 mean = _mean(r, phase)
                 gap = 100 * (mean - best_s) / best_s if best_s > 0 else math.nan
@@ -401,7 +407,7 @@ def against_best_fixed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     {
                         "label": r["label"],
                         "run": r["run"],
-                        "policy": r.get("policy"),
+                        "preset": r.get("preset"),
                         "adaptive": r.get("adaptive"),
                         "mean_ttft_s": mean,
                         "gap_pct": gap,

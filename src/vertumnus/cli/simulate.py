@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"warning: the state file {state_file} was not written ({exc})", file=sys.stderr)
     summary = report.write(result, cfg, args.out)
     print(
-        f"{summary['policy']} on {summary['devices']} devices "
+        f"{summary['preset']} on {summary['devices']} devices "
         f"({summary['composition_start']} -> {summary['composition_end']}): "
         f"{summary['completed']}/{summary['requests']} requests"
     )

@@ -63,6 +63,8 @@ MOVED = {
     "sim.scan_interval_s": "[cache] scan_interval_s",
     "sim.policy": "--preset NAME, or [scheduler] router",
     "scheduler.policy": "[scheduler] router",
+    # An experiment file's variants (tools/experiments/sim_experiment.py).
+    "experiment.variants.policy": "preset = NAME (a --preset name)",
 }
 
 
@@ -81,10 +83,15 @@ def check_tables(raw: Mapping[str, Any], where: str) -> None:
             raise ConfigError(f"{where}: unknown table [{name}]; known: {', '.join(known)}")
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: [{name}] must be a table")
-        for key in value:
-            moved = MOVED.get(f"{name}.{key}")
-            if moved is not None:
-                raise ConfigError(f"{where}: [{name}] {key} moved: write {moved}")
+        check_keys(value, name, where)
+
+
+def check_keys(table: Mapping[str, Any], name: str, where: str) -> None:
+    """Refuse the keys of earlier versions in the table ``name`` (dotted: ``a.b``)."""
+    for key in table:
+        moved = MOVED.get(f"{name}.{key}")
+        if moved is not None:
+            raise ConfigError(f"{where}: [{name}] {key} moved: write {moved}")
 
 
 def with_overrides(

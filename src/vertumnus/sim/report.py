@@ -1,8 +1,9 @@
 """What a simulation run writes: summary, per-request records, timeline, plots.
 
-``DIR/summary.json``   counts, TTFT mean and percentiles (linear interpolation),
-                       token-weighted SLO attainment, token hit rate, splits and
-                       merges with drain and switch times, copies and reclamations,
+``DIR/summary.json``   the preset (or the three choices spelled out), counts, TTFT
+                       mean and percentiles (linear interpolation), token-weighted
+                       SLO attainment, token hit rate, splits and merges with
+                       drain and switch times, copies and reclamations,
                        the copies' audit (``cache.audit``: hits, waste fraction),
                        speed, and per-phase figures when the workload has phases
 ``DIR/requests.jsonl`` one line per request: id, arrival_s, input_tokens,
@@ -70,7 +71,7 @@ def summarize(result: SimResult, cfg: SimConfig) -> dict[str, Any]:
     drains = [r.drain_s for r in result.reshapes if r.drain_s is not None]
     switches = [r.switch_s for r in result.reshapes if r.switch_s is not None]
     summary: dict[str, Any] = {
-        "policy": cfg.policy.name,
+        "preset": cfg.policy.name,
         "requests": len(records),
         "completed": completed,
         **ttft_stats(records),
