@@ -133,6 +133,15 @@ def test_a_variant_of_an_earlier_version_is_refused(tool: ModuleType, tmp_path: 
         tool.main([str(path), "--out", str(tmp_path / "out")])
 
 
+def test_a_variant_with_an_unknown_key_is_refused(tool: ModuleType, tmp_path: Path) -> None:
+    """A misspelt key would otherwise run the default preset under the variant's label."""
+    path = tmp_path / "typo.toml"
+    path.write_text(CONFIG.replace('preset = "fixed"', 'presets = "fixed"'))
+    with pytest.raises(ConfigError, match=r"variant 'fixed \(start\)': unknown keys \['presets'\]"):
+        tool.run_experiment(path, tmp_path / "out", echo=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_overrides_merge_and_the_sweep_keeps_the_bounds(tool: ModuleType) -> None:
     variant = {"label": "v", "preset": "fixed", "composition": "6CP4/2CP8", "pool": {"ranks": 40}}
     assert tool.variant_overrides(variant, 2.0) == {

@@ -68,6 +68,9 @@ from vertumnus.sim import plots, report
 from vertumnus.sim.simulator import Simulation
 
 
+VARIANT_KEYS = frozenset({"label", "preset", "composition"})  # besides its tables
+
+
 def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-")
 
@@ -251,7 +254,15 @@ def run_experiment(
     experiment = raw.pop("experiment")
     variants = [dict(v) for v in experiment["variants"]]
     for v in variants:
-        check_keys(v, "experiment.variants", f"{config}: variant {v.get('label')!r}")
+        where = f"{config}: variant {v.get('label')!r}"
+        check_keys(v, "experiment.variants", where)
+        unknown = sorted(k for k, value in v.items() if not isinstance(value, dict))
+        unknown = [k for k in unknown if k not in VARIANT_KEYS]
+        if unknown:
+            raise ConfigError(
+                f"{where}: unknown keys {unknown} (a variant has {sorted(VARIANT_KEYS)} "
+                "and tables such as pool = { ... })"
+            )
     out = out or Path(experiment.get("out", f"results/sim/{config.stem}"))
     out.mkdir(parents=True, exist_ok=True)
     if experiment.get("sweep_fixed", False):
