@@ -6,11 +6,13 @@ both. The coordinator adds asyncio, the ranks and the views, in parts of one job
 each, which it builds and wires: each part is given the collaborators it uses, and
 ``apply`` where it acts on what the policy returns; none is given the coordinator.
 
-    request_path.py   an HTTP request's life: placement, the worker tasks, answers
+    request_path.py   an HTTP request's life: placement, its prefill, its answer
+    worker_loops.py   one task per worker, running its queue
     rank_link.py      the rank pipes: every answer a rank owes and who waits for it
     reshaping.py      a committed switch carried out on the ranks (SwitchEpoch, acks)
     recovery.py       a failed rank: its worker out, restarted, back
     periodic.py       the one timer: controller windows, cache scans, expiry
+    background.py     the background tasks, none lost in silence
     kv/copies.py      the cache manager's scans and copies; a copy job's blocks moved
                       rank to rank (KVTransfer, KVWritten)
     kv/handoffs.py    KV kept for a decode server under leases, and its pull (KVRead)
@@ -20,17 +22,16 @@ each, which it builds and wires: each part is given the collaborators it uses, a
 
 and here: life (start, drain, close; the composition kept in ``[pool] state_file``),
 ``apply`` (doing what the policy returns: wake workers, refuse requests, run the
-copies or the switch the lanes allow), background tasks that are never lost, and the
-API's entry points. Time is ``clock`` (``time.monotonic`` unless given; the parity
-test gives the event loop's own, simulated, clock, and then deadlines are exact).
+copies or the switch the lanes allow), and the API's entry points. Time is ``clock``
+(``time.monotonic`` unless given; the parity test gives the event loop's own,
+simulated, clock, and then deadlines are exact).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
@@ -48,6 +49,7 @@ from vertumnus.policy.pool_policy import PoolPolicy
 from vertumnus.policy.pool_results import Actions
 from vertumnus.policy.transition import Transition
 from vertumnus.runtime import readiness, views
+from vertumnus.runtime.background import Background
 from vertumnus.runtime.health import Health
 from vertumnus.runtime.kv.copies import CopyRuns, KVCopier
 from vertumnus.runtime.kv.handoffs import Handoffs
@@ -59,6 +61,7 @@ from vertumnus.runtime.recovery import Recovery
 from vertumnus.runtime.request_path import Overloaded, PrefillResult, RequestPath, Unavailable
 from vertumnus.runtime.reshaping import Reshaping
 from vertumnus.runtime.serve_config import ServeConfig
+from vertumnus.runtime.worker_loops import WorkerLoops
 
 log = structlog.get_logger("vertumnus")
 
@@ -90,14 +93,20 @@ class Coordinator:
             raise ConfigError(f"{exc}") from exc
         period_s = cfg.policy.controller.period_s
         self.metrics = Metrics(cfg.timeline_s, cfg.timeline_samples, clock(), period_s)
+        self.spawn = Background(self.metrics).spawn
         self.ranks: Ranks | None = None
-        self.copier = KVCopier(lambda: self.ranks, cfg.engine.rank_timeout_s, self._copy_hung)
+        self.copier = KVCopier(
+            lambda: self.ranks, cfg.engine.rank_timeout_s, lambda r: self.recovery.copy_hung(r)
+        )
         self.copies = CopyRuns(self.policy, self.copier, self.metrics, clock, self.apply)
         self.handoffs = Handoffs(
             cfg, self.model_cfg, self.policy, self.metrics, clock, self.apply, lambda: self.ranks
         )
         self.link = RankLink(
-            self.copier, self._rank_exited, self._rank_pool_failed, self.handoffs.reads
+            self.copier,
+            lambda rank: self.recovery.rank_exited(rank),
+            lambda error: self.recovery.pool_failed(error),
+            self.handoffs.reads,
         )
         self.health = Health()
         self.recovery = Recovery(
@@ -111,7 +120,7 @@ class Coordinator:
             clock=clock,
             apply=self.apply,
             spawn=self.spawn,
-            rejoined=lambda worker_id: self.requests.wake(worker_id),
+            rejoined=lambda worker_id: self.loops.wake(worker_id),
         )
         self.requests = RequestPath(
             cfg=cfg,
@@ -126,6 +135,7 @@ class Coordinator:
             clock=clock,
             apply=self.apply,
         )
+        self.loops = WorkerLoops(self.policy, clock, self.requests.run_one, self.requests.contain)
         self.reshaping = Reshaping(
             cfg=cfg,
             policy=self.policy,
@@ -152,7 +162,6 @@ class Coordinator:
             offload=offload_decisions,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._background: set[asyncio.Task[Any]] = set()
         self.started_s = time.monotonic()
 
     # -- what tests and the views read ---------------------------------------------------
@@ -172,10 +181,6 @@ class Coordinator:
     @property
     def indexes(self) -> dict[int, WorkerCacheIndex]:
         return self.policy.indexes
-
-    @property
-    def stopping(self) -> bool:
-        return self.health.stopping
 
     @property
     def ready(self) -> bool:
@@ -211,7 +216,7 @@ class Coordinator:
 
         ranks.on_rejoin = rejoin
         for w in self.policy.lattice.workers.values():
-            self.requests.add_worker(w.worker_id)
+            self.loops.add_worker(w.worker_id)
         # The event loop itself watches the ranks' answer pipes and their process
         # sentinels: no thread between a rank's answer and the request it finishes.
         self.link.attach(loop, ranks)
@@ -237,7 +242,7 @@ class Coordinator:
         """Stop admission, fail what still waits (a clear 503), stop the ranks."""
         self.health.stop()
         self.periodic.close()
-        self.requests.cancel_all()
+        self.loops.cancel_all()
         self.requests.fail_all(Unavailable("the server is shutting down"))
         self.handoffs.close()
         self.reshaping.close()
@@ -258,25 +263,12 @@ class Coordinator:
             except OSError as exc:
                 log.warning("state_file_not_written", path=path, error=str(exc))
 
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        """A background task, kept referenced until it ends; one that fails (a bug)
-        is logged with its traceback and counted, never lost in silence."""
-        task = asyncio.create_task(coro, name=getattr(coro, "__qualname__", None))
-        self._background.add(task)
-        task.add_done_callback(self._task_ended)
-
-    def _task_ended(self, task: asyncio.Task[Any]) -> None:
-        self._background.discard(task)
-        exc = None if task.cancelled() else task.exception()
-        if exc is not None:
-            self.metrics.bug("task", "task_failed", exc, task=task.get_name())
-
     def unready_reason(self) -> str | None:
         """Why the pool cannot dispatch a request now (None: it can): ``/ready``."""
         return readiness.unready_reason(
             self.ready,
             self.rank_error,
-            self.stopping,
+            self.health.stopping,
             self.policy,
             self.reshaping.overdue,
             self.cfg.reshape_timeout_s,
@@ -285,12 +277,12 @@ class Coordinator:
     # -- doing what the policy returns ----------------------------------------------------
 
     def apply(self, actions: Actions) -> None:
-        if self.stopping:
+        if self.health.stopping:
             return  # (what the stack asks for now would only outlive the ranks)
         for placement in actions.placed:
-            self.requests.wake(placement.worker_id)
+            self.loops.wake(placement.worker_id)
         for worker_id in actions.woken:
-            self.requests.wake(worker_id)
+            self.loops.wake(worker_id)
         for request_id in actions.refused:
             self.requests.refuse(request_id, Unavailable("no worker can take the request now"))
         self.copies.ended(actions.copies_ended)
@@ -299,9 +291,9 @@ class Coordinator:
         if actions.switch is not None:
             transition = actions.switch.transition
             for s in transition.op.sources:
-                self.requests.remove_worker(s)
+                self.loops.remove_worker(s)
             for w in transition.new_workers:
-                self.requests.add_worker(w)
+                self.loops.add_worker(w)
             self.spawn(self.reshaping.run_switch(actions.switch))
         for job in actions.copies:
             self.spawn(self.copies.run(job))
@@ -315,24 +307,6 @@ class Coordinator:
     async def run_copy(self, plan: CopyPlan) -> int:
         """Run a copy plan made outside a scan; the blocks installed."""
         return await self.copies.run_plan(plan)
-
-    # -- ranks ------------------------------------------------------------------------
-
-    def _copy_hung(self, ranks: list[int]) -> None:
-        """A KV copy timed out: a rank hung, and the pair groups may be out of step;
-        the copy's workers restart (their ranks get new pairs)."""
-        for r in ranks:
-            self.recovery.rank_down(r, "a KV copy timed out", whole_worker=True)
-
-    def _rank_exited(self, rank: int) -> None:
-        if not self.stopping:
-            self.recovery.rank_down(rank, f"rank process {rank} exited unexpectedly")
-
-    def _rank_pool_failed(self, error: str) -> None:
-        self.health.failure = error
-        self.health.ready = False
-        log.error("rank_failure", error=error)
-        self.link.fail_all(error)
 
     # -- the API's entry points -------------------------------------------------------
 
@@ -353,7 +327,7 @@ class Coordinator:
 
     def composition_view(self) -> dict[str, Any]:
         return views.composition_view(
-            self.policy, self.composition_name(), self.cfg, self.decisions
+            self.policy, self.composition_name(), self.cfg, self.periodic.decisions
         )
 
     def cache_view(self) -> dict[str, Any]:
@@ -366,11 +340,6 @@ class Coordinator:
     def decision_s(self) -> list[float]:
         """Wall time of the recent decisions' replays."""
         return self.periodic.decision_s
-
-    @property
-    def decisions(self) -> deque[dict[str, Any]]:
-        """The recent decisions, as JSON."""
-        return self.periodic.decisions
 
     def window_phase_s(self) -> float | None:
         """How far into its current window the controller is."""

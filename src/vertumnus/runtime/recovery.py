@@ -12,6 +12,9 @@ rejoin with an empty cache. A restart that fails is tried again after 2, 4, 8, .
 s, up to ``[server] max_restart_attempts``; meanwhile the worker stays out and the
 failed processes are not watched (no crash loop).
 Requests wait while a worker is coming back and are refused once nothing is.
+The ranks' own reports come here too: a process that exited (``rank_exited``), a KV
+copy that hung (``copy_hung``), and a failure that leaves the pool unusable
+(``pool_failed``).
 """
 
 from __future__ import annotations
@@ -96,6 +99,23 @@ class Recovery:
         log.error("worker_failed", worker=worker.worker_id, ranks=sorted(fresh), reason=reason)
         if first_failure:
             self.spawn(self._recover(rank, reason))
+
+    def rank_exited(self, rank: int) -> None:
+        """A rank's process exited (nothing at shutdown)."""
+        self.rank_down(rank, f"rank process {rank} exited unexpectedly")
+
+    def copy_hung(self, ranks: list[int]) -> None:
+        """A KV copy timed out: a rank hung, and the pair groups may be out of step;
+        the copy's workers restart (their ranks get new pairs)."""
+        for r in ranks:
+            self.rank_down(r, "a KV copy timed out", whole_worker=True)
+
+    def pool_failed(self, error: str) -> None:
+        """A rank failed outside anything that waits: the pool stops serving."""
+        self.health.failure = error
+        self.health.ready = False
+        log.error("rank_failure", error=error)
+        self.link.fail_all(error)
 
     def hosts_back(self, ranks: Sequence[int]) -> None:
         """The agent of ``ranks`` is back: restart the failed workers among them now

@@ -5,13 +5,15 @@
     PrefillCommand to every rank -> every PrefillDone (``RankLink``) -> the policy
     commits the new blocks -> the answer -> the next request of that worker
 
-Owns the open requests (their futures, attempts) and one task per worker. A prefill
-that fails because its worker failed is placed again, up to ``MAX_ATTEMPTS``; a
-client that gives up (time-out) leaves the policy's queues at once. Every request
-is answered exactly once: with its result, or with an error that says why
-(``Unavailable``, ``Overloaded``, or ``InternalError`` for a bug, which is logged
-with its traceback and counted while the worker goes on serving). It does not
-choose workers (the policy) nor restart them (``recovery``).
+Owns the open requests (their futures, attempts) and the step that takes a started
+prefill to its answer (``run_one``; each worker's task, ``worker_loops.py``, runs
+them, and ``contain`` answers a step that failed with a bug). A prefill that fails
+because its worker failed is placed again, up to ``MAX_ATTEMPTS``; a client that
+gives up (time-out) leaves the policy's queues at once. Every request is answered
+exactly once: with its result, or with an error that says why (``Unavailable``,
+``Overloaded``, or ``InternalError`` for a bug, which is logged with its traceback
+and counted while the worker goes on serving). It does not choose workers (the
+policy) nor restart them (``recovery``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ from vertumnus.runtime.serve_config import ServeConfig
 log = structlog.get_logger("vertumnus")
 
 MAX_ATTEMPTS = 3  # prefills of one request before a failure is the client's answer
-BUG_PAUSE_S = 0.05  # a worker's loop waits this long after a step that failed with a bug
 
 
 class Overloaded(RuntimeError):
@@ -106,10 +107,6 @@ class RequestPath:
         self.predict, self.ranks, self.clock, self.apply = predict, ranks, clock, apply
         self.open: dict[int, _Request] = {}
         self._ids = itertools.count(1)
-        self._wake: dict[int, asyncio.Event] = {}
-        self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._idle: set[int] = set()  # workers whose task waits to be woken
-        self._next: dict[int, Started] = {}  # started by ``wake``, to run next
 
     async def prefill(self, tokens: Sequence[int], handoff: bool = False) -> PrefillResult:
         """``handoff``: keep the prompt's KV under a lease (``runtime/kv/handoffs.py``)."""
@@ -149,68 +146,9 @@ class RequestPath:
             if not req.future.done():
                 req.future.set_exception(error)
 
-    # -- the workers' tasks ------------------------------------------------------------
+    # -- one worker's step (``worker_loops.py`` runs them) ---------------------------
 
-    def add_worker(self, worker_id: int) -> None:
-        self._wake[worker_id] = asyncio.Event()
-        self._tasks[worker_id] = asyncio.create_task(self._worker_loop(worker_id))
-
-    def remove_worker(self, worker_id: int) -> None:
-        self._wake.pop(worker_id, None)
-        # A prefill started by ``wake`` and not yet sent: the policy counts it as
-        # running, and the removal (a failure) gives it back to be placed again.
-        self._next.pop(worker_id, None)
-        task = self._tasks.pop(worker_id, None)
-        if task is not None:
-            task.cancel()
-
-    def wake(self, worker_id: int) -> None:
-        wake = self._wake.get(worker_id)
-        if wake is None:
-            return
-        if worker_id in self._idle and worker_id not in self._next:
-            # An idle worker starts now, as in the simulator: what a start does to the
-            # caches (the evictions its slots cause, reported at once) must come before
-            # the placement of a request that arrives at the same moment.
-            started = self.policy.start(worker_id, self.clock())
-            if started is not None:
-                self._next[worker_id] = started
-        wake.set()
-
-    def cancel_all(self) -> None:
-        for task in self._tasks.values():
-            task.cancel()
-
-    async def _worker_loop(self, worker_id: int) -> None:
-        """Runs the worker's queue, one prefill at a time, while the worker exists.
-        A bug in one step is contained (``_contain``): that request is answered with
-        an error, the policy's record of the step is closed, and the loop goes on."""
-        wake = self._wake[worker_id]
-        policy = self.policy
-        while True:
-            self._idle.add(worker_id)
-            try:
-                await wake.wait()
-            finally:
-                self._idle.discard(worker_id)
-            wake.clear()
-            started = self._next.pop(worker_id, None)
-            try:
-                while True:
-                    if started is None:
-                        started = policy.start(worker_id, self.clock())
-                        if started is None:
-                            break
-                    await self._run_one(started)
-                    started = None
-            except Exception as exc:  # a bug: say so loudly, keep the worker serving
-                self._contain(worker_id, started, exc)
-                await asyncio.sleep(BUG_PAUSE_S)  # (no tight loop if it fails again)
-                wake.set()
-            if worker_id not in policy.lattice.workers:
-                return
-
-    def _contain(self, worker_id: int, started: Started | None, exc: Exception) -> None:
+    def contain(self, worker_id: int, started: Started | None, exc: Exception) -> None:
         """An unexpected exception in a worker's step: logged with its traceback and
         counted; a prefill the policy still runs for the request ends as failed; the
         request is answered once, with an error that names the bug."""
@@ -227,7 +165,7 @@ class RequestPath:
         if req is not None and not req.future.done():
             req.future.set_exception(InternalError(f"request {rid} failed: {exc!r}"))
 
-    async def _run_one(self, started: Started) -> None:
+    async def run_one(self, started: Started) -> None:
         policy, pool = self.policy, self.ranks()
         assert pool is not None
         rid, worker_id = started.request_id, started.worker_id

@@ -2,7 +2,8 @@
 the registry of node agents.
 
 Owns the ROUTER socket (``runtime/cluster/channel.py``) and the one thread that touches it;
-which agents have joined, under which names, with which global ranks; their
+which agents have joined, under which names, with which global ranks (each an
+``Agent``, ``runtime/cluster/roster.py``, which also says who may join); their
 heartbeats; and their loss and return. It tells its owner (``ClusterRanks``, through
 ``HubEvents``) what concerns ranks: answers, spawns, exits, lost and returning
 hosts. It keeps nothing about ranks' pipes, specs or groups.
@@ -18,7 +19,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import structlog
@@ -37,6 +37,7 @@ from vertumnus.runtime.cluster.channel import (
     Stop,
     Welcome,
 )
+from vertumnus.runtime.cluster.roster import Agent, refusal
 from vertumnus.runtime.ranks import RanksError
 from vertumnus.runtime.serve_config import ClusterConfig
 
@@ -53,31 +54,15 @@ class HubEvents(Protocol):
     def host_back(self, ranks: range) -> None: ...
 
 
-@dataclass
-class _Agent:
-    name: str
-    peer: bytes  # its ZeroMQ routing id; a new one when it reconnects
-    devices: int
-    device: str
-    fd: int | None = None  # its connection's file descriptor (monitor events name it)
-    first_rank: int | None = None  # given when every host has joined
-    connected: bool = True
-    last_seen_s: float = field(default_factory=time.monotonic)
-
-    def ranks(self) -> range:
-        assert self.first_rank is not None
-        return range(self.first_rank, self.first_rank + self.devices)
-
-
 class AgentHub:
     def __init__(self, cluster: ClusterConfig, engine_device: str, events: HubEvents) -> None:
         assert cluster.secret is not None
         self.cluster, self._engine_device, self._events = cluster, engine_device, events
         self._keys = Keys(cluster.secret)
         self.world_size = 0
-        self._agents: dict[str, _Agent] = {}
-        self._by_peer: dict[bytes, _Agent] = {}
-        self._by_rank: dict[int, _Agent] = {}  # once gathered (a returning agent keeps its)
+        self._agents: dict[str, Agent] = {}
+        self._by_peer: dict[bytes, Agent] = {}
+        self._by_rank: dict[int, Agent] = {}  # once gathered (a returning agent keeps its)
         self._lock = threading.Lock()  # the registry and the outbox socket
         self._joined = threading.Condition(self._lock)
         self._ctx: zmq.Context[Any] = zmq.Context()
@@ -164,14 +149,14 @@ class AgentHub:
 
     # -- the I/O thread ----------------------------------------------------------------
 
-    def _agent_of(self, rank: int) -> _Agent:
+    def _agent_of(self, rank: int) -> Agent:
         return self._by_rank[rank]
 
-    def _post(self, agent: _Agent, msg: object, payload: bytes = b"") -> None:
+    def _post(self, agent: Agent, msg: object, payload: bytes = b"") -> None:
         """Queue a message for the I/O thread (hold ``_lock``)."""
         self._outbox.send_multipart([agent.peer, *channel.encode(self._keys, msg, payload)])
 
-    def _welcome(self, agent: _Agent) -> None:
+    def _welcome(self, agent: Agent) -> None:
         assert agent.first_rank is not None
         c = self.cluster
         self._post(
@@ -217,7 +202,7 @@ class AgentHub:
     def _beat(self, now: float) -> None:
         timeout_s = self.cluster.agent_timeout_s
 
-        def silent() -> list[_Agent | None]:
+        def silent() -> list[Agent | None]:
             return [a for a in self._agents.values() if now - a.last_seen_s > timeout_s]
 
         self._lose(silent, f"silent for {timeout_s:.1f} s")
@@ -233,7 +218,7 @@ class AgentHub:
             "its connection dropped",
         )
 
-    def _lose(self, which: Callable[[], list[_Agent | None]], why: str) -> None:
+    def _lose(self, which: Callable[[], list[Agent | None]], why: str) -> None:
         """Mark the connected agents ``which()`` names (under the lock) as lost; their
         hosts' ranks are reported gone."""
         lost = []
@@ -244,7 +229,7 @@ class AgentHub:
         for ranks in lost:
             self._events.host_lost(ranks)
 
-    def _mark_lost(self, agent: _Agent, why: str) -> list[range]:
+    def _mark_lost(self, agent: Agent, why: str) -> list[range]:
         """(hold ``_lock``) -> the ranks to report lost."""
         agent.connected = False
         log.error("agent_lost", agent=agent.name, reason=why)
@@ -278,33 +263,19 @@ class AgentHub:
             case _:
                 log.warning("control_unexpected", message=type(msg).__name__)
 
-    def _refusal(self, hello: Hello, known: _Agent | None) -> str | None:
-        if hello.protocol != channel.PROTOCOL:
-            return f"protocol {hello.protocol}; this coordinator speaks {channel.PROTOCOL}"
-        if hello.devices < 1:
-            return "an agent must run at least one rank"
-        if known is None and len(self._agents) >= self.cluster.hosts:
-            return f"the pool has its {self.cluster.hosts} hosts: {sorted(self._agents)}"
-        devices = known.devices if known else next((a.devices for a in self._agents.values()), None)
-        if devices is not None and hello.devices != devices:
-            return f"{hello.devices} ranks; every host of this pool runs {devices}"
-        if self._engine_device == "cuda" and hello.device != "cuda":
-            return "[engine] device is cuda, and this host has no GPU"
-        return None
-
     def _hello(self, peer: bytes, hello: Hello, fd: int) -> None:
         """An agent joins, or comes back."""
         lost: list[range] = []
         back = None
         with self._lock:
             known = self._agents.get(hello.name)
-            reason = self._refusal(hello, known)
+            reason = refusal(hello, known, self._agents, self.cluster.hosts, self._engine_device)
             if reason is not None:
                 log.warning("agent_refused", agent=hello.name, reason=reason)
                 self._router.send_multipart([peer, *channel.encode(self._keys, Refused(reason))])
                 return
             if known is None:
-                agent = _Agent(hello.name, peer, hello.devices, hello.device, fd)
+                agent = Agent(hello.name, peer, hello.devices, hello.device, fd)
                 self._agents[hello.name] = self._by_peer[peer] = agent
                 log.info("agent_joined", agent=hello.name, devices=hello.devices, pid=hello.pid)
                 self._joined.notify_all()

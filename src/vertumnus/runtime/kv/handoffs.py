@@ -20,15 +20,11 @@ first step, as vLLM's disaggregated decode does) under a *lease*:
     (the policy may then park the worker and switch its reshape) and forgets the
     rows, once.
 
-``stream`` writes the wire format of ``kv_wire.py`` to a ``Sink`` (the
-route's socket). CPU ranks on this host keep their stores in shared memory that
-this process maps (``runtime/kv/segments.py``): their blocks leave straight from
-there, as whole blocks, one ``writev`` run per run of slots, with no command to
-the ranks and no copy; a switch waits for such pulls on its ranks (``settle``).
-Other ranks (GPUs, ranks under a node agent) are read a chunk ahead of the one
-written (``runtime/kv/reads.py``, ``KVRead``). The ended handles are
-remembered (a bounded number) so that a late pull gets 410 with the reason, and an
-unknown one 404. Nothing here chooses workers or touches the policy's decisions.
+``stream`` writes the lease's KV to a ``Sink`` (the route's socket) as
+``runtime/kv/stream.py`` builds it; a switch waits for the pulls reading its ranks
+(``settle``). The ended handles are remembered (a bounded number) so that a late
+pull gets 410 with the reason, and an unknown one 404. Nothing here chooses workers
+or touches the policy's decisions.
 """
 
 from __future__ import annotations
@@ -36,32 +32,29 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
-import torch
 from torch import Tensor
 
 from vertumnus.config import ModelConfig
-from vertumnus.kv_wire import CHUNK_BLOCKS, END, HandoffError, KVHeader, chunk_header
+from vertumnus.kv_wire import HandoffError, KVHeader
 from vertumnus.policy.cache.holds import Hold
-from vertumnus.policy.cache.index import BlockLocation
 from vertumnus.policy.lattice import WorkerState
 from vertumnus.policy.pool_policy import PoolPolicy
 from vertumnus.policy.pool_results import Actions
 from vertumnus.runtime.kv.leases import Lease, Sink
-from vertumnus.runtime.kv.reads import CHUNK_BYTES, KVReads, bytes_of
-from vertumnus.runtime.kv.segments import store_runs
+from vertumnus.runtime.kv.reads import KVReads, bytes_of
+from vertumnus.runtime.kv.stream import KVStream
 from vertumnus.runtime.metrics import Metrics
-from vertumnus.runtime.ranks import ChildRanks, Ranks
+from vertumnus.runtime.ranks import Ranks
 from vertumnus.runtime.serve_config import ServeConfig
 
 log = structlog.get_logger("vertumnus")
 
 REMEMBERED = 4096  # ended handles kept for a 410
-READ_AHEAD = 2  # chunks read from the ranks ahead of the one written
 
 
 class Handoffs:
@@ -91,6 +84,7 @@ class Handoffs:
         self.pull_s = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self.reads = KVReads(serve.engine, model, ranks)  # the blocks fetched from the ranks
+        self.wire = KVStream(serve, model, self.reads, ranks)
         # pulls under way: handle -> (devices read, sink, done)
         self._pulls: dict[str, tuple[set[int], Sink, asyncio.Future[None]]] = {}
 
@@ -233,75 +227,21 @@ class Handoffs:
 
     # -- the pull ------------------------------------------------------------------------
 
-    def header(self, lease: Lease, dtype: torch.dtype) -> KVHeader:
-        cfg, engine = self.model, self.serve.engine
-        return KVHeader(
-            handle=lease.handle,
-            num_tokens=lease.num_tokens,
-            num_layers=cfg.num_hidden_layers,
-            num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
-            dtype=str(dtype).removeprefix("torch."),
-            block_size=engine.block_size,
-            model=self.serve.model,
-        )
-
     async def stream(self, lease: Lease, sink: Sink) -> int:
         """Write the lease's KV to ``sink`` as the wire format; the bytes written. The
         lease ends (pulled) once every byte left this process; a failure leaves it
-        open. Blocks of ranks whose store this process maps (``kv/segments.py``) go
-        straight from that store, whole blocks, a run per run of slots; the others
-        are read from their ranks (``KVRead``), a chunk ahead."""
+        open."""
         started = time.perf_counter()
         lease.pulling = True
         done = asyncio.get_running_loop().create_future()
         devices = {lease.first_device + loc.rank for loc in lease.blocks}
         self._pulls[lease.handle] = (devices, sink, done)
-        sent = 0
-        ahead: deque[asyncio.Future[tuple[int, Any, Any]]] = deque()
         try:
-            header, groups = self._layout(lease)
-            stores = self._stores(devices)
-            head = header.encode()
-            await sink.start(head)
-            sent += len(head)
-            if stores is None:
-                for group in groups[:READ_AHEAD]:
-                    ahead.append(self.reads.read(lease.first_device, group))
-            for n, group in enumerate(groups):
-                self._check_current(lease)
-                if stores is not None:
-                    size = self.reads.block_bytes() // 2
-                    views = store_runs(stores, lease.first_device, group, size)
-                    tokens = len(group) * self.serve.engine.block_size
-                    sink.writev([chunk_header(tokens, CHUNK_BLOCKS), *views])
-                    sent += 8 + sum(len(v) for v in views)
-                    await sink.drain()
-                    continue
-                tokens, payload, shm = await ahead.popleft()
-                if n + READ_AHEAD < len(groups):
-                    ahead.append(self.reads.read(lease.first_device, groups[n + READ_AHEAD]))
-                sent += len(payload) + 8
-                try:
-                    sink.writev([chunk_header(tokens), payload])
-                    await sink.flush()  # the segment is reused next
-                finally:
-                    if shm is not None:
-                        self.reads.give_back_segment(payload, shm)
-            if lease.rows is not None and lease.rows.shape[2]:
-                payload = bytes_of(lease.rows)
-                sink.writev([chunk_header(int(lease.rows.shape[2])), payload])
-                sent += len(payload) + 8
-            sink.writev([END])
-            sent += len(END)
-            self._check_current(lease)
-            await sink.flush()  # nothing of the store left in a buffer: the pin may go
+            sent = await self.wire.write(lease, sink, devices, self._check_current)
         finally:
             lease.pulling = False
             del self._pulls[lease.handle]
             done.set_result(None)
-            for read in ahead:  # cut short: the reads ahead give their memory back
-                read.add_done_callback(self.reads.give_back)
         self.end(lease.handle, "pulled")
         seconds = time.perf_counter() - started
         self.pulled_bytes += sent
@@ -313,20 +253,6 @@ class Handoffs:
         """A pull under way stops if its worker's index went (a restart)."""
         if self.policy.indexes.get(lease.worker_id) is not lease.index:
             raise HandoffError(f"the KV hand-off {lease.handle!r} ended: moved", "ended", 410)
-
-    def _stores(self, devices: set[int]) -> dict[int, tuple[memoryview, memoryview]] | None:
-        """The K and V bytes of the store of each of ``devices``, mapped here; None if
-        one is not (GPU ranks, ranks under a node agent)."""
-        pool = self.ranks()
-        if not isinstance(pool, ChildRanks):
-            return None
-        stores = {}
-        for device in devices:
-            store = pool.kv_segments.store_bytes(device)
-            if store is None:
-                return None
-            stores[device] = store
-        return stores
 
     async def settle(self, devices: set[int], timeout_s: float | None = None) -> None:
         """Wait for the pulls reading from ``devices`` (a switch is about to give
@@ -352,7 +278,7 @@ class Handoffs:
         the layout of what the ranks send, and the rows no block holds (which the
         caller sends over HTTP). The lease ends (pulled) when every rank has sent,
         or (released) if one failed."""
-        header, _ = self._layout(lease)
+        header, _ = self.wire.layout(lease)
         lease.pulling = True
         try:
             layout, done = self.reads.send(lease.first_device, lease.blocks, store, prefix)
@@ -373,19 +299,9 @@ class Handoffs:
         rows = lease.rows
         return header, layout, bytes_of(rows) if rows is not None and rows.shape[2] else None
 
-    def _layout(self, lease: Lease) -> tuple[KVHeader, list[list[BlockLocation]]]:
-        """The stream's header and its chunks of blocks."""
-        blocks, per = lease.blocks, max(1, CHUNK_BYTES // self.reads.block_bytes())
-        groups = [blocks[i : i + per] for i in range(0, len(blocks), per)]
-        dtype = self.reads.kv_dtype if groups or lease.rows is None else lease.rows.dtype
-        return self.header(lease, dtype), groups
-
     def stream_bytes(self, lease: Lease) -> int:
         """The length of the lease's stream (a pull's Content-Length)."""
-        header, groups = self._layout(lease)
-        rows = 0 if lease.rows is None else int(lease.rows.shape[2])
-        chunks = len(groups) + (1 if rows else 0)
-        return len(header.encode()) + 8 * (chunks + 1) + header.total_bytes
+        return self.wire.length(lease)
 
     def view(self) -> dict[str, Any]:
         return {
