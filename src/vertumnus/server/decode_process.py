@@ -14,7 +14,7 @@ import time
 import structlog
 
 from vertumnus.config import EngineConfig
-from vertumnus.runtime.serve_config import DecodeConfig
+from vertumnus.runtime.serve_tables import DecodeConfig
 
 log = structlog.get_logger("vertumnus.proxy")
 

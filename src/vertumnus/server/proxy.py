@@ -29,7 +29,7 @@ from aiohttp import web
 
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.request_path import PrefillResult
-from vertumnus.runtime.serve_config import DecodeConfig
+from vertumnus.runtime.serve_tables import DecodeConfig
 from vertumnus.server.answers import last_event, serve_prefill, with_pool_share
 from vertumnus.server.decode_process import LocalDecode
 from vertumnus.server.handoff_routes import transfer_params
