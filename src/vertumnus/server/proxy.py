@@ -8,21 +8,17 @@ bootstrap room):
     decode --GET /v1/kv/{handle}--> the pool (the KV, streamed; the lease ends)
     decode --tokens (JSON, or server-sent events)--> proxy --> client
 
-The decode server is a local process (``[decode] local``, the default: started
-beside the pool in the background, told the hand-off secret, restarted with backoff
-whenever it dies or fails to start, while ``/ready`` says so and prefills go on) or
-a separate one (``[decode] url``, possibly on another host). A decode server that fails or
-dies mid-stream gives the client an error event; the lease is released if it was
-not pulled; the pool keeps serving. Each answer carries where its time went:
-queue, prefill, hand-off, first decode step, and the time per output token.
+The decode server is the local decode process (``decode_process.py``) or a
+separate one (``[decode] url``, possibly on another host). A decode server that
+fails or dies mid-stream gives the client an error event; the lease is released if
+it was not pulled; the pool keeps serving. Each answer carries the pool's share of
+the request (``answers.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import sys
 import time
 from typing import Any
 
@@ -31,23 +27,21 @@ import orjson
 import structlog
 from aiohttp import web
 
-from vertumnus.runtime.coordinator import Coordinator, Overloaded, Unavailable
-from vertumnus.runtime.ranks import RanksError
-from vertumnus.runtime.request_path import InternalError, PrefillResult
-from vertumnus.runtime.serve_config import DecodeConfig
+from vertumnus.runtime.coordinator import Coordinator
+from vertumnus.runtime.request_path import PrefillResult
+from vertumnus.runtime.serve_tables import DecodeConfig
+from vertumnus.server.answers import last_event, serve_prefill, with_pool_share
+from vertumnus.server.decode_process import LocalDecode
 from vertumnus.server.handoff_routes import transfer_params
+from vertumnus.server.http import error_response
 
 log = structlog.get_logger("vertumnus.proxy")
 
-START_TIMEOUT_S = 120.0  # a local decode process's start (it imports torch, builds the model)
-STABLE_S = 30.0  # a decode process up this long had served: its restart backoff starts over
 GONE_CHECK_S = 0.25  # how often a non-streamed completion looks for its client
 
 
-def _error(status: int, message: str, kind: str) -> web.Response:
-    headers = {"Retry-After": "2"} if status == 503 else None
-    body = orjson.dumps({"error": {"message": message, "type": kind}})
-    return web.Response(body=body, status=status, content_type="application/json", headers=headers)
+def _unavailable(message: str) -> web.Response:
+    return error_response(503, message, "unavailable", retry_after_s=2)
 
 
 class ClientGone(RuntimeError):
@@ -76,21 +70,24 @@ async def _unless_gone(request: web.Request, work: Any) -> Any:
 
 class DecodeProxy:
     def __init__(self, coord: Coordinator, cfg: DecodeConfig, model: str) -> None:
-        self.coord, self.cfg, self.model = coord, cfg, model
-        self.url: str | None = cfg.url  # where the decode server listens (None: not yet)
-        self.process: asyncio.subprocess.Process | None = None
-        self.restarts = 0
-        self._session: aiohttp.ClientSession | None = None
-        self._supervisor: asyncio.Task[None] | None = None
-        self._closing = False
-        self._prefill_url = ""
-        self._state = (
-            "the local decode process is starting"
-            if cfg.url is None
-            else "the decode proxy is starting"
+        self.coord, self.cfg = coord, cfg
+        self.local = (
+            LocalDecode(cfg, coord.cfg.engine, model, coord.handoffs.secret)
+            if cfg.url is None and cfg.local
+            else None
         )
+        self._session: aiohttp.ClientSession | None = None
+        self._prefill_url = ""
 
-    # -- the local decode process ---------------------------------------------------------
+    @property
+    def url(self) -> str | None:
+        """Where the decode server listens (None: not yet)."""
+        return self.local.url if self.local is not None else self.cfg.url
+
+    @property
+    def process(self) -> asyncio.subprocess.Process | None:
+        """The local decode process, once one has started (None: a separate server)."""
+        return self.local.process if self.local is not None else None
 
     async def start(self, prefill_url: str) -> None:
         """``prefill_url``: where this pool listens, for the local decode process,
@@ -100,99 +97,22 @@ class DecodeProxy:
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None), headers=headers
         )
-        if self.cfg.url is None and self.cfg.local:
-            self._supervisor = asyncio.create_task(self._supervise())
+        if self.local is not None:
+            self.local.start(prefill_url)
 
     def unready_reason(self) -> str | None:
         """None when completions can be decoded now; else why not."""
         if self.url is not None and self._session is not None:
             return None
-        return self._state
-
-    async def _spawn(self) -> None:
-        engine = self.coord.cfg.engine
-        argv = [
-            sys.executable,
-            "-m",
-            "vertumnus",
-            "decode",
-            "--prefill",
-            self._prefill_url,
-            "--port",
-            "0",
-            "--model",
-            self.model,
-            "--seed",
-            str(engine.seed),
-            "--dtype",
-            engine.dtype,
-            "--device",
-            engine.device,
-            "--parent-pid",
-            str(os.getpid()),
-            "--transport",
-            self.cfg.transport,
-        ]
-        # Told the hand-off secret; its own API (local, loopback only) stays open.
-        env = {**os.environ, "VERTUMNUS_PREFILL_KEY": self.coord.handoffs.secret}
-        env.pop("VERTUMNUS_DECODE_API_KEY", None)
-        process = await asyncio.create_subprocess_exec(
-            *argv, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, env=env
-        )
-        assert process.stdout is not None
-        try:
-            line = await asyncio.wait_for(process.stdout.readline(), START_TIMEOUT_S)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
-            raise RuntimeError("the local decode process did not start in time") from None
-        text = line.decode().strip()
-        if "http://" not in text:
-            code = await process.wait()
-            said = f": {text!r}" if text else ""
-            raise RuntimeError(f"the local decode process exited with code {code}{said}")
-        self.url = text[text.index("http://") :]
-        self.process = process
-        log.info("decode_started", url=self.url, pid=process.pid, restarts=self.restarts)
-
-    async def _supervise(self) -> None:
-        """Start the local decode process, and again whenever it ends or fails to
-        start (until ``close``): after ``restart_s``, doubling while it keeps failing,
-        up to ``restart_max_s``. The pool serves prefills meanwhile."""
-        delay = self.cfg.restart_s
-        while not self._closing:
-            began = time.monotonic()
-            try:
-                await self._spawn()
-                assert self.process is not None
-                code = await self.process.wait()
-                if self._closing:
-                    return
-                self.url = None
-                log.error("decode_exited", pid=self.process.pid, code=code, retry_in_s=delay)
-                if time.monotonic() - began > STABLE_S:
-                    delay = self.cfg.restart_s  # it had served a while: not a crash loop
-                what = f"exited with code {code}"
-            except Exception as exc:  # (a start that failed, or a bug here: retried)
-                log.error("decode_start_failed", error=str(exc), retry_in_s=delay, exc_info=exc)
-                what = f"failed to start ({exc})"
-            self._state = f"the local decode process {what}; it restarts in {delay:g} s"
-            await asyncio.sleep(delay)
-            self.restarts += 1
-            self._state = "the local decode process is restarting"
-            delay = min(self.cfg.restart_max_s, max(2 * delay, 1.0))
+        if self.local is not None:
+            return self.local.state
+        if self.cfg.url is None:
+            return "the local decode process is starting"
+        return "the decode proxy is starting"
 
     async def close(self) -> None:
-        self._closing = True
-        if self._supervisor is not None:
-            self._supervisor.cancel()
-        if self.process is not None and self.process.returncode is None:
-            self.process.terminate()
-            try:
-                await asyncio.wait_for(self.process.wait(), 10)
-            except TimeoutError:
-                self.process.kill()
-                await self.process.wait()
+        if self.local is not None:
+            await self.local.close()
         if self._session is not None:
             await self._session.close()
 
@@ -204,15 +124,10 @@ class DecodeProxy:
         coord, arrived = self.coord, time.perf_counter()
         if self.url is None or self._session is None:
             reason = self.unready_reason() or "the decode server is not up"
-            return _error(503, f"unavailable: {reason}", "unavailable")
-        try:
-            result = await coord.prefill(tokens, handoff=True)
-        except Overloaded as exc:
-            return _error(503, f"overloaded: {exc}", "overloaded")
-        except (Unavailable, RanksError) as exc:
-            return _error(503, f"unavailable: {exc}", "unavailable")
-        except InternalError as exc:  # (logged with its traceback where it happened)
-            return _error(500, f"internal error: {exc}", "internal_error")
+            return _unavailable(f"unavailable: {reason}")
+        result = await serve_prefill(coord, tokens, handoff=True, overloaded_retry_s=2)
+        if isinstance(result, web.Response):
+            return result
         assert result.handoff is not None
         params = transfer_params(request, coord, result)
         if self.process is not None:  # the local decode process pulls over loopback
@@ -232,7 +147,7 @@ class DecodeProxy:
                 return web.Response(body=data, status=status, content_type="application/json")
         except (aiohttp.ClientError, ConnectionError) as exc:
             self._release(handle)
-            return _error(503, self._failed(exc), "unavailable")
+            return _unavailable(self._failed(exc))
         except ClientGone:  # its decode stopped with the connection to the decode server
             self._release(handle)
             log.info("client_gone", request_id=result.request_id)
@@ -241,12 +156,8 @@ class DecodeProxy:
             self._release(handle)
             log.info("client_gone", request_id=result.request_id)
             raise
-        out = orjson.loads(data)
-        out["timings"] = self._timings(result, out.get("timings", {}), arrived)
-        out["worker"], out["cp_degree"] = result.worker, result.cp_degree
-        usage = out.setdefault("usage", {})
-        usage["prompt_tokens_details"] = {"cached_tokens": result.cached_tokens}
-        return web.Response(body=orjson.dumps(out), content_type="application/json")
+        answer = with_pool_share(data, result, arrived)
+        return web.Response(body=answer, content_type="application/json")
 
     def _failed(self, exc: BaseException) -> str:
         """The error a decode failure answers with, naming the local decode process
@@ -285,7 +196,7 @@ class DecodeProxy:
                     if first is None:
                         first = time.perf_counter()
                     if line.startswith(b"data: {") and b'"usage"' in line:
-                        line = self._last_event(line, result, arrived)
+                        line = last_event(line, result, arrived)
                     try:
                         await response.write(line)
                     except ConnectionError:  # the client left: nothing more to send
@@ -295,7 +206,7 @@ class DecodeProxy:
         except (aiohttp.ClientError, ConnectionError, asyncio.IncompleteReadError) as exc:
             self._release(handle)
             if not response.prepared:
-                return _error(503, self._failed(exc), "unavailable")
+                return _unavailable(self._failed(exc))
             message = self._failed(exc)
             event = {"error": {"message": message, "type": "decode_error"}}
             try:
@@ -314,35 +225,6 @@ class DecodeProxy:
         async with self._session.post(url, json=forward) as answer:
             return answer.status, await answer.read()
 
-    def _last_event(self, line: bytes, result: PrefillResult, arrived: float) -> bytes:
-        """The decode server's last event (it carries the usage): with the pool's
-        share of the request, as a non-streamed answer has it."""
-        event = orjson.loads(line[len(b"data: ") :])
-        event["timings"] = self._timings(result, event.get("timings") or {}, arrived)
-        event["worker"], event["cp_degree"] = result.worker, result.cp_degree
-        usage = event.get("usage")
-        if isinstance(usage, dict):
-            usage["prompt_tokens_details"] = {"cached_tokens": result.cached_tokens}
-        return b"data: " + orjson.dumps(event) + b"\n"
-
     def _release(self, handle: str) -> None:
         """The decode side never pulled (or failed): the lease ends now."""
         self.coord.handoffs.end(handle, "released")
-
-    def _timings(
-        self, result: PrefillResult, decode: dict[str, Any], arrived: float
-    ) -> dict[str, Any]:
-        """TTFT split into queue, prefill, hand-off and first decode step."""
-        handoff_s = float(decode.get("handoff_s", 0.0))
-        first_step_s = float(decode.get("first_step_s", 0.0))
-        return {
-            "queue_s": round(result.queue_s, 6),
-            "prefill_s": round(result.prefill_s, 6),
-            "rank_compute_s": round(result.rank_compute_s, 6),
-            "handoff_s": round(handoff_s, 6),
-            "handoff_bytes": decode.get("handoff_bytes"),
-            "first_step_s": round(first_step_s, 6),
-            "ttft_s": round(result.ttft_s + handoff_s + first_step_s, 6),
-            "tpot_s": decode.get("tpot_s"),
-            "total_s": round(time.perf_counter() - arrived, 6),
-        }

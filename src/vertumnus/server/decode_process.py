@@ -1,0 +1,127 @@
+"""The local decode process (``[decode] local``, the default): ``python -m vertumnus
+decode`` started beside the pool in the background, told the hand-off secret, and
+restarted with backoff whenever it dies or fails to start; ``state`` says why it is
+not up meanwhile (``/ready`` reports it), and the pool serves prefills all along.
+It does not forward completions: ``proxy.py`` does, to ``url``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+
+import structlog
+
+from vertumnus.config import EngineConfig
+from vertumnus.runtime.serve_tables import DecodeConfig
+
+log = structlog.get_logger("vertumnus.proxy")
+
+START_TIMEOUT_S = 120.0  # a local decode process's start (it imports torch, builds the model)
+STABLE_S = 30.0  # a decode process up this long had served: its restart backoff starts over
+
+
+class LocalDecode:
+    """One local decode process at a time, supervised from ``start`` to ``close``."""
+
+    def __init__(self, cfg: DecodeConfig, engine: EngineConfig, model: str, secret: str) -> None:
+        """``secret``: the hand-off secret, with which the process pulls the KV."""
+        self.cfg, self.engine, self.model, self.secret = cfg, engine, model, secret
+        self.url: str | None = None  # where the process listens (None: not up)
+        self.process: asyncio.subprocess.Process | None = None  # the latest one
+        self.restarts = 0
+        self.state = "the local decode process is starting"  # why it is not up
+        self._prefill_url = ""
+        self._supervisor: asyncio.Task[None] | None = None
+        self._closing = False
+
+    def start(self, prefill_url: str) -> None:
+        """``prefill_url``: where the pool listens, for the process's pulls."""
+        self._prefill_url = prefill_url
+        self._supervisor = asyncio.create_task(self._supervise())
+
+    async def _spawn(self) -> None:
+        engine = self.engine
+        argv = [
+            sys.executable,
+            "-m",
+            "vertumnus",
+            "decode",
+            "--prefill",
+            self._prefill_url,
+            "--port",
+            "0",
+            "--model",
+            self.model,
+            "--seed",
+            str(engine.seed),
+            "--dtype",
+            engine.dtype,
+            "--device",
+            engine.device,
+            "--parent-pid",
+            str(os.getpid()),
+            "--transport",
+            self.cfg.transport,
+        ]
+        # Told the hand-off secret; its own API (local, loopback only) stays open.
+        env = {**os.environ, "VERTUMNUS_PREFILL_KEY": self.secret}
+        env.pop("VERTUMNUS_DECODE_API_KEY", None)
+        process = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, env=env
+        )
+        assert process.stdout is not None
+        try:
+            line = await asyncio.wait_for(process.stdout.readline(), START_TIMEOUT_S)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+            raise RuntimeError("the local decode process did not start in time") from None
+        text = line.decode().strip()
+        if "http://" not in text:
+            code = await process.wait()
+            said = f": {text!r}" if text else ""
+            raise RuntimeError(f"the local decode process exited with code {code}{said}")
+        self.url = text[text.index("http://") :]
+        self.process = process
+        log.info("decode_started", url=self.url, pid=process.pid, restarts=self.restarts)
+
+    async def _supervise(self) -> None:
+        """Start the local decode process, and again whenever it ends or fails to
+        start (until ``close``): after ``restart_s``, doubling while it keeps failing,
+        up to ``restart_max_s``. The pool serves prefills meanwhile."""
+        delay = self.cfg.restart_s
+        while not self._closing:
+            began = time.monotonic()
+            try:
+                await self._spawn()
+                assert self.process is not None
+                code = await self.process.wait()
+                if self._closing:
+                    return
+                self.url = None
+                log.error("decode_exited", pid=self.process.pid, code=code, retry_in_s=delay)
+                if time.monotonic() - began > STABLE_S:
+                    delay = self.cfg.restart_s  # it had served a while: not a crash loop
+                what = f"exited with code {code}"
+            except Exception as exc:  # (a start that failed, or a bug here: retried)
+                log.error("decode_start_failed", error=str(exc), retry_in_s=delay, exc_info=exc)
+                what = f"failed to start ({exc})"
+            self.state = f"the local decode process {what}; it restarts in {delay:g} s"
+            await asyncio.sleep(delay)
+            self.restarts += 1
+            self.state = "the local decode process is restarting"
+            delay = min(self.cfg.restart_max_s, max(2 * delay, 1.0))
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+        if self.process is not None and self.process.returncode is None:
+            self.process.terminate()
+            try:
+                await asyncio.wait_for(self.process.wait(), 10)
+            except TimeoutError:
+                self.process.kill()
+                await self.process.wait()
