@@ -2,9 +2,12 @@
 equal ``generate(do_sample=False)`` on the same checkpoint, dense and Qwen3-MoE,
 from the prompt KV our own model computed (as the prefill pool hands it over);
 a batch of prompts of different lengths, with one joining mid-way, gives each the
-ids it gets alone, in one forward per step; seeded sampling is reproducible;
-end-of-sequence ids and the model's last position stop a sequence; the decode
-thread (``decode/loop.py``) delivers, cancels and fails sequences as it promises."""
+ids it gets alone, in one forward per step; the reported log-probabilities are
+transformers' raw ones; seeded sampling is reproducible; end-of-sequence ids,
+``stop_token_ids`` (never before ``min_tokens``) and the model's last position stop
+a sequence; penalties choose as ``sampling.adjust`` says; the decode thread
+(``decode/loop.py``) delivers, cancels and fails sequences as it promises, and forks
+a request's ``n`` copies from one prompt KV."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from support.reference import Checkpoint, make_hf_moe
 from vertumnus.config import ModelConfig
 from vertumnus.decode.engine import DecodeEngine, StepOutput
 from vertumnus.decode.loop import DecodeFailure, DecodeLoop, NewSequence
-from vertumnus.decode.sampling import SamplingParams
+from vertumnus.decode.sampling import Choosing, SamplingParams, adjust
 from vertumnus.engine.model import Qwen3ForCausalLM, causal_attention
 from vertumnus.engine.weights import load_model, random_model
 
@@ -71,6 +74,22 @@ def hf_greedy(hf: transformers.PreTrainedModel, prompt: list[int], n: int) -> li
     return [int(t) for t in out[0, len(prompt) :]]
 
 
+@torch.inference_mode()
+def hf_logprobs(
+    hf: transformers.PreTrainedModel, prompt: list[int], ids: list[int]
+) -> torch.Tensor:
+    """[len(ids), V] raw log-probabilities transformers gives at the positions that
+    chose ``ids`` after ``prompt``."""
+    full = torch.tensor([prompt + ids[:-1]])
+    logits = hf(full, attention_mask=torch.ones_like(full)).logits[0, len(prompt) - 1 :]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def load_ours(checkpoint: Checkpoint) -> Qwen3ForCausalLM:
+    model = load_model(checkpoint.config, Path(checkpoint.model_dir), torch.float32, CPU)
+    return model.requires_grad_(False)
+
+
 @pytest.fixture(scope="module")
 def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
     hf = make_hf_moe(top_k=2, vocab_size=256)
@@ -85,8 +104,7 @@ def pair(
 ) -> tuple[transformers.PreTrainedModel, Qwen3ForCausalLM]:
     """(transformers' model, ours) on the same checkpoint."""
     chosen = checkpoint if request.param == "dense" else moe_checkpoint
-    ours = load_model(chosen.config, Path(chosen.model_dir), torch.float32, CPU)
-    return chosen.hf, ours.requires_grad_(False)
+    return chosen.hf, load_ours(chosen)
 
 
 @pytest.mark.timeout(120)
@@ -189,6 +207,8 @@ def test_joining_is_checked(tiny_model: Qwen3ForCausalLM) -> None:
         engine.add(0, kv, TINY.vocab_size, GREEDY, 4)
     with pytest.raises(ValueError, match="max_tokens must be >= 1"):
         engine.add(0, kv, 1, GREEDY, 0)
+    with pytest.raises(ValueError, match="prompt ids of 2 tokens for a prompt KV of 4"):
+        engine.add(0, kv, 1, GREEDY, 4, prompt_ids=[0, 1])
     engine.add(0, kv, 1, GREEDY, 4)
     with pytest.raises(ValueError, match="already decoding"):
         engine.add(0, kv, 1, GREEDY, 4)
@@ -217,11 +237,11 @@ def test_the_decode_thread_delivers_cancels_and_fails(tiny_model: Qwen3ForCausal
     loop.start()
     try:
         kv = prompt_kv(tiny_model, prompt)
-        ids[1] = loop.submit(NewSequence(kv, prompt[-1], GREEDY, 10_000), deliver_to(1))
-        ids[0] = loop.submit(NewSequence(kv, prompt[-1], GREEDY, 6), deliver_to(0))
-        ids[2] = loop.submit(NewSequence(kv[:1], prompt[-1], GREEDY, 6), deliver_to(2))
+        (ids[1],) = loop.submit(NewSequence(kv, prompt[-1], GREEDY, 10_000), deliver_to(1))
+        (ids[0],) = loop.submit(NewSequence(kv, prompt[-1], GREEDY, 6), deliver_to(0))
+        (ids[2],) = loop.submit(NewSequence(kv[:1], prompt[-1], GREEDY, 6), deliver_to(2))
         assert done[0].wait(30) and done[2].wait(30)
-        ids[3] = loop.submit(NewSequence(kv, prompt[-1], GREEDY, 10_000), deliver_to(3))
+        (ids[3],) = loop.submit(NewSequence(kv, prompt[-1], GREEDY, 10_000), deliver_to(3))
     finally:
         loop.close()
     assert [e.token_id for e in events[0] if isinstance(e, StepOutput)] == expected
@@ -232,3 +252,139 @@ def test_the_decode_thread_delivers_cancels_and_fails(tiny_model: Qwen3ForCausal
     assert loop.num_active == 0
     with pytest.raises(RuntimeError, match="closed"):
         loop.submit(NewSequence(kv, prompt[-1], GREEDY, 1), deliver_to(0))
+
+
+@pytest.mark.timeout(120)
+def test_logprobs_are_transformers_raw_ones_in_a_mixed_batch(
+    pair: tuple[transformers.PreTrainedModel, Qwen3ForCausalLM],
+) -> None:
+    hf, model = pair
+    prompt = make_tokens(11, seed=20, vocab=model.config.vocab_size)
+    kv = prompt_kv(model, prompt)
+    hot = SamplingParams(temperature=1.5, seed=3, logit_bias=((7, 2.0),))
+    engine = DecodeEngine(model)
+    engine.add(0, kv, prompt[-1], GREEDY, 6, logprobs=5)
+    engine.add(1, kv, prompt[-1], hot, 6)  # adjusted and sampled: raw logprobs still
+    engine.add(2, kv, prompt[-1], GREEDY, 6, logprobs=2)
+    got: dict[int, list[StepOutput]] = {0: [], 1: [], 2: []}
+    while len(engine):
+        for out in engine.step():
+            got[out.seq_id].append(out)
+    assert [o.token_id for o in got[0]] == hf_greedy(hf, prompt, 6)
+    for seq_id, k in ((0, 5), (1, 0), (2, 2)):
+        ids = [o.token_id for o in got[seq_id]]
+        ref = hf_logprobs(hf, prompt, ids)
+        for j, out in enumerate(got[seq_id]):
+            assert out.logprobs.token_id == ids[j]
+            assert out.logprobs.logprob == pytest.approx(float(ref[j, ids[j]]), abs=1e-4)
+            top = torch.topk(ref[j], k) if k else None
+            assert [t for t, _ in out.logprobs.top] == ([] if top is None else top.indices.tolist())
+            if top is not None:
+                values = [v for _, v in out.logprobs.top]
+                assert values == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert [o.logprobs.top for o in got[2]] == [o.logprobs.top[:2] for o in got[0]]
+
+
+@pytest.mark.timeout(120)
+def test_stop_token_ids_stop_and_min_tokens_bans_the_end_ids(checkpoint: Checkpoint) -> None:
+    hf, model = checkpoint.hf, load_ours(checkpoint)
+    prompt = make_tokens(9, seed=21, vocab=model.config.vocab_size)
+    free = [o.token_id for o in decode(model, prompt, 10, params=GREEDY)]
+    j = next(j for j in range(2, 10) if free[j] not in free[:j])
+    # A stop token id stops, even with ignore_eos.
+    stopped = decode(model, prompt, 10, params=GREEDY, stop_token_ids=(free[j],), ignore_eos=True)
+    assert [o.token_id for o in stopped] == free[: j + 1] and stopped[-1].finish_reason == "stop"
+    # An end id biased to be chosen every time is chosen once min_tokens are reached.
+    eos = next(t for t in range(50, 60) if t not in free)
+    for kwargs in ({"eos_token_ids": (eos,)}, {"stop_token_ids": (eos,)}):
+        forced = SamplingParams(temperature=0.0, logit_bias=((eos, 100.0),))
+        outs = decode(model, prompt, 10, params=forced, min_tokens=3, **kwargs)
+        ids = [o.token_id for o in outs]
+        assert ids[3:] == [eos] and [o.finish_reason for o in outs] == [None] * 3 + ["stop"]
+        ref = hf_logprobs(hf, prompt, ids)
+        banned = ref.clone()
+        banned[:, eos] = float("-inf")
+        assert ids[:3] == banned[:3].argmax(-1).tolist()
+        assert outs[3].logprobs.logprob == pytest.approx(float(ref[3, eos]), abs=1e-4)
+    # Without min_tokens it ends at once; with ignore_eos an eos id is a token as any.
+    forced = SamplingParams(temperature=0.0, logit_bias=((eos, 100.0),))
+    at_once = decode(model, prompt, 4, params=forced, eos_token_ids=(eos,))
+    assert [(o.token_id, o.finish_reason) for o in at_once] == [(eos, "stop")]
+    kept = decode(
+        model, prompt, 4, params=forced, eos_token_ids=(eos,), ignore_eos=True, min_tokens=2
+    )
+    assert [o.token_id for o in kept] == [eos] * 4 and kept[-1].finish_reason == "length"
+
+
+@pytest.mark.timeout(120)
+def test_penalties_choose_as_adjust_says(checkpoint: Checkpoint) -> None:
+    hf, model = checkpoint.hf, load_ours(checkpoint)
+    base = make_tokens(12, seed=22, vocab=model.config.vocab_size)
+    prompt = hf_greedy(hf, base, 10) + base  # ids the greedy choice may repeat
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5)
+    got = [o.token_id for o in decode(model, prompt, 10, params=params, prompt_ids=prompt)]
+    choosing = Choosing(params, None, prompt_ids=prompt)
+    expected: list[int] = []
+    with torch.inference_mode():
+        for _ in range(10):
+            full = torch.tensor([prompt + expected])
+            logits = hf(full, attention_mask=torch.ones_like(full)).logits[0, -1].float()
+            expected.append(int(torch.argmax(adjust(logits, choosing, expected))))
+    assert got == expected
+    assert got != hf_greedy(hf, prompt, 10)  # the penalties changed the choice
+    # The prompt's ids count as seen only when given.
+    assert got != [o.token_id for o in decode(model, prompt, 10, params=params)]
+
+
+def run_loop(
+    model: Qwen3ForCausalLM, prompt: list[int], seq: NewSequence, cancel_copy: int | None = None
+) -> tuple[list[int], dict[int, list[StepOutput]]]:
+    """``seq`` through a decode thread: its copies' ids and outputs; ``cancel_copy``
+    is cancelled after its first token."""
+    events: dict[int, list[StepOutput]] = {}
+    lock, ended = threading.Lock(), threading.Semaphore(0)
+    ids: list[int] = []
+
+    def deliver(event: StepOutput | DecodeFailure, at: float) -> None:
+        assert isinstance(event, StepOutput), event
+        with lock:
+            events.setdefault(event.seq_id, []).append(event)
+            if event.finish_reason is not None:
+                ended.release()
+            if cancel_copy is not None and event.seq_id == ids[cancel_copy]:
+                loop.cancel(event.seq_id)
+
+    loop = DecodeLoop(DecodeEngine(model))
+    loop.start()
+    try:
+        with lock:
+            ids += loop.submit(seq, deliver)
+        for _ in range(seq.copies - (cancel_copy is not None)):
+            assert ended.acquire(timeout=30)
+    finally:
+        loop.close()
+    return ids, events
+
+
+@pytest.mark.timeout(60)
+def test_copies_fork_one_prompt_kv(tiny_model: Qwen3ForCausalLM) -> None:
+    prompt = make_tokens(8, seed=23)
+    kv = prompt_kv(tiny_model, prompt)
+    releases: list[int] = []
+    hot = SamplingParams(temperature=20.0, top_p=0.95, seed=5)
+    new = NewSequence(kv, prompt[-1], hot, 8, release=lambda: releases.append(1), copies=3)
+    ids, events = run_loop(tiny_model, prompt, new)
+    assert releases == [1] and len(set(ids)) == 3
+    alone = [
+        [o.token_id for o in decode(tiny_model, prompt, 8, params=hot.for_copy(i))]
+        for i in range(3)
+    ]
+    assert [[o.token_id for o in events[seq_id]] for seq_id in ids] == alone
+    assert len({tuple(a) for a in alone}) == 3  # seeds 5, 6, 7 draw differently
+    # Greedy copies are identical; a cancelled copy leaves, the others finish.
+    greedy = [o.token_id for o in decode(tiny_model, prompt, 6, params=GREEDY)]
+    ids, events = run_loop(tiny_model, prompt, NewSequence(kv, prompt[-1], GREEDY, 6, copies=3), 1)
+    for copy in (0, 2):
+        assert [o.token_id for o in events[ids[copy]]] == greedy
+        assert events[ids[copy]][-1].finish_reason == "length"
+    assert len(events[ids[1]]) in (1, 2) and events[ids[1]][-1].finish_reason is None

@@ -54,7 +54,7 @@ async def _decode(request: web.Request, run: Generation) -> AsyncGenerator[StepO
     )
     run.pulled = None
     run.submitted = time.perf_counter()
-    seq_id = decode.submit(new, deliver)
+    (seq_id,) = decode.submit(new, deliver)  # one copy
     del new  # the decode thread holds the prompt's KV until it has joined the batch
     finished = False
     try:

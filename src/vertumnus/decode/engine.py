@@ -21,25 +21,41 @@ Cache of a sequence (per layer, K and V alike)::
                             every token fed since; capacity grows geometrically (x2,
                             at most n + max_tokens, all the sequence can ever hold)
 
-A sequence leaves when it chose an end-of-sequence id (``finish_reason`` "stop",
-unless ``ignore_eos``), reached ``max_tokens`` or the model's last position
-("length"), or was removed. Sequences join and leave between steps. The engine is
-not thread-safe: ``DecodeLoop`` (``loop.py``) owns it and applies joins and
-cancellations from other threads between steps. Not here: HTTP, the pull of the KV
-(``kv_client``), text.
+Each sequence chooses its token from the step's [T, V] fp32 logits by its own
+``Choosing`` (``sampling.choose_rows``: min_tokens, logit bias, penalties over its
+prompt and output, then greedy or its own generator; plain greedy rows share one
+argmax). Every ``StepOutput`` carries the chosen token's raw log-probability (one
+log_softmax over the step's logits, before any adjustment) and, for a sequence that
+asked for ``logprobs`` k > 0, the k most likely ids (one top-k over those rows).
+
+A sequence leaves when it chose one of its end ids, the end-of-sequence ids (unless
+``ignore_eos``) and ``stop_token_ids`` (``finish_reason`` "stop"; never before
+``min_tokens``, which bans them until then), reached ``max_tokens`` or the model's
+last position ("length"), or was removed. The ``n`` copies of one request are
+sequences of their own, each added from the same prompt KV. Sequences join and
+leave between steps. The engine is not thread-safe: ``DecodeLoop`` (``loop.py``)
+owns it and applies joins and cancellations from other threads between steps. Not
+here: HTTP, the pull of the KV (``kv_client``), text.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from vertumnus.decode.prompt_kv import PromptKV
-from vertumnus.decode.sampling import SamplingParams, make_generator, sample_rows
+from vertumnus.decode.sampling import (
+    LOGPROB_FLOOR,
+    Choosing,
+    SamplingParams,
+    TokenLogprobs,
+    choose_rows,
+    make_generator,
+)
 from vertumnus.engine.model import Qwen3ForCausalLM
 
 # Positions a new cache holds beyond the prompt before its first growth.
@@ -48,12 +64,15 @@ INITIAL_HEADROOM = 64
 
 @dataclass(frozen=True)
 class StepOutput:
-    """The token one step chose for one sequence; ``finish_reason`` "stop" (an
-    end-of-sequence id), "length", or None while the sequence goes on."""
+    """The token one step chose for one sequence; ``finish_reason`` "stop" (an end
+    id), "length", or None while the sequence goes on; ``logprobs``: the token's raw
+    log-probability and, when the sequence asked for ``logprobs`` k, the k most likely
+    ids (``top`` empty otherwise)."""
 
     seq_id: int
     token_id: int
     finish_reason: str | None
+    logprobs: TokenLogprobs
 
 
 @dataclass
@@ -64,12 +83,10 @@ class _Sequence:
     length: int  # positions [0, length) of the cache are filled
     next_token: int  # fed by the next step, at position ``length``
     limit: int  # the most positions the cache will ever hold: n + max_tokens
-    params: SamplingParams
-    generator: torch.Generator | None
+    choosing: Choosing  # end_ids: eos (unless ignore_eos) and stop_token_ids
     max_tokens: int
-    eos_token_ids: frozenset[int]
-    ignore_eos: bool
-    generated: int = 0
+    logprobs: int | None  # top alternatives reported per token
+    output: list[int] = field(default_factory=list)
 
 
 class DecodeEngine:
@@ -100,11 +117,21 @@ class DecodeEngine:
         max_tokens: int,
         eos_token_ids: Iterable[int] = (),
         ignore_eos: bool = False,
+        *,
+        stop_token_ids: Iterable[int] = (),
+        min_tokens: int = 0,
+        prompt_ids: Sequence[int] = (),
+        logprobs: int | None = None,
     ) -> None:
         """Join the batch at the next step. ``prompt_kv``: the KV of the prompt but
         its last token, as pulled (``PromptKV``) or per layer (K, V) each [n, Hkv, D]
-        (any dtype and device: copied into this engine's cache); ``last_token``: the
-        prompt's last id, fed by the first step at position n."""
+        (any dtype and device: copied into this engine's cache, so the same one may
+        be added again, as each of a request's ``n`` copies, with its own
+        ``params.for_copy(i)``); ``last_token``: the prompt's last id, fed by the
+        first step at position n; ``prompt_ids``: the whole prompt, n + 1 ids (for
+        ``repetition_penalty``; empty: the output alone counts); ``logprobs``: the
+        top alternatives each ``StepOutput`` reports (None or 0: the chosen token's
+        log-probability alone)."""
         cfg = self.config
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} is already decoding")
@@ -120,8 +147,18 @@ class DecodeEngine:
         n = prompt_kv.num_tokens
         if not 0 <= last_token < cfg.vocab_size:
             raise ValueError(f"token id {last_token} outside the vocabulary [0, {cfg.vocab_size})")
+        # End ids outside the vocabulary can never be chosen: nothing to ban or watch.
+        ends = {*stop_token_ids, *(() if ignore_eos else eos_token_ids)}
+        ends = {t for t in ends if 0 <= t < cfg.vocab_size}
+        if prompt_ids and (len(prompt_ids) != n + 1 or prompt_ids[-1] != last_token):
+            raise ValueError(
+                f"prompt ids of {len(prompt_ids)} tokens for a prompt KV of {n} and its "
+                f"last token {last_token}"
+            )
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if min_tokens < 0 or (logprobs is not None and logprobs < 0):
+            raise ValueError(f"min_tokens {min_tokens} and logprobs {logprobs} must be >= 0")
         if n >= cfg.max_position_embeddings:
             raise ValueError(
                 f"a prompt of {n + 1} tokens leaves no position to decode at "
@@ -134,18 +171,10 @@ class DecodeEngine:
         k_cache = torch.empty(shape, dtype=dtype, device=device)
         v_cache = torch.empty(shape, dtype=dtype, device=device)
         prompt_kv.copy_into(k_cache, v_cache)
+        generator = make_generator(params, device)
+        choosing = Choosing(params, generator, frozenset(ends), min_tokens, tuple(prompt_ids))
         self._seqs[seq_id] = _Sequence(
-            seq_id=seq_id,
-            k=k_cache,
-            v=v_cache,
-            length=n,
-            next_token=last_token,
-            limit=limit,
-            params=params,
-            generator=make_generator(params, device),
-            max_tokens=max_tokens,
-            eos_token_ids=frozenset(eos_token_ids),
-            ignore_eos=ignore_eos,
+            seq_id, k_cache, v_cache, n, last_token, limit, choosing, max_tokens, logprobs
         )
 
     def _from_layers(self, layers: Sequence[tuple[Tensor, Tensor]]) -> PromptKV:
@@ -210,19 +239,42 @@ class DecodeEngine:
 
         hidden = self.model(ids, positions, attend)  # [T, H]
         logits = self.model.logits(hidden)  # [T, V] fp32
-        tokens = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        tokens = choose_rows(logits, [s.choosing for s in seqs], [s.output for s in seqs])
+        logprobs = _logprobs(logits, tokens, [s.logprobs or 0 for s in seqs])
         max_positions = self.config.max_position_embeddings
         outputs = []
-        for seq, token in zip(seqs, tokens, strict=True):
+        for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
+            ended = token in seq.choosing.end_ids and len(seq.output) >= seq.choosing.min_tokens
             seq.length += 1
-            seq.generated += 1
+            seq.output.append(token)
             seq.next_token = token
             reason = None
-            if not seq.ignore_eos and token in seq.eos_token_ids:
+            if ended:
                 reason = "stop"
-            elif seq.generated >= seq.max_tokens or seq.length >= max_positions:
+            elif len(seq.output) >= seq.max_tokens or seq.length >= max_positions:
                 reason = "length"
             if reason is not None:
                 del self._seqs[seq.seq_id]
-            outputs.append(StepOutput(seq.seq_id, token, reason))
+            outputs.append(StepOutput(seq.seq_id, token, reason, lp))
         return outputs
+
+
+def _logprobs(logits: Tensor, chosen: list[int], tops: list[int]) -> list[TokenLogprobs]:
+    """Row i's ``chosen[i]`` and its ``tops[i]`` most likely ids with their raw
+    log-probabilities: one log_softmax over [T, V] fp32 logits, one top-k over the
+    rows that want alternatives."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    index = torch.tensor(chosen, dtype=torch.long, device=logits.device)[:, None]
+    picked = logprobs.gather(-1, index)[:, 0].tolist()
+    rows = [i for i, k in enumerate(tops) if k > 0]
+    alternatives: dict[int, tuple[tuple[int, float], ...]] = {}
+    if rows:
+        k = min(max(tops[i] for i in rows), logits.shape[-1])
+        values, ids = torch.topk(logprobs[rows], k, dim=-1)
+        for i, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
+            pairs = zip(row_ids[: tops[i]], row_values[: tops[i]], strict=True)
+            alternatives[i] = tuple((int(t), max(v, LOGPROB_FLOOR)) for t, v in pairs)
+    return [
+        TokenLogprobs(token, max(lp, LOGPROB_FLOOR), alternatives.get(i, ()))
+        for i, (token, lp) in enumerate(zip(chosen, picked, strict=True))
+    ]

@@ -1,8 +1,13 @@
 """The one thread that steps a ``DecodeEngine`` (``engine.py``): ``DecodeLoop``, and
 what crosses into it and out of it. A request hands it a ``NewSequence`` and a
 ``Deliver``; each token comes back through that as a ``StepOutput``, or a
-``DecodeFailure`` ends the sequence. Not here: the step itself (``engine.py``),
-HTTP (``server.py``).
+``DecodeFailure`` ends the sequence. A ``NewSequence`` of ``copies`` > 1 is one
+prefill, one pulled prompt KV, forked here: every copy joins as a sequence of its
+own (its own seq id, cache and generator: copy i decodes with
+``params.for_copy(i)``), all from the one ``PromptKV``, released once all have
+joined; each copy's tokens come through the same ``Deliver``, told apart by their
+``seq_id``, and each copy can be cancelled alone. Not here: the step itself
+(``engine.py``), HTTP (``server.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +30,11 @@ log = structlog.get_logger("vertumnus.decode")
 
 @dataclass(frozen=True)
 class NewSequence:
-    """What a request hands the decode thread: ``DecodeEngine.add``'s arguments."""
+    """What a request hands the decode thread: ``DecodeEngine.add``'s arguments, once
+    for every one of its ``copies`` (``n``, or ``best_of``, sequences from one prompt).
+    ``prompt_ids``: the whole prompt (its last id is ``last_token``), which
+    ``repetition_penalty`` counts as seen; ``logprobs``: the top alternatives each
+    token reports (None: its own log-probability alone)."""
 
     prompt_kv: PromptKV | Sequence[tuple[Tensor, Tensor]]
     last_token: int
@@ -33,8 +42,13 @@ class NewSequence:
     max_tokens: int
     eos_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    # called once the prompt's KV is in the cache (or refused): its memory is free
+    # called once the prompt's KV is in every copy's cache (or refused): its memory is free
     release: Callable[[], None] | None = None
+    prompt_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    logprobs: int | None = None
+    copies: int = 1
 
 
 @dataclass(frozen=True)
@@ -52,7 +66,7 @@ Deliver = Callable[[StepOutput | DecodeFailure, float], None]
 
 @dataclass
 class _Inbox:
-    adds: list[tuple[int, NewSequence, Deliver]] = field(default_factory=list)
+    adds: list[tuple[list[int], NewSequence, Deliver]] = field(default_factory=list)
     cancels: set[int] = field(default_factory=set)
 
 
@@ -82,15 +96,18 @@ class DecodeLoop:
         """Sequences decoding (approximate from another thread)."""
         return len(self.engine)
 
-    def submit(self, seq: NewSequence, deliver: Deliver) -> int:
-        """Queue a sequence to join at the next step; returns its id."""
+    def submit(self, seq: NewSequence, deliver: Deliver) -> list[int]:
+        """Queue a sequence's copies to join at the next step; returns their ids, copy
+        i's at index i."""
+        if seq.copies < 1:
+            raise ValueError(f"copies must be >= 1, got {seq.copies}")
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the decode loop is closed")
-            seq_id = next(self._ids)
-            self._inbox.adds.append((seq_id, seq, deliver))
+            seq_ids = [next(self._ids) for _ in range(seq.copies)]
+            self._inbox.adds.append((seq_ids, seq, deliver))
             self._cond.notify()
-        return seq_id
+        return seq_ids
 
     def cancel(self, seq_id: int) -> None:
         """Take the sequence out of the batch before the next step (no-op if done)."""
@@ -113,9 +130,11 @@ class DecodeLoop:
             ):
                 self._cond.wait()
             inbox, self._inbox = self._inbox, _Inbox()
-            if self._stopping:
-                for seq_id, _, deliver in inbox.adds:
-                    self._deliver[seq_id] = deliver
+            if self._stopping:  # what was queued fails with the rest
+                for seq_ids, seq, deliver in inbox.adds:
+                    self._deliver.update(dict.fromkeys(seq_ids, deliver))
+                    if seq.release is not None:
+                        seq.release()
                 return None
             return inbox
 
@@ -134,24 +153,29 @@ class DecodeLoop:
         for seq_id in inbox.cancels:
             self.engine.remove(seq_id)
             self._deliver.pop(seq_id, None)
-        for seq_id, seq, deliver in inbox.adds:
+        for seq_ids, seq, deliver in inbox.adds:
             try:
-                if seq_id not in inbox.cancels:
-                    self._add(seq_id, seq, deliver)
+                for copy, seq_id in enumerate(seq_ids):
+                    if seq_id not in inbox.cancels:
+                        self._add(seq_id, copy, seq, deliver)
             finally:
                 if seq.release is not None:
                     seq.release()
 
-    def _add(self, seq_id: int, seq: NewSequence, deliver: Deliver) -> None:
+    def _add(self, seq_id: int, copy: int, seq: NewSequence, deliver: Deliver) -> None:
         try:
             self.engine.add(
                 seq_id,
                 seq.prompt_kv,
                 seq.last_token,
-                seq.params,
+                seq.params.for_copy(copy),
                 seq.max_tokens,
                 seq.eos_token_ids,
                 seq.ignore_eos,
+                stop_token_ids=seq.stop_token_ids,
+                min_tokens=seq.min_tokens,
+                prompt_ids=seq.prompt_ids,
+                logprobs=seq.logprobs,
             )
         except (ValueError, RuntimeError) as exc:  # bad KV, or out of memory
             self._send(deliver, DecodeFailure(seq_id, f"cannot decode: {exc}"))
