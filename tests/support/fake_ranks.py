@@ -6,7 +6,8 @@ prefix the command reuses, a switch after ``switch_s``, a KV copy after the copy
 model's time. Answers go straight to the coordinator's ``RankLink`` (no pipes), on
 the event loop's clock, so on a ``VirtualTimeLoop`` the coordinator lives through
 the same simulated time as the simulator. A prefill that exports rows (a KV
-hand-off) returns zero rows of ``kv_shape``, and a hand-off's ``KVRead`` is answered
+hand-off) returns zero rows of ``kv_shape``, one that asks for its prompt's
+log-probabilities zeros of their shapes, and a hand-off's ``KVRead`` is answered
 with zero blocks after the copy model's time for them. A test can make ranks hang
 (``hung_on_switch``, ``hung_on_copy``); killed ranks answer nothing, and restarted
 ones come back ``restart_s`` later."""
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from vertumnus.engine.logprobs import PromptLogprobs
 from vertumnus.engine.messages import (
     EpochAck,
     KVData,
@@ -98,7 +100,20 @@ class FakeRanks:
                     layers, heads, dim = self.kv_shape
                     rows = msg.export[1] - msg.export[0]
                     exported = torch.zeros(2, layers, rows, heads, dim)
-                done = PrefillDone(msg.request_id, rank, seconds, logits, {}, exported=exported)
+                prompt = None
+                if first and msg.prompt_logprobs is not None:
+                    n, k = computed - 1, msg.prompt_logprobs
+                    ids = torch.zeros(n, k, dtype=torch.long)
+                    prompt = PromptLogprobs(torch.zeros(n), ids, torch.zeros(n, k))
+                done = PrefillDone(
+                    msg.request_id,
+                    rank,
+                    seconds,
+                    logits,
+                    {},
+                    exported=exported,
+                    prompt_logprobs=prompt,
+                )
                 self._later(seconds, done, rank)
             case KVRead():
                 layers, heads, dim = self.kv_shape

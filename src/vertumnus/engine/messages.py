@@ -3,9 +3,7 @@
 Every message is a small frozen dataclass, pickled onto a one-way pipe between the
 coordinator (or, for a rank on another host, its node agent) and the rank;
 receivers ``match`` on the type. Nothing here runs anything. The tensors of
-a command (token ids) and of an answer (logits) cross as plain bytes: moving a
-tensor through shared memory costs about 0.5 ms per message on CPU (a segment is
-created and mapped each time), more than a whole small prefill's bookkeeping.
+a command (token ids) and of an answer (logits) cross as plain bytes (``wire.py``).
 
     coordinator --PrefillCommand / SwitchEpoch / RebuildGroups / KVTransfer /
                   KVRead / Shutdown--> rank r
@@ -23,56 +21,17 @@ imports it, and nothing in ``engine/`` imports the runtime.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
+from vertumnus.engine.logprobs import PromptLogprobs
+from vertumnus.engine.wire import TensorsAsBytes
 from vertumnus.engine.zigzag import RankPrefill
 
 
-def tensor_to_wire(t: Tensor) -> tuple[str, tuple[int, ...], bytes]:
-    """(dtype name, shape, raw bytes) of a CPU tensor."""
-    flat = t.detach().contiguous().reshape(-1).cpu()
-    return (
-        str(flat.dtype).removeprefix("torch."),
-        tuple(t.shape),
-        flat.view(torch.uint8).numpy().tobytes(),
-    )
-
-
-def tensor_from_wire(dtype: str, shape: tuple[int, ...], data: bytes) -> Tensor:
-    raw = (
-        torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        if data
-        else torch.empty(0, dtype=torch.uint8)
-    )
-    return raw.view(getattr(torch, dtype)).reshape(shape)
-
-
-def _rebuild(cls: type[Any], values: dict[str, Any], tensors: dict[str, Any]) -> Any:
-    for name, wire in tensors.items():
-        values[name] = None if wire is None else tensor_from_wire(*wire)
-    return cls(**values)
-
-
-class _TensorsAsBytes:
-    """Pickle the dataclass's tensor fields as bytes (see the module docstring)."""
-
-    _tensor_fields: tuple[str, ...] = ()
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        values = {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
-        tensors = {}
-        for name in self._tensor_fields:
-            t = values.pop(name)
-            tensors[name] = None if t is None else tensor_to_wire(t)
-        return (_rebuild, (type(self), values, tensors))
-
-
 @dataclass(frozen=True)
-class PrefillCommand(_TensorsAsBytes):
+class PrefillCommand(TensorsAsBytes):
     """One prefill on one worker; every rank of the worker receives the same command."""
 
     request_id: int
@@ -86,6 +45,9 @@ class PrefillCommand(_TensorsAsBytes):
     # Suffix rows [a, b) whose K and V CP rank 0 returns in ``PrefillDone.exported``
     # (a KV hand-off: the prompt's tokens that no cache block holds); None: none.
     export: tuple[int, int] | None = None
+    # k: CP rank 0 also returns ``PrefillDone.prompt_logprobs``, the log-probabilities
+    # of the suffix's tokens after its first and their top k (``logprobs.py``)
+    prompt_logprobs: int | None = None
     _tensor_fields = ("token_ids",)
 
     def for_rank(self, cp_rank: int) -> RankPrefill:
@@ -96,6 +58,7 @@ class PrefillCommand(_TensorsAsBytes):
             write=self.write[cp_rank],
             block_size=self.block_size,
             export=self.export,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -189,7 +152,7 @@ class KVSend:
 
 
 @dataclass(frozen=True)
-class KVData(_TensorsAsBytes):
+class KVData(TensorsAsBytes):
     """The blocks of a ``KVRead`` as rows: [2 (K, V), layers, slots * block_size,
     Hkv, D], in the order the slots were named."""
 
@@ -212,7 +175,7 @@ class RankReady:
 
 
 @dataclass(frozen=True)
-class PrefillDone(_TensorsAsBytes):
+class PrefillDone(TensorsAsBytes):
     request_id: int
     rank: int
     compute_s: float  # wall time of this rank's part
@@ -222,6 +185,8 @@ class PrefillDone(_TensorsAsBytes):
     expert_tokens: dict[int, list[int]] | None = None
     # CP rank 0, when the command exports rows: their K and V, [2, layers, n, Hkv, D]
     exported: Tensor | None = None
+    # CP rank 0, when the command asks for them (``PrefillCommand.prompt_logprobs``)
+    prompt_logprobs: PromptLogprobs | None = None
     _tensor_fields = ("logits", "exported")
 
 

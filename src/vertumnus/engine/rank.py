@@ -35,6 +35,7 @@ from vertumnus.config import EngineConfig, ModelConfig
 from vertumnus.engine.comm import Communicator, DistComm, SoloComm, make_group, worker_group_name
 from vertumnus.engine.kv_store import PagedKVStore
 from vertumnus.engine.kv_transfer import PairGroups, check_transfer, run_transfer
+from vertumnus.engine.logprobs import PromptLogprobs
 from vertumnus.engine.messages import (
     EpochAck,
     GroupsReady,
@@ -237,7 +238,8 @@ def _run(
         step = cmd.for_rank(cp_rank)
         step = replace(step, token_ids=step.token_ids.to(model.device))
         exported: list[torch.Tensor] = []
-        logits = prefill_rank(model, comm, kv, step, logits=cmd.logits, exported=exported)
+        prompt: list[PromptLogprobs] = []
+        logits = prefill_rank(model, comm, kv, step, cmd.logits, exported, prompt)
         if model.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
@@ -249,6 +251,7 @@ def _run(
             dict(comm.calls),
             model.expert_tokens(),
             exported[0].cpu() if exported else None,
+            prompt[0].cpu() if prompt else None,
         )
     except Exception as exc:
         return RankFailed(
@@ -274,6 +277,9 @@ def _check_command(cmd: PrefillCommand, vocab_size: int, kv: PagedKVStore) -> No
         raise ValueError(f"token ids outside the vocabulary [0, {vocab_size})")
     if cmd.logits not in ("last", "all"):
         raise ValueError(f"logits must be 'last' or 'all', got {cmd.logits!r}")
+    k = cmd.prompt_logprobs
+    if k is not None and not 0 <= k <= vocab_size:
+        raise ValueError(f"prompt_logprobs must be in [0, {vocab_size}], got {k}")
     if cmd.export is not None and not 0 <= cmd.export[0] <= cmd.export[1] <= ids.numel():
         raise ValueError(f"export rows {cmd.export} outside the {ids.numel()} computed tokens")
     if bs != kv.block_size:

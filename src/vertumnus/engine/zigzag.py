@@ -32,6 +32,7 @@ from torch import Tensor
 from vertumnus.engine.attention import prefix_causal_attention
 from vertumnus.engine.comm import Communicator
 from vertumnus.engine.kv_store import PagedKVStore
+from vertumnus.engine.logprobs import PromptLogprobs, prompt_logprobs
 from vertumnus.engine.model import Qwen3ForCausalLM
 
 
@@ -92,6 +93,9 @@ class RankPrefill:
     # Suffix rows [a, b) whose K and V CP rank 0 returns (a KV hand-off: the tokens no
     # cache block of the worker holds); None: nothing.
     export: tuple[int, int] | None = None
+    # k: CP rank 0 also returns the log-probabilities of the suffix's tokens after its
+    # first and the k most likely ids at each (``logprobs.py``); None: not asked.
+    prompt_logprobs: int | None = None
 
 
 class ZigzagAttention:
@@ -176,6 +180,7 @@ def prefill_rank(
     step: RankPrefill,
     logits: str = "last",
     exported: list[Tensor] | None = None,
+    prompt: list[PromptLogprobs] | None = None,
 ) -> Tensor | None:
     """Run one rank's part of a zigzag prefill.
 
@@ -183,7 +188,9 @@ def prefill_rank(
     ``logits="last"``, [R, V] for ``"all"``); ``None`` on the other ranks. Issues
     one all-gather per layer (tag ``kv``) and one of the final hidden states (``out``).
     With ``step.export``, rank 0 appends to ``exported`` the K and V of those suffix
-    rows: [2, layers, b - a, Hkv, D].
+    rows: [2, layers, b - a, Hkv, D]. With ``step.prompt_logprobs`` = k, rank 0 appends
+    to ``prompt`` the log-probabilities of suffix tokens 1 .. R-1 and their top k,
+    computed from its own logits in chunks of rows (``logprobs.prompt_logprobs``).
     """
     part = ZigzagPartition(int(step.token_ids.numel()), comm.size)
     idx = torch.tensor(part.indices(comm.rank), dtype=torch.long, device=step.token_ids.device)
@@ -199,5 +206,8 @@ def prefill_rank(
         return None
     seq = gathered.reshape(-1, hidden.shape[-1])
     seq = seq[attention.restore[: part.num_tokens]] if comm.size > 1 else seq[: part.num_tokens]
+    if step.prompt_logprobs is not None and prompt is not None:
+        k, after = step.prompt_logprobs, step.token_ids[1:]
+        prompt.append(prompt_logprobs(model.logits, seq[:-1], after, k))
     rows = seq[-1:] if logits == "last" else seq
     return model.logits(rows)

@@ -55,6 +55,7 @@ from vertumnus.runtime.kv.copies import CopyRuns, KVCopier
 from vertumnus.runtime.kv.handoffs import Handoffs
 from vertumnus.runtime.metrics import Metrics
 from vertumnus.runtime.periodic import Periodic
+from vertumnus.runtime.prompt_logprobs import check_top_k
 from vertumnus.runtime.rank_link import RankLink
 from vertumnus.runtime.ranks import ChildRanks, Ranks
 from vertumnus.runtime.recovery import Recovery
@@ -310,8 +311,14 @@ class Coordinator:
 
     # -- the API's entry points -------------------------------------------------------
 
-    async def prefill(self, tokens: Sequence[int], handoff: bool = False) -> PrefillResult:
-        return await self.requests.prefill(tokens, handoff)
+    async def prefill(
+        self, tokens: Sequence[int], handoff: bool = False, prompt_logprobs: int | None = None
+    ) -> PrefillResult:
+        """``handoff``: keep the KV for a decode server; ``prompt_logprobs`` = k (0 to
+        the vocabulary, else ValueError): the result's ``prompt_logprobs``, computed
+        without the prefix cache (``runtime/prompt_logprobs.py``)."""
+        check_top_k(prompt_logprobs, self.model_cfg.vocab_size)
+        return await self.requests.prefill(tokens, handoff, prompt_logprobs)
 
     def begin_reshape(self, op: Reshape) -> asyncio.Future[Transition]:
         return self.reshaping.begin(op)

@@ -57,11 +57,13 @@ def prefill_command(
     worker_ranks: tuple[int, ...],
     logits: str = "last",
     export: tuple[int, int] | None = None,
+    prompt_logprobs: int | None = None,
 ) -> PrefillCommand:
     """The command every rank of the worker gets for a prefill whose cache lease is
     ``lease``: the uncached suffix, which rank holds which prefix block (block j on
     CP rank j % C) and where each new full block goes (``export``: suffix rows whose
-    K and V come back, for a hand-off)."""
+    K and V come back, for a hand-off; ``prompt_logprobs``: the top k of the suffix's
+    log-probabilities come back, ``engine/logprobs.py``)."""
     if logits not in ("last", "all"):
         raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
     c = len(worker_ranks)
@@ -80,6 +82,7 @@ def prefill_command(
         block_size=block_size,
         logits=logits,
         export=export,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

@@ -26,7 +26,6 @@ from typing import Any
 
 import structlog
 
-from vertumnus.blocks import block_ids
 from vertumnus.engine.messages import PrefillCommand, PrefillDone
 from vertumnus.policy.placement.scheduler import PlacementRequest
 from vertumnus.policy.pool_policy import PoolPolicy
@@ -36,6 +35,7 @@ from vertumnus.runtime.kv.handoffs import Handoffs
 from vertumnus.runtime.kv.leases import Lease, export_range
 from vertumnus.runtime.metrics import Metrics
 from vertumnus.runtime.prefill import prefill_command
+from vertumnus.runtime.prompt_logprobs import PromptLogprobs, placement_ids, prompt_answer
 from vertumnus.runtime.rank_link import RankLink, WorkerLost
 from vertumnus.runtime.ranks import Ranks, RanksError
 from vertumnus.runtime.recovery import Recovery
@@ -72,6 +72,7 @@ class PrefillResult:
     rank_compute_s: float  # the slowest rank's compute; the rest of ttft_s is overhead
     logits: Any = None  # fp32 [V] at the last position (not sent over the API)
     handoff: Lease | None = None  # the KV kept for a decode server to pull
+    prompt_logprobs: PromptLogprobs | None = None  # asked for: the whole prompt's
 
 
 @dataclass
@@ -82,6 +83,7 @@ class _Request:
     future: asyncio.Future[PrefillResult]
     attempts: int = 0
     handoff: bool = False  # keep the prompt's KV under a lease for a decode server
+    prompt_logprobs: int | None = None  # k: its prompt's log-probabilities, top k
 
 
 class RequestPath:
@@ -108,8 +110,12 @@ class RequestPath:
         self.open: dict[int, _Request] = {}
         self._ids = itertools.count(1)
 
-    async def prefill(self, tokens: Sequence[int], handoff: bool = False) -> PrefillResult:
-        """``handoff``: keep the prompt's KV under a lease (``runtime/kv/handoffs.py``)."""
+    async def prefill(
+        self, tokens: Sequence[int], handoff: bool = False, prompt_logprobs: int | None = None
+    ) -> PrefillResult:
+        """``handoff``: keep the prompt's KV under a lease (``runtime/kv/handoffs.py``);
+        ``prompt_logprobs`` = k: the answer carries the prompt's log-probabilities
+        and top k, computed without the prefix cache (``prompt_logprobs.py``)."""
         if not self.health.ready:
             raise Unavailable(self.health.failure or "the server is not ready")
         if len(self.open) >= self.cfg.max_queued:
@@ -119,9 +125,12 @@ class RequestPath:
         loop = asyncio.get_running_loop()
         rid = next(self._ids)
         now = self.clock()
-        req = _Request(rid, list(tokens), now, loop.create_future(), handoff=handoff)
+        future = loop.create_future()
+        req = _Request(
+            rid, list(tokens), now, future, handoff=handoff, prompt_logprobs=prompt_logprobs
+        )
         self.open[rid] = req
-        ids = tuple(block_ids(tokens, self.cfg.engine.block_size))
+        ids = placement_ids(tokens, self.cfg.engine.block_size, prompt_logprobs)
         timeout_s = self.cfg.request_timeout_s
         try:
             self.metrics.timeline.arrived(now)
@@ -179,7 +188,8 @@ class RequestPath:
         ranks = tuple(started.devices)
         block = self.cfg.engine.block_size
         export = export_range(started.lease, len(req.tokens), block) if req.handoff else None
-        cmd = prefill_command(started.lease, req.tokens, block, rid, ranks, export=export)
+        k = req.prompt_logprobs
+        cmd = prefill_command(started.lease, req.tokens, block, rid, ranks, "last", export, k)
         answers = self.link.expect_prefill(rid, ranks)
         dead = sorted(set(ranks) & self.recovery.dead_ranks)
         if dead:  # (failed since the start: no answer will come)
@@ -231,20 +241,21 @@ class RequestPath:
         start: float,
         end: float,
     ) -> None:
-        """The prefill's answer (with its lease, for a hand-off), once; a lease that
-        cannot be opened gives its hold back and the request an error."""
+        """The prefill's answer (with its lease, for a hand-off), once; an answer that
+        cannot be made (no lease opens) gives its hold back and the request an error."""
         rid, worker_id, ranks = req.request_id, started.worker_id, tuple(started.devices)
         logits = done[ranks[0]].logits
         lease = None
         try:
             assert logits is not None, "CP rank 0 answered no logits"
+            prompt = prompt_answer(req.prompt_logprobs, cmd, done[ranks[0]])
             if finished.hold is not None:
                 rows = done[ranks[0]].exported
                 lease = self.handoffs.open(finished.hold, ranks[0], len(req.tokens), rows)
         except Exception as exc:
             if finished.hold is not None:
                 self.apply(self.policy.release_hold(finished.hold, end))
-            raise InternalError(f"request {rid}: its hand-off could not open: {exc!r}") from exc
+            raise InternalError(f"request {rid}: its answer could not be made: {exc!r}") from exc
         compute_s = max(d.compute_s for d in done.values())
         result = PrefillResult(
             request_id=rid,
@@ -259,6 +270,7 @@ class RequestPath:
             rank_compute_s=compute_s,
             logits=logits[-1],
             handoff=lease,
+            prompt_logprobs=prompt,
         )
         self.metrics.request(result)
         tau_s = self.cfg.slo.tau_s(len(req.tokens), self.predict, self.cfg.degrees)
