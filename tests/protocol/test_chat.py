@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import transformers
-from support.tokenizer import make_tokenizer
 
+from support.tokenizer import make_tokenizer
 from vertumnus.protocol.chat import ChatTemplate, check_messages
 from vertumnus.server.http import BadRequest
 from vertumnus.server.tokenizer import Tokenizer

@@ -67,7 +67,6 @@ from vertumnus.sim import config as sim_config
 from vertumnus.sim import plots, report
 from vertumnus.sim.simulator import Simulation
 
-
 VARIANT_KEYS = frozenset({"label", "preset", "composition"})  # besides its tables
 
 
