@@ -32,8 +32,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from support.factories import make_tokens
 from vertumnus import kv_wire as wire
-from vertumnus.cli.decode import eos_token_ids
 from vertumnus.config import ConfigError
+from vertumnus.config.model import eos_token_ids
 from vertumnus.decode.engine import DecodeEngine, StepOutput
 from vertumnus.decode.keys import DecodeSettings
 from vertumnus.decode.kv_client import HandoffError, pull, release

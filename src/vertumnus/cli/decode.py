@@ -21,16 +21,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
 import signal
-from pathlib import Path
 from typing import Any
 
 import structlog
 
 from vertumnus.cli.serve import configure_logging
 from vertumnus.config import ConfigError, resolve_model
+from vertumnus.config.model import eos_token_ids
 
 SHUTDOWN_GRACE_S = 10.0
 
@@ -72,28 +71,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="exit when this process is gone (serve's local decode process sets it)",
     )
-
-
-def eos_token_ids(model_dir: str | None) -> tuple[int, ...]:
-    """``eos_token_id`` (an id or a list of ids) of the folder's
-    ``generation_config.json``, else of its ``config.json``; () for a preset."""
-    if model_dir is None:
-        return ()
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_dir) / name
-        if not path.is_file():
-            continue
-        try:
-            raw: Any = json.loads(path.read_text()).get("eos_token_id")
-        except (OSError, json.JSONDecodeError, AttributeError) as exc:
-            raise ConfigError(f"{path}: cannot read eos_token_id: {exc}") from exc
-        if raw is None:
-            continue
-        ids = raw if isinstance(raw, list) else [raw]
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-            raise ConfigError(f"{path}: eos_token_id must be an id or a list of ids, got {raw!r}")
-        return tuple(ids)
-    return ()
 
 
 async def _exit_with(pid: int, stop: asyncio.Event) -> None:

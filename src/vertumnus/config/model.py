@@ -269,3 +269,25 @@ def resolve_model(spec: str) -> tuple[ModelConfig, str | None]:
         f"--model {spec!r}: neither a built-in preset ({', '.join(sorted(PRESETS))}) "
         "nor a folder with config.json and *.safetensors"
     )
+
+
+def eos_token_ids(model_dir: str | None) -> tuple[int, ...]:
+    """``eos_token_id`` (an id or a list of ids) of the folder's
+    ``generation_config.json``, else of its ``config.json``; () for a preset."""
+    if model_dir is None:
+        return ()
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if not path.is_file():
+            continue
+        try:
+            raw: Any = json.loads(path.read_text()).get("eos_token_id")
+        except (OSError, json.JSONDecodeError, AttributeError) as exc:
+            raise ConfigError(f"{path}: cannot read eos_token_id: {exc}") from exc
+        if raw is None:
+            continue
+        ids = raw if isinstance(raw, list) else [raw]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise ConfigError(f"{path}: eos_token_id must be an id or a list of ids, got {raw!r}")
+        return tuple(ids)
+    return ()
