@@ -24,7 +24,7 @@ import torch
 from support.factories import make_tokens
 from support.processes import children_of, is_running
 from support.reference import VOCAB, Checkpoint, make_checkpoint
-from support.server import Server, running_server, write_serve_config
+from support.server import Server, running_server, write_folder_config
 
 pytestmark = pytest.mark.multiproc
 
@@ -37,14 +37,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, checkpoint: Checkpoint) -> Iterator[Server]:
     config = tmp_path_factory.mktemp("serve-decode") / "serve.toml"
-    write_serve_config(
-        config,
-        model={"name": str(checkpoint.model_dir)},
-        profile={"path": "tiny-cpu"},
-        engine={"dtype": "float32", "device": "cpu"},
-        pool={"degrees": [1, 2], "layout": [1, 1]},
-        decode={"local": True, "restart_s": 0.2},
-    )
+    write_folder_config(config, checkpoint.model_dir, decode={"local": True, "restart_s": 0.2})
     with running_server(config) as srv:
         yield srv
 
@@ -74,7 +67,7 @@ def test_a_stock_openai_client_streams_the_greedy_continuation(
     shared = make_tokens(70, seed=11, vocab=VOCAB)
     for prompt in ([*shared, 3, 4], [*shared, 5]):  # the second reuses the first's prefix
         stream = client(server).completions.create(
-            model="reference",
+            model=str(checkpoint.model_dir),
             prompt=prompt,
             max_tokens=12,
             temperature=0,
@@ -86,7 +79,7 @@ def test_a_stock_openai_client_streams_the_greedy_continuation(
         assert ids == reference(checkpoint, prompt, 12)
         assert chunks[-1].choices[0].finish_reason == "length"
         whole = client(server).completions.create(
-            model="reference",
+            model=str(checkpoint.model_dir),
             prompt=prompt,
             max_tokens=12,
             temperature=0,
@@ -136,7 +129,10 @@ def test_a_decode_process_killed_mid_stream(server: Server, checkpoint: Checkpoi
         if fresh and fresh != decoders and all(is_running(p) for p in fresh):
             try:
                 again = client(server).completions.create(
-                    model="reference", prompt=[1, 2, 3, 4], max_tokens=3, temperature=0
+                    model=str(checkpoint.model_dir),
+                    prompt=[1, 2, 3, 4],
+                    max_tokens=3,
+                    temperature=0,
                 )
             except openai.APIStatusError:
                 time.sleep(0.5)  # still starting

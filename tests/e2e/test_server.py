@@ -104,12 +104,18 @@ def test_reshapes_under_load_answer_every_request_once(server: Server) -> None:
 @pytest.mark.timeout(120)
 def test_openai_completions_and_views(server: Server) -> None:
     prompt = "The prefill pool answers the first token."
-    status, a = server.call("POST", "/v1/completions", {"model": "tiny", "prompt": prompt})
+    # max_tokens 1 (the default is 16, which needs a decode server), greedy
+    one = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    status, a = server.call("POST", "/v1/completions", one)
     assert status == 200 and a["object"] == "text_completion"
     assert a["usage"]["prompt_tokens"] == len(prompt.encode())
-    status, b = server.call("POST", "/v1/completions", {"prompt": prompt, "max_tokens": 1})
-    assert status == 200
+    status, b = server.call("POST", "/v1/completions", {**one, "prompt": [prompt, "Another."]})
+    assert status == 200 and len(b["choices"]) == 2
     assert b["choices"][0]["token_ids"] == a["choices"][0]["token_ids"]
+    chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1}
+    status, c = server.call("POST", "/v1/chat/completions", chat)
+    assert status == 200 and c["object"] == "chat.completion"
+    assert c["choices"][0]["message"]["role"] == "assistant"
     status, workers = server.call("GET", "/v1/workers")
     assert status == 200 and {w["state"] for w in workers["workers"]} == {"active"}
     status, cache = server.call("GET", "/v1/cache")
@@ -202,11 +208,19 @@ def test_openai_completions_and_views(server: Server) -> None:
         ("/health", {}, None, "application/json", 405, ""),
         (
             "/v1/completions",
-            {"prompt": [[1, 2], [3]]},
+            {"prompt": [[1, 2], [3]], "max_tokens": 1, "suffix": "x"},
             None,
             "application/json",
             400,
-            "one prompt",
+            "'suffix'",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "stream": True},
+            None,
+            "application/json",
+            400,
+            "no decode server",
         ),
         (
             "/v1/admin/reconfigure",

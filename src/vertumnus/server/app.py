@@ -1,8 +1,8 @@
 """The REST API (aiohttp, orjson) in front of the coordinator; see docs/api.md.
 This module builds the app from the routes of its neighbours:
 
-    POST /v1/prefill, /v1/completions    a prompt served (``completion_routes.py``;
-                                         past the first token, the decode proxy,
+    POST /v1/prefill, /v1/completions,   a prompt served (``completion_routes.py``;
+         /v1/chat/completions            past the first token, the decode proxy,
                                          ``proxy.py``)
     GET, DELETE /v1/kv/{handle}          a prompt's KV kept for a decode server
                                          (``handoff_routes.py``)
@@ -22,11 +22,19 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from vertumnus.config.model import eos_token_ids
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.server import completion_routes, dashboard_routes, handoff_routes, pool_routes
 from vertumnus.server.access import access
 from vertumnus.server.http import json_errors
-from vertumnus.server.keys import ADDRESS, COORDINATOR, PROXY, TOKENIZER, Completer
+from vertumnus.server.keys import (
+    ADDRESS,
+    COORDINATOR,
+    EOS_TOKEN_IDS,
+    PROXY,
+    TOKENIZER,
+    Completer,
+)
 from vertumnus.server.tokenizer import Tokenizer
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -41,6 +49,7 @@ def build_app(
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[bug, access])
     app[COORDINATOR] = coordinator
     app[TOKENIZER] = tokenizer
+    app[EOS_TOKEN_IDS] = eos_token_ids(coordinator.model_dir)
     app[ADDRESS] = []  # [host, port] once ``serve`` has bound
     if proxy is not None:
         app[PROXY] = proxy

@@ -1,5 +1,6 @@
 """The local decode process (``[decode] local``, the default): ``python -m vertumnus
-decode`` started beside the pool in the background, told the hand-off secret, and
+decode`` started beside the pool in the background, serving the model under the
+pool's name (``--served-model-name``), told the hand-off secret, and
 restarted with backoff whenever it dies or fails to start; ``state`` says why it is
 not up meanwhile (``/ready`` reports it), and the pool serves prefills all along.
 It does not forward completions: ``proxy.py`` does, to ``url``."""
@@ -25,9 +26,19 @@ STABLE_S = 30.0  # a decode process up this long had served: its restart backoff
 class LocalDecode:
     """One local decode process at a time, supervised from ``start`` to ``close``."""
 
-    def __init__(self, cfg: DecodeConfig, engine: EngineConfig, model: str, secret: str) -> None:
-        """``secret``: the hand-off secret, with which the process pulls the KV."""
+    def __init__(
+        self,
+        cfg: DecodeConfig,
+        engine: EngineConfig,
+        model: str,
+        secret: str,
+        served_model: str | None = None,
+    ) -> None:
+        """``model``: the preset or folder to load; ``served_model``: the name that
+        requests' ``model`` must give, the pool's (default: ``model``); ``secret``:
+        the hand-off secret, with which the process pulls the KV."""
         self.cfg, self.engine, self.model, self.secret = cfg, engine, model, secret
+        self.served_model = served_model if served_model is not None else model
         self.url: str | None = None  # where the process listens (None: not up)
         self.process: asyncio.subprocess.Process | None = None  # the latest one
         self.restarts = 0
@@ -41,9 +52,10 @@ class LocalDecode:
         self._prefill_url = prefill_url
         self._supervisor = asyncio.create_task(self._supervise())
 
-    async def _spawn(self) -> None:
+    def command(self) -> list[str]:
+        """The process's command line (the pool's address once ``start`` gave it)."""
         engine = self.engine
-        argv = [
+        return [
             sys.executable,
             "-m",
             "vertumnus",
@@ -54,6 +66,8 @@ class LocalDecode:
             "0",
             "--model",
             self.model,
+            "--served-model-name",
+            self.served_model,
             "--seed",
             str(engine.seed),
             "--dtype",
@@ -65,6 +79,9 @@ class LocalDecode:
             "--transport",
             self.cfg.transport,
         ]
+
+    async def _spawn(self) -> None:
+        argv = self.command()
         # Told the hand-off secret; its own API (local, loopback only) stays open.
         env = {**os.environ, "VERTUMNUS_PREFILL_KEY": self.secret}
         env.pop("VERTUMNUS_DECODE_API_KEY", None)

@@ -1,5 +1,6 @@
 """What the REST app keeps (aiohttp ``AppKey``s): the coordinator, the tokenizer, the
-address the server listens on once bound, and the decode proxy when there is one."""
+model's end-of-sequence ids, the address the server listens on once bound, and the
+decode proxy when there is one."""
 
 from __future__ import annotations
 
@@ -7,11 +8,15 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from vertumnus.protocol.request import GenerateRequest
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.server.tokenizer import Tokenizer
 
 COORDINATOR = web.AppKey("coordinator", Coordinator)
 TOKENIZER = web.AppKey("tokenizer", Tokenizer)
+# The served model's end-of-sequence ids (``config.model.eos_token_ids`` of its
+# folder; none for a preset): they end the one token the pool answers by itself.
+EOS_TOKEN_IDS = web.AppKey("eos_token_ids", tuple)
 ADDRESS = web.AppKey("address", list)  # [host, port], filled by ``serve`` once bound
 
 
@@ -19,7 +24,7 @@ class Completer(Protocol):
     """The decode proxy (``server/proxy.py``) as the app sees it."""
 
     async def complete(
-        self, request: web.Request, body: dict[str, Any], tokens: list[int]
+        self, request: web.Request, req: GenerateRequest, body: dict[str, Any], chat: bool
     ) -> web.StreamResponse: ...
 
     def unready_reason(self) -> str | None: ...

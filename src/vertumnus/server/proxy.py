@@ -1,18 +1,21 @@
-"""The decode proxy: ``serve``'s one front door for completions of more than one
-token, in the P/D shape the field uses (vLLM's disaggregated prefill, SGLang's
-bootstrap room):
+"""The decode proxy: ``serve``'s one front door for completions past the first token
+(``max_tokens`` > 1, or a stream), in the P/D shape the field uses (vLLM's
+disaggregated prefill, SGLang's bootstrap room):
 
-    client --POST /v1/completions--> proxy (this server)
-    proxy  --prefill, do_remote_decode--> the pool: KV pinned under a lease
-    proxy  --POST /v1/completions + kv_transfer_params--> decode server
-    decode --GET /v1/kv/{handle}--> the pool (the KV, streamed; the lease ends)
+    client --POST /v1/completions or /v1/chat/completions--> proxy (this server)
+    proxy  --prefill of every prompt, KV kept--> the pool: each pinned under a lease
+    proxy  --the client's body, same path, kv_transfer_params: [one per prompt]--> decode
+    decode --GET /v1/kv/{handle}, per prompt--> the pool (the KV, streamed; the lease ends)
     decode --tokens (JSON, or server-sent events)--> proxy --> client
 
-The decode server is the local decode process (``decode_process.py``) or a
-separate one (``[decode] url``, possibly on another host). A decode server that
-fails or dies mid-stream gives the client an error event; the lease is released if
-it was not pulled; the pool keeps serving. Each answer carries the pool's share of
-the request (``answers.py``).
+The body goes on as the client sent it, but for ``kv_transfer_params``: the list of
+each prompt's, in order, with its prompt's log-probabilities when the request asks
+for them (completions, ``echo`` with ``logprobs``). The decode server is the local
+decode process (``decode_process.py``) or a separate one (``[decode] url``, possibly
+on another host). A decode server that fails or dies mid-stream gives the client an
+error event; the leases not pulled are released (as are those already opened when
+another prompt's prefill fails); the pool keeps serving. Each answer carries the
+pool's share of the request (``answers.py``).
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ import orjson
 import structlog
 from aiohttp import web
 
+from vertumnus.decode.sampling import LOGPROB_FLOOR
+from vertumnus.protocol.request import GenerateRequest
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.request_path import PrefillResult
 from vertumnus.runtime.serve_tables import DecodeConfig
-from vertumnus.server.answers import last_event, serve_prefill, with_pool_share
+from vertumnus.server.answers import last_event, release_leases, serve_prefills, with_pool_share
 from vertumnus.server.decode_process import LocalDecode
 from vertumnus.server.handoff_routes import transfer_params
 from vertumnus.server.http import error_response
@@ -72,7 +77,7 @@ class DecodeProxy:
     def __init__(self, coord: Coordinator, cfg: DecodeConfig, model: str) -> None:
         self.coord, self.cfg = coord, cfg
         self.local = (
-            LocalDecode(cfg, coord.cfg.engine, model, coord.handoffs.secret)
+            LocalDecode(cfg, coord.cfg.engine, model, coord.handoffs.secret, coord.cfg.model)
             if cfg.url is None and cfg.local
             else None
         )
@@ -119,45 +124,62 @@ class DecodeProxy:
     # -- a completion ---------------------------------------------------------------------
 
     async def complete(
-        self, request: web.Request, body: dict[str, Any], tokens: list[int]
+        self, request: web.Request, req: GenerateRequest, body: dict[str, Any], chat: bool
     ) -> web.StreamResponse:
+        """Prefill every prompt of ``req`` with its KV kept, and have the decode
+        server answer the client's ``body`` on the same path, its
+        ``kv_transfer_params`` replaced by the list of every prompt's (in order)."""
         coord, arrived = self.coord, time.perf_counter()
         if self.url is None or self._session is None:
             reason = self.unready_reason() or "the decode server is not up"
             return _unavailable(f"unavailable: {reason}")
-        result = await serve_prefill(coord, tokens, handoff=True, overloaded_retry_s=2)
-        if isinstance(result, web.Response):
-            return result
-        assert result.handoff is not None
-        params = transfer_params(request, coord, result)
+        prompts = [p.token_ids for p in req.prompts]
+        results = await serve_prefills(
+            coord, prompts, True, req.prompt_logprobs, overloaded_retry_s=2
+        )
+        if isinstance(results, web.Response):
+            return results
+        forward = {**body, "kv_transfer_params": [self._params(request, r) for r in results]}
+        url = self.url + ("/v1/chat/completions" if chat else "/v1/completions")
+        request_id = results[0].request_id
+        try:
+            if req.stream:
+                return await self._stream(request, url, forward, results, arrived)
+            status, data = await _unless_gone(request, self._answer(url, forward))
+            if status != 200:
+                release_leases(coord, results)
+                return web.Response(body=data, status=status, content_type="application/json")
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            release_leases(coord, results)
+            return _unavailable(self._failed(exc))
+        except ClientGone:  # its decode stopped with the connection to the decode server
+            release_leases(coord, results)
+            log.info("client_gone", request_id=request_id)
+            return web.Response(status=499)
+        except asyncio.CancelledError:  # the same, where the server cancels its handlers
+            release_leases(coord, results)
+            log.info("client_gone", request_id=request_id)
+            raise
+        answer = with_pool_share(data, results, arrived)
+        return web.Response(body=answer, content_type="application/json")
+
+    def _params(self, request: web.Request, result: PrefillResult) -> dict[str, Any]:
+        """One prompt's ``kv_transfer_params`` for the decode server: where its KV
+        waits (over loopback for the local decode process) and, when asked for, its
+        prompt's log-probabilities (clamped at -9999: JSON has no infinity)."""
+        params: dict[str, Any] = transfer_params(request, self.coord, result)
         if self.process is not None:  # the local decode process pulls over loopback
             local = self._prefill_url.removeprefix("http://").rpartition(":")
             params["remote_host"], params["remote_port"] = local[0], int(local[2])
             params["remote_scheme"] = "http"
-        forward = {k: v for k, v in body.items() if k not in ("prompt", "kv_transfer_params")}
-        forward.update(prompt=tokens, kv_transfer_params=params)
-        handle = result.handoff.handle
-        url = f"{self.url}/v1/completions"
-        try:
-            if body.get("stream"):
-                return await self._stream(request, url, forward, result, arrived, handle)
-            status, data = await _unless_gone(request, self._answer(url, forward))
-            if status != 200:
-                self._release(handle)
-                return web.Response(body=data, status=status, content_type="application/json")
-        except (aiohttp.ClientError, ConnectionError) as exc:
-            self._release(handle)
-            return _unavailable(self._failed(exc))
-        except ClientGone:  # its decode stopped with the connection to the decode server
-            self._release(handle)
-            log.info("client_gone", request_id=result.request_id)
-            return web.Response(status=499)
-        except asyncio.CancelledError:  # the same, where the server cancels its handlers
-            self._release(handle)
-            log.info("client_gone", request_id=result.request_id)
-            raise
-        answer = with_pool_share(data, result, arrived)
-        return web.Response(body=answer, content_type="application/json")
+        got = result.prompt_logprobs
+        if got is not None:
+            params["prompt_logprobs"] = {
+                "token_logprobs": got.token_logprobs.clamp(min=LOGPROB_FLOOR).tolist(),
+                "top_ids": got.top_ids.tolist(),
+                "top_values": got.top_values.clamp(min=LOGPROB_FLOOR).tolist(),
+            }
+        return params
 
     def _failed(self, exc: BaseException) -> str:
         """The error a decode failure answers with, naming the local decode process
@@ -171,9 +193,8 @@ class DecodeProxy:
         request: web.Request,
         url: str,
         forward: dict[str, Any],
-        result: PrefillResult,
+        results: list[PrefillResult],
         arrived: float,
-        handle: str,
     ) -> web.StreamResponse:
         """Relay the decode server's events as they come; a failure after the first
         byte becomes an error event, then the end. A client that goes away ends the
@@ -186,7 +207,7 @@ class DecodeProxy:
         try:
             async with self._session.post(url, json=forward) as answer:
                 if answer.status != 200:
-                    self._release(handle)
+                    release_leases(self.coord, results)
                     data = await answer.read()
                     return web.Response(
                         body=data, status=answer.status, content_type="application/json"
@@ -195,16 +216,15 @@ class DecodeProxy:
                 async for line in answer.content:
                     if first is None:
                         first = time.perf_counter()
-                    if line.startswith(b"data: {") and b'"usage"' in line:
-                        line = last_event(line, result, arrived)
+                    line = last_event(line, results, arrived)
                     try:
                         await response.write(line)
                     except ConnectionError:  # the client left: nothing more to send
-                        self._release(handle)
-                        log.info("client_gone", request_id=result.request_id, stream=True)
+                        release_leases(self.coord, results)
+                        log.info("client_gone", request_id=results[0].request_id, stream=True)
                         return response
         except (aiohttp.ClientError, ConnectionError, asyncio.IncompleteReadError) as exc:
-            self._release(handle)
+            release_leases(self.coord, results)
             if not response.prepared:
                 return _unavailable(self._failed(exc))
             message = self._failed(exc)
@@ -215,7 +235,7 @@ class DecodeProxy:
                 return response
         if first is not None:
             ttft = first - arrived
-            log.info("streamed", request_id=result.request_id, ttft_s=round(ttft, 6))
+            log.info("streamed", request_id=results[0].request_id, ttft_s=round(ttft, 6))
         with contextlib.suppress(ConnectionError):  # (a client that left just now)
             await response.write_eof()
         return response
@@ -224,7 +244,3 @@ class DecodeProxy:
         assert self._session is not None
         async with self._session.post(url, json=forward) as answer:
             return answer.status, await answer.read()
-
-    def _release(self, handle: str) -> None:
-        """The decode side never pulled (or failed): the lease ends now."""
-        self.coord.handoffs.end(handle, "released")

@@ -1,7 +1,8 @@
-"""The request bodies of ``/v1/prefill`` and ``/v1/completions`` (the OpenAI
-completions subset), read and checked: what a route serves, or ``BadRequest``
-naming the field. Holds no route and builds no answer; the checks run in a fixed
-order, so a body with several faults is told about the first."""
+"""The request body of ``/v1/prefill`` read and checked: what the route serves, or
+``BadRequest`` naming the field; and ``kv_transfer_params``'s one question for the
+pool (keep the KV?), which the completions routes ask too. Holds no route and builds
+no answer; the checks run in a fixed order, so a body with several faults is told
+about the first. The completions bodies are ``protocol/request.py``'s."""
 
 from __future__ import annotations
 
@@ -28,8 +29,11 @@ def prompt_tokens(body: dict[str, Any], tokenizer: Tokenizer, model: ModelConfig
     vocab_size, max_len = model.vocab_size, model.max_position_embeddings
     ids = body.get("token_ids")
     prompt = body.get("prompt")
+    name = "prompt" if prompt is not None else "token_ids"
     if (ids is None) == (prompt is None):
-        raise BadRequest("give exactly one of 'token_ids' (a list of integers) or 'prompt' (text)")
+        raise BadRequest(
+            "give exactly one of 'token_ids' (a list of integers) or 'prompt' (text)", "token_ids"
+        )
     if prompt is not None:
         if isinstance(prompt, list):  # the OpenAI form: a list of token ids
             ids = prompt
@@ -37,20 +41,20 @@ def prompt_tokens(body: dict[str, Any], tokenizer: Tokenizer, model: ModelConfig
             try:
                 ids = tokenizer.encode(prompt)
             except TokenizerError as exc:
-                raise BadRequest(str(exc)) from None
+                raise BadRequest(str(exc), name) from None
         else:
-            raise BadRequest("'prompt' must be a string or a list of token ids")
+            raise BadRequest("'prompt' must be a string or a list of token ids", name)
     if not isinstance(ids, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) for t in ids
     ):
-        raise BadRequest("'token_ids' must be a list of integers")
+        raise BadRequest("'token_ids' must be a list of integers", name)
     if not ids:
-        raise BadRequest("the prompt is empty: at least one token is needed")
+        raise BadRequest("the prompt is empty: at least one token is needed", name)
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise BadRequest(f"token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        raise BadRequest(f"token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", name)
     if len(ids) > max_len:
-        raise BadRequest(f"{len(ids)} tokens exceed the model's maximum of {max_len}")
+        raise BadRequest(f"{len(ids)} tokens exceed the model's maximum of {max_len}", name)
     return ids
 
 
@@ -59,7 +63,7 @@ def handoff_asked(body: dict[str, Any]) -> bool:
     try:
         return wants_handoff(body)
     except ValueError as exc:
-        raise BadRequest(str(exc)) from None
+        raise BadRequest(str(exc), "kv_transfer_params") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,50 +80,9 @@ class PrefillRequest:
     ) -> PrefillRequest:
         unknown = sorted(set(body) - PREFILL_FIELDS)
         if unknown:
-            raise BadRequest(f"unknown fields {unknown}")
+            raise BadRequest(f"unknown fields {unknown}", unknown[0])
         slo = body.get("ttft_slo_s")
         if slo is not None and not (isinstance(slo, int | float) and slo > 0):
-            raise BadRequest("'ttft_slo_s' must be a positive number of seconds")
+            raise BadRequest("'ttft_slo_s' must be a positive number of seconds", "ttft_slo_s")
         handoff = handoff_asked(body)
         return cls(prompt_tokens(body, tokenizer, model), handoff, slo)
-
-
-@dataclasses.dataclass(frozen=True)
-class CompletionRequest:
-    """A ``POST /v1/completions`` body. ``body`` is kept as sent: a completion that
-    needs decoding forwards it to the decode server."""
-
-    body: dict[str, Any]
-    tokens: list[int]
-    max_tokens: int
-    stream: bool
-    handoff: bool
-
-    @property
-    def needs_decode(self) -> bool:
-        """More than the first token, or a stream: the decode server's work."""
-        return self.max_tokens > 1 or self.stream
-
-    @classmethod
-    def parse(
-        cls, body: dict[str, Any], tokenizer: Tokenizer, model: ModelConfig, decodes: bool
-    ) -> CompletionRequest:
-        """``decodes``: this server has a decode server (else a completion is its
-        first token alone)."""
-        max_tokens = body.get("max_tokens", 1)
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise BadRequest("'max_tokens' must be an integer >= 1")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise BadRequest("'stream' must be true or false")
-        if (max_tokens > 1 or stream) and not decodes:
-            raise BadRequest(
-                "this server has no decode server ([decode] local = false and no url): "
-                "max_tokens = 1 without stream only"
-            )
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
-            raise BadRequest("one prompt per request")
-        handoff = handoff_asked(body)
-        tokens = prompt_tokens({"prompt": prompt}, tokenizer, model)
-        return cls(body, tokens, max_tokens, stream, handoff)
