@@ -19,11 +19,10 @@ from typing import Any
 
 import openai
 import pytest
-import torch
 
 from support.factories import make_tokens
 from support.processes import children_of, is_running
-from support.reference import VOCAB, Checkpoint, make_checkpoint
+from support.reference import VOCAB, Checkpoint, hf_greedy, make_checkpoint
 from support.server import Server, running_server, write_serve_config
 
 pytestmark = pytest.mark.multiproc
@@ -51,16 +50,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, checkpoint: Checkpoint) -> 
 
 def reference(checkpoint: Checkpoint, prompt: list[int], n: int) -> list[int]:
     """transformers' greedy continuation of ``prompt``: ``n`` new ids."""
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = checkpoint.hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=n,
-            min_new_tokens=n,
-        )
-    return [int(t) for t in out[0, len(prompt) :]]
+    return hf_greedy(checkpoint.hf, prompt, n)
 
 
 def client(server: Server) -> openai.OpenAI:
@@ -74,7 +64,7 @@ def test_a_stock_openai_client_streams_the_greedy_continuation(
     shared = make_tokens(70, seed=11, vocab=VOCAB)
     for prompt in ([*shared, 3, 4], [*shared, 5]):  # the second reuses the first's prefix
         stream = client(server).completions.create(
-            model="reference",
+            model=str(checkpoint.model_dir),  # the served name: --model as given
             prompt=prompt,
             max_tokens=12,
             temperature=0,
@@ -86,7 +76,7 @@ def test_a_stock_openai_client_streams_the_greedy_continuation(
         assert ids == reference(checkpoint, prompt, 12)
         assert chunks[-1].choices[0].finish_reason == "length"
         whole = client(server).completions.create(
-            model="reference",
+            model=str(checkpoint.model_dir),  # the served name: --model as given
             prompt=prompt,
             max_tokens=12,
             temperature=0,
@@ -136,7 +126,10 @@ def test_a_decode_process_killed_mid_stream(server: Server, checkpoint: Checkpoi
         if fresh and fresh != decoders and all(is_running(p) for p in fresh):
             try:
                 again = client(server).completions.create(
-                    model="reference", prompt=[1, 2, 3, 4], max_tokens=3, temperature=0
+                    model=str(checkpoint.model_dir),
+                    prompt=[1, 2, 3, 4],
+                    max_tokens=3,
+                    temperature=0,
                 )
             except openai.APIStatusError:
                 time.sleep(0.5)  # still starting
