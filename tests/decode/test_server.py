@@ -1,17 +1,16 @@
 """The decode server's API (``decode/server.py``) in process, against a fake
-prefill pool: a tiny aiohttp app that keeps a prompt's KV (computed by the model)
-under a handle, streams it in ``wire.py``'s format and answers as the pool does.
-Answers, streamed or not, carry the engine's greedy ids; the pool's refusals and
-broken streams become clear errors; what the client sends is checked field by field;
+prefill pool (``support/decode_pool.py``). Answers, streamed or not, carry the
+engine's greedy ids; the pool's refusals and broken streams become clear errors;
+what the client sends is checked field by field;
 the bearer goes to the pool; a failed step ends a stream with an error event; a
 client that goes away leaves the batch; ``pull`` reads bfloat16 in uneven chunks.
-Last, ``python -m vertumnus decode`` as a process (multiproc): it serves, and exits 0
-on SIGTERM."""
+Last, ``python -m vertumnus decode`` as a process (multiproc): it serves under its
+``--served-model-name``, and exits 0 on SIGTERM. The OpenAI dialect's features
+through this server are in ``test_openai.py``."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import signal
 import socket
@@ -19,8 +18,8 @@ import subprocess
 import sys
 import threading
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,217 +27,19 @@ import orjson
 import pytest
 import torch
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestServer
 
+from support.decode_pool import POOL_KEY, FakePool, events, greedy_ids, run, serving
 from support.factories import make_tokens
-from vertumnus import kv_wire as wire
 from vertumnus.config import ConfigError
 from vertumnus.config.model import eos_token_ids
 from vertumnus.decode.engine import DecodeEngine, StepOutput
-from vertumnus.decode.keys import DecodeSettings
 from vertumnus.decode.kv_client import HandoffError, pull, release
-from vertumnus.decode.sampling import SamplingParams
-from vertumnus.decode.server import build_app
-from vertumnus.engine.model import Qwen3ForCausalLM, causal_attention
+from vertumnus.engine.model import Qwen3ForCausalLM
 from vertumnus.server.tokenizer import Tokenizer
 
-POOL_KEY = "pool-key-0123456789abcdef"
 API_KEY = "decode-key-0123456789abcdef"
 TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@torch.inference_mode()
-def prompt_kv(model: Qwen3ForCausalLM, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V [L, n, Hkv, D] of the prompt but its last token."""
-    ks, vs = [], []
-    reference = causal_attention()
-
-    def capture(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        ks.append(k.clone())
-        vs.append(v.clone())
-        return reference(layer, q, k, v)
-
-    n, cfg = len(prompt) - 1, model.config
-    if n == 0:
-        empty = torch.empty(cfg.num_hidden_layers, 0, cfg.num_key_value_heads, cfg.head_dim)
-        return empty, empty
-    model(torch.tensor(prompt[:-1]), torch.arange(n), capture)
-    return torch.stack(ks), torch.stack(vs)
-
-
-def greedy_ids(model: Qwen3ForCausalLM, prompt: list[int], max_tokens: int) -> list[int]:
-    """What the engine decodes alone from the prompt's KV."""
-    k, v = prompt_kv(model, prompt)
-    engine = DecodeEngine(model)
-    engine.add(0, list(zip(k, v, strict=True)), prompt[-1], SamplingParams(0.0), max_tokens)
-    ids: list[int] = []
-    while len(engine):
-        ids += [o.token_id for o in engine.step()]
-    return ids
-
-
-class FakePool:
-    """The prefill pool's hand-off, in process. ``POST /v1/completions`` keeps the
-    prompt's KV under a new handle; ``GET /v1/kv/{handle}`` streams it once, in chunks
-    of ``chunk_tokens`` (then 410); ``DELETE`` releases it. Every call needs
-    ``Bearer key``. Switches: ``busy`` (503 prefills), ``truncate`` (the stream stops
-    after its first chunk), ``layers`` (a header of another model)."""
-
-    def __init__(self, model: Qwen3ForCausalLM, dtype: str = "float32", chunk_tokens: int = 4):
-        self.model, self.dtype, self.chunk_tokens = model, dtype, chunk_tokens
-        self.key = POOL_KEY
-        self.leases: dict[str, tuple[wire.KVHeader, torch.Tensor, torch.Tensor]] = {}
-        self.ended: set[str] = set()
-        self.auth: list[str | None] = []
-        self.prefills = 0
-        self.released: list[str] = []
-        self.busy = self.truncate = False
-        self.layers: int | None = None
-        self.port = 0
-        self._ids = itertools.count()
-
-    def keep(self, prompt: list[int]) -> dict[str, Any]:
-        """The prompt's KV under a new lease; its kv_transfer_params."""
-        handle = f"h{next(self._ids)}"
-        k, v = prompt_kv(self.model, prompt)
-        cfg = self.model.config
-        header = wire.KVHeader(
-            handle=handle,
-            num_tokens=len(prompt) - 1,
-            num_layers=self.layers or cfg.num_hidden_layers,
-            num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
-            dtype=self.dtype,
-            block_size=16,
-            model=cfg.name,
-        )
-        self.leases[handle] = (header, k.to(TORCH[self.dtype]), v.to(TORCH[self.dtype]))
-        return {
-            "do_remote_decode": False,
-            "do_remote_prefill": True,
-            "remote_host": "127.0.0.1",
-            "remote_port": self.port,
-            "remote_handle": handle,
-            "num_tokens": len(prompt) - 1,
-            "prompt_tokens": len(prompt),
-            "block_size": 16,
-            "model": cfg.name,
-            "expires_at": 0,
-            "transport": "http",
-        }
-
-    def stream_bytes(self, num_tokens: int) -> int:
-        cfg = self.model.config
-        dims = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-        header = wire.KVHeader("h0", num_tokens, *dims, self.dtype, 16, cfg.name)
-        chunks = -(-num_tokens // self.chunk_tokens)
-        return len(header.encode()) + header.total_bytes + (chunks + 1) * wire.CHUNK_HEADER_BYTES
-
-    @web.middleware
-    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        given = request.headers.get("Authorization")
-        self.auth.append(given)
-        if given != f"Bearer {self.key}":
-            return _pool_error(401, "a valid key is needed")
-        return await handler(request)
-
-    def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth])
-        app.add_routes(
-            [
-                web.post("/v1/completions", self._completions),
-                web.get("/v1/kv/{handle}", self._pull),
-                web.delete("/v1/kv/{handle}", self._release),
-            ]
-        )
-        return app
-
-    async def _completions(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        assert body["max_tokens"] == 1 and body["kv_transfer_params"] == {"do_remote_decode": True}
-        if self.busy:
-            return _pool_error(503, "overloaded")
-        self.prefills += 1
-        return web.json_response({"kv_transfer_params": self.keep(body["prompt"])})
-
-    def _lease(
-        self, handle: str
-    ) -> tuple[wire.KVHeader, torch.Tensor, torch.Tensor] | web.Response:
-        if handle in self.ended:
-            return _pool_error(410, f"the KV hand-off {handle!r} has ended")
-        if handle not in self.leases:
-            return _pool_error(404, f"unknown KV hand-off {handle!r}")
-        return self.leases.pop(handle)
-
-    async def _pull(self, request: web.Request) -> web.StreamResponse:
-        lease = self._lease(request.match_info["handle"])
-        if isinstance(lease, web.Response):
-            return lease
-        header, k, v = lease
-        self.ended.add(header.handle)
-        response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-        chunks = -(-header.num_tokens // self.chunk_tokens)
-        # as the pool does: the whole stream's length (a truncated one falls short)
-        response.content_length = len(header.encode()) + 8 * (chunks + 1) + header.total_bytes
-        await response.prepare(request)
-        await response.write(header.encode())
-        for start in range(0, header.num_tokens, self.chunk_tokens):
-            rows = slice(start, start + self.chunk_tokens)
-            tokens = k[:, rows].shape[1]
-            await response.write(wire.chunk_header(tokens) + _raw(k[:, rows]) + _raw(v[:, rows]))
-            if self.truncate:
-                return response  # ends cleanly, without the end mark
-        await response.write(wire.END)
-        return response
-
-    async def _release(self, request: web.Request) -> web.Response:
-        lease = self._lease(request.match_info["handle"])
-        if isinstance(lease, web.Response):
-            return lease
-        self.released.append(lease[0].handle)
-        self.ended.add(lease[0].handle)
-        return web.json_response({"released": lease[0].handle})
-
-
-def _raw(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
-
-
-def _pool_error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "x"}}, status=status)
-
-
-@asynccontextmanager
-async def serving(
-    model: Qwen3ForCausalLM, pool: FakePool, engine: DecodeEngine | None = None, **settings: Any
-) -> AsyncIterator[TestClient[web.Request, web.Application]]:
-    """The fake pool and a decode server in front of it, on free local ports."""
-    async with TestServer(pool.app()) as pool_server:
-        pool.port = pool_server.port or 0
-        fields: dict[str, Any] = dict(
-            model=model.config, prefill_url=f"http://127.0.0.1:{pool.port}", prefill_key=POOL_KEY
-        )
-        fields.update(settings)
-        tokenizer = Tokenizer.for_model(None, model.config.vocab_size)
-        engine = engine if engine is not None else DecodeEngine(model)  # (empty: falsy)
-        app = build_app(engine, tokenizer, DecodeSettings(**fields))
-        async with TestClient(TestServer(app)) as client:
-            yield client
-
-
-def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    asyncio.run(main())
-
-
-def events(text: str) -> list[Any]:
-    """The server-sent events of a finished stream: JSON objects, then "[DONE]"."""
-    out: list[Any] = []
-    for block in text.split("\n\n"):
-        if block:
-            assert block.startswith("data: "), block
-            data = block.removeprefix("data: ")
-            out.append(data if data == "[DONE]" else orjson.loads(data))
-    return out
 
 
 @pytest.mark.timeout(60)
@@ -300,7 +101,9 @@ def test_a_stream_with_kv_transfer_params(tiny_model: Qwen3ForCausalLM) -> None:
         reasons = [c["choices"][0]["finish_reason"] for c in chunks]
         assert reasons == [None] * 4 + ["length"]
         assert "".join(c["choices"][0]["text"] for c in chunks) == tokenizer.decode(expected)
-        assert chunks[-1]["usage"]["completion_tokens"] == 5
+        # no usage without stream_options.include_usage; timings on the last event only
+        assert not any("usage" in c for c in chunks)
+        assert [i for i, c in enumerate(chunks) if "timings" in c] == [len(chunks) - 1]
         assert chunks[-1]["timings"]["prefill_s"] is None
 
     run(main)
@@ -361,8 +164,9 @@ def test_the_pools_refusals_and_broken_streams_are_clear_errors(
     ("change", "field"),
     [
         ({"prompt": None}, "'prompt'"),
-        ({"prompt": []}, "'prompt' is empty"),
-        ({"prompt": [[1, 2], [3]]}, "one prompt per request"),
+        ({"prompt": []}, "'prompt' must be"),
+        ({"prompt": [[1, 2], "x"]}, "'prompt' must be"),
+        ({"prompt": [[1, 2], []]}, "the prompt is empty"),
         ({"prompt": [1, 5000]}, "outside the vocabulary"),
         ({"max_tokens": 0}, "'max_tokens'"),
         ({"temperature": -1}, "'temperature'"),
@@ -370,7 +174,10 @@ def test_the_pools_refusals_and_broken_streams_are_clear_errors(
         ({"seed": "x"}, "'seed'"),
         ({"stream": "yes"}, "'stream'"),
         ({"ignore_eos": 1}, "'ignore_eos'"),
-        ({"n": 2}, "'n'"),
+        ({"n": 0}, "'n'"),
+        ({"n": 2, "best_of": 1}, "'best_of'"),
+        ({"suffix": "x"}, "'suffix'"),
+        ({"kv_transfer_params": [{"remote_host": "h"}]}, "kv_transfer_params.remote_port"),
         ({"kv_transfer_params": {"remote_host": "h"}}, "kv_transfer_params.remote_port"),
     ],
 )
@@ -465,17 +272,28 @@ def test_a_failed_step_ends_the_stream_with_an_error_event(tiny_model: Qwen3ForC
 def test_a_client_that_goes_away_leaves_the_batch(tiny_model: Qwen3ForCausalLM) -> None:
     async def main() -> None:
         async with serving(tiny_model, FakePool(tiny_model)) as client:
-            body = {"prompt": make_tokens(5, seed=4), "max_tokens": 1_000_000, "stream": True}
+
+            async def reaches(active: int) -> bool:
+                for _ in range(200):
+                    health = await (await client.get("/health")).json()
+                    if health["active_sequences"] == active:
+                        return True
+                    await asyncio.sleep(0.05)
+                return False
+
+            body = {"prompt": make_tokens(5, seed=4), "max_tokens": 60_000, "stream": True}
             resp = await client.post("/v1/completions", json=body)
             await resp.content.readuntil(b"\n\n")
             assert (await (await client.get("/health")).json())["active_sequences"] == 1
             resp.close()
-            for _ in range(200):
-                health = await (await client.get("/health")).json()
-                if health["active_sequences"] == 0:
-                    return
-                await asyncio.sleep(0.05)
-            raise AssertionError("the sequence of a closed stream is still decoding")
+            assert await reaches(0), "the sequence of a closed stream is still decoding"
+            # two prompts, two copies each: all four sequences leave with their client
+            prompts = [make_tokens(5, seed=4), make_tokens(6, seed=5)]
+            resp = await client.post("/v1/completions", json=body | {"prompt": prompts, "n": 2})
+            await resp.content.readuntil(b"\n\n")
+            assert await reaches(4)
+            resp.close()
+            assert await reaches(0), "the sequences of a closed stream are still decoding"
 
     run(main)
 
@@ -550,7 +368,7 @@ def test_the_decode_command_serves_and_stops_on_sigterm(
     env = {**os.environ, "VERTUMNUS_PREFILL_KEY": POOL_KEY, "VERTUMNUS_DECODE_API_KEY": API_KEY}
     with pool_in_thread(pool) as url, (tmp_path / "decode.log").open("w") as log:
         proc = subprocess.Popen(
-            [*command, "--prefill", url, "--dtype", "float32"],
+            [*command, "--prefill", url, "--dtype", "float32", "--served-model-name", "org/m"],
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
@@ -563,15 +381,19 @@ def test_the_decode_command_serves_and_stops_on_sigterm(
             assert line.startswith("vertumnus listening on http://127.0.0.1:"), (
                 line + (tmp_path / "decode.log").read_text()[-2000:]
             )
-            body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+            base, auth = line.split()[-1], {"Authorization": f"Bearer {API_KEY}"}
+            body = {"model": "org/m", "prompt": prompt, "max_tokens": 4, "temperature": 0}
             req = urllib.request.Request(
-                line.split()[-1] + "/v1/completions",
+                base + "/v1/completions",
                 data=orjson.dumps(body),
-                headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+                headers={"Content-Type": "application/json"} | auth,
             )
             with urllib.request.urlopen(req, timeout=60) as resp:
                 answer = orjson.loads(resp.read())
-            assert answer["choices"][0]["token_ids"] == expected
+            assert answer["choices"][0]["token_ids"] == expected and answer["model"] == "org/m"
+            req = urllib.request.Request(base + "/v1/models/org/m", headers=auth)
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                assert orjson.loads(resp.read())["id"] == "org/m"  # --served-model-name
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=30) == 0
         finally:

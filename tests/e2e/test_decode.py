@@ -19,11 +19,10 @@ from typing import Any
 
 import openai
 import pytest
-import torch
 
 from support.factories import make_tokens
 from support.processes import children_of, is_running
-from support.reference import VOCAB, Checkpoint, make_checkpoint
+from support.reference import VOCAB, Checkpoint, hf_greedy, make_checkpoint
 from support.server import Server, running_server, write_folder_config
 
 pytestmark = pytest.mark.multiproc
@@ -44,16 +43,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, checkpoint: Checkpoint) -> 
 
 def reference(checkpoint: Checkpoint, prompt: list[int], n: int) -> list[int]:
     """transformers' greedy continuation of ``prompt``: ``n`` new ids."""
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = checkpoint.hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=n,
-            min_new_tokens=n,
-        )
-    return [int(t) for t in out[0, len(prompt) :]]
+    return hf_greedy(checkpoint.hf, prompt, n)
 
 
 def client(server: Server) -> openai.OpenAI:
@@ -67,7 +57,7 @@ def test_a_stock_openai_client_streams_the_greedy_continuation(
     shared = make_tokens(70, seed=11, vocab=VOCAB)
     for prompt in ([*shared, 3, 4], [*shared, 5]):  # the second reuses the first's prefix
         stream = client(server).completions.create(
-            model=str(checkpoint.model_dir),
+            model=str(checkpoint.model_dir),  # the served name: --model as given
             prompt=prompt,
             max_tokens=12,
             temperature=0,
@@ -79,7 +69,7 @@ def test_a_stock_openai_client_streams_the_greedy_continuation(
         assert ids == reference(checkpoint, prompt, 12)
         assert chunks[-1].choices[0].finish_reason == "length"
         whole = client(server).completions.create(
-            model=str(checkpoint.model_dir),
+            model=str(checkpoint.model_dir),  # the served name: --model as given
             prompt=prompt,
             max_tokens=12,
             temperature=0,

@@ -145,3 +145,17 @@ def test_completion_stream_with_echo() -> None:
     choice.add(TokenLogprobs(ord("d"), -1.0), "length")
     (last,) = answer.events(choice)
     assert last["choices"][0]["text"] == "d" and last["choices"][0]["finish_reason"] == "length"
+
+
+def test_completion_stream_has_an_event_for_every_token() -> None:
+    """A token with no text of its own (an incomplete character, held back) still
+    has its event, with its id and no text, as vLLM streams completions."""
+    answer = Answer(request(stream=True, max_tokens=3), TOK)
+    choice = answer.choices[0]
+    sent: list[tuple[list[int], str]] = []
+    for token, finish in ((0xC3, None), (0xA9, None), (ord("x"), "length")):  # "é", "x"
+        choice.add(TokenLogprobs(token, -1.0), finish)
+        sent += [
+            (e["choices"][0]["token_ids"], e["choices"][0]["text"]) for e in answer.events(choice)
+        ]
+    assert sent == [([0xC3], ""), ([0xA9], "é"), ([ord("x")], "x")]

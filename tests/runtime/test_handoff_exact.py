@@ -16,7 +16,7 @@ import transformers
 from aiohttp import web
 
 from support.factories import engine_config, make_profile, make_tokens
-from support.reference import VOCAB, make_hf_model, make_hf_moe
+from support.reference import VOCAB, hf_greedy, make_hf_model, make_hf_moe
 from vertumnus.config import ModelConfig
 from vertumnus.config.pool import PoolConfig
 from vertumnus.decode.engine import DecodeEngine
@@ -36,16 +36,7 @@ NEW_TOKENS = 10
 
 
 def reference(hf: transformers.PreTrainedModel, prompt: list[int]) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-        )
-    return [int(t) for t in out[0, len(prompt) :]]
+    return hf_greedy(hf, prompt, NEW_TOKENS)
 
 
 async def generate(

@@ -151,6 +151,20 @@ def drop_tensor(model_dir: Path, name: str) -> None:
 
 
 @torch.inference_mode()
+def hf_greedy(model: transformers.PreTrainedModel, prompt: Sequence[int], n: int) -> list[int]:
+    """transformers' greedy continuation of ``prompt``: exactly ``n`` new ids."""
+    ids = torch.tensor([list(prompt)])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=n,
+        min_new_tokens=n,
+    )
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+@torch.inference_mode()
 def hf_logits(model: transformers.PreTrainedModel, tokens: Sequence[int]) -> torch.Tensor:
     """fp32 logits [len(tokens), vocab] of the whole sequence, no cache."""
     ids = torch.tensor([list(tokens)], dtype=torch.long)

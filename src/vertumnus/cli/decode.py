@@ -1,11 +1,12 @@
 """``python -m vertumnus decode``: the reference decode server beside a prefill pool.
 
-Serves ``POST /v1/completions`` (docs/api.md, "Hand-off"): a request's prompt is
-prefilled by the pool at ``--prefill`` (or was, when it brings the pool's
-``kv_transfer_params``), its KV is pulled from the pool, and this server decodes
-the rest with continuous batching on one thread (``vertumnus/decode/``). The model
-must be the pool's: the same preset and ``--seed``, or the same folder. Its
-end-of-sequence ids come from the folder's ``generation_config.json`` (else
+Serves ``POST /v1/completions`` and ``/v1/chat/completions`` (docs/api.md, "The
+decode server"): a request's prompts are prefilled by the pool at ``--prefill`` (or
+were, when it brings the pool's ``kv_transfer_params``), their KV is pulled from the
+pool, and this server decodes the rest with continuous batching on one thread
+(``vertumnus/decode/``), under the name ``--served-model-name`` (default: ``--model``
+as given). The model must be the pool's: the same preset and ``--seed``, or the same
+folder. Its end-of-sequence ids come from the folder's ``generation_config.json`` (else
 ``config.json``); presets have none. ``--prefill-key`` (or
 ``$VERTUMNUS_PREFILL_KEY``) is the bearer sent to the pool for prefills and pulls;
 ``--api-key`` (or ``$VERTUMNUS_DECODE_API_KEY``) guards this server's ``/v1/*``.
@@ -42,6 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8100, help="0: a free port (default: 8100)")
     p.add_argument(
         "--model", default="tiny", help="the pool's preset or Hugging Face folder (default: tiny)"
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the model's name in the API, which a request's 'model' must be "
+        "(default: --model as given; serve passes the pool's)",
     )
     p.add_argument(
         "--seed", type=int, default=0, help="seed of a preset's random weights (default: 0)"
@@ -106,7 +114,7 @@ async def serve(args: argparse.Namespace, settings: Any, engine: Any, tokenizer:
             "listening",
             host=args.host,
             port=port,
-            model=settings.model.name,
+            model=settings.served_model,
             prefill=settings.prefill_url,
             eos_token_ids=list(settings.eos_token_ids),
         )
@@ -147,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
     model.requires_grad_(False)
     settings = DecodeSettings(
         model=cfg,
+        served_model=args.served_model_name or args.model,
         eos_token_ids=eos,
         prefill_url=args.prefill.rstrip("/"),
         prefill_key=args.prefill_key or None,

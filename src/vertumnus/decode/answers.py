@@ -1,13 +1,22 @@
-"""A completion's answer from the decode thread (``DecodeLoop``): its sequence
-submitted, its tokens relayed from that thread through an asyncio queue
-(``loop.call_soon_threadsafe``), and answered as JSON once done or as server-sent
-events as they come. A client that goes away takes its sequence out of the batch.
-Not here: the hand-off (``handoff.py``), the routes (``server.py``)."""
+"""A request's answer from the decode thread (``DecodeLoop``): one ``NewSequence`` per
+prompt with ``best_of`` copies (forked there from the one pulled KV), each sequence's
+tokens relayed from that thread through an asyncio queue
+(``loop.call_soon_threadsafe``) into its ``Choice`` (copy ``j`` of prompt ``p`` is
+choice ``p * best_of + j``), answered whole once every choice has finished, or as
+server-sent events as they come (``protocol/answers.py`` shapes both).
+
+A choice that a stop string ended has its sequence cancelled (what the thread still
+sends for it is dropped); an echo without decode (``max_tokens`` 0) submits nothing,
+and its choices end with "length". A client that goes away cancels every sequence
+of its request. The answer's ``timings`` (``timings.py``) are in the whole body, and
+in a stream on its last data event before ``[DONE]``: the usage event with
+``stream_options.include_usage``, else the event that finished the last choice.
+Not here: the hand-off (``handoff.py``), the routes (``server.py``).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
@@ -16,97 +25,142 @@ import orjson
 import structlog
 from aiohttp import web
 
-from vertumnus.decode.completion import Detokenizer, Generation
 from vertumnus.decode.engine import StepOutput
-from vertumnus.decode.keys import RESOURCES, SETTINGS, TOKENIZER
-from vertumnus.decode.loop import DecodeFailure, NewSequence
+from vertumnus.decode.keys import RESOURCES, SETTINGS
+from vertumnus.decode.kv_pull import PulledKV
+from vertumnus.decode.loop import DecodeFailure, DecodeLoop, Deliver, NewSequence
+from vertumnus.decode.timings import Timings
+from vertumnus.protocol.answers import Answer
+from vertumnus.protocol.choices import Choice
+from vertumnus.protocol.request import GenerateRequest, Prompt
 from vertumnus.server.http import json_response
 
 log = structlog.get_logger("vertumnus.decode")
+DONE = b"data: [DONE]\n\n"
 
 
 class DecodeFailed(RuntimeError):
     pass
 
 
-async def _decode(request: web.Request, run: Generation) -> AsyncGenerator[StepOutput, None]:
-    """The sequence's tokens as the decode thread chooses them (recorded in ``run``);
-    the sequence leaves the batch if the consumer stops early (the client went away).
-    Use under ``aclosing``, so that leaving happens when the consumer stops."""
+def _submit(
+    decode: DecodeLoop,
+    req: GenerateRequest,
+    prompt: Prompt,
+    pulled: PulledKV,
+    eos: tuple[int, ...],
+    deliver: Deliver,
+) -> list[int]:
+    """The prompt's ``best_of`` copies handed to the decode thread; their seq ids."""
+    new = NewSequence(
+        pulled.prompt,
+        prompt.token_ids[-1],
+        req.params,
+        req.max_tokens,
+        eos,
+        req.ignore_eos,
+        pulled.release,
+        prompt_ids=tuple(prompt.token_ids),
+        stop_token_ids=req.stop_token_ids,
+        min_tokens=req.min_tokens,
+        logprobs=req.logprobs,
+        copies=req.best_of,
+    )
+    return decode.submit(new, deliver)
+
+
+async def _decode(
+    request: web.Request, answer: Answer, pending: list[PulledKV], timings: Timings
+) -> AsyncGenerator[Choice, None]:
+    """Each choice as it takes a token (or ends), until all have finished; every
+    sequence still decoding leaves the batch when the consumer stops early (the client
+    went away). ``pending``: the prompts' pulled KV, given to the decode thread (none:
+    an echo only). Use under ``aclosing``, so that leaving happens when the consumer
+    stops."""
+    req = answer.req
+    if req.max_tokens == 0:
+        for choice in answer.choices:
+            choice.finish_reason = "length"
+            yield choice
+        return
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[StepOutput | DecodeFailure, float]] = asyncio.Queue()
 
     def deliver(event: StepOutput | DecodeFailure, at: float) -> None:  # decode thread
         loop.call_soon_threadsafe(queue.put_nowait, (event, at))
 
-    decode, req = request.app[RESOURCES].decode, run.req
-    eos = request.app[SETTINGS].eos_token_ids
-    if run.pulled is None:
-        raise RuntimeError("this generation was handed to the decode thread already")
-    new = NewSequence(
-        run.pulled.prompt,
-        req.token_ids[-1],
-        req.params,
-        req.max_tokens,
-        eos,
-        req.ignore_eos,
-        run.pulled.release,
-    )
-    run.pulled = None
-    run.submitted = time.perf_counter()
-    (seq_id,) = decode.submit(new, deliver)  # one copy
-    del new  # the decode thread holds the prompt's KV until it has joined the batch
-    finished = False
+    decode = request.app[RESOURCES].decode
+    eos = () if req.ignore_eos else request.app[SETTINGS].eos_token_ids
+    of: dict[int, Choice] = {}
+    timings.start()
     try:
-        while not finished:
+        for p, prompt in enumerate(req.prompts):
+            seq_ids = _submit(decode, req, prompt, pending[0], eos, deliver)
+            del pending[0]  # the decode thread holds it until every copy has joined
+            for j, seq_id in enumerate(seq_ids):
+                of[seq_id] = answer.choices[p * req.best_of + j]
+        while not answer.finished:
             event, at = await queue.get()
+            choice = of[event.seq_id]
+            if choice.finished:  # a stop string ended it: its sequence is cancelled
+                continue
             if isinstance(event, DecodeFailure):
-                finished = True
                 raise DecodeFailed(event.message)
-            finished = event.finish_reason is not None
-            run.ids.append(event.token_id)
-            run.times.append(at)
-            run.finish_reason = event.finish_reason
-            yield event
+            timings.token(choice.index, at)
+            if choice.add(event.logprobs, event.finish_reason):
+                decode.cancel(event.seq_id)
+            yield choice
     finally:
-        if not finished:
-            decode.cancel(seq_id)
+        for kv in pending:  # not handed to the decode thread (it failed to take one)
+            kv.release()
+        for seq_id, choice in of.items():
+            if not choice.finished:
+                decode.cancel(seq_id)
 
 
 def _client_gone(request: web.Request) -> bool:
     return request.transport is None or request.transport.is_closing()
 
 
-async def answer_json(request: web.Request, run: Generation) -> web.StreamResponse:
-    async with aclosing(_decode(request, run)) as tokens:
-        async for _ in tokens:
+async def answer_json(
+    request: web.Request, answer: Answer, pending: list[PulledKV], timings: Timings
+) -> web.StreamResponse:
+    async with aclosing(_decode(request, answer, pending, timings)) as choices:
+        async for _ in choices:
             if _client_gone(request):  # a backstop: handlers are cancelled on disconnect
-                log.info("client_gone", completion_tokens=len(run.ids))
+                log.info("client_gone", **answer.usage())
                 return web.Response(status=499)
-    return json_response(run.answer(request.app[TOKENIZER].decode(run.ids)))
+    return json_response(answer.body() | {"timings": timings.as_dict()})
 
 
 def _event(data: Any) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
-async def answer_stream(request: web.Request, run: Generation) -> web.StreamResponse:
-    """One event per token (the last with ``finish_reason``, ``usage`` and
-    ``timings``), then ``[DONE]``; a failure is one error event, then the end."""
+async def answer_stream(
+    request: web.Request, answer: Answer, pending: list[PulledKV], timings: Timings
+) -> web.StreamResponse:
+    """The events of each choice as it goes (``Answer.events``), the usage event
+    when asked for, then ``[DONE]``; the last data event carries the ``timings``. A
+    failure is one error event, then the end."""
     stream = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await stream.prepare(request)
-    text = Detokenizer(request.app[TOKENIZER])
-    tail = b"data: [DONE]\n\n"
+    usage, tail = answer.req.include_usage, DONE
     try:
         try:
-            async with aclosing(_decode(request, run)) as tokens:
-                async for out in tokens:
-                    piece = text.add(out.token_id, last=out.finish_reason is not None)
-                    await stream.write(_event(run.chunk(piece)))
+            async with aclosing(_decode(request, answer, pending, timings)) as choices:
+                async for choice in choices:
+                    events = answer.events(choice)
+                    if events and answer.finished and not usage:
+                        events[-1]["timings"] = timings.as_dict()
+                    for event in events:
+                        await stream.write(_event(event))
+            if usage:
+                await stream.write(_event(answer.usage_event() | {"timings": timings.as_dict()}))
         except DecodeFailed as exc:
-            log.warning("decode_failed", error=str(exc), completion_tokens=len(run.ids))
+            log.warning("decode_failed", error=str(exc), **answer.usage())
             tail = _event({"error": {"message": str(exc), "type": "decode_error"}})
         except Exception as exc:  # a bug: the headers are sent, so it ends the stream
             if isinstance(exc, ConnectionResetError):
@@ -117,5 +171,5 @@ async def answer_stream(request: web.Request, run: Generation) -> web.StreamResp
         await stream.write(tail)
         await stream.write_eof()
     except ConnectionResetError:
-        log.info("client_gone", completion_tokens=len(run.ids))
+        log.info("client_gone", **answer.usage())
     return stream

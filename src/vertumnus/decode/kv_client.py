@@ -106,7 +106,8 @@ async def request_prefill(
     timeout_s: float = PREFILL_TIMEOUT_S,
 ) -> dict[str, Any]:
     """Prefill ``token_ids`` on the pool, keeping their KV for a pull; returns the
-    answer's ``kv_transfer_params``."""
+    answer's ``kv_transfer_params`` (the one object, also when the pool answers a
+    list of one)."""
     url = f"{prefill_url.rstrip('/')}/v1/completions"
     body = {"prompt": token_ids, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
     try:
@@ -129,6 +130,8 @@ async def request_prefill(
     except orjson.JSONDecodeError as exc:
         raise HandoffError(f"prefill at {url}: the answer is not JSON: {exc}", "malformed") from exc
     params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    if isinstance(params, list) and len(params) == 1:  # one per prompt: here one prompt
+        params = params[0]
     if not isinstance(params, dict):
         raise HandoffError(
             f"prefill at {url}: no kv_transfer_params in the answer (is it a decode-enabled "

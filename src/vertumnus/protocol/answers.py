@@ -5,8 +5,9 @@ for chat.
 Choices are prompt-major: sequence ``p * best_of + j`` is copy ``j`` of prompt ``p``.
 A whole answer keeps, per prompt, the ``n`` copies of highest cumulative
 log-probability (all of them when ``best_of`` = ``n``), numbered ``p * n + k``. A
-stream (``best_of`` = ``n``) sends one event per new piece of a choice (chat: a first
-event with the role; completions with ``echo``: a first event with the prompt), then,
+stream (``best_of`` = ``n``) sends one event per new piece of a choice (completions:
+per new token, with text or not; chat: a first event with the role; completions with
+``echo``: a first event with the prompt), then,
 with ``stream_options.include_usage``, one event with ``choices: []`` and the usage.
 """
 
@@ -147,12 +148,9 @@ class Answer:
         offset = self._offsets.get(index, 0)
         if self.req.echo and index not in self._started:
             text = self._echo(choice) + text
-        if (
-            text
-            or choice.finished
-            or (new and self.req.logprobs is not None)
-            or (index not in self._started and self.req.echo)
-        ):
+        # An event for every new token, with text or not (as vLLM streams completions):
+        # its id, and a client sees the decode go on while text is held back.
+        if text or choice.finished or new or (index not in self._started and self.req.echo):
             body = self._choice(index, choice, text, new, offset)
             if body["logprobs"] is not None:
                 offsets = body["logprobs"]["text_offset"]
