@@ -93,7 +93,9 @@ class Coordinator:
         except (PolicyError, LatticeError, ProfileError) as exc:
             raise ConfigError(f"{exc}") from exc
         period_s = cfg.policy.controller.period_s
-        self.metrics = Metrics(cfg.timeline_s, cfg.timeline_samples, clock(), period_s)
+        self.metrics = Metrics(
+            cfg.timeline_s, cfg.timeline_samples, clock(), period_s, model_name=cfg.model
+        )
         self.spawn = Background(self.metrics).spawn
         self.ranks: Ranks | None = None
         self.copier = KVCopier(

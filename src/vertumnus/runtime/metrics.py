@@ -27,6 +27,10 @@ vertumnus_internal_errors_total      bugs contained (logged with their traceback
 vertumnus_reshapes_rolled_back_total reshapes past [server] reshape_timeout_s, by how
                                      they ended (rolled_back, forced)
 
+Beside them, vLLM's own series (``vllm:``, ``vllm_metrics.py``): the prefill feeds
+them here; the route or proxy that answers an API request calls ``request_done``,
+and the proxy holds ``decoding()`` while a decode server works on a completion.
+
 Also the pool over time for the dashboard (``timeline``, ``policy/timeline.py``):
 the request path reports arrivals and answers to it, the coordinator its reshapes,
 and the app's sampler closes a sample every ``timeline_s``.
@@ -35,12 +39,14 @@ and the app's sampler closes a sample every ``timeline_s``.
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager
 from typing import Any
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from vertumnus.policy.timeline import Timeline, trailing_window_s
+from vertumnus.runtime.vllm_metrics import VllmSeries
 
 log = structlog.get_logger("vertumnus")
 
@@ -54,8 +60,10 @@ class Metrics:
         timeline_samples: int = 3600,
         origin_s: float = 0.0,
         controller_period_s: float = 10.0,
+        model_name: str = "unknown",
     ) -> None:
-        """The timeline's window is the simulator's: ``trailing_window_s``."""
+        """The timeline's window is the simulator's: ``trailing_window_s``;
+        ``model_name``: the served model's name, the ``vllm:`` series' label."""
         window_s = trailing_window_s(controller_period_s, timeline_s)
         self.timeline = Timeline(timeline_s, timeline_samples, origin_s=origin_s, window_s=window_s)
         self.started_unix = time.time()  # the wall time of the timeline's t = 0
@@ -135,6 +143,7 @@ class Metrics:
             ["how"],
             registry=r,
         )
+        self.vllm = VllmSeries(r, model_name)
         self.internal_error_count = 0
         self._cached = self._total = 0
         self.replication_count = self.reclamation_count = 0
@@ -148,6 +157,18 @@ class Metrics:
         self.computed.inc(result.computed_tokens)
         self._cached += result.cached_tokens
         self._total += result.cached_tokens + result.computed_tokens
+        self.vllm.prefilled(result.ttft_s, result.cached_tokens, result.computed_tokens)
+
+    def request_done(self, e2e_s: float, generation_tokens: int) -> None:
+        """An API request answered, from its arrival to its last token, with the
+        ``generation_tokens`` of its answer (``vllm:e2e_request_latency_seconds``,
+        ``vllm:generation_tokens_total``)."""
+        self.vllm.request_done(e2e_s, generation_tokens)
+
+    def decoding(self) -> AbstractContextManager[None]:
+        """``with metrics.decoding():`` around a decode server's work on a completion:
+        it counts in ``vllm:num_requests_running`` meanwhile."""
+        return self.vllm.decoding()
 
     def reshape(self, transition: Any) -> None:
         self.reconfigurations.labels(kind=transition.op.kind).inc()
@@ -159,8 +180,11 @@ class Metrics:
     def hit_rate(self) -> float | None:
         return self._cached / self._total if self._total else None
 
-    def render(self, workers: list[dict[str, Any]], leases: int = 0) -> bytes:
+    def render(self, workers: list[dict[str, Any]], leases: int = 0, waiting: int = 0) -> bytes:
+        """``waiting``: the requests that wait for a worker (none can take them now)."""
         self.leases.set(leases)
+        running = sum(1 for w in workers if w.get("running") is not None)
+        self.vllm.load(running, waiting + sum(w["queued"] for w in workers))
         for gauge in (self.workers, self.depth, self.outstanding):
             gauge.clear()  # workers that a reshape ended are gone from the answer
         for w in workers:

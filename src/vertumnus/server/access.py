@@ -4,8 +4,10 @@
 with a wrong one, 403 for every call when no token is configured). A KV pull or
 release (``/v1/kv/*``) needs the API key, the cluster secret or the hand-off secret
 (``handoff_routes.may_pull``). When an API key is configured, every other ``/v1/*``
-route needs ``Bearer <api key>`` (401). ``/health``, ``/ready``, ``/metrics``,
-``/openapi.json`` and the dashboard's page stay open. Tokens are compared in
+route needs ``Bearer <api key>`` (401), and so do ``/tokenize`` and ``/detokenize``
+(they run the tokenizer and the chat template; vLLM leaves them open).
+``/health``, ``/ready``, ``/metrics``, ``/openapi.json``, ``/version`` and the
+dashboard's page stay open. Tokens are compared in
 constant time and never logged.
 """
 
@@ -16,6 +18,8 @@ from aiohttp import web
 from vertumnus.server import handoff_routes
 from vertumnus.server.http import Handler, bearer, error_response, matches
 from vertumnus.server.keys import COORDINATOR
+
+KEYED = frozenset({"/tokenize", "/detokenize"})  # outside /v1, behind the API key too
 
 
 @web.middleware
@@ -50,7 +54,7 @@ async def access(request: web.Request, handler: Handler) -> web.StreamResponse:
             )
             response.headers.update(challenge)
             return response
-    elif path.startswith("/v1/") and cfg.api_key is not None:
+    elif (path.startswith("/v1/") or path in KEYED) and cfg.api_key is not None:
         token = bearer(request)
         if not matches(token, cfg.api_key):
             response = error_response(

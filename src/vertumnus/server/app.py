@@ -6,13 +6,17 @@ This module builds the app from the routes of its neighbours:
                                          ``proxy.py``)
     GET, DELETE /v1/kv/{handle}          a prompt's KV kept for a decode server
                                          (``handoff_routes.py``)
-    GET  /v1/models, /v1/workers, /v1/composition, /v1/cache,
+    GET  /v1/models, /v1/models/{model_id},
+    POST /tokenize, /detokenize,
+    GET  /version                        the served model and its tokenizer, as OpenAI
+                                         and vLLM serve them (``model_routes.py``)
+    GET  /v1/workers, /v1/composition, /v1/cache,
     POST /v1/admin/reconfigure,
     GET  /health  /ready  /metrics  /openapi.json   the pool's own (``pool_routes.py``)
     GET  /v1/timeline, /dashboard        the pool over time, and a live page of it
                                          (``dashboard_routes.py``)
 
-Errors are JSON, ``{"error": {"message": ..., "type": ...}}``, with a 4xx for what the
+Errors are JSON, ``{"error": {"message", "type", "param", "code"}}``, with a 4xx for what the
 client sent and a 503 (with ``Retry-After``) when the pool cannot take work now.
 Who may call what is ``access.py``. Nothing from the network is unpickled: bodies
 are JSON (orjson); only the rank processes' own pipes carry pickles.
@@ -24,7 +28,13 @@ from aiohttp import web
 
 from vertumnus.config.model import eos_token_ids
 from vertumnus.runtime.coordinator import Coordinator
-from vertumnus.server import completion_routes, dashboard_routes, handoff_routes, pool_routes
+from vertumnus.server import (
+    completion_routes,
+    dashboard_routes,
+    handoff_routes,
+    model_routes,
+    pool_routes,
+)
 from vertumnus.server.access import access
 from vertumnus.server.http import json_errors
 from vertumnus.server.keys import (
@@ -56,6 +66,7 @@ def build_app(
     app.add_routes(
         [
             *completion_routes.ROUTES,
+            *model_routes.ROUTES,
             *pool_routes.ROUTES,
             *handoff_routes.ROUTES,
             *dashboard_routes.ROUTES,

@@ -36,10 +36,14 @@ def json_response(
     )
 
 
+def model_card(name: str, max_model_len: int) -> dict[str, Any]:
+    """The served model as OpenAI describes a model (``max_model_len``: vLLM's)."""
+    return {"id": name, "object": "model", "owned_by": "vertumnus", "max_model_len": max_model_len}
+
+
 def model_list(name: str, max_model_len: int) -> web.Response:
     """``GET /v1/models``: the one served model, as OpenAI clients list it."""
-    entry = {"id": name, "object": "model", "owned_by": "vertumnus", "max_model_len": max_model_len}
-    return json_response({"object": "list", "data": [entry]})
+    return json_response({"object": "list", "data": [model_card(name, max_model_len)]})
 
 
 def error_response(

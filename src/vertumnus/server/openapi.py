@@ -1,26 +1,29 @@
-"""The OpenAPI 3.1 document served at ``/openapi.json`` (kept beside docs/api.md)."""
+"""The OpenAPI 3.1 document served at ``/openapi.json`` (kept beside docs/api.md):
+every route, the pool's own schemas here and the OpenAI and vLLM ones from
+``openai_schemas.py``."""
 
 from __future__ import annotations
 
 from typing import Any
 
-_ERROR = {
-    "type": "object",
-    "properties": {
-        "error": {
-            "type": "object",
-            "properties": {"message": {"type": "string"}, "type": {"type": "string"}},
-            "required": ["message", "type"],
-        }
-    },
-}
+from vertumnus.server.openai_schemas import (
+    CHAT_CHUNK,
+    CHAT_COMPLETION,
+    CHAT_REQUEST,
+    COMPLETION_REQUEST,
+    DETOKENIZE_REQUEST,
+    DETOKENIZE_RESPONSE,
+    ERROR,
+    KV_TRANSFER,
+    MODEL_CARD,
+    MODEL_LIST,
+    TEXT_COMPLETION,
+    TOKENIZE_REQUEST,
+    TOKENIZE_RESPONSE,
+    VERSION,
+)
+
 _TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
-_KV_TRANSFER = {
-    "type": "object",
-    "properties": {"do_remote_decode": {"type": "boolean"}},
-    "description": "do_remote_decode: keep the prompt's KV for a decode server to pull; "
-    "the answer's kv_transfer_params name where and how",
-}
 _HANDLE = [{"name": "handle", "in": "path", "required": True, "schema": {"type": "string"}}]
 
 
@@ -28,17 +31,37 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
     return {"content": {"application/json": {"schema": schema}}}
 
 
-def _errors(*codes: int) -> dict[str, Any]:
+def _errors(*codes: int, not_found: str = "No such hand-off") -> dict[str, Any]:
     text = {
         400: "Invalid request",
         401: "A bearer token is needed",
-        404: "No such hand-off",
+        404: not_found,
         409: "Not possible now",
         410: "The hand-off ended (pulled, expired, released or moved)",
         502: "The decode server failed (its error passed on)",
         503: "Unavailable; retry (Retry-After)",
     }
-    return {str(c): {"description": text[c], **_json(_ERROR)} for c in codes}
+    return {str(c): {"description": text[c], **_json(ERROR)} for c in codes}
+
+
+_NO_MODEL = "The model named is not the served one"
+
+
+def _answer(description: str, whole: str, chunk: str) -> dict[str, Any]:
+    """A 200 that is JSON (the component ``whole``), or with ``stream`` server-sent
+    events, each ``data: <the component chunk>``, then ``data: [DONE]``."""
+    return {
+        "description": f"{description}, or with stream its events",
+        "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{whole}"}},
+            "text/event-stream": {
+                "schema": {
+                    "type": "string",
+                    "description": f"data: <{chunk}> per event, then data: [DONE]",
+                }
+            },
+        },
+    }
 
 
 PREFILL_RESULT = {
@@ -80,7 +103,7 @@ OPENAPI: dict[str, Any] = {
                                 "token_ids": _TOKENS,
                                 "prompt": {"type": "string", "minLength": 1},
                                 "ttft_slo_s": {"type": "number", "exclusiveMinimum": 0},
-                                "kv_transfer_params": _KV_TRANSFER,
+                                "kv_transfer_params": KV_TRANSFER,
                             },
                             "additionalProperties": False,
                         }
@@ -94,32 +117,51 @@ OPENAPI: dict[str, Any] = {
         },
         "/v1/completions": {
             "post": {
-                "summary": "OpenAI-compatible completion: max_tokens = 1 is the prefill; more, "
-                "or stream, go through the decode server (server-sent events when streaming)",
-                "requestBody": {
-                    "required": True,
-                    **_json(
-                        {
-                            "type": "object",
-                            "properties": {
-                                "model": {"type": "string"},
-                                "prompt": {"oneOf": [{"type": "string", "minLength": 1}, _TOKENS]},
-                                "max_tokens": {"type": "integer", "minimum": 1},
-                                "stream": {"type": "boolean"},
-                                "temperature": {"type": "number", "minimum": 0},
-                                "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-                                "seed": {"type": "integer"},
-                                "ignore_eos": {"type": "boolean"},
-                                "kv_transfer_params": _KV_TRANSFER,
-                            },
-                            "required": ["prompt"],
-                        }
-                    ),
-                },
+                "summary": "OpenAI's completions: the pool prefills; past the first token, or "
+                "streamed, a decode server generates (server-sent events when streaming)",
+                "requestBody": {"required": True, **_json(COMPLETION_REQUEST)},
                 "responses": {
-                    "200": {"description": "An OpenAI text_completion, or its event stream"},
-                    **_errors(400, 502, 503),
+                    "200": _answer("A text_completion", "TextCompletion", "TextCompletion"),
+                    **_errors(400, 404, 502, 503, not_found=_NO_MODEL),
                 },
+            }
+        },
+        "/v1/chat/completions": {
+            "post": {
+                "summary": "OpenAI's chat completions: the messages through the model's chat "
+                "template, then as a completion",
+                "requestBody": {"required": True, **_json(CHAT_REQUEST)},
+                "responses": {
+                    "200": _answer("A chat.completion", "ChatCompletion", "ChatCompletionChunk"),
+                    **_errors(400, 404, 502, 503, not_found=_NO_MODEL),
+                },
+            }
+        },
+        "/tokenize": {
+            "post": {
+                "summary": "vLLM's tokenize: a prompt's token ids, or a chat's through its "
+                "template",
+                "requestBody": {"required": True, **_json(TOKENIZE_REQUEST)},
+                "responses": {
+                    "200": {"description": "The token ids", **_json(TOKENIZE_RESPONSE)},
+                    **_errors(400, 401, 404, not_found=_NO_MODEL),
+                },
+            }
+        },
+        "/detokenize": {
+            "post": {
+                "summary": "vLLM's detokenize: the text of token ids",
+                "requestBody": {"required": True, **_json(DETOKENIZE_REQUEST)},
+                "responses": {
+                    "200": {"description": "The text", **_json(DETOKENIZE_RESPONSE)},
+                    **_errors(400, 401, 404, not_found=_NO_MODEL),
+                },
+            }
+        },
+        "/version": {
+            "get": {
+                "summary": "Vertumnus's version",
+                "responses": {"200": {"description": "OK", **_json(VERSION)}},
             }
         },
         "/v1/timeline": {
@@ -137,7 +179,20 @@ OPENAPI: dict[str, Any] = {
             }
         },
         "/v1/models": {
-            "get": {"summary": "The served model", "responses": {"200": {"description": "OK"}}}
+            "get": {
+                "summary": "The served model (OpenAI's list)",
+                "responses": {"200": {"description": "OK", **_json(MODEL_LIST)}},
+            }
+        },
+        "/v1/models/{model_id}": {
+            "get": {
+                "summary": "The served model's card (any other id: 404)",
+                "parameters": [{**_HANDLE[0], "name": "model_id"}],
+                "responses": {
+                    "200": {"description": "OK", **_json(MODEL_CARD)},
+                    **_errors(401, 404, not_found=_NO_MODEL),
+                },
+            }
         },
         "/v1/workers": {
             "get": {
@@ -236,7 +291,21 @@ OPENAPI: dict[str, Any] = {
             }
         },
         "/metrics": {
-            "get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text"}}}
+            "get": {
+                "summary": "Prometheus metrics: vertumnus_* and vLLM's vllm:* series",
+                "responses": {"200": {"description": "text"}},
+            }
         },
+        "/openapi.json": {
+            "get": {"summary": "This document", "responses": {"200": {"description": "OK"}}}
+        },
+    },
+    "components": {
+        "schemas": {
+            "Error": ERROR,
+            "TextCompletion": TEXT_COMPLETION,
+            "ChatCompletion": CHAT_COMPLETION,
+            "ChatCompletionChunk": CHAT_CHUNK,
+        }
     },
 }

@@ -1,7 +1,6 @@
-"""The pool's own routes: what it serves, its state, its one admin call, and the
-probes (docs/api.md).
+"""The pool's own routes: its state, its one admin call, and the probes
+(docs/api.md); the served model's routes are ``model_routes.py``.
 
-    GET  /v1/models             the served model (OpenAI's list)
     GET  /v1/workers            the workers, their state, queue and cache
     GET  /v1/composition        the composition and configuration epoch
     GET  /v1/cache              the trie: nodes, holders per worker, hit rate
@@ -19,7 +18,7 @@ from aiohttp import web
 from vertumnus.policy.lattice import LatticeError
 from vertumnus.runtime.ranks import RanksError
 from vertumnus.runtime.reshaping import ReshapeFailed
-from vertumnus.server.http import BadRequest, error_response, json_response, model_list
+from vertumnus.server.http import BadRequest, error_response, json_response
 from vertumnus.server.keys import COORDINATOR, PROXY
 from vertumnus.server.openapi import OPENAPI
 from vertumnus.server.request_bodies import read_body
@@ -31,12 +30,6 @@ async def workers(request: web.Request) -> web.Response:
 
 async def composition(request: web.Request) -> web.Response:
     return json_response(request.app[COORDINATOR].composition_view())
-
-
-async def models(request: web.Request) -> web.Response:
-    """The served model, as OpenAI clients list it (the decode server answers alike)."""
-    coord = request.app[COORDINATOR]
-    return model_list(coord.cfg.model, coord.model_cfg.max_position_embeddings)
 
 
 async def cache(request: web.Request) -> web.Response:
@@ -111,7 +104,9 @@ async def ready(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
     return web.Response(
-        body=coord.metrics.render(coord.workers_view(), len(coord.handoffs.leases)),
+        body=coord.metrics.render(
+            coord.workers_view(), len(coord.handoffs.leases), waiting=coord.policy.waiting
+        ),
         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
     )
 
@@ -121,7 +116,6 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 ROUTES = [
-    web.get("/v1/models", models),
     web.get("/v1/workers", workers),
     web.get("/v1/composition", composition),
     web.get("/v1/cache", cache),

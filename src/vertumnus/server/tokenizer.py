@@ -71,3 +71,11 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """One token's text as logprobs name it (special tokens included)."""
         return self.decode([token_id], skip_special_tokens=False)
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's entry in the vocabulary as the tokenizer spells it (a byte-level
+        BPE's ``Ġworld``), as ``transformers``' ``convert_ids_to_tokens``; the
+        byte-level tokenizer spells each byte's text."""
+        if self._impl is not None:
+            return [self._impl.id_to_token(i) or "" for i in ids]
+        return [self.token_text(i) for i in ids]
