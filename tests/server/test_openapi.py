@@ -19,13 +19,11 @@ from vertumnus.runtime.serve_config import ServeConfig
 from vertumnus.server import openai_schemas as schemas
 from vertumnus.server.app import build_app
 from vertumnus.server.http import BadRequest
-from vertumnus.server.openapi import OPENAPI
+from vertumnus.server.openapi import OPENAPI, served_document
 from vertumnus.server.tokenizer import Tokenizer
 
 TOK = Tokenizer.for_model(None, 1024)
 SERVED = Served("tiny", TOK, vocab_size=1024, max_model_len=256)
-# Wired on the chat branch; once it is merged the app serves it and this may go.
-CHAT_ROUTE = ("post", "/v1/chat/completions")
 
 
 def served_routes() -> set[tuple[str, str]]:
@@ -42,10 +40,10 @@ def test_every_route_is_documented() -> None:
     documented = {(method, path) for path, item in OPENAPI["paths"].items() for method in item}
     served = served_routes()
     assert served - documented == set()
-    assert documented - served <= {CHAT_ROUTE}
+    assert documented - served == set()
     for path in ("/tokenize", "/detokenize", "/version", "/v1/models/{model_id}"):
         assert path in OPENAPI["paths"]
-    assert CHAT_ROUTE[1] in OPENAPI["paths"]
+    assert "/v1/chat/completions" in OPENAPI["paths"]
 
 
 def request_schema(path: str) -> dict[str, Any]:
@@ -153,3 +151,24 @@ def test_the_small_routes_answer_as_documented() -> None:
         jsonschema_rs.validator_for(schema).validate(body)
         if status >= 400:
             assert body["error"]["code"] == status and body["error"]["param"] is not None
+
+
+def test_the_served_document_says_what_this_server_takes() -> None:
+    """Without a decode server a completion is at most one token and not streamed;
+    the served model's name is the only ``model``; ids stay in the vocabulary."""
+    for decodes in (False, True):
+        doc = served_document("tiny", 1024, decodes)
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+            props, required = body["schema"]["properties"], body["schema"]["required"]
+            assert props["model"]["enum"] == ["tiny"]
+            assert props["stop_token_ids"]["items"]["maximum"] == 1023
+            if decodes:
+                assert "max_tokens" not in required and "stream_options" in props
+                assert "maximum" not in props["max_tokens"]
+            else:
+                assert "max_tokens" in required and props["max_tokens"]["maximum"] == 1
+                assert props["stream"]["enum"] == [False] and "stream_options" not in props
+    # The document itself is left as it was.
+    schema = OPENAPI["paths"]["/v1/completions"]["post"]["requestBody"]["content"]
+    assert "enum" not in schema["application/json"]["schema"]["properties"]["model"]

@@ -191,3 +191,25 @@ def test_a_request_cancelled_mid_prefill_releases_the_leases_made(
             assert (view["open"], view["released"]) == (0, 2)
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_every_answer_feeds_vllms_latency_generation_and_running_series(tmp_path: Path) -> None:
+    decode = FakeDecode()
+
+    async def main() -> None:
+        async with pool_app(tmp_path, decode) as (client, coord):
+            value = coord.metrics.registry.get_sample_value
+            label = {"model_name": "tiny"}
+            status, _ = await post(client, "/v1/completions", {"prompt": "ab", "max_tokens": 1})
+            assert status == 200  # the pool's own answer: one token
+            status, _ = await post(client, "/v1/completions", {"prompt": "ab", "max_tokens": 4})
+            assert status == 200  # decoded: the fake's usage says 2
+            body = {"prompt": "hello", "max_tokens": 3, "stream": True}
+            events = await stream_events(client, "/v1/completions", body)
+            assert events[-1] == "[DONE]"  # streamed: the timings' decoded_tokens, 2
+            assert value("vllm:generation_tokens_total", label) == 1 + 2 + 2
+            assert value("vllm:e2e_request_latency_seconds_count", label) == 3
+            assert coord.metrics.vllm.decodes_in_flight == 0  # each decode ended
+
+    asyncio.run(main())

@@ -36,6 +36,7 @@ DECODE_TIMINGS = {
     "first_step_s": 0.002,
     "decode_s": 0.1,
     "tpot_s": 0.01,
+    "decoded_tokens": 2,
 }
 
 

@@ -8,6 +8,8 @@
                     token of any (queueing for a step under way included; 0 when
                     nothing was decoded: an echo only)
     decode_s        from that first token to the last token of any sequence
+    decoded_tokens  the tokens decoded, every sequence's (a stream's count of its
+                    generated tokens, which its events need not show one by one)
     tpot_s          per sequence of two tokens or more, (its last token's time - its
                     first's) / (its tokens - 1), averaged over those (None: none)
 
@@ -56,4 +58,5 @@ class Timings:
             "first_step_s": first_step_s,
             "decode_s": decode_s,
             "tpot_s": sum(per_token) / len(per_token) if per_token else None,
+            "decoded_tokens": sum(self.tokens.values()),
         }

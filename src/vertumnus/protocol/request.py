@@ -162,7 +162,7 @@ def _completion_prompts(body: dict[str, Any], served: Served) -> list[Prompt]:
     )
 
 
-def _chat_prompt(body: dict[str, Any], served: Served) -> list[Prompt]:
+def chat_prompt(body: dict[str, Any], served: Served) -> list[Prompt]:
     template = served.tokenizer.chat
     if template is None:
         raise BadRequest("this model has no tokenizer: chat needs one", "messages")
@@ -266,7 +266,7 @@ def parse(body: dict[str, Any], served: Served, chat: bool) -> GenerateRequest:
         fields.refuse_unknown(body, COMPLETION, COMPLETION_OFF)
     model = check_model(body, served)
     echo = False if chat else fields.flag(body, "echo")
-    prompts = _chat_prompt(body, served) if chat else _completion_prompts(body, served)
+    prompts = chat_prompt(body, served) if chat else _completion_prompts(body, served)
     for p in prompts:
         if not p.token_ids:
             raise BadRequest("the prompt is empty: at least one token is needed", "prompt")

@@ -139,15 +139,28 @@ def pool_answer(
     return out
 
 
-def with_pool_share(data: bytes, results: Sequence[PrefillResult], arrived: float) -> bytes:
-    """A decode server's whole answer, with the pool's share of the request."""
+def with_pool_share(
+    data: bytes, results: Sequence[PrefillResult], arrived: float
+) -> tuple[bytes, int]:
+    """A decode server's whole answer, with the pool's share of the request, and
+    its generated tokens."""
     out = orjson.loads(data)
+    decoded = int((out.get("timings") or {}).get("decoded_tokens") or 0)
     critical = slowest(results)
     out["timings"] = timings(critical, out.get("timings") or {}, arrived)
     out["worker"], out["cp_degree"] = critical.worker, critical.cp_degree
     usage = out.setdefault("usage", {})
     usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens(results)}
-    return orjson.dumps(out)
+    return orjson.dumps(out), int(usage.get("completion_tokens") or decoded)
+
+
+def decoded_tokens(line: bytes) -> int | None:
+    """The generated tokens a stream's event with "timings" counts (None: another
+    event)."""
+    if not line.startswith(b"data: {") or b'"decoded_tokens"' not in line:
+        return None
+    timings = orjson.loads(line[len(b"data: ") :]).get("timings")
+    return int(timings.get("decoded_tokens") or 0) if isinstance(timings, dict) else None
 
 
 def last_event(line: bytes, results: Sequence[PrefillResult], arrived: float) -> bytes:

@@ -91,6 +91,7 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
     out = pool_answer(req, results, tokenizer, app[EOS_TOKEN_IDS], arrived)
     if handoff:
         out["kv_transfer_params"] = transfer_params(request, coord, results[0])
+    coord.metrics.request_done(time.perf_counter() - arrived, out["usage"]["completion_tokens"])
     return json_response(out)
 
 

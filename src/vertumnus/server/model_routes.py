@@ -22,7 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from vertumnus.protocol import fields
-from vertumnus.protocol.request import Served, _chat_prompt, check_model
+from vertumnus.protocol.request import Served, chat_prompt, check_model
 from vertumnus.server.http import (
     BadRequest,
     bad_request,
@@ -72,7 +72,7 @@ def tokenize_body(body: dict[str, Any], model: Served) -> dict[str, Any]:
     if "messages" in body:
         fields.refuse_unknown(body, TOKENIZE_CHAT, TOKENIZE_CHAT_OFF)
         check_model(body, model)
-        (prompt,) = _chat_prompt(body, model)
+        (prompt,) = chat_prompt(body, model)
         ids = prompt.token_ids
     else:
         fields.refuse_unknown(body, TOKENIZE_TEXT, {})

@@ -80,7 +80,7 @@ _SAMPLING: dict[str, Schema] = {
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
         "description": "token id (as a string) -> bias",
     },
-    "max_tokens": {"type": "integer", "minimum": 0, "description": "0 only with echo"},
+    "max_tokens": {"type": "integer", "minimum": 1, "description": "also 0, with echo"},
     "min_tokens": {"type": "integer", "minimum": 0},
     "ignore_eos": _BOOL,
     "skip_special_tokens": _BOOL,
@@ -111,8 +111,8 @@ _MESSAGE: Schema = {
     "properties": {
         "role": {"enum": list(ROLES)},
         "content": {
-            "anyOf": [_STR, {"type": "array", "items": _PART}, {"type": "null"}],
-            "description": "null: the assistant's only",
+            "anyOf": [_STR, {"type": "array", "items": _PART}],
+            "description": "also null for an assistant's message (vLLM's tool-call turns)",
         },
         "name": _STR,
         "tool_call_id": _STR,

@@ -4,6 +4,7 @@ every route, the pool's own schemas here and the OpenAI and vLLM ones from
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from vertumnus.server.openai_schemas import (
@@ -309,3 +310,28 @@ OPENAPI: dict[str, Any] = {
         }
     },
 }
+
+
+def served_document(model: str, vocab_size: int, decodes: bool) -> dict[str, Any]:
+    """``OPENAPI`` as this server takes requests: the served model's name the only
+    ``model``, token ids below ``vocab_size``; without a decode server (``decodes``
+    False) a completion's ``max_tokens`` is required and at most 1, and nothing is
+    streamed."""
+    doc = copy.deepcopy(OPENAPI)
+    paths = doc["paths"]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        schema = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        props = schema["properties"]
+        props["model"] = {**props["model"], "enum": [model]}
+        props["stop_token_ids"] = {
+            **props["stop_token_ids"],
+            "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1},
+        }
+        if not decodes:
+            for name in ("max_tokens", "max_completion_tokens", "min_tokens"):
+                if name in props:
+                    props[name] = {**props[name], "maximum": 1}
+            props["stream"] = {"enum": [False], "description": "no decode server: not streamed"}
+            props.pop("stream_options")
+            schema["required"] = [*schema["required"], "max_tokens"]
+    return doc

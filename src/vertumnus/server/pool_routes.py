@@ -20,7 +20,7 @@ from vertumnus.runtime.ranks import RanksError
 from vertumnus.runtime.reshaping import ReshapeFailed
 from vertumnus.server.http import BadRequest, error_response, json_response
 from vertumnus.server.keys import COORDINATOR, PROXY
-from vertumnus.server.openapi import OPENAPI
+from vertumnus.server.openapi import served_document
 from vertumnus.server.request_bodies import read_body
 
 
@@ -112,7 +112,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return json_response(OPENAPI)
+    coord, decodes = request.app[COORDINATOR], PROXY in request.app
+    return json_response(served_document(coord.cfg.model, coord.model_cfg.vocab_size, decodes))
 
 
 ROUTES = [

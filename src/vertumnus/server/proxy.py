@@ -35,7 +35,13 @@ from vertumnus.protocol.request import GenerateRequest
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.request_path import PrefillResult
 from vertumnus.runtime.serve_tables import DecodeConfig
-from vertumnus.server.answers import last_event, release_leases, serve_prefills, with_pool_share
+from vertumnus.server.answers import (
+    decoded_tokens,
+    last_event,
+    release_leases,
+    serve_prefills,
+    with_pool_share,
+)
 from vertumnus.server.decode_process import LocalDecode
 from vertumnus.server.handoff_routes import transfer_params
 from vertumnus.server.http import error_response
@@ -141,9 +147,22 @@ class DecodeProxy:
             return results
         forward = {**body, "kv_transfer_params": [self._params(request, r) for r in results]}
         url = self.url + ("/v1/chat/completions" if chat else "/v1/completions")
-        request_id = results[0].request_id
+        with coord.metrics.decoding():
+            return await self._decode(request, url, forward, results, arrived, req.stream)
+
+    async def _decode(
+        self,
+        request: web.Request,
+        url: str,
+        forward: dict[str, Any],
+        results: list[PrefillResult],
+        arrived: float,
+        stream: bool,
+    ) -> web.StreamResponse:
+        """The decode server's answer, relayed with the pool's share."""
+        coord, request_id = self.coord, results[0].request_id
         try:
-            if req.stream:
+            if stream:
                 return await self._stream(request, url, forward, results, arrived)
             status, data = await _unless_gone(request, self._answer(url, forward))
             if status != 200:
@@ -160,7 +179,8 @@ class DecodeProxy:
             release_leases(coord, results)
             log.info("client_gone", request_id=request_id)
             raise
-        answer = with_pool_share(data, results, arrived)
+        answer, generated = with_pool_share(data, results, arrived)
+        coord.metrics.request_done(time.perf_counter() - arrived, generated)
         return web.Response(body=answer, content_type="application/json")
 
     def _params(self, request: web.Request, result: PrefillResult) -> dict[str, Any]:
@@ -216,6 +236,9 @@ class DecodeProxy:
                 async for line in answer.content:
                     if first is None:
                         first = time.perf_counter()
+                    generated = decoded_tokens(line)
+                    if generated is not None:
+                        self.coord.metrics.request_done(time.perf_counter() - arrived, generated)
                     line = last_event(line, results, arrived)
                     try:
                         await response.write(line)
