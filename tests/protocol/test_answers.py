@@ -136,6 +136,23 @@ def test_chat_stream_events() -> None:
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 2
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_event() -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    answer = Answer(request(chat=True, stream=True, stream_options=options, max_tokens=2), TOK)
+    choice = answer.choices[0]
+    choice.add(TokenLogprobs(ord("o"), -1.0), None)
+    first = answer.events(choice)
+    assert len(first) == 2 and all(e["usage"]["completion_tokens"] == 1 for e in first)
+    choice.add(TokenLogprobs(ord("k"), -1.0), "length")
+    (last,) = answer.events(choice)
+    prompt = len(answer.req.prompts[0].token_ids)  # the chat template's
+    assert last["usage"] == {
+        "prompt_tokens": prompt,
+        "completion_tokens": 2,
+        "total_tokens": prompt + 2,
+    }
+
+
 def test_completion_stream_with_echo() -> None:
     answer = Answer(request(stream=True, echo=True, max_tokens=2), TOK)
     choice = answer.choices[0]

@@ -200,9 +200,10 @@ def test_chat_logprobs_and_usage_options() -> None:
     assert chat(logprobs=True).logprobs == 0 and chat().logprobs is None
     assert chat(max_completion_tokens=3).max_tokens == 3
     body = {"messages": [{"role": "user", "content": "x"}], "stream": True}
-    refused(
-        {**body, "stream_options": {"continuous_usage_stats": True}}, True, "continuous_usage_stats"
-    )
+    req = chat(**body, stream_options={"continuous_usage_stats": True})  # guidellm sends it
+    assert req.continuous_usage and not req.include_usage
+    assert not chat(**body, stream_options={"include_usage": True}).continuous_usage
+    refused({**body, "stream_options": {"usage_every": 2}}, True, "usage_every")
 
 
 def test_no_tokenizer_refuses_text() -> None:

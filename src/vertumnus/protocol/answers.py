@@ -129,7 +129,15 @@ class Answer:
     # -- streamed -----------------------------------------------------------------------
 
     def events(self, choice: Choice) -> list[dict[str, Any]]:
-        """The stream's events for what is new in ``choice`` (none when nothing is)."""
+        """The stream's events for what is new in ``choice`` (none when nothing is);
+        with ``stream_options.continuous_usage_stats``, each with the usage so far."""
+        out = self._events(choice)
+        if self.req.continuous_usage:
+            for event in out:
+                event["usage"] = self.usage()
+        return out
+
+    def _events(self, choice: Choice) -> list[dict[str, Any]]:
         out, index = [], choice.index
         head = self._head(True)
         if self.req.chat and index not in self._started:

@@ -114,6 +114,7 @@ class GenerateRequest:
     echo: bool
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # every streamed event carries the usage so far (vLLM)
     user: str | None
     transfer: Any  # ``kv_transfer_params`` as sent (the decode server reads them)
 
@@ -244,18 +245,20 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     return fields.integer(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
 
 
-def _stream_usage(body: dict[str, Any], stream: bool) -> bool:
+def _stream_usage(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
+    """``stream_options``: (``include_usage``, ``continuous_usage_stats``)."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise BadRequest("'stream_options' needs 'stream': true", "stream_options")
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options")
-    fields.refuse_unknown(
-        options, frozenset({"include_usage"}), {"continuous_usage_stats": (None, False)}
+    fields.refuse_unknown(options, frozenset({"include_usage", "continuous_usage_stats"}), {})
+    return (
+        fields.flag(options, "include_usage", False),
+        fields.flag(options, "continuous_usage_stats", False),
     )
-    return fields.flag(options, "include_usage", False)
 
 
 def parse(body: dict[str, Any], served: Served, chat: bool) -> GenerateRequest:
@@ -289,6 +292,7 @@ def parse(body: dict[str, Any], served: Served, chat: bool) -> GenerateRequest:
     min_tokens = fields.integer(body, "min_tokens", 0, lo=0, hi=max_tokens)
     assert min_tokens is not None
     logprobs = _logprobs(body, chat)
+    include_usage, continuous_usage = _stream_usage(body, stream)
     return GenerateRequest(
         chat=chat,
         model=model,
@@ -306,7 +310,8 @@ def parse(body: dict[str, Any], served: Served, chat: bool) -> GenerateRequest:
         logprobs=logprobs,
         echo=echo,
         stream=stream,
-        include_usage=_stream_usage(body, stream),
+        include_usage=include_usage,
+        continuous_usage=continuous_usage,
         user=fields.text(body, "user"),
         transfer=body.get("kv_transfer_params"),
     )

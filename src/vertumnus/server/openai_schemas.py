@@ -63,7 +63,7 @@ _SAMPLING: dict[str, Schema] = {
     "stream": _BOOL,
     "stream_options": {
         "type": "object",
-        "properties": {"include_usage": _BOOL, "continuous_usage_stats": {"enum": [None, False]}},
+        "properties": {"include_usage": _BOOL, "continuous_usage_stats": _BOOL},
         "additionalProperties": False,
         "description": "only with stream",
     },
