@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# Set up (tools/setup.sh, with the compiled replay loop, and tools/browser.sh: Chromium
-# for tests/browser), then lint, type-check and run the whole test suite.
+# Set up (tools/setup.sh, with the compiled replay loop, tools/browser.sh: Chromium
+# for tests/browser, and tools/clients/setup.sh: the benchmark clients), then lint,
+# type-check and run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
 bash tools/browser.sh
+# The client lane (tests/clients): aiperf and guidellm in virtualenvs of their own
+# (about 2.7 GB, 2-3 minutes the first time); VERTUMNUS_CLIENT_LANE=0 leaves it out.
+if [ "${VERTUMNUS_CLIENT_LANE:-1}" != 0 ]; then
+  bash tools/clients/setup.sh
+fi
 .venv/bin/ruff check src tests tools
 .venv/bin/ruff format --check src tests tools
 .venv/bin/mypy
