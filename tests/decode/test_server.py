@@ -256,6 +256,8 @@ def test_a_failed_step_ends_the_stream_with_an_error_event(tiny_model: Qwen3ForC
                 "error": {
                     "message": "decode step failed: RuntimeError: an injected failure",
                     "type": "decode_error",
+                    "param": None,
+                    "code": 500,
                 }
             }
             # The decode thread goes on: the next request is whole.

@@ -109,6 +109,8 @@ def test_a_decode_process_killed_mid_stream(server: Server, checkpoint: Checkpoi
         if len(events) == 3:
             os.kill(decoders[0], signal.SIGKILL)
     assert isinstance(events[-1], dict) and "error" in events[-1], events[-3:]
+    error = events[-1]["error"]
+    assert (error["type"], error["code"], error["param"]) == ("decode_error", 502, None)
     assert "[DONE]" not in events
     # The pool keeps serving prefills, and the proxy starts a new decode process.
     status, _answer = server.call("POST", "/v1/prefill", {"token_ids": [1, 2, 3]})

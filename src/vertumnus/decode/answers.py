@@ -33,7 +33,7 @@ from vertumnus.decode.timings import Timings
 from vertumnus.protocol.answers import Answer
 from vertumnus.protocol.choices import Choice
 from vertumnus.protocol.request import GenerateRequest, Prompt
-from vertumnus.server.http import json_response
+from vertumnus.server.http import error_body, json_response
 
 log = structlog.get_logger("vertumnus.decode")
 DONE = b"data: [DONE]\n\n"
@@ -161,13 +161,13 @@ async def answer_stream(
                 await stream.write(_event(answer.usage_event() | {"timings": timings.as_dict()}))
         except DecodeFailed as exc:
             log.warning("decode_failed", error=str(exc), **answer.usage())
-            tail = _event({"error": {"message": str(exc), "type": "decode_error"}})
+            tail = _event(error_body(str(exc), "decode_error", 500))
         except Exception as exc:  # a bug: the headers are sent, so it ends the stream
             if isinstance(exc, ConnectionResetError):
                 raise
             log.exception("internal_error", path=request.path, error=repr(exc))
             message = f"internal error: {type(exc).__name__}"
-            tail = _event({"error": {"message": message, "type": "internal_error"}})
+            tail = _event(error_body(message, "internal_error", 500))
         await stream.write(tail)
         await stream.write_eof()
     except ConnectionResetError:

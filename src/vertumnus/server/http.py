@@ -57,8 +57,13 @@ def error_response(
     extra = dict(headers or {})
     if retry_after_s is not None:
         extra["Retry-After"] = str(retry_after_s)
-    error = {"message": message, "type": kind, "param": param, "code": status}
-    return json_response({"error": error}, status, extra or None)
+    return json_response(error_body(message, kind, status, param), status, extra or None)
+
+
+def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object: an error answer's body, or a stream's error event
+    (``code``: the HTTP status it stands for)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def bad_request(exc: BadRequest, kind: str = "invalid_request_error") -> web.Response:

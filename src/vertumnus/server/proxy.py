@@ -44,7 +44,7 @@ from vertumnus.server.answers import (
 )
 from vertumnus.server.decode_process import LocalDecode
 from vertumnus.server.handoff_routes import transfer_params
-from vertumnus.server.http import error_response
+from vertumnus.server.http import error_body, error_response
 
 log = structlog.get_logger("vertumnus.proxy")
 
@@ -251,7 +251,7 @@ class DecodeProxy:
             if not response.prepared:
                 return _unavailable(self._failed(exc))
             message = self._failed(exc)
-            event = {"error": {"message": message, "type": "decode_error"}}
+            event = error_body(message, "decode_error", 502)
             try:
                 await response.write(b"data: " + orjson.dumps(event) + b"\n\n")
             except ConnectionError:  # (the client has gone too)
