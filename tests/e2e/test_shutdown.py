@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from support.factories import make_tokens
-from support.processes import rank_processes_of, wait_gone
+from support.processes import descendants_of, rank_processes_of, wait_gone
 from support.server import running_server, write_serve_config
 
 pytestmark = pytest.mark.multiproc
@@ -77,3 +77,21 @@ def test_past_max_queued_a_503_with_retry_after(tmp_path: Path) -> None:
                 assert body["error"]["type"] == "overloaded" and int(headers["Retry-After"]) > 0
         # Still serving after the burst.
         assert call(99)[0] == 200
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_to_the_whole_process_group_exits_and_restarts_nothing(tmp_path: Path) -> None:
+    """A signal to serve's whole process group (a terminal's Ctrl-C, a container
+    runtime's stop) reaches its ranks too: the ranks that die first are not
+    restarted, and serve exits 0 with nothing left."""
+    config = write_serve_config(tmp_path / "serve.toml", decode={"local": True})
+    with running_server(config) as server:
+        body = {"prompt": "hello", "max_tokens": 4}
+        assert server.call("POST", "/v1/completions", body)[0] == 200  # the decode process too
+        started = descendants_of(server.proc.pid)
+        assert len(started) >= 3
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        assert server.proc.wait(timeout=60) == 0
+        assert not wait_gone(started)
+    log = (tmp_path / "server.log").read_text()
+    assert '"event":"worker_failed"' not in log

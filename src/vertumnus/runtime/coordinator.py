@@ -229,8 +229,10 @@ class Coordinator:
         log.info("ready", ranks=self.cfg.ranks, composition=self.composition_name())
 
     def stop_admission(self) -> None:
-        """New requests get a 503 (``Unavailable``); what was accepted goes on."""
+        """New requests get a 503 (``Unavailable``); what was accepted goes on (a
+        worker lost meanwhile is not restarted)."""
         self.health.ready = False
+        self.health.draining = True
         self.health.failure = self.health.failure or "the server is shutting down"
 
     async def drain(self, grace_s: float) -> int:

@@ -96,6 +96,11 @@ class Recovery:
         # Its KV is going: the hand-offs it holds end (a pull answers 410, moved), and
         # a reshape it drains for no longer waits for them.
         self.handoffs.cut(worker.worker_id, "moved")
+        if self.health.draining:  # the shutdown (a signal to the whole process group)
+            log.warning(
+                "worker_lost_at_shutdown", worker=worker.worker_id, ranks=sorted(fresh)
+            )
+            return
         log.error("worker_failed", worker=worker.worker_id, ranks=sorted(fresh), reason=reason)
         if first_failure:
             self.spawn(self._recover(rank, reason))
@@ -159,9 +164,11 @@ class Recovery:
 
     async def _recover(self, rank: int, reason: str, attempt: int = 1) -> None:
         """Take the failed worker of ``rank`` out, hand its work on, restart its ranks
-        and let it rejoin with an empty cache (see the module docstring)."""
+        and let it rejoin with an empty cache (see the module docstring); nothing
+        once the shutdown has begun."""
         policy, pool, link = self.policy, self.ranks(), self.link
-        assert pool is not None
+        if self.health.draining or pool is None:
+            return
         loop = asyncio.get_running_loop()
         started = self.clock()
         worker_id: int | None = None
