@@ -97,9 +97,7 @@ class Recovery:
         # a reshape it drains for no longer waits for them.
         self.handoffs.cut(worker.worker_id, "moved")
         if self.health.draining:  # the shutdown (a signal to the whole process group)
-            log.warning(
-                "worker_lost_at_shutdown", worker=worker.worker_id, ranks=sorted(fresh)
-            )
+            log.warning("worker_lost_at_shutdown", worker=worker.worker_id, ranks=sorted(fresh))
             return
         log.error("worker_failed", worker=worker.worker_id, ranks=sorted(fresh), reason=reason)
         if first_failure:
