@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Set up (tools/setup.sh, with the compiled replay loop, tools/browser.sh: Chromium
-# for tests/browser, and tools/clients/setup.sh: the benchmark clients), then lint,
-# type-check and run the whole test suite.
+# Set up (tools/setup.sh, with the compiled replay loop; tools/browser.sh: Chromium for
+# tests/browser; tools/clients/setup.sh: the benchmark clients; tools/vllm/setup.sh:
+# vLLM's CPU build), then lint, type-check and run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
@@ -10,6 +10,11 @@ bash tools/browser.sh
 # (about 2.7 GB, 2-3 minutes the first time); VERTUMNUS_CLIENT_LANE=0 leaves it out.
 if [ "${VERTUMNUS_CLIENT_LANE:-1}" != 0 ]; then
   bash tools/clients/setup.sh
+fi
+# The vLLM lane (tests/interop): vLLM's CPU build in .venv-vllm (about 3.5 GB, 3-4
+# minutes the first time); VERTUMNUS_VLLM_LANE=0 leaves it out.
+if [ "${VERTUMNUS_VLLM_LANE:-1}" != 0 ]; then
+  bash tools/vllm/setup.sh
 fi
 .venv/bin/ruff check src tests tools
 .venv/bin/ruff format --check src tests tools

@@ -176,3 +176,19 @@ def test_completion_stream_has_an_event_for_every_token() -> None:
             (e["choices"][0]["token_ids"], e["choices"][0]["text"]) for e in answer.events(choice)
         ]
     assert sent == [([0xC3], ""), ([0xA9], "é"), ([ord("x")], "x")]
+
+
+def test_return_token_ids_puts_a_chat_choices_ids_on_it() -> None:
+    answer = Answer(request(chat=True, max_tokens=2, return_token_ids=True), TOK)
+    choice = answer.choices[0]
+    choice.add(TokenLogprobs(ord("o"), -1.0), None)
+    choice.add(TokenLogprobs(ord("k"), -1.0), "length")
+    assert answer.body()["choices"][0]["token_ids"] == [ord("o"), ord("k")]
+    plain = Answer(request(chat=True, max_tokens=1), TOK)
+    plain.choices[0].add(TokenLogprobs(ord("o"), -1.0), "length")
+    assert "token_ids" not in plain.body()["choices"][0]
+    streamed = Answer(request(chat=True, stream=True, max_tokens=2, return_token_ids=True), TOK)
+    choice = streamed.choices[0]
+    choice.add(TokenLogprobs(0xC3, -1.0), None)  # half of a character: no text yet
+    events = streamed.events(choice)
+    assert [e["choices"][0].get("token_ids") for e in events] == [None, [0xC3]]

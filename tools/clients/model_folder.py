@@ -4,7 +4,7 @@ weights written by ``transformers``, a byte-level BPE ``tokenizer.json`` trained
 carries Vertumnus's built-in ChatML template, so that ``serve`` and the benchmark
 clients (``AutoTokenizer`` on the folder) read the same tokenizer.
 
-    python tools/clients/model_folder.py FOLDER
+    python tools/clients/model_folder.py FOLDER [HEAD_DIM]
 """
 
 from __future__ import annotations
@@ -58,8 +58,9 @@ def write_tokenizer(folder: Path) -> int:
     return int(end)
 
 
-def write_model_folder(folder: Path, seed: int = 0) -> Path:
-    """A two-layer Qwen3 with grouped-query attention and its tokenizer in ``folder``."""
+def write_model_folder(folder: Path, seed: int = 0, head_dim: int = 16) -> Path:
+    """A two-layer Qwen3 with grouped-query attention and its tokenizer in ``folder``
+    (``head_dim`` 64 for vLLM's CPU attention, which takes 32 and up)."""
     import torch
     import transformers
 
@@ -72,7 +73,7 @@ def write_model_folder(folder: Path, seed: int = 0) -> Path:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         max_position_embeddings=MAX_POSITIONS,
         tie_word_embeddings=True,
         eos_token_id=end,
@@ -84,4 +85,5 @@ def write_model_folder(folder: Path, seed: int = 0) -> Path:
 
 
 if __name__ == "__main__":
-    print(write_model_folder(Path(sys.argv[1])))
+    head = int(sys.argv[2]) if len(sys.argv) > 2 else 16
+    print(write_model_folder(Path(sys.argv[1]), head_dim=head))

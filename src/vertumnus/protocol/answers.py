@@ -101,13 +101,16 @@ class Answer:
         if req.chat:
             if req.logprobs is not None:
                 logprobs = chat_logprobs(self.tokenizer, new)
-            return {
+            out = {
                 "index": index,
                 "message": {"role": "assistant", "content": text},
                 "logprobs": logprobs,
                 "finish_reason": choice.finish_reason,
                 "stop_reason": choice.stop_reason,
             }
+            if req.return_token_ids:
+                out["token_ids"] = choice.token_ids
+            return out
         if req.logprobs is not None:
             entries: list[tuple[int, TokenLogprobs | None]] = [(e.token_id, e) for e in new]
             if req.echo and offset == 0 and index not in self._started:
@@ -146,12 +149,16 @@ class Answer:
             self._started.add(index)
         text, new = choice.release(), choice.new_logprobs()
         if self.req.chat:
-            if text or choice.finished or (new and self.req.logprobs is not None):
+            ids = self.req.return_token_ids
+            if text or choice.finished or (new and (self.req.logprobs is not None or ids)):
                 logprobs = (
                     chat_logprobs(self.tokenizer, new) if self.req.logprobs is not None else None
                 )
                 delta = {"content": text} if text else {}
-                out.append({**head, "choices": [self._delta(index, delta, logprobs, choice)]})
+                event = self._delta(index, delta, logprobs, choice)
+                if ids:
+                    event["token_ids"] = [e.token_id for e in new]
+                out.append({**head, "choices": [event]})
             return out
         offset = self._offsets.get(index, 0)
         if self.req.echo and index not in self._started:

@@ -49,6 +49,7 @@ _SAMPLING = frozenset(
         "add_special_tokens",
         "logprobs",
         "user",
+        "return_token_ids",
         "kv_transfer_params",
     }
 )
@@ -115,6 +116,7 @@ class GenerateRequest:
     stream: bool
     include_usage: bool
     continuous_usage: bool  # every streamed event carries the usage so far (vLLM)
+    return_token_ids: bool  # chat choices carry their token ids too (completions always do)
     user: str | None
     transfer: Any  # ``kv_transfer_params`` as sent (the decode server reads them)
 
@@ -313,5 +315,6 @@ def parse(body: dict[str, Any], served: Served, chat: bool) -> GenerateRequest:
         include_usage=include_usage,
         continuous_usage=continuous_usage,
         user=fields.text(body, "user"),
+        return_token_ids=fields.flag(body, "return_token_ids"),
         transfer=body.get("kv_transfer_params"),
     )

@@ -84,6 +84,10 @@ class DecodeConfig:
     transport: str = "http"
     # The bearer for ``url``'s API (its --api-key; or $VERTUMNUS_DECODE_API_KEY)
     api_key: str | None = dataclasses.field(default=None, repr=False)
+    # What serves ``url``: "vertumnus" (``python -m vertumnus decode``) or "vllm" (a
+    # ``vllm serve`` with Vertumnus's KV connector: one prompt per request, its
+    # ``kv_transfer_params`` one object)
+    engine: str = "vertumnus"
 
     def __post_init__(self) -> None:
         if self.url is not None and not self.url.startswith(("http://", "https://")):
@@ -92,6 +96,10 @@ class DecodeConfig:
             raise ConfigError("[decode] need 0 <= restart_s <= restart_max_s")
         if self.transport not in ("http", "dist"):
             raise ConfigError(f"[decode] transport must be http or dist, got {self.transport!r}")
+        if self.engine not in ("vertumnus", "vllm"):
+            raise ConfigError(f"[decode] engine must be vertumnus or vllm, got {self.engine!r}")
+        if self.engine == "vllm" and self.url is None:
+            raise ConfigError('[decode] engine = "vllm" needs the url of a vllm serve')
 
     @property
     def enabled(self) -> bool:

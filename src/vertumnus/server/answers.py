@@ -155,12 +155,20 @@ def with_pool_share(
 
 
 def decoded_tokens(line: bytes) -> int | None:
-    """The generated tokens a stream's event with "timings" counts (None: another
-    event)."""
-    if not line.startswith(b"data: {") or b'"decoded_tokens"' not in line:
+    """The generated tokens of a stream, from its event with "timings" (this
+    project's decode server), else from its final usage event (vLLM's, with
+    ``include_usage``); None for any other event."""
+    if not line.startswith(b"data: {") or (
+        b'"decoded_tokens"' not in line and b'"usage"' not in line
+    ):
         return None
-    timings = orjson.loads(line[len(b"data: ") :]).get("timings")
-    return int(timings.get("decoded_tokens") or 0) if isinstance(timings, dict) else None
+    event = orjson.loads(line[len(b"data: ") :])
+    timings, usage = event.get("timings"), event.get("usage")
+    if isinstance(timings, dict) and "decoded_tokens" in timings:
+        return int(timings["decoded_tokens"] or 0)
+    if event.get("choices") == [] and isinstance(usage, dict) and timings is None:
+        return int(usage.get("completion_tokens") or 0)
+    return None
 
 
 def last_event(line: bytes, results: Sequence[PrefillResult], arrived: float) -> bytes:

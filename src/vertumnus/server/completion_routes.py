@@ -79,6 +79,8 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
         req = parse(body, served, chat)
         handoff = handoff_asked(body)
         check_servable(req, handoff, proxy is not None)
+        if req.needs_decode and proxy is not None:
+            proxy.check(req)
     except BadRequest as exc:
         return bad_request(exc)
     if req.needs_decode:

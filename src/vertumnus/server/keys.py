@@ -29,5 +29,8 @@ class Completer(Protocol):
 
     def unready_reason(self) -> str | None: ...
 
+    def check(self, req: GenerateRequest) -> None:
+        """``BadRequest`` for what the decode server cannot answer."""
+
 
 PROXY = web.AppKey("proxy", Completer)  # the decode proxy, if there is one

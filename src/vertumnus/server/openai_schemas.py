@@ -86,6 +86,10 @@ _SAMPLING: dict[str, Schema] = {
     "skip_special_tokens": _BOOL,
     "add_special_tokens": _BOOL,
     "user": _STR,
+    "return_token_ids": {
+        **_BOOL,
+        "description": "chat: token_ids on each choice (completions: always)",
+    },
     "kv_transfer_params": KV_TRANSFER,
 }
 _COMPLETION_ONLY: dict[str, Schema] = {

@@ -44,7 +44,7 @@ from vertumnus.server.answers import (
 )
 from vertumnus.server.decode_process import LocalDecode
 from vertumnus.server.handoff_routes import transfer_params
-from vertumnus.server.http import error_body, error_response
+from vertumnus.server.http import BadRequest, error_body, error_response
 
 log = structlog.get_logger("vertumnus.proxy")
 
@@ -111,6 +111,20 @@ class DecodeProxy:
         if self.local is not None:
             self.local.start(prefill_url)
 
+    def check(self, req: GenerateRequest) -> None:
+        """A vLLM decode server takes one prompt per request, and computes no prompt
+        log-probabilities from a pulled KV."""
+        if self.cfg.engine != "vllm":
+            return
+        if len(req.prompts) > 1:
+            raise BadRequest("the vLLM decode pool takes one prompt per request", "prompt")
+        if req.prompt_logprobs is not None:
+            raise BadRequest(
+                "'echo' with 'logprobs' needs max_tokens 0 or 1 here (the pool answers it): "
+                "the vLLM decode pool cannot compute a pulled prompt's log-probabilities",
+                "echo",
+            )
+
     def unready_reason(self) -> str | None:
         """None when completions can be decoded now; else why not."""
         if self.url is not None and self._session is not None:
@@ -145,7 +159,9 @@ class DecodeProxy:
         )
         if isinstance(results, web.Response):
             return results
-        forward = {**body, "kv_transfer_params": [self._params(request, r) for r in results]}
+        transfers = [self._params(request, r) for r in results]
+        one = self.cfg.engine == "vllm"  # vLLM's kv_transfer_params: one object
+        forward = {**body, "kv_transfer_params": transfers[0] if one else transfers}
         url = self.url + ("/v1/chat/completions" if chat else "/v1/completions")
         with coord.metrics.decoding():
             return await self._decode(request, url, forward, results, arrived, req.stream)

@@ -1,0 +1,268 @@
+"""Vertumnus's prefill pool in front of a real vLLM decode instance (vLLM's CPU build,
+``tools/vllm/setup.sh``), through ``VertumnusConnector``
+(``integrations/vllm``), on a random Qwen3 folder built here:
+
+- exact: greedy ids from the pool's prefill plus vLLM's decode equal vLLM alone (its
+  prefix cache off, so it computes every prompt itself), log-probabilities within
+  1e-4, on a worker of CP degree 1 and one of degree 2, fresh and with the prompt's
+  prefix cached in the pool; vLLM's own metrics count the prompt but its last token
+  as transferred and that one token as computed;
+- one front door: ``serve`` with ``[decode] engine = "vllm"`` answers completions and
+  chat, whole and streamed, through the openai SDK, with no lease left;
+- a pull that fails is recomputed by vLLM (``kv_load_failure_policy = "recompute"``)
+  and the request completes with the same tokens.
+
+Skipped, saying why, without ``.venv-vllm``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from support.server import Server, running_server, write_serve_config
+from support.tools import load_tool
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+SECRET = "interop-handoff-secret-0123456789"
+START_TIMEOUT_S = 420
+
+pytestmark = [
+    pytest.mark.multiproc,
+    pytest.mark.skipif(
+        not VLLM_PYTHON.exists(), reason="no vLLM in .venv-vllm: run tools/vllm/setup.sh"
+    ),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def call(url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            raw = resp.read()
+            ctype = resp.headers.get("Content-Type", "")
+            return resp.status, json.loads(raw) if "json" in ctype else raw.decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model_folder = load_tool("clients/model_folder.py")
+    path: Path = model_folder.write_model_folder(tmp_path_factory.mktemp("qwen3-vllm"), head_dim=64)
+    return path
+
+
+@pytest.fixture(scope="module")
+def vllm(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``vllm serve`` with the connector (prefix caching off: a request without
+    ``kv_transfer_params`` computes its whole prompt)."""
+    port = free_port()
+    transfer = {
+        "kv_connector": "VertumnusConnector",
+        "kv_connector_module_path": "vertumnus.integrations.vllm",
+        "kv_role": "kv_consumer",
+        "kv_load_failure_policy": "recompute",
+    }
+    log = (tmp_path_factory.mktemp("vllm") / "vllm.log").open("w")
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VERTUMNUS_PREFILL_KEY": SECRET,
+        "HF_HUB_OFFLINE": "1",
+    }
+    proc = subprocess.Popen(
+        [str(VLLM_PYTHON), "-m", "vllm.entrypoints.cli.main", "serve", str(folder),
+         "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
+         "--no-enable-prefix-caching", "--served-model-name", str(folder),
+         "--kv-transfer-config", json.dumps(transfer)],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, Path(log.name).read_text()[-3000:]
+            try:
+                if call(url + "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(1.0)
+        else:
+            raise AssertionError("vLLM did not start: " + Path(log.name).read_text()[-3000:])
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def pool_config(path: Path, folder: Path, degree: int, **decode: Any) -> Path:
+    return write_serve_config(
+        path,
+        model={"name": str(folder)},
+        profile={"path": "tiny-cpu"},
+        engine={"dtype": "float32", "device": "cpu"},
+        pool={"degrees": [degree], "layout": [degree]},
+        controller={"enabled": False},
+        handoff={"secret": SECRET},
+        decode=decode or {"local": False},
+    )
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["cp1", "cp2"])
+def pool(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, folder: Path
+) -> Iterator[tuple[Server, int]]:
+    """A pool of one worker of CP degree ``param`` that keeps the KV for vLLM."""
+    config = pool_config(tmp_path_factory.mktemp("pool") / "serve.toml", folder, request.param)
+    with running_server(config) as srv:
+        yield srv, request.param
+
+
+def by_source(vllm: str) -> dict[str, float]:
+    """vLLM's prompt tokens by where they came from."""
+    _, text = call(vllm + "/metrics")
+    out = {}
+    for line in str(text).splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{"):
+            source = line.split('source="')[1].split('"')[0]
+            out[source] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def decode(vllm: str, folder: Path, prompt: list[int], **extra: Any) -> dict[str, Any]:
+    body = {
+        "model": str(folder), "prompt": prompt, "max_tokens": 12, "temperature": 0,
+        "ignore_eos": True, "logprobs": 1, "return_token_ids": True, **extra,
+    }  # fmt: skip
+    status, answer = call(vllm + "/v1/completions", body)
+    assert status == 200, answer
+    choice: dict[str, Any] = answer["choices"][0]
+    return choice
+
+
+def prompt_ids(seed: int, n: int, vocab: int = 400) -> list[int]:
+    return [(seed * 7919 + i * 104729) % vocab + 3 for i in range(n)]
+
+
+@pytest.mark.timeout(900)
+def test_the_pools_prefill_and_vllms_decode_equal_vllm_alone(
+    pool: tuple[Server, int], vllm: str, folder: Path
+) -> None:
+    server, degree = pool
+    shared = prompt_ids(1, 150)
+    for prompt in (shared + prompt_ids(2, 30), shared + prompt_ids(3, 45)):  # 2nd: cached
+        body = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        status, prefilled = server.call("POST", "/v1/completions", body)
+        assert status == 200, prefilled
+        assert prefilled["cp_degree"] == degree
+        params = prefilled["kv_transfer_params"]
+        before = by_source(vllm)
+        got = decode(vllm, folder, prompt, kv_transfer_params=params)
+        after = by_source(vllm)
+        alone = decode(vllm, folder, prompt)
+        assert got["token_ids"] == alone["token_ids"]
+        ours, theirs = got["logprobs"]["token_logprobs"], alone["logprobs"]["token_logprobs"]
+        assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) <= 1e-4
+        transferred = after["external_kv_transfer"] - before["external_kv_transfer"]
+        computed = after["local_compute"] - before["local_compute"]
+        assert (transferred, computed) == (len(prompt) - 1, 1)
+    cached = prefilled["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 144  # the second prompt's shared prefix came from the pool's cache
+    status, leases = server.call("GET", "/v1/handoffs")
+    assert status == 200 and leases["open"] == 0 and leases["pulled"] == 2
+
+
+@pytest.mark.timeout(600)
+def test_a_pull_that_fails_is_recomputed(vllm: str, folder: Path) -> None:
+    prompt = prompt_ids(5, 60)
+    gone = {
+        "do_remote_prefill": True,
+        "remote_host": "127.0.0.1",
+        "remote_port": free_port(),  # nobody listens: the pull fails
+        "remote_handle": "kv-gone",
+        "num_tokens": len(prompt) - 1,
+    }
+    assert (
+        decode(vllm, folder, prompt, kv_transfer_params=gone)["token_ids"]
+        == (decode(vllm, folder, prompt)["token_ids"])
+    )
+
+
+@pytest.mark.timeout(900)
+def test_serve_in_front_of_vllm_answers_completions_and_chat(
+    vllm: str, folder: Path, tmp_path: Path
+) -> None:
+    config = pool_config(tmp_path / "serve.toml", folder, 2, url=vllm, engine="vllm")
+    prompt = "A benchmark client sends many requests and measures the time to the first token."
+    with running_server(config) as server:
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        whole = api.completions.create(
+            model=str(folder), prompt=prompt, max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )  # fmt: skip
+        ids = list(folder_tokens(folder, prompt))
+        alone = decode(vllm, folder, ids, max_tokens=8, logprobs=None)
+        assert (whole.choices[0].model_extra or {})["token_ids"] == alone["token_ids"]
+        assert whole.usage is not None and whole.usage.completion_tokens == 8
+        chunks = list(
+            api.completions.create(
+                model=str(folder), prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            )
+        )  # fmt: skip
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+        messages = [{"role": "user", "content": "What does the prefill pool do?"}]
+        chat = api.chat.completions.create(
+            model=str(folder),
+            messages=messages,
+            max_tokens=6,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        assert chat.choices[0].finish_reason in ("length", "stop")
+        streamed = list(
+            api.chat.completions.create(
+                model=str(folder),
+                messages=messages,
+                max_tokens=6,
+                temperature=0,
+                stream=True,  # type: ignore[arg-type]
+            )
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        assert text == (chat.choices[0].message.content or "")
+        status, leases = server.call("GET", "/v1/handoffs")
+        assert status == 200 and leases["open"] == 0 and leases["pulled"] == 4
+        with pytest.raises(openai.BadRequestError, match="one prompt per request"):
+            api.completions.create(model=str(folder), prompt=["a", "b"], max_tokens=4)
+
+
+def folder_tokens(folder: Path, text: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    return list(Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids)

