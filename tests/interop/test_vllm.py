@@ -17,11 +17,6 @@ Skipped, saying why, without ``.venv-vllm``."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,23 +28,15 @@ import pytest
 from support.server import Server, running_server, write_serve_config
 from support.tools import load_tool
 
-REPO = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+SERVER = load_tool("vllm/vllm_server.py")
 SECRET = "interop-handoff-secret-0123456789"
-START_TIMEOUT_S = 420
 
 pytestmark = [
     pytest.mark.multiproc,
     pytest.mark.skipif(
-        not VLLM_PYTHON.exists(), reason="no vLLM in .venv-vllm: run tools/vllm/setup.sh"
+        not SERVER.VLLM_PYTHON.exists(), reason="no vLLM in .venv-vllm: run tools/vllm/setup.sh"
     ),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def call(url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
@@ -75,48 +62,14 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def vllm(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``vllm serve`` with the connector (prefix caching off: a request without
     ``kv_transfer_params`` computes its whole prompt)."""
-    port = free_port()
-    transfer = {
-        "kv_connector": "VertumnusConnector",
-        "kv_connector_module_path": "vertumnus.integrations.vllm",
-        "kv_role": "kv_consumer",
-        "kv_load_failure_policy": "recompute",
-    }
     log = (tmp_path_factory.mktemp("vllm") / "vllm.log").open("w")
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VERTUMNUS_PREFILL_KEY": SECRET,
-        "HF_HUB_OFFLINE": "1",
-    }
-    proc = subprocess.Popen(
-        [str(VLLM_PYTHON), "-m", "vllm.entrypoints.cli.main", "serve", str(folder),
-         "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
-         "--no-enable-prefix-caching", "--served-model-name", str(folder),
-         "--kv-transfer-config", json.dumps(transfer)],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    proc, url = SERVER.start_vllm(
+        folder, log, connector=True, prefix_caching=False, prefill_key=SECRET
+    )
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, Path(log.name).read_text()[-3000:]
-            try:
-                if call(url + "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(1.0)
-        else:
-            raise AssertionError("vLLM did not start: " + Path(log.name).read_text()[-3000:])
         yield url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        SERVER.stop(proc)
         log.close()
 
 
@@ -203,7 +156,7 @@ def test_a_pull_that_fails_is_recomputed(vllm: str, folder: Path) -> None:
     gone = {
         "do_remote_prefill": True,
         "remote_host": "127.0.0.1",
-        "remote_port": free_port(),  # nobody listens: the pull fails
+        "remote_port": SERVER.free_port(),  # nobody listens: the pull fails
         "remote_handle": "kv-gone",
         "num_tokens": len(prompt) - 1,
     }

@@ -58,9 +58,11 @@ def write_tokenizer(folder: Path) -> int:
     return int(end)
 
 
-def write_model_folder(folder: Path, seed: int = 0, head_dim: int = 16) -> Path:
-    """A two-layer Qwen3 with grouped-query attention and its tokenizer in ``folder``
-    (``head_dim`` 64 for vLLM's CPU attention, which takes 32 and up)."""
+def write_model_folder(
+    folder: Path, seed: int = 0, head_dim: int = 16, hidden_size: int = 64, layers: int = 2
+) -> Path:
+    """A Qwen3 (two layers by default) with grouped-query attention and its tokenizer
+    in ``folder`` (``head_dim`` 64 for vLLM's CPU attention, which takes 32 and up)."""
     import torch
     import transformers
 
@@ -68,9 +70,9 @@ def write_model_folder(folder: Path, seed: int = 0, head_dim: int = 16) -> Path:
     end = write_tokenizer(folder)
     cfg = transformers.Qwen3Config(
         vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=head_dim,

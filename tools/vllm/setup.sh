@@ -25,9 +25,9 @@ if [ ! -f "$SHIM/METADATA" ]; then
   mkdir -p "$SHIM"
   printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$VERSION" > "$SHIM/METADATA"
 fi
-# The connector's own imports (vLLM brings torch and aiohttp); Vertumnus without its
-# dependencies, which would replace vLLM's pins.
-"${PIP[@]}" install structlog orjson 2> >(quiet)
+# The connector's own imports (vLLM brings torch and aiohttp), pandas for `vllm bench
+# serve`; Vertumnus without its dependencies, which would replace vLLM's pins.
+"${PIP[@]}" install structlog orjson pandas 2> >(quiet)
 "${PIP[@]}" install --no-deps -e . 2> >(quiet)
 "$VENV/bin/python" -c "
 from vertumnus.integrations.vllm import connector
