@@ -60,7 +60,9 @@ def start_vllm(
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited {proc.returncode}: see {log.name}")
+            raise RuntimeError(
+                f"vllm serve exited {proc.returncode}; the end of {log.name}:\n{_tail(log)}"
+            )
         try:
             with urllib.request.urlopen(url + "/health", timeout=5) as resp:
                 if resp.status == 200:
@@ -69,7 +71,19 @@ def start_vllm(
             pass
         time.sleep(1.0)
     stop(proc)
-    raise RuntimeError(f"vllm serve did not start in {timeout_s:.0f} s: see {log.name}")
+    raise RuntimeError(
+        f"vllm serve did not start in {timeout_s:.0f} s; the end of {log.name}:\n{_tail(log)}"
+    )
+
+
+def _tail(log: IO[Any], lines: int = 15) -> str:
+    """The last lines of the log vLLM writes (so that a failure in CI shows its cause)."""
+    log.flush()
+    try:
+        text = Path(log.name).read_text(errors="replace")
+    except OSError as exc:
+        return f"(unreadable: {exc})"
+    return "\n".join(text.splitlines()[-lines:])
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
