@@ -9,9 +9,11 @@ wrote (``vllm bench serve``), on one random Qwen3 folder, fp32, the same cores:
                     ``VertumnusConnector``: the pool prefills, vLLM decodes
 
 Two request streams: ``random`` (random prompts of ``--input-len`` tokens) and
-``trace`` (the first ``--trace-requests`` of ``conversation_trace.jsonl``, each
-prompt built from text chunks named by its hash ids, so prompts that share hash ids
-share prefixes; ``--chunk-words`` words per chunk, at most 64 chunks). Every
+``trace`` (``--trace-requests`` requests of ``conversation_trace.jsonl``'s
+conversations of two turns or more, in trace order: a later turn extends an earlier
+one's prompt, as a chat client resends its history; each prompt is built from text
+chunks named by its hash ids, so prompts that share hash ids share prefixes;
+``--chunk-words`` words per chunk, at most 64 chunks). Every
 stream: ``--num-prompts`` requests at ``--request-rate`` per second,
 ``--output-len`` tokens out, ``ignore_eos``.
 
@@ -75,14 +77,27 @@ WORDS = (
 def trace_dataset(
     trace: Path, requests: int, chunk_words: int, path: Path, max_chunks: int = 64
 ) -> Path:
-    """A ``custom`` dataset for ``vllm bench serve``: one prompt per trace record,
-    the text chunks of its first ``max_chunks`` hash ids in order."""
+    """A ``custom`` dataset for ``vllm bench serve``: the first ``requests`` turns of
+    the trace's multi-turn conversations (a conversation: the records whose first two
+    hash ids agree; taken in the order they start, their turns in trace order), each
+    prompt the text chunks of its first ``max_chunks`` hash ids. The trace's own
+    windows of consecutive records hold mostly first turns hours apart from their
+    follow-ups, so they share little more than a system prompt."""
+    records = [json.loads(line) for line in trace.open()]
+    turns: dict[tuple[int, ...], list[int]] = {}
+    for i, record in enumerate(records):
+        turns.setdefault(tuple(record["hash_ids"][:2]), []).append(i)
+    picked: list[int] = []
+    for indices in turns.values():  # in the order the conversations start
+        if len(picked) >= requests:
+            break
+        if len(indices) >= 2:
+            picked += indices
     chunks: dict[int, str] = {}
-    with trace.open() as src, path.open("w") as out:
-        for line in list(src)[:requests]:
-            record = json.loads(line)
+    with path.open("w") as out:
+        for i in sorted(picked)[:requests]:
             parts = []
-            for h in record["hash_ids"][:max_chunks]:
+            for h in records[i]["hash_ids"][:max_chunks]:
                 if h not in chunks:
                     rng = random.Random(h)
                     chunks[h] = " ".join(rng.choice(WORDS) for _ in range(chunk_words))
@@ -159,6 +174,7 @@ def bench(
         command += [
             "--dataset-name", "custom", "--dataset-path", str(args.trace_file),
             "--custom-output-len", str(args.output_len), "--skip-chat-template",
+            "--disable-shuffle",  # a conversation's turns in their order
         ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
