@@ -15,8 +15,11 @@ def load_tool(path: str) -> ModuleType:
     """``tools/<path>`` (e.g. ``"experiments/sim_experiment.py"``) run as a module named
     after its file. The name is registered in ``sys.modules`` before it runs (unless
     already taken), for the dataclasses it defines and for processes it spawns, which
-    import it by that name."""
+    import it by that name. The tool's folder goes on ``sys.path``, as it does for a
+    script that is run, for the modules beside it that it imports."""
     file = TOOLS / path
+    if str(file.parent) not in sys.path:
+        sys.path.append(str(file.parent))
     spec = importlib.util.spec_from_file_location(file.stem, file)
     assert spec is not None and spec.loader is not None, f"no tool at {file}"
     module = importlib.util.module_from_spec(spec)
