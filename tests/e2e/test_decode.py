@@ -100,7 +100,7 @@ def _stream_events(server: Server, body: dict[str, Any]) -> Iterator[dict[str, A
 
 @pytest.mark.timeout(300)
 def test_a_decode_process_killed_mid_stream(server: Server, checkpoint: Checkpoint) -> None:
-    decoders = [p for p in children_of(server.proc.pid) if "decode" in _cmdline(p)]
+    decoders = [p for p in children_of(server.proc.pid) if _is_decoder(p)]
     assert len(decoders) == 1
     body = {"prompt": make_tokens(40, seed=12, vocab=VOCAB), "max_tokens": 4000, "stream": True}
     events: list[dict[str, Any] | str] = []
@@ -117,7 +117,7 @@ def test_a_decode_process_killed_mid_stream(server: Server, checkpoint: Checkpoi
     assert status == 200
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        fresh = [p for p in children_of(server.proc.pid) if "decode" in _cmdline(p)]
+        fresh = [p for p in children_of(server.proc.pid) if _is_decoder(p)]
         if fresh and fresh != decoders and all(is_running(p) for p in fresh):
             try:
                 again = client(server).completions.create(
@@ -138,8 +138,11 @@ def test_a_decode_process_killed_mid_stream(server: Server, checkpoint: Checkpoi
     assert status == 200 and leases["open"] == 0  # pulled or released: none left
 
 
-def _cmdline(pid: int) -> str:
+def _is_decoder(pid: int) -> bool:
+    """Whether ``pid`` runs ``python -m vertumnus decode`` (its arguments, not a
+    substring of its command line, which the checkout's path may contain)."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
-        return ""
+        return False
+    return argv[1:4] == [b"-m", b"vertumnus", b"decode"]
