@@ -73,6 +73,58 @@ def test_a_reaped_child_counts_as_the_benchmarks_own(harness: ModuleType) -> Non
     assert after[3] - before[3] >= 0.45 * load.TICK  # its half second of CPU is ours
 
 
+ORPHAN = """
+import subprocess, sys, time
+sys.path.insert(0, sys.argv[2])
+import harness
+if sys.argv[1] == "adopt":
+    assert harness.adopt_orphans()
+load = harness.Load(max_foreign=0.25, max_wait_s=0)
+before = load.snapshot()
+busy = "import time\\nwhile time.process_time() < 0.5:\\n    pass\\n"
+spawn = (
+    "import subprocess, sys; "
+    f"print(subprocess.Popen([sys.executable, '-c', {busy!r}]).pid, flush=True)"
+)
+done = subprocess.run([sys.executable, "-c", spawn], capture_output=True, text=True, check=True)
+orphan = int(done.stdout)  # its parent has ended: it is an orphan now
+deadline = time.monotonic() + 120
+while time.monotonic() < deadline:
+    try:
+        with open(f"/proc/{orphan}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+    except OSError:
+        break
+    time.sleep(0.05)
+after = load.snapshot()
+print((after[3] - before[3]) / load.TICK)
+"""
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a Linux subreaper")
+@pytest.mark.parametrize("adopt", [True, False])
+def test_an_adopted_orphan_counts_as_the_benchmarks_own(adopt: bool) -> None:
+    """A grandchild whose parent ended spends half a second of CPU: the benchmark
+    counts it as its own once it adopted its orphans, and loses it otherwise (run in
+    a process of its own, since adopting lasts for the process's life)."""
+    bench = Path(__file__).resolve().parents[2] / "tools" / "bench"
+    mode = "adopt" if adopt else "leave"
+    done = subprocess.run(
+        [sys.executable, "-c", ORPHAN, mode, str(bench)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    own_s = float(done.stdout.split()[-1])
+    if adopt:
+        assert own_s >= 0.45, own_s
+    else:
+        assert own_s < 0.45, own_s
+
+
 class ScriptedLoad:
     """A guard whose measurements are given: the others' cores of each run in turn."""
 

@@ -23,7 +23,9 @@ cores; it reports what they used over the whole run, and warns when that was mor
 Benchmarks that time runs one by one (``interleaved``) also redo a run during which
 others were busy (at most ``--retries`` times, then keep it and flag it). "Others"
 is every process outside this one and its descendants (ranks, servers, agents and
-browsers started by the benchmark are its own).
+browsers started by the benchmark are its own). A descendant orphaned by its parent's
+end (vLLM's engine core when its process group is stopped) is reparented to init and
+its time lost to "others", unless the benchmark calls ``adopt_orphans()`` first.
 """
 
 from __future__ import annotations
@@ -119,6 +121,22 @@ def fingerprint() -> dict[str, Any]:
         info["torch_num_interop_threads"] = torch.get_num_interop_threads()
         info["mkldnn"] = torch.backends.mkldnn.is_available()
     return info
+
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def adopt_orphans() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux), so that they
+    stay in its tree, and their CPU time its own, until it ends. Their zombies are
+    left for its end: call it in a benchmark's main process, not in a long-lived one.
+    False where the system does not allow it."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
 
 
 class Load:

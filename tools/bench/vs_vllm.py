@@ -220,6 +220,7 @@ def main() -> int:
         p.error(f"unknown systems {sorted(unknown)}: choose from {', '.join(SYSTEMS)}")
     if not vllm_server.VLLM_PYTHON.exists():
         p.error("no vLLM in .venv-vllm: run tools/vllm/setup.sh")
+    harness.adopt_orphans()  # vLLM's engine core outlives its parent at a stop
     session = harness.Session("vs_vllm", args)
     work = Path(tempfile.mkdtemp(prefix="vs-vllm-"))
     folder = model_folder.write_model_folder(
