@@ -62,13 +62,16 @@ def test_the_json_carries_the_machine_the_source_and_the_run(
         session.document({"machine": "mine"})
 
 
+# Half a second of CPU, in a process of its own.
+BUSY = "import time\nwhile time.process_time() < 0.5:\n    pass\n"
+
+
 @pytest.mark.multiproc
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the guard reads /proc")
 def test_a_reaped_child_counts_as_the_benchmarks_own(harness: ModuleType) -> None:
     load = harness.Load(max_foreign=0.25, max_wait_s=0)
     before = load.snapshot()
-    busy = "import time\nwhile time.process_time() < 0.5:\n    pass\n"
-    subprocess.run([sys.executable, "-c", busy], check=True)
+    subprocess.run([sys.executable, "-c", BUSY], check=True)
     after = load.snapshot()
     assert after[3] - before[3] >= 0.45 * load.TICK  # its half second of CPU is ours
 
@@ -81,7 +84,7 @@ if sys.argv[1] == "adopt":
     assert harness.adopt_orphans()
 load = harness.Load(max_foreign=0.25, max_wait_s=0)
 before = load.snapshot()
-busy = "import time\\nwhile time.process_time() < 0.5:\\n    pass\\n"
+busy = sys.argv[3]
 spawn = (
     "import subprocess, sys; "
     f"print(subprocess.Popen([sys.executable, '-c', {busy!r}]).pid, flush=True)"
@@ -112,7 +115,7 @@ def test_an_adopted_orphan_counts_as_the_benchmarks_own(adopt: bool) -> None:
     bench = Path(__file__).resolve().parents[2] / "tools" / "bench"
     mode = "adopt" if adopt else "leave"
     done = subprocess.run(
-        [sys.executable, "-c", ORPHAN, mode, str(bench)],
+        [sys.executable, "-c", ORPHAN, mode, str(bench), BUSY],
         capture_output=True,
         text=True,
         timeout=300,
