@@ -132,6 +132,10 @@ class Profile:
     mape: dict[int, float] = field(default_factory=dict)
     capacity: dict[int, dict[str, Any]] = field(default_factory=dict)
     provenance: dict[str, Any] = field(default_factory=dict)
+    # The host link, for the host KV tier: kv_bytes_per_token, d2h_bytes_s,
+    # h2d_bytes_s (measured by ``profile``, or documented defaults), and how
+    # ("measured" or "documented")
+    host_link: dict[str, Any] = field(default_factory=dict)
 
     @property
     def degrees(self) -> list[int]:
@@ -156,6 +160,7 @@ class Profile:
             "mape": {str(c): v for c, v in sorted(self.mape.items())},
             "capacity": {str(c): v for c, v in sorted(self.capacity.items())},
             "provenance": self.provenance,
+            **({"host_link": self.host_link} if self.host_link else {}),
         }
 
     @classmethod
@@ -174,6 +179,7 @@ class Profile:
                 mape={_degree(k, source): float(v) for k, v in raw.get("mape", {}).items()},
                 capacity={_degree(k, source): dict(v) for k, v in raw.get("capacity", {}).items()},
                 provenance=dict(raw.get("provenance", {})),
+                host_link=_host_link(raw.get("host_link", {}), source),
             )
         except (KeyError, TypeError, AttributeError) as exc:
             raise ProfileError(
@@ -192,6 +198,18 @@ class Profile:
         except (OSError, json.JSONDecodeError) as exc:
             raise ProfileError(f"{spec}: {exc}") from exc
         return cls.from_json(raw, source=str(spec))
+
+
+HOST_LINK_FIELDS = ("kv_bytes_per_token", "d2h_bytes_s", "h2d_bytes_s")
+
+
+def _host_link(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The profile's ``host_link``: each of ``HOST_LINK_FIELDS`` positive if given."""
+    link = dict(raw)
+    for name in HOST_LINK_FIELDS:
+        if name in link and not (isinstance(link[name], (int, float)) and link[name] > 0):
+            raise ProfileError(f"{source}: host_link.{name} must be a positive number")
+    return link
 
 
 def shipped_profiles() -> list[str]:

@@ -29,6 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vertumnus.perfmodel import Profile
+from vertumnus.policy.cache.host_tier import (
+    DEFAULT_D2H_BYTES_S,
+    DEFAULT_H2D_BYTES_S,
+    HostLink,
+    HostTiers,
+)
 from vertumnus.policy.cache.plans import CacheManagerConfig
 from vertumnus.policy.cache.retention import RetentionConfig
 from vertumnus.policy.control.rules import ControllerConfig
@@ -145,11 +151,17 @@ class PoolSpec:
     layout: tuple[int, ...]  # worker degrees in device order
     block_tokens: int  # tokens per KV block (the engine's block_size)
     blocks_per_rank: int  # KV blocks one rank holds (0: nothing is cached)
+    # The host tier's geometry: a block's KV bytes (0: the profile's kv_bytes_per_token
+    # times block_tokens) and devices per host (0: the lattice's, else one host)
+    block_bytes: int = 0
+    devices_per_host: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", tuple(self.layout))
         if self.block_tokens < 1 or self.blocks_per_rank < 0:
             raise PolicyError("need block_tokens >= 1 and blocks_per_rank >= 0")
+        if self.block_bytes < 0 or self.devices_per_host < 0:
+            raise PolicyError("need block_bytes >= 0 and devices_per_host >= 0")
 
     def check_profile(self, profile: Profile, config: PolicyConfig) -> None:
         """PolicyError unless ``profile`` has what ``config`` needs of every degree."""
@@ -166,3 +178,33 @@ class PoolSpec:
                 f"the profile has no capacity kappa for degrees {no_kappa}: run "
                 "`python -m vertumnus capacity` on it, or keep the composition fixed"
             )
+
+
+def host_tiers(profile: Profile, pool: PoolSpec, config: PolicyConfig) -> HostTiers:
+    """The host tier of ``config.cache`` (``cache/host_tier.py``) on ``pool``'s hosts,
+    priced by ``profile``'s host link (its documented defaults where it has none)."""
+    cache = config.cache
+    wanted = cache.host_tier_bytes > 0 or cache.host_tier_bound
+    link = profile.host_link
+    block_bytes = pool.block_bytes or int(link.get("kv_bytes_per_token", 0)) * pool.block_tokens
+    if not wanted:
+        return HostTiers(0, None)
+    if block_bytes < 1:
+        raise PolicyError(
+            "the host tier needs a KV block's bytes: the profile has no "
+            "host_link.kv_bytes_per_token (run `python -m vertumnus profile`)",
+            "cache",
+        )
+    if config.ideal_reuse:
+        raise PolicyError("the host tier and the ideal-reuse bound exclude each other", "cache")
+    per_host = pool.devices_per_host or pool.lattice.devices_per_host or 0
+    return HostTiers(
+        cache.host_tier_bytes,
+        HostLink(
+            block_bytes,
+            float(link.get("d2h_bytes_s", DEFAULT_D2H_BYTES_S)),
+            float(link.get("h2d_bytes_s", DEFAULT_H2D_BYTES_S)),
+            per_host,
+        ),
+        cache.host_tier_bound,
+    )

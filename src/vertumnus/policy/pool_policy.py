@@ -47,7 +47,7 @@ from vertumnus.policy.lattice import Lattice, Reshape, WorkerState, composition_
 from vertumnus.policy.outages import Outages
 from vertumnus.policy.placement.routers import ROUTERS
 from vertumnus.policy.placement.scheduler import PlacementRequest, SchedulerConfig
-from vertumnus.policy.pool_config import PolicyConfig, PoolSpec
+from vertumnus.policy.pool_config import PolicyConfig, PoolSpec, host_tiers
 from vertumnus.policy.pool_results import (
     Actions,
     Finished,
@@ -75,6 +75,7 @@ class PoolPolicy:
         self.cache = PrefixCacheManager(
             coeffs, pool.block_tokens, config.cache, config.weights, config.ideal_reuse
         )
+        self.tiers = host_tiers(profile, pool, config)  # the host tier, if any
         self.scheduler = ROUTERS[config.router](
             self.lattice,
             coeffs,
@@ -86,6 +87,8 @@ class PoolPolicy:
             ),
             self.cache,
         )
+        if self.tiers.enabled:
+            self.scheduler.tiers = self.tiers
         self.controller = build_controller(config, self.lattice, self.cache, self.curves, profile)
         self.holds = Holds()  # KV kept for decode servers (``policy/cache/holds.py``)
         self.reconf = Reconfigurer(
@@ -161,6 +164,7 @@ class PoolPolicy:
             pool.block_tokens,
             config.ideal_reuse,
             self.reshapes.parked,
+            self.tiers,
         )
 
     @classmethod

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from vertumnus.policy.cache.audit import ScanRecord
 from vertumnus.policy.cache.holds import Hold
+from vertumnus.policy.cache.host_tier import Demotion, Load
 from vertumnus.policy.cache.index import PrefillLease, WorkerCacheIndex
 from vertumnus.policy.cache.ledger import CopyJob
 from vertumnus.policy.cache.plans import ScanResult
@@ -38,8 +39,18 @@ class Started:
     cp_degree: int
     first_device: int
     lease: PrefillLease
-    cached_tokens: int  # P: whole blocks the worker really holds now
-    exec_s: float  # E_C(L - P, P) from the profile
+    cached_tokens: int  # P: whole blocks the worker holds now or loads from its host tier
+    exec_s: float  # E_C(L - P, P) from the profile, plus the load-back's seconds
+    # The host tier (``cache/host_tier.py``): the blocks to write back before the
+    # prefill's slots are written, the blocks to load back before it runs, its seconds
+    demotions: tuple[Demotion, ...] = ()
+    loads: tuple[Load, ...] = ()
+    load_s: float = 0.0
+
+    @property
+    def loaded_tokens(self) -> int:
+        """Tokens of ``cached_tokens`` loaded back from the host tier."""
+        return self.lease.loaded * (self.cached_tokens // max(1, self.lease.prefix_blocks))
 
     @property
     def devices(self) -> range:

@@ -19,12 +19,13 @@ from collections.abc import Callable, Mapping
 from vertumnus.blocks import max_reuse_blocks
 from vertumnus.policy.admission import Admission
 from vertumnus.policy.cache.holds import Hold, Holds, held_blocks
-from vertumnus.policy.cache.index import WorkerCacheIndex
+from vertumnus.policy.cache.host_tier import HostTiers, Load
+from vertumnus.policy.cache.index import PrefillLease, WorkerCacheIndex
 from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.control.rules import Controller
 from vertumnus.policy.costs import ReuseCurve
 from vertumnus.policy.lattice import Lattice, WorkerState
-from vertumnus.policy.placement.scheduler import Scheduler
+from vertumnus.policy.placement.scheduler import PlacementRequest, Scheduler
 from vertumnus.policy.pool_results import Actions, Finished, Running, Started
 from vertumnus.policy.pulls import Pulls
 
@@ -47,12 +48,14 @@ class Prefills:
         block_tokens: int,
         ideal_reuse: bool,
         parked: Callable[[int, float], Actions],
+        tiers: HostTiers,
     ) -> None:
         self.lattice, self.scheduler, self.admission = lattice, scheduler, admission
         self.pulls, self.cache, self.indexes = pulls, cache, indexes
         self.holds, self.controller, self.curves = holds, controller, curves
         self.block_tokens, self.ideal_reuse = block_tokens, ideal_reuse
         self.parked = parked
+        self.tiers = tiers  # the host tier (``cache/host_tier.py``)
         self.running: dict[int, Running] = {}  # worker -> its prefill
 
     def start(self, worker_id: int, now: float) -> Started | None:
@@ -72,21 +75,63 @@ class Prefills:
         index = self.indexes[worker_id]
         usable = max_reuse_blocks(request.input_tokens, self.block_tokens)
         lease = index.begin(request.block_ids, usable)
+        demotions = self.tiers.demote(w.first_device, lease.evicted_at, now)
         self.cache.apply_report(index.evictions(lease))
         self.pulls.started(request_id, worker_id, lease)
+        curve = self.curves[w.cp_degree]
         cached = lease.num_reused_blocks * self.block_tokens
         if self.ideal_reuse:
             # The bound: the longest prefix cached anywhere now arrives free and at
             # once (the lease writes the blocks the worker lacks, as a copy would).
             anywhere = len(self.cache.trie.match(request.block_ids, usable))
             cached = max(cached, anywhere * self.block_tokens)
-        exec_s = self.curves[w.cp_degree].time_s(request.input_tokens, cached)
+        loads, load_s = self._load_back(w.first_device, w.cp_degree, request, lease, now)
+        cached += lease.loaded * self.block_tokens
+        exec_s = curve.time_s(request.input_tokens, cached) + load_s
         key = request.block_ids[cached // self.block_tokens - 1] if cached else 0
         self.controller.started(request_id, worker_id, cached, key)
         self.running[worker_id] = Running(
             request_id, lease, index, now, exec_s, w.cp_degree, request.input_tokens
         )
-        return Started(request_id, worker_id, w.cp_degree, w.first_device, lease, cached, exec_s)
+        return Started(
+            request_id,
+            worker_id,
+            w.cp_degree,
+            w.first_device,
+            lease,
+            cached,
+            exec_s,
+            tuple(demotions),
+            tuple(loads),
+            load_s,
+        )
+
+    def _load_back(
+        self,
+        first_device: int,
+        degree: int,
+        request: PlacementRequest,
+        lease: PrefillLease,
+        now: float,
+    ) -> tuple[list[Load], float]:
+        """Load the run of blocks after the worker's own prefix back from its host
+        tier when that costs less than computing them (the cost is concave in the
+        run's length, so all of it or none), and refresh what it reused."""
+        tiers, ids = self.tiers, request.block_ids
+        if not tiers.enabled:
+            return [], 0.0
+        held = lease.num_reused_blocks
+        tiers.reused(first_device, ids[:held])
+        run = min(tiers.run(first_device, ids, held, held + len(lease.new), now), len(lease.new))
+        if run <= 0:
+            return [], 0.0
+        b, n, curve = self.block_tokens, request.input_tokens, self.curves[degree]
+        load_s = tiers.load_s(run, degree)
+        if curve.time_s(n, (held + run) * b) + load_s >= curve.time_s(n, held * b):
+            return [], 0.0
+        lease.loaded = run
+        targets = [(loc.block_id, loc.rank, loc.slot) for loc in lease.new[:run]]
+        return tiers.load(first_device, targets, degree), load_s
 
     def finish(
         self, worker_id: int, now: float, ok: bool, compute_s: float | None, hold: bool
@@ -113,6 +158,8 @@ class Prefills:
         if current:
             report = run.index.commit(run.lease) if ok else run.index.abort(run.lease)
             self.cache.apply_report(report)
+            if ok:
+                self.tiers.seen(report.inserted, now)  # (the bound writes every block)
         kept = None
         if ok and hold:
             blocks = held_blocks(run.lease, run.input_tokens, self.block_tokens)

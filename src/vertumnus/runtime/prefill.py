@@ -67,17 +67,18 @@ def prefill_command(
     if logits not in ("last", "all"):
         raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
     c = len(worker_ranks)
-    prefix_len = lease.num_reused_blocks * block_size
+    prefix_len = lease.prefix_blocks * block_size
+    # Blocks loaded back from the host tier are part of the prefix (already written).
+    prefix = (*lease.reused, *lease.new[: lease.loaded])
+    written = lease.new[lease.loaded :]
     return PrefillCommand(
         request_id=request_id,
         worker_ranks=worker_ranks,
         token_ids=torch.tensor(tokens[prefix_len:], dtype=torch.long),
         prefix_len=prefix_len,
-        prefix_slots=tuple(
-            tuple(loc.slot for loc in lease.reused if loc.rank == r) for r in range(c)
-        ),
+        prefix_slots=tuple(tuple(loc.slot for loc in prefix if loc.rank == r) for r in range(c)),
         write=tuple(
-            tuple((loc.depth, loc.slot) for loc in lease.new if loc.rank == r) for r in range(c)
+            tuple((loc.depth, loc.slot) for loc in written if loc.rank == r) for r in range(c)
         ),
         block_size=block_size,
         logits=logits,

@@ -62,6 +62,7 @@ def ttft_stats(records: Sequence[RequestRecord]) -> dict[str, float]:
         "p99_ttft_s": percentile(ttfts, 99),
         "token_slo_attainment": met / tokens if tokens else math.nan,
         "token_hit_rate": sum(r.cached_tokens for r in done) / tokens if tokens else math.nan,
+        "tier_hit_rate": sum(r.tier_tokens for r in done) / tokens if tokens else math.nan,
     }
 
 
@@ -85,6 +86,7 @@ def summarize(result: SimResult, cfg: SimConfig) -> dict[str, Any]:
         "reclaims": result.reclaims,
         "copy_waste_fraction": result.cache_audit["all"]["waste_fraction"],
         "cache_audit": result.cache_audit,
+        "host_tier": result.host_tier,
         "devices": result.devices,
         "composition_start": composition_name(cfg.composition),
         # "config" (given), or the source of [pool] composition = "auto" (config/start.py)

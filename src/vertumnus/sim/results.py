@@ -21,6 +21,7 @@ class RequestRecord:
     input_tokens: int
     phase: int
     cached_tokens: int = 0
+    tier_tokens: int = 0  # of cached_tokens, loaded back from the host tier
     worker: int | None = None
     cp_degree: int | None = None
     start_s: float | None = None
@@ -71,3 +72,4 @@ class SimResult:
     devices: int
     timeline: Timeline  # the pool sampled over the run, as the dashboard shows it
     workers: list[dict[str, Any]]  # at the run's end (``timeline.worker_rows``)
+    host_tier: dict[str, Any] | None = None  # ``HostTiers.summary`` (the host tier)

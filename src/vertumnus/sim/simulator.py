@@ -16,6 +16,7 @@ is placed when a reshape's new workers serve.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import heapq
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -62,6 +63,14 @@ class Simulation:
     ) -> None:
         if settings.profile_bias:
             profile = biased(profile, settings.profile_bias)
+        # The host tier's geometry, as the copy model's: the KV's bytes and host size.
+        pool = dataclasses.replace(
+            pool,
+            block_bytes=pool.block_bytes or settings.kv_bytes_per_token * pool.block_tokens,
+            devices_per_host=pool.devices_per_host
+            or pool.lattice.devices_per_host
+            or settings.devices_per_host,
+        )
         try:
             self.policy = PoolPolicy.build(profile, pool, policy)
         except PolicyError as exc:
@@ -161,6 +170,7 @@ class Simulation:
             devices=self.policy.lattice.config.num_devices,
             timeline=self.timeline,
             workers=worker_rows(self.policy, now),
+            host_tier=self.policy.tiers.summary(),
         )
 
     # -- what the policy asks for ------------------------------------------------------
@@ -199,6 +209,7 @@ class Simulation:
             started.cp_degree,
             now,
         )
+        rec.tier_tokens = started.loaded_tokens
         seconds = self.time.prefill_s(started.exec_s, started.cp_degree)
         # The ranks' own compute: the busy time less the serving path's share.
         compute_s = seconds * started.exec_s / (started.exec_s + self.s.dispatch_s)

@@ -56,10 +56,20 @@ class PrefillLease:
     reused: list[BlockLocation]
     new: list[BlockLocation]
     evicted: list[int] = field(default_factory=list)
+    # (block id, rank, slot) of every block ``begin`` evicted, for the host tier
+    evicted_at: list[tuple[int, int, int]] = field(default_factory=list)
+    # The first ``loaded`` blocks of ``new`` are loaded back from the host tier, not
+    # computed: the prefill reuses them with ``reused``.
+    loaded: int = 0
 
     @property
     def num_reused_blocks(self) -> int:
         return len(self.reused)
+
+    @property
+    def prefix_blocks(self) -> int:
+        """Blocks the prefill does not compute: reused on the ranks or loaded back."""
+        return len(self.reused) + self.loaded
 
 
 @dataclass
@@ -132,7 +142,7 @@ class WorkerCacheIndex:
             if bid in self._entries:  # being written by another prefill (or reuse capped)
                 break
             rank = depth % self.cp_degree
-            slot = self._allocate_slot(rank, lease.evicted)
+            slot = self._allocate_slot(rank, lease.evicted, lease.evicted_at)
             if slot is None:
                 break
             loc = BlockLocation(block_id=bid, depth=depth, rank=rank, slot=slot)
@@ -296,7 +306,9 @@ class WorkerCacheIndex:
             parent.num_children -= 1
             self._refresh(parent)
 
-    def _allocate_slot(self, rank: int, evicted: list[int]) -> int | None:
+    def _allocate_slot(
+        self, rank: int, evicted: list[int], where: list[tuple[int, int, int]] | None = None
+    ) -> int | None:
         """A free slot on ``rank``, evicting LRU leaves (this rank's first) if needed."""
         while not self._free[rank]:
             victims = self._evictable[rank]
@@ -309,8 +321,11 @@ class WorkerCacheIndex:
                 _, bid = min(heads)
             else:
                 _, bid = victims[0]
+            loc = self._entries[bid].loc
             self._remove(self._entries[bid])
             evicted.append(bid)
+            if where is not None:
+                where.append((bid, loc.rank, loc.slot))
         return self._free[rank].pop()
 
     def check_invariants(self) -> None:

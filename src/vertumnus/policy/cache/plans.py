@@ -74,8 +74,20 @@ class CacheManagerConfig:
     # Copies on disjoint devices run at once ("device"); "serial": one at a time in
     # the whole pool (``policy/lanes.py``).
     lanes: str = "device"
+    # The host tier (``cache/host_tier.py``): bytes of host memory per host for the
+    # KV blocks its ranks evict (0: none); ``host_tier_bound``: the simulator's bound,
+    # one unbounded tier holding every block ever committed.
+    host_tier_bytes: int = 0
+    host_tier_bound: bool = False
 
     def __post_init__(self) -> None:
+        size: object = self.host_tier_bytes
+        if isinstance(size, float) and size.is_integer():  # (TOML: 1e12)
+            object.__setattr__(self, "host_tier_bytes", int(size))
+        if not isinstance(self.host_tier_bytes, int) or self.host_tier_bytes < 0:
+            raise ValueError(
+                f"host_tier_bytes must be whole bytes >= 0, got {self.host_tier_bytes!r}"
+            )
         if not 0 < self.decay < 1:
             raise ValueError(f"decay must lie in (0, 1), got {self.decay}")
         if not 0 <= self.theta_reclaim < self.theta_intra:

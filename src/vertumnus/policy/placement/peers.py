@@ -8,7 +8,11 @@ What a rule reads, in this pool's terms:
     load          requests outstanding at the worker: queued plus the one running
     prefix match  Dynamo: P_iw, the whole blocks of the request's prefix the worker
                   holds (the trie's confirmed holders, as its KV events report);
-                  SGLang and llm-d: their own routing-time index (below)
+                  SGLang and llm-d: their own routing-time index (below);
+                  the host tier: Dynamo credits its hits (its
+                  ``--router-host-cache-hit-weight``); SGLang's and llm-d's
+                  routing-time indexes do not see it. Every router's prefills load
+                  from the tier alike (the pool's, not the router's)
     cached        the blocks the worker's cache holds (the trie), against its
                   capacity, ``kv_blocks_per_rank`` x its degree
 
@@ -30,7 +34,9 @@ text becomes blocks of tokens, and "smallest tree" the most free room in the ind
 ``dynamo-kv``: NVIDIA Dynamo's KV router (docs of its router, v0.4 to v1.2:
 ``--router-kv-overlap-score-weight``, default 1; ``--router-temperature``, default
 0). Cost per worker = ``overlap_score_weight`` x the request's blocks to prefill
-there (its blocks minus those cached at the worker) + the worker's active blocks
+there (its blocks minus those cached at the worker, and minus
+``host_cache_hit_weight``, default 0.75, times those its host tier holds after
+them) + the worker's active blocks
 (the blocks of the requests outstanding there); the lowest cost wins at
 temperature 0 (ties: the lower worker id), else a softmax over -cost / temperature,
 seeded. Adapted: active blocks are the outstanding prompts' blocks, as a prefill
@@ -191,6 +197,7 @@ class SGLangCacheAwareScheduler(_Peer):
 
 class DynamoKVScheduler(_Peer):
     overlap_score_weight = 1.0
+    host_cache_hit_weight = 0.75  # its credit for a host (CPU offload) tier's overlap
     temperature = 0.0
     seed = 0
     _rng: random.Random | None = None
@@ -206,8 +213,9 @@ class DynamoKVScheduler(_Peer):
         blocks = self._blocks_of(request)
 
         def cost(w: LatticeWorker) -> float:
-            overlap = reuse.get(w.worker_id, 0) // b
-            prefill = blocks - overlap
+            held = reuse.get(w.worker_id, 0)
+            host = self.tier_blocks(w, request, held, now)  # its host tier's run after it
+            prefill = blocks - held // b - self.host_cache_hit_weight * host
             return self.overlap_score_weight * prefill + self.active_blocks(w.worker_id)
 
         costs = {w.worker_id: cost(w) for w in candidates}

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from vertumnus.blocks import max_reuse_blocks
 from vertumnus.perfmodel import DegreeCoeffs
 from vertumnus.policy.cache.coming import coming_run
+from vertumnus.policy.cache.host_tier import HostTiers
 from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.cache.plans import RequestUpdate
 from vertumnus.policy.cache.trie import Node
@@ -132,6 +133,11 @@ class Scheduler(WorkerQueues):
         self.pull_cost: Callable[[Sequence[Node], int, int, float], tuple[float, float]] | None = (
             None
         )
+        # The host tier (set by the policy stack when it has one): a run of the
+        # request's blocks in the worker's host tier, after what the worker holds, is
+        # priced at its load-back time (``tier_blocks``).
+        self.tiers: HostTiers | None = None
+        self._tier_reuse: dict[int, int] = {}  # worker -> P with its tier run, this request
 
     # -- placement -------------------------------------------------------------------
 
@@ -156,6 +162,7 @@ class Scheduler(WorkerQueues):
         if self.cache is not None and request.block_ids:
             lookup = self.cache.lookup(request.block_ids, n)
             reuse, matched = lookup.reusable_tokens, lookup.path
+        self._tier_reuse = {}
         choice = self._choose(request, candidates, reuse, now, matched)
         worker_id, c, reused, exec_s, q, cost, counted = choice
         self._reserve(request, worker_id, exec_s, reuse.get(worker_id, 0))
@@ -163,6 +170,11 @@ class Scheduler(WorkerQueues):
         if self.cache is not None and request.block_ids:
             update = self.cache.on_request(request.block_ids, n, worker_id, lookup, counted, now)
         holders = tuple((w, p) for w, p in reuse.items() if p > 0)
+        if self._tier_reuse:  # (the what-if replay sees a tier hit as a hit)
+            merged = dict(holders)
+            for w, p in self._tier_reuse.items():
+                merged[w] = max(p, merged.get(w, 0))
+            holders = tuple(merged.items())
         return Placement(
             request.request_id,
             worker_id,
@@ -189,6 +201,18 @@ class Scheduler(WorkerQueues):
         ids, b = request.block_ids, self._block()
         usable = min(len(ids), max_reuse_blocks(request.input_tokens, b))
         return coming_run(coming, ids, held // b, usable) * b
+
+    def tier_blocks(
+        self, w: LatticeWorker, request: PlacementRequest, held_tokens: int, now: float
+    ) -> int:
+        """Blocks of the request after the ``held_tokens`` the worker has that its host
+        tier holds (0 without a tier)."""
+        tiers = self.tiers
+        if tiers is None or not tiers.enabled or not request.block_ids:
+            return 0
+        ids, b = request.block_ids, self._block()
+        usable = min(len(ids), max_reuse_blocks(request.input_tokens, b))
+        return tiers.run(w.first_device, ids, held_tokens // b, usable, now)
 
     def _choose(
         self,
@@ -226,6 +250,8 @@ class Scheduler(WorkerQueues):
         pace, pooled = self.pace.by_degree, self.pace.pooled
         best_key: tuple[float, float, int, int] | None = None
         reused = counted = 0
+        tiers = self.tiers if self.tiers is not None and self.tiers.enabled and ids else None
+        runs: dict[tuple[int, int], int] = {}  # (host, first depth) -> tier run
         exec_s = 0.0
         for w in candidates:
             worker_id, c = w.worker_id, w.cp_degree
@@ -243,6 +269,16 @@ class Scheduler(WorkerQueues):
             if run is not None:
                 q += max(0.0, run.exec_s - (now - run.start_s) * rate)
             cost = q + factor[c] * e
+            if tiers is not None:  # a run in the host tier, priced at its load-back
+                at = (tiers.host_of(w.first_device), p // block)
+                found = runs.get(at)
+                if found is None:
+                    found = runs[at] = tiers.run(w.first_device, ids, p // block, usable, now)
+                if found:
+                    loaded = self.curves[c].time_s(n, p + found * block) + tiers.load_s(found, c)
+                    if q + factor[c] * loaded < cost:
+                        p, e, cost = p + found * block, loaded, q + factor[c] * loaded
+                        self._tier_reuse[worker_id] = p
             if pull_cost is not None and matched_tokens > p:
                 pulled = times.get((c, matched_tokens))
                 if pulled is None:

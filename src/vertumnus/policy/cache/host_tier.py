@@ -1,0 +1,302 @@
+"""The second KV tier: each host's memory keeps the blocks its ranks evicted (docs/cache.md,
+"The host tier").
+
+A block a rank evicts is *demoted* to its host's tier: written back from the device
+(device-to-host bandwidth, on the host's own copy lane, beside the prefill that evicted
+it, never ahead of it) into a tier slot, where it is loadable once the write is done.
+The tier keeps whole blocks by id (ids are chained hashes: an id names its whole
+prefix), evicts by LRU, and refreshes a block whenever a request on that host reuses
+it, from either tier. A prefix run the worker lacks on its ranks but finds in its
+host's tier is *loaded back* (host-to-device; block j goes to CP rank j % C, so each
+rank loads its own blocks and the ranks load at once) when that costs less than
+computing it. The load runs on the worker before its prefill; the copy stays in the
+tier. A prefix in another host's tier is not used: a network read would compete with
+the pool's own copies for the links (``policy/lanes.py``), and the trie's pulls
+already move prefixes between hosts' devices.
+
+The bound (``bound = True``): one tier for the whole pool, of unbounded size, into
+which every committed block is written as well: every prefix ever seen is reusable at
+the load-back cost.
+
+Pure Python, clock-free (``now`` is an argument). Not owned here: moving bytes (the
+drivers: the simulator only times it, the coordinator copies shared memory), which
+prefill loads what (``policy/prefills.py``), placement's prices (``scheduler``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+# Documented defaults where a profile has no measured host link: H100 SXM on PCIe
+# Gen5 x16, pinned host memory, about 50 GB/s each way per GPU (docs/gpu-profile.md).
+DEFAULT_D2H_BYTES_S = 50e9
+DEFAULT_H2D_BYTES_S = 50e9
+
+
+@dataclass(frozen=True)
+class HostLink:
+    """What the tier's prices read: a block's bytes, the link's speed each way, and
+    how devices group into hosts (``devices_per_host`` 0: one host)."""
+
+    block_bytes: int
+    d2h_bytes_s: float = DEFAULT_D2H_BYTES_S
+    h2d_bytes_s: float = DEFAULT_H2D_BYTES_S
+    devices_per_host: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_bytes < 1:
+            raise ValueError(f"block_bytes must be >= 1, got {self.block_bytes}")
+        if not (self.d2h_bytes_s > 0 and self.h2d_bytes_s > 0):
+            raise ValueError("the host link's bandwidths must be > 0")
+        if self.devices_per_host < 0:
+            raise ValueError("devices_per_host must be >= 0")
+
+
+@dataclass(frozen=True)
+class Demotion:
+    """Block ``block_id`` from (``rank`` of the worker, its ``slot``) to tier ``tier_slot``
+    of ``host``: the driver copies it before the slot is written again."""
+
+    host: int
+    block_id: int
+    rank: int
+    slot: int
+    tier_slot: int
+
+
+@dataclass(frozen=True)
+class Load:
+    """Block ``block_id`` from tier ``tier_slot`` of ``host`` to (``rank``, ``slot``)."""
+
+    host: int
+    block_id: int
+    tier_slot: int
+    rank: int
+    slot: int
+
+
+@dataclass
+class TierStats:
+    """Totals since the start, for ``/metrics``, the dashboard and the simulator."""
+
+    demoted_blocks: int = 0
+    loaded_blocks: int = 0
+    evicted_blocks: int = 0
+    refused_blocks: int = 0  # not demoted: the tier had no room it could free
+    d2h_busy_s: float = 0.0
+    h2d_s: float = 0.0  # load-back seconds charged to workers
+    peak_blocks: int = 0
+
+
+@dataclass
+class _Entry:
+    slot: int
+    ready_s: float  # loadable from then on (its write-back is done)
+
+
+@dataclass
+class HostTier:
+    """One host's tier: ``capacity`` slots (None: unbounded), LRU order."""
+
+    capacity: int | None
+    _entries: OrderedDict[int, _Entry] = field(default_factory=OrderedDict)
+    _free: list[int] = field(default_factory=list)
+    _next_slot: int = 0
+    lane_free_s: float = 0.0  # the device-to-host lane is busy until then
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._entries
+
+    def slot_of(self, block_id: int) -> int | None:
+        entry = self._entries.get(block_id)
+        return None if entry is None else entry.slot
+
+    def ready(self, block_id: int, now: float) -> bool:
+        entry = self._entries.get(block_id)
+        return entry is not None and entry.ready_s <= now
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Most recently used, in the order given (pass a prefix deepest first, so that
+        its root end is the newest and its leaves go first)."""
+        entries = self._entries
+        for bid in block_ids:
+            if bid in entries:
+                entries.move_to_end(bid)
+
+    def insert(self, block_id: int, ready_s: float, stats: TierStats) -> int | None:
+        """A slot for ``block_id`` (evicting the least recently used), or None."""
+        entry = self._entries.get(block_id)
+        if entry is not None:
+            self._entries.move_to_end(block_id)
+            return None
+        if self._free:
+            slot = self._free.pop()
+        elif self.capacity is None or self._next_slot < self.capacity:
+            slot, self._next_slot = self._next_slot, self._next_slot + 1
+        elif self._entries:
+            _, old = self._entries.popitem(last=False)
+            slot = old.slot
+            stats.evicted_blocks += 1
+        else:
+            return None
+        self._entries[block_id] = _Entry(slot, ready_s)
+        stats.peak_blocks = max(stats.peak_blocks, len(self._entries))
+        return slot
+
+    def blocks(self) -> dict[int, int]:
+        """Block id -> tier slot of every block held (LRU first)."""
+        return {bid: e.slot for bid, e in self._entries.items()}
+
+
+class HostTiers:
+    """Every host's tier, the link's prices, and the statistics."""
+
+    def __init__(self, bytes_per_host: int, link: HostLink | None, bound: bool = False) -> None:
+        if bytes_per_host < 0:
+            raise ValueError(f"host_tier_bytes must be >= 0, got {bytes_per_host}")
+        self.enabled = link is not None and (bound or bytes_per_host >= link.block_bytes)
+        self.bound = bound
+        self.link = link
+        self.capacity_blocks: int | None = (
+            None if bound or link is None else bytes_per_host // link.block_bytes
+        )
+        self.tiers: dict[int, HostTier] = {}
+        self.stats = TierStats()
+
+    # -- geometry and prices ------------------------------------------------------------
+
+    def host_of(self, device: int) -> int:
+        """The host of ``device`` (the bound: one tier for all)."""
+        per = self.link.devices_per_host if self.link is not None else 0
+        return 0 if self.bound or per <= 0 else device // per
+
+    def tier(self, host: int) -> HostTier:
+        tier = self.tiers.get(host)
+        if tier is None:
+            tier = self.tiers[host] = HostTier(self.capacity_blocks)
+        return tier
+
+    def load_s(self, blocks: int, cp_degree: int) -> float:
+        """Seconds to load ``blocks`` consecutive blocks back into a degree-C worker:
+        its ranks load their own blocks at once."""
+        if blocks <= 0 or self.link is None:
+            return 0.0
+        return math.ceil(blocks / cp_degree) * self.link.block_bytes / self.link.h2d_bytes_s
+
+    def run(
+        self, first_device: int, block_ids: Sequence[int], start: int, usable: int, now: float
+    ) -> int:
+        """Consecutive blocks of ``block_ids`` from depth ``start`` (below ``usable``)
+        that the tier of the worker on ``first_device`` holds, written back by ``now``."""
+        if not self.enabled:
+            return 0
+        tier = self.tiers.get(self.host_of(first_device))
+        if tier is None or not len(tier):
+            return 0
+        n = start
+        while n < usable and tier.ready(block_ids[n], now):
+            n += 1
+        return n - start
+
+    # -- changes --------------------------------------------------------------------------
+
+    def demote(
+        self,
+        first_device: int,
+        evicted: Sequence[tuple[int, int, int]],
+        now: float,
+    ) -> list[Demotion]:
+        """Blocks (id, rank, slot) a worker on ``first_device`` evicted, leaves first:
+        each gets a tier slot (none for a block the tier holds: it is refreshed). Their
+        write-back queues on the host's device-to-host lane."""
+        if not self.enabled or not evicted or self.link is None:
+            return []
+        host = self.host_of(first_device)
+        tier, stats = self.tier(host), self.stats
+        seconds = self.link.block_bytes / self.link.d2h_bytes_s
+        done = max(now, tier.lane_free_s)
+        moves: list[Demotion] = []
+        for bid, rank, slot in evicted:
+            if bid in tier:
+                tier.touch((bid,))
+                continue
+            done += seconds
+            tier_slot = tier.insert(bid, done, stats)
+            if tier_slot is None:
+                stats.refused_blocks += 1
+                continue
+            moves.append(Demotion(host, bid, rank, slot, tier_slot))
+        stats.demoted_blocks += len(moves)
+        stats.d2h_busy_s += len(moves) * seconds
+        if moves:
+            tier.lane_free_s = done
+        return moves
+
+    def load(
+        self,
+        first_device: int,
+        targets: Sequence[tuple[int, int, int]],
+        cp_degree: int,
+    ) -> list[Load]:
+        """Load (id, rank, slot) blocks back from the worker's host tier (a run that
+        ``run`` found); refreshes them there."""
+        if not targets:
+            return []
+        host = self.host_of(first_device)
+        tier = self.tier(host)
+        loads = []
+        for bid, rank, slot in targets:
+            tier_slot = tier.slot_of(bid)
+            assert tier_slot is not None, "a load-back of a block the tier lacks"
+            loads.append(Load(host, bid, tier_slot, rank, slot))
+        tier.touch(reversed([bid for bid, _, _ in targets]))
+        self.stats.loaded_blocks += len(loads)
+        self.stats.h2d_s += self.load_s(len(loads), cp_degree)
+        return loads
+
+    def reused(self, first_device: int, block_ids: Sequence[int]) -> None:
+        """A request on the host reused these blocks from the ranks: refresh the tier's
+        copies (the trie's statistics in the tier's order)."""
+        if self.enabled and block_ids:
+            tier = self.tiers.get(self.host_of(first_device))
+            if tier is not None and len(tier):
+                tier.touch(reversed(block_ids))
+
+    def seen(self, block_ids: Sequence[int], now: float) -> None:
+        """The bound: a committed block is written to the tier as well."""
+        if self.bound and self.enabled:
+            tier = self.tier(0)
+            for bid in block_ids:
+                tier.insert(bid, now, self.stats)
+
+    # -- views ------------------------------------------------------------------------
+
+    def used_blocks(self) -> int:
+        return sum(len(t) for t in self.tiers.values())
+
+    def summary(self) -> dict[str, float | int | None]:
+        """The tier's figures (bytes from the link's block size)."""
+        block = self.link.block_bytes if self.link is not None else 0
+        s = self.stats
+        return {
+            "enabled": int(self.enabled),
+            "hosts": len(self.tiers),
+            "capacity_blocks_per_host": self.capacity_blocks,
+            "used_blocks": self.used_blocks(),
+            "used_bytes": self.used_blocks() * block,
+            "peak_bytes": s.peak_blocks * block,
+            "demoted_blocks": s.demoted_blocks,
+            "demoted_bytes": s.demoted_blocks * block,
+            "loaded_blocks": s.loaded_blocks,
+            "loaded_bytes": s.loaded_blocks * block,
+            "evicted_blocks": s.evicted_blocks,
+            "refused_blocks": s.refused_blocks,
+            "d2h_busy_s": s.d2h_busy_s,
+            "h2d_s": s.h2d_s,
+        }
