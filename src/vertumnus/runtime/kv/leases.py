@@ -63,5 +63,5 @@ def export_range(lease: PrefillLease, prompt_tokens: int, block: int) -> tuple[i
     """The suffix rows [a, b) a hand-off prefill must return: the tokens of the
     prompt but its last that the hold's blocks (``held_blocks``) do not hold."""
     held = held_blocks(lease, prompt_tokens, block)
-    prefix = lease.num_reused_blocks * block
+    prefix = lease.prefix_blocks * block  # (reused, or loaded back from the host tier)
     return held * block - prefix, prompt_tokens - 1 - prefix
