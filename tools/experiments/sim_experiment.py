@@ -238,12 +238,14 @@ def run_experiment(
     out: Path | None = None,
     echo: bool = True,
     settings: Sequence[str] = (),
+    raw: dict[str, Any] | None = None,
 ) -> Path:
     """Every variant at every rate of ``config``; the runs' files and the comparison
     under ``out`` (default: the file's ``[experiment] out``). ``settings``:
     ``TABLE.KEY=VALUE`` (a TOML value) laid over the file for every variant.
+    ``raw``: the file's tables, already read (and changed) by the caller.
     Returns the folder."""
-    raw = read_toml(config)
+    raw = read_toml(config) if raw is None else copy.deepcopy(raw)
     for setting in settings:
         where, _, value = setting.partition("=")
         table, _, key = where.partition(".")
