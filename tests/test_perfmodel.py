@@ -194,3 +194,73 @@ def test_profile_holds_out_a_checkerboard_of_the_grid():
             )
     # Neighbours in the grid fall in different halves.
     assert samples[0] in fitted and samples[1] in held_out and samples[4] in held_out
+
+
+@pytest.mark.parametrize("name", ["kv_bytes_per_token", "d2h_bytes_s", "h2d_bytes_s"])
+@pytest.mark.parametrize("value", [0, -5e9, float("nan")])
+def test_a_non_positive_host_link_figure_is_refused(name: str, value: float):
+    raw = fit_profile(make_samples(0.0, 0), "m", "h", 16).to_json()
+    raw["host_link"] = {"kv_bytes_per_token": 2048, "d2h_bytes_s": 1e9, "h2d_bytes_s": 1e9}
+    raw["host_link"][name] = value
+    with pytest.raises(ProfileError, match=f"p.json: host_link.{name} must be a positive number"):
+        Profile.from_json(raw, source="p.json")
+
+
+class _FakeRanks:
+    """``ChildRanks`` for the ``profile`` command without rank processes."""
+
+    def __init__(self, *args: object, world_size: int, **kwargs: object) -> None:
+        self.degree = world_size
+        self.ready = [type("Ready", (), {"device": "cpu"})()]
+
+    def __enter__(self) -> _FakeRanks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class _FakeClient:
+    """``PrefillClient``: a fresh worker reuses the tokens it prefilled last, and takes
+    the time ``TRUE[2]`` predicts."""
+
+    def __init__(self, pool: _FakeRanks, ranks: tuple[int, ...]) -> None:
+        self.degree, self.seen = len(ranks), 0
+
+    def prefill(self, tokens: list[int]) -> object:
+        cached, self.seen = self.seen, len(tokens)
+        r = len(tokens) - cached
+        seconds = TRUE[2].predict(self.degree, r, cached)
+        fields = {"computed_tokens": r, "cached_tokens": cached, "prefill_s": seconds}
+        return type("Outcome", (), fields)()
+
+
+def test_the_profile_command_writes_the_measured_host_link(tmp_path: Path, monkeypatch, capsys):
+    """The ``profile`` command's code path (grid, fit, host link, save) on fake ranks:
+    the profile it writes carries the host link measured for the tiny model, and
+    ``Profile.load`` reads the same figures back."""
+    from vertumnus.runtime import host_link, prefill, ranks
+
+    measured: list[dict] = []
+    measure = host_link.measure_host_link
+
+    def small(*args, **kwargs):  # the real measurement, on 1 MiB
+        link = measure(*args, **kwargs, total_bytes=1 << 20, repeats=2)
+        measured.append(link)
+        return link
+
+    monkeypatch.setattr(ranks, "ChildRanks", _FakeRanks)
+    monkeypatch.setattr(prefill, "PrefillClient", _FakeClient)
+    monkeypatch.setattr(host_link, "measure_host_link", small)
+    out = tmp_path / "profile.json"
+    args = ["profile", "--degrees", "1,2", "--lengths", "64,128,256,512", "--device", "cpu"]
+    assert main([*args, "--hit-ratios", "0,0.5", "--repeats", "1", "--out", str(out)]) == 0
+    assert "host link: device-to-host " in capsys.readouterr().out
+    assert len(measured) == 1
+    raw = json.loads(out.read_text())
+    assert raw["host_link"] == measured[0]
+    assert raw["host_link"]["kv_bytes_per_token"] == 2048  # tiny, fp32
+    assert raw["host_link"]["source"].startswith("measured by `profile` on cpu-")
+    back = Profile.load(out)
+    assert back.host_link == measured[0]
+    assert back.degrees == [1, 2]

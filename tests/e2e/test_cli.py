@@ -417,6 +417,11 @@ def test_profile_then_fit_round_trip(tmp_path: Path) -> None:
     assert set(profile["degrees"]["2"]) == {"d", "a", "b", "c", "alpha"}
     assert profile["model"] == "tiny" and profile["block_size"] == 16
     assert set(profile["provenance"]["mape_held_out"]) == {"1", "2"}
+    # The host link, measured on the ranks' device once they are closed.
+    link = profile["host_link"]
+    assert link["kv_bytes_per_token"] == 2048 and link["source"].startswith("measured by")
+    assert link["d2h_bytes_s"] > 0 and link["h2d_bytes_s"] > 0
+    assert "host link: device-to-host" in result.stdout
     assert (tmp_path / "fit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = samples.read_text().splitlines()
     assert rows[0] == "degree,uncached_tokens,cached_tokens,seconds"

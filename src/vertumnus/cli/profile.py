@@ -4,7 +4,9 @@ The protocol (a queue-free grid over input length and prefix-hit ratio, interlea
 shuffled repeats, medians, a checkerboard held-out half) is
 ``vertumnus.runtime.profiling``'s; this module parses the arguments and prints. CPU
 ranks get one intra-op thread each by default (one rank = one core, as one rank =
-one GPU on a GPU pool).
+one GPU on a GPU pool). The profile also gets the measured host link
+(``runtime/host_link.py``): KV bytes per token and the bandwidths each way between
+a rank's KV store and the host tier's memory.
 """
 
 from __future__ import annotations
@@ -126,6 +128,12 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"degree {c}: MAPE fit {100 * profile.mape[c]:.2f}%, held-out "
             f"{100 * profile.provenance['mape_held_out'][str(c)]:.2f}%"
+        )
+    link = profile.host_link
+    if link:
+        print(
+            f"host link: device-to-host {link['d2h_bytes_s'] / 1e9:.2f} GB/s, host-to-device "
+            f"{link['h2d_bytes_s'] / 1e9:.2f} GB/s, {link['kv_bytes_per_token']} KV bytes/token"
         )
     print(f"profile written to {args.out}")
     return 0

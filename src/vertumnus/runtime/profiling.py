@@ -9,7 +9,8 @@ repeats of all points run interleaved in a seeded random order (a slow spell of 
 machine spreads over many points, where the median drops it), and the median of a
 point's repeats is its sample. The fit uses a checkerboard half of the grid (every
 length and every hit ratio in both halves); the profile records the MAPE on the
-held-out half and on all points.
+held-out half and on all points. Once the ranks are closed, the host link of rank 0's
+device is measured (``runtime/host_link.py``) into the profile's ``host_link``.
 
 Owns the measurement and the fit's bookkeeping; ``cli/profile.py`` only parses
 arguments and prints. The model itself is ``perfmodel.py``.
@@ -50,6 +51,7 @@ class Measured:
     samples: list[Sample]  # one per (degree, point), in grid order, degree by degree
     hardware: str
     extra: dict[str, Any] = field(default_factory=dict)
+    host_link: dict[str, Any] = field(default_factory=dict)  # ``measure_host_link``'s
 
 
 def measure(
@@ -59,9 +61,11 @@ def measure(
     grid: ProfileGrid,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> Measured:
-    """Run the grid on the engine (``engine.kv_blocks_per_rank`` is sized here)."""
+    """Run the grid on the engine (``engine.kv_blocks_per_rank`` is sized here), then
+    measure the host link of the ranks' device."""
     from dataclasses import replace
 
+    from vertumnus.runtime.host_link import measure_host_link
     from vertumnus.runtime.prefill import PrefillClient
     from vertumnus.runtime.ranks import ChildRanks
 
@@ -72,10 +76,12 @@ def measure(
     samples: list[Sample] = []
     total, done = len(grid.degrees) * len(points) * grid.repeats, 0
     hardware: str | None = None
+    device = "cpu"
     for degree in grid.degrees:
         with ChildRanks(model, model_dir, engine, world_size=degree, degrees=[degree]) as pool:
             if hardware is None:
-                hardware = hardware_name(pool.ready[0].device)
+                device = pool.ready[0].device
+                hardware = hardware_name(device)
 
             def one(length: int, hit: float) -> tuple[int, int, float]:
                 # A fresh worker index per run: nothing but the prefix is ever reused.
@@ -102,7 +108,10 @@ def measure(
                 r, p, _ = runs[point][0]
                 seconds = statistics.median(t for _, _, t in runs[point])
                 samples.append(Sample(degree, r, p, seconds))
-    return Measured(samples, hardware or "unknown")
+    # After the grid, with no rank running: the copies have the machine to themselves.
+    return Measured(
+        samples, hardware or "unknown", host_link=measure_host_link(model, engine, device)
+    )
 
 
 def fit_measured(
@@ -140,6 +149,7 @@ def fit_measured(
         str(c): mape(profile.coeffs[c], [s for s in samples if s.cp_degree == c])
         for c in profile.degrees
     }
+    profile.host_link = dict(measured.host_link)
     return profile, fit_set, held_out
 
 
