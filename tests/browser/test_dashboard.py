@@ -140,3 +140,34 @@ def test_with_an_api_key_the_page_asks_for_it(tmp_path: Path) -> None:
         )
         assert shown_composition(browser) == "2CP1"
         assert not browser.find_elements(By.ID, "apikey")
+
+
+@pytest.mark.timeout(240)
+def test_the_dashboard_shows_the_host_tier(tmp_path: Path) -> None:
+    """With a host tier, the page says how much of it is used and what moved, as
+    ``/v1/timeline`` has it; without one it says nothing of a tier."""
+    from selenium.webdriver.common.by import By
+
+    config = write_serve_config(
+        tmp_path / "serve.toml",
+        server={"timeline_s": 0.5},
+        engine={"threads_per_rank": 1, "kv_blocks_per_rank": 8},
+        cache={"host_tier_bytes": 1 << 22},
+    )
+    with running_server(config) as server, chromium(tmp_path) as browser:
+        load(server, 12, seed=3)  # more blocks than the ranks hold: some are demoted
+        _, timeline = server.call("GET", "/v1/timeline")
+        tier = timeline["host_tier"]
+        assert tier["demoted_blocks"] > 0 and tier["capacity_bytes"] == 1 << 22
+        browser.get(server.url + "/dashboard")
+        text = wait_for(
+            "the host tier's line",
+            lambda: "demoted" in (t := browser.find_element(By.ID, "host-tier").text) and t,
+        )
+        assert "/ 4 MiB" in text, text  # (the capacity; nothing moves after the load)
+        assert f"{tier['demoted_blocks']} blocks demoted" in text, text
+    plain = write_serve_config(tmp_path / "plain.toml", server={"timeline_s": 0.5})
+    with running_server(plain) as server, chromium(tmp_path) as browser:
+        browser.get(server.url + "/dashboard")
+        wait_for("the page drawn", lambda: charts(browser))
+        assert browser.find_element(By.ID, "host-tier").text == ""

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from support.coordinator import only
 from support.factories import cpu_profile, engine_config, make_tokens
 from vertumnus.blocks import block_ids
 from vertumnus.config.pool import PoolConfig
 from vertumnus.policy.cache.ledger import RetentionConfig
 from vertumnus.policy.cache.plans import CacheManagerConfig
-from vertumnus.policy.lattice import WorkerState
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.serve_config import ServeConfig
@@ -43,18 +43,6 @@ def make_config(
     assert pool.ranks == ranks
     profile = cpu_profile(tmp_path)
     return ServeConfig(pool=pool, engine=engine_config(), profile=profile, policy=policy)
-
-
-async def only(coord: Coordinator, worker: int, prompt: list[int]):  # type: ignore[no-untyped-def]
-    """Prefill with every other worker out of the candidate set."""
-    others = [w for w in coord.lattice.workers.values() if w.worker_id != worker]
-    for w in others:
-        w.state = WorkerState.UNAVAILABLE
-    try:
-        return await coord.prefill(prompt)
-    finally:
-        for w in others:
-            w.state = WorkerState.ACTIVE
 
 
 async def reuses_the_whole_prefix(  # type: ignore[no-untyped-def]

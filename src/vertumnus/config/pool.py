@@ -153,9 +153,16 @@ class PoolConfig:
             counts[c] = counts.get(c, 0) + 1
         return counts
 
-    def spec(self, engine: EngineConfig) -> PoolSpec:
-        """The pool the policy stack runs, with the engine's KV geometry."""
-        return PoolSpec(self.lattice, self.layout, engine.block_size, engine.kv_blocks_per_rank)
+    def spec(self, engine: EngineConfig, block_bytes: int = 0) -> PoolSpec:
+        """The pool the policy stack runs, with the engine's KV geometry (``block_bytes``:
+        a served model's KV block; 0: the profile's, as ``simulate`` has it)."""
+        return PoolSpec(
+            self.lattice,
+            self.layout,
+            engine.block_size,
+            engine.kv_blocks_per_rank,
+            block_bytes=block_bytes,
+        )
 
     @classmethod
     def smallest_workers(cls, ranks: int, degrees: tuple[int, ...], **bounds: Any) -> PoolConfig:

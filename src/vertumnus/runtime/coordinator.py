@@ -16,6 +16,7 @@ each, which it builds and wires: each part is given the collaborators it uses, a
     kv/copies.py      the cache manager's scans and copies; a copy job's blocks moved
                       rank to rank (KVTransfer, KVWritten)
     kv/handoffs.py    KV kept for a decode server under leases, and its pull (KVRead)
+    kv/host_tier.py   the host tier's bytes: blocks the ranks evict, and loaded back
     health.py         whether the pool serves (ready, its failure, stopping)
     readiness.py      whether the pool can dispatch now, and if not, why (``/ready``)
     views.py          workers, composition and cache for the REST API
@@ -51,8 +52,10 @@ from vertumnus.policy.transition import Transition
 from vertumnus.runtime import readiness, views
 from vertumnus.runtime.background import Background
 from vertumnus.runtime.health import Health
+from vertumnus.runtime.kv import host_tier
 from vertumnus.runtime.kv.copies import CopyRuns, KVCopier
 from vertumnus.runtime.kv.handoffs import Handoffs
+from vertumnus.runtime.kv.host_tier import HostTierStore, served_block_bytes
 from vertumnus.runtime.metrics import Metrics
 from vertumnus.runtime.periodic import Periodic
 from vertumnus.runtime.prompt_logprobs import check_top_k
@@ -89,9 +92,15 @@ class Coordinator:
         self.model_cfg, self.model_dir = resolve_model(cfg.model)
         try:
             self.profile = Profile.load(cfg.profile)
-            self.policy = PoolPolicy.build(self.profile, cfg.pool_spec, cfg.policy)
+            # The host tier's block is the served model's, at the ranks' KV dtype.
+            spec = cfg.pool.spec(cfg.engine, served_block_bytes(self.model_cfg, cfg.engine))
+            self.policy = PoolPolicy.build(self.profile, spec, cfg.policy)
         except (PolicyError, LatticeError, ProfileError) as exc:
             raise ConfigError(f"{exc}") from exc
+        tiers = self.policy.tiers
+        host_tier.check(tiers, cfg.policy.cache.host_tier_bytes, cfg.engine, cfg.ranks, ranks)
+        # The host tier's bytes (``runtime/kv/host_tier.py``), made at ``start``
+        self.tier = HostTierStore(tiers, cfg.ranks) if tiers.enabled else None
         period_s = cfg.policy.controller.period_s
         self.metrics = Metrics(
             cfg.timeline_s, cfg.timeline_samples, clock(), period_s, model_name=cfg.model
@@ -133,12 +142,15 @@ class Coordinator:
             handoffs=self.handoffs,
             recovery=self.recovery,
             health=self.health,
+            tier=self.tier,
             predict=self.profile.predict,
             ranks=lambda: self.ranks,
             clock=clock,
             apply=self.apply,
         )
-        self.loops = WorkerLoops(self.policy, clock, self.requests.run_one, self.requests.contain)
+        self.loops = WorkerLoops(
+            self.policy, clock, self.requests.run_one, self.requests.contain, self.requests.start
+        )
         self.reshaping = Reshaping(
             cfg=cfg,
             policy=self.policy,
@@ -211,7 +223,16 @@ class Coordinator:
         ranks: Ranks = self._given_ranks or ChildRanks(
             self.model_cfg, self.model_dir, self.cfg.engine, self.cfg.ranks, self.cfg.degrees
         )
-        await loop.run_in_executor(None, ranks.start)
+        try:
+            if self.tier is not None:  # (ranks of this host: ``host_tier.check``)
+                assert isinstance(ranks, ChildRanks)
+                self.tier.open(ranks)  # before the ranks start: their stores must fit too
+            await loop.run_in_executor(None, ranks.start)
+        except BaseException:
+            if self.tier is not None:
+                self.tier.close()
+                ranks.close()  # (the stores' segments, made for the tier before the start)
+            raise
         self.ranks = ranks
 
         def rejoin(back: list[int]) -> None:  # a host's agent came back (another thread)
@@ -253,6 +274,8 @@ class Coordinator:
         self.reshaping.close()
         self.save_composition()
         self.link.unwatch()
+        if self.tier is not None:
+            self.tier.close()  # (its views of the ranks' stores go before the stores)
         if self.ranks is not None:
             assert self._loop is not None
             await self._loop.run_in_executor(None, self.ranks.close)
@@ -342,7 +365,12 @@ class Coordinator:
         )
 
     def cache_view(self) -> dict[str, Any]:
-        return views.cache_view(self.policy, self.metrics)
+        return views.cache_view(self.policy, self.metrics, self.tier)
+
+    def tier_view(self) -> dict[str, Any] | None:
+        """The host tier's use (None: no tier): ``/metrics``, ``/v1/cache``, the
+        dashboard."""
+        return views.tier_view(self.policy, self.tier)
 
     def uptime_s(self) -> float:
         return time.monotonic() - self.started_s

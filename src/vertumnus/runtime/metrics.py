@@ -26,6 +26,12 @@ vertumnus_internal_errors_total      bugs contained (logged with their traceback
                                      where (worker_step, reshape, task, handoff, api)
 vertumnus_reshapes_rolled_back_total reshapes past [server] reshape_timeout_s, by how
                                      they ended (rolled_back, forced)
+vertumnus_host_tier_demoted_blocks_total KV blocks copied from the ranks into the host
+                                     tier (``runtime/kv/host_tier.py``)
+vertumnus_host_tier_loaded_blocks_total  KV blocks loaded back from it into the ranks
+vertumnus_host_tier_copy_seconds_total   the time of those copies (memcpy)
+vertumnus_host_tier_used_bytes       gauge: the tier's blocks held, every host
+vertumnus_host_tier_capacity_bytes   gauge: its size, every host (0: no tier)
 
 Beside them, vLLM's own series (``vllm:``, ``vllm_metrics.py``): the prefill feeds
 them here; the route or proxy that answers an API request calls ``request_done``,
@@ -143,6 +149,25 @@ class Metrics:
             ["how"],
             registry=r,
         )
+        self.tier_demoted = Counter(
+            "vertumnus_host_tier_demoted_blocks",
+            "KV blocks copied from the ranks into the host tier",
+            registry=r,
+        )
+        self.tier_loaded = Counter(
+            "vertumnus_host_tier_loaded_blocks",
+            "KV blocks loaded back from the host tier into the ranks",
+            registry=r,
+        )
+        self.tier_copy_seconds = Counter(
+            "vertumnus_host_tier_copy_seconds", "Time of the host tier's copies", registry=r
+        )
+        self.tier_used = Gauge(
+            "vertumnus_host_tier_used_bytes", "Host tier bytes held, every host", registry=r
+        )
+        self.tier_capacity = Gauge(
+            "vertumnus_host_tier_capacity_bytes", "Host tier size, every host", registry=r
+        )
         self.vllm = VllmSeries(r, model_name)
         self.internal_error_count = 0
         self._cached = self._total = 0
@@ -180,9 +205,19 @@ class Metrics:
     def hit_rate(self) -> float | None:
         return self._cached / self._total if self._total else None
 
-    def render(self, workers: list[dict[str, Any]], leases: int = 0, waiting: int = 0) -> bytes:
-        """``waiting``: the requests that wait for a worker (none can take them now)."""
+    def render(
+        self,
+        workers: list[dict[str, Any]],
+        leases: int = 0,
+        waiting: int = 0,
+        tier: dict[str, Any] | None = None,
+    ) -> bytes:
+        """``waiting``: the requests that wait for a worker (none can take them now);
+        ``tier``: the host tier's view (``views.tier_view``; None: no tier)."""
         self.leases.set(leases)
+        if tier is not None:
+            self.tier_used.set(tier["used_bytes"])
+            self.tier_capacity.set(tier["capacity_bytes"])
         running = sum(1 for w in workers if w.get("running") is not None)
         self.vllm.load(running, waiting + sum(w["queued"] for w in workers))
         for gauge in (self.workers, self.depth, self.outstanding):
@@ -200,6 +235,12 @@ class Metrics:
             self.replication_count += 1
             self.copied_blocks.inc(blocks)
             self.copy_seconds.observe(seconds)
+
+    def tier_moved(self, demoted: int, loaded: int, seconds: float) -> None:
+        """A prefill's host-tier copies: ``demoted`` blocks in, ``loaded`` out."""
+        self.tier_demoted.inc(demoted)
+        self.tier_loaded.inc(loaded)
+        self.tier_copy_seconds.inc(seconds)
 
     def lease_ended(self, why: str) -> None:
         self.leases_ended.labels(why=why).inc()

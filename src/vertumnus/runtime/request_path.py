@@ -1,7 +1,8 @@
 """The request path: from an HTTP handler's token ids to the answer, exactly once.
 
     prefill(tokens) -> the policy places it (or it waits, or is refused) -> the
-    worker's task starts the head of its queue (the policy leases its cache) ->
+    worker's task starts the head of its queue (the policy leases its cache; the
+    host tier's copies it asks for are done at once, ``start``) ->
     PrefillCommand to every rank -> every PrefillDone (``RankLink``) -> the policy
     commits the new blocks -> the answer -> the next request of that worker
 
@@ -32,6 +33,7 @@ from vertumnus.policy.pool_policy import PoolPolicy
 from vertumnus.policy.pool_results import Actions, Finished, Started
 from vertumnus.runtime.health import Health
 from vertumnus.runtime.kv.handoffs import Handoffs
+from vertumnus.runtime.kv.host_tier import HostTierStore
 from vertumnus.runtime.kv.leases import Lease, export_range
 from vertumnus.runtime.metrics import Metrics
 from vertumnus.runtime.prefill import prefill_command
@@ -97,15 +99,19 @@ class RequestPath:
         handoffs: Handoffs,
         recovery: Recovery,
         health: Health,
+        tier: HostTierStore | None,
         predict: Callable[[int, int, int], float],
         ranks: Callable[[], Ranks | None],
         clock: Callable[[], float],
         apply: Callable[[Actions], None],
     ) -> None:
-        """``predict``: the profile's ``E_C(R, P)`` (for the SLO of an answer);
-        ``ranks``: the ranks once started; ``apply``: does what the policy returns."""
+        """``tier``: the host tier's bytes (None: no tier); ``predict``: the profile's
+        ``E_C(R, P)`` (for the SLO of an answer); ``ranks``: the ranks once started;
+        ``apply``: does what the policy returns."""
         self.cfg, self.policy, self.metrics = cfg, policy, metrics
         self.link, self.handoffs, self.recovery, self.health = link, handoffs, recovery, health
+        self.tier = tier
+        self._unmoved: dict[int, Exception] = {}  # request -> its tier copies' failure
         self.predict, self.ranks, self.clock, self.apply = predict, ranks, clock, apply
         self.open: dict[int, _Request] = {}
         self._ids = itertools.count(1)
@@ -157,6 +163,23 @@ class RequestPath:
 
     # -- one worker's step (``worker_loops.py`` runs them) ---------------------------
 
+    def start(self, worker_id: int, now: float) -> Started | None:
+        """The worker's next prefill (``PoolPolicy.start``), its host-tier copies done
+        now, in the step that decided them: the blocks its lease evicted written to the
+        tier (before any other start may reuse their tier slots, or this prefill their
+        rank slots), then the blocks it loads back, before its command leaves. A
+        failed copy (a bug) fails the prefill in ``run_one``."""
+        started = self.policy.start(worker_id, now)
+        if started is None or self.tier is None or not (started.demotions or started.loads):
+            return started
+        try:
+            seconds = self.tier.move(started.first_device, started.demotions, started.loads)
+        except Exception as exc:
+            self._unmoved[started.request_id] = exc
+        else:
+            self.metrics.tier_moved(len(started.demotions), len(started.loads), seconds)
+        return started
+
     def contain(self, worker_id: int, started: Started | None, exc: Exception) -> None:
         """An unexpected exception in a worker's step: logged with its traceback and
         counted; a prefill the policy still runs for the request ends as failed; the
@@ -178,6 +201,9 @@ class RequestPath:
         policy, pool = self.policy, self.ranks()
         assert pool is not None
         rid, worker_id = started.request_id, started.worker_id
+        unmoved = self._unmoved.pop(rid, None)
+        if unmoved is not None:  # (``contain`` answers it)
+            raise InternalError(f"request {rid}: its host-tier copies failed: {unmoved!r}")
         start = self.clock()
         req = self.open.get(rid)
         if req is None:  # (answered already: nothing to compute)

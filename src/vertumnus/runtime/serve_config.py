@@ -222,6 +222,16 @@ def load(
             "[cache] ideal (the ideal-replication policy) is a bound the simulator computes: "
             "a server must copy its KV; use replication = true"
         )
+    if policy.cache.host_tier_bound:
+        raise ConfigError(
+            "[cache] host_tier_bound is a bound the simulator computes: a server must copy "
+            "its KV; use host_tier_bytes"
+        )
+    if cluster is not None and policy.cache.host_tier_bytes > 0:
+        raise ConfigError(
+            "[cache] host_tier_bytes needs CPU ranks that keep their KV store in this "
+            "host's shared memory: a multi-host pool's ranks run under node agents"
+        )
     handoff = dict(raw.get("handoff", {}))
     if os.environ.get("VERTUMNUS_HANDOFF_SECRET"):
         handoff["secret"] = os.environ["VERTUMNUS_HANDOFF_SECRET"]

@@ -10,6 +10,7 @@ from typing import Any
 
 from vertumnus.policy.pool_policy import PoolPolicy
 from vertumnus.policy.timeline import worker_rows
+from vertumnus.runtime.kv.host_tier import HostTierStore
 from vertumnus.runtime.metrics import Metrics
 from vertumnus.runtime.ranks import Ranks
 from vertumnus.runtime.serve_config import ServeConfig
@@ -57,7 +58,9 @@ def composition_view(
     }
 
 
-def cache_view(policy: PoolPolicy, metrics: Metrics) -> dict[str, Any]:
+def cache_view(
+    policy: PoolPolicy, metrics: Metrics, tier: HostTierStore | None = None
+) -> dict[str, Any]:
     trie = policy.cache.trie
     return {
         "nodes": len(trie.nodes),
@@ -70,4 +73,20 @@ def cache_view(policy: PoolPolicy, metrics: Metrics) -> dict[str, Any]:
         # reused and evicted unused, the waste fraction; and the latest ten scans.
         "audit": policy.cache.audit.summary(),
         "scans": [r.as_dict() for r in list(policy.cache.audit.scans)[-10:]],
+        "host_tier": tier_view(policy, tier),
+    }
+
+
+def tier_view(policy: PoolPolicy, tier: HostTierStore | None) -> dict[str, Any] | None:
+    """The host tier (None: none): the policy's figures (``HostTiers.summary``: what it
+    holds, demoted, loaded back, evicted), its size, and the copies this process made
+    and their time."""
+    if tier is None:
+        return None
+    return {
+        **policy.tiers.summary(),
+        "capacity_bytes": tier.capacity_bytes,
+        "copied_in_blocks": tier.demoted,
+        "copied_out_blocks": tier.loaded,
+        "copy_s": tier.copy_s,
     }

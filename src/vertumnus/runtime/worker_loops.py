@@ -3,10 +3,10 @@ at a time while the worker exists.
 
 A worker's task sleeps until woken (``wake``: a placement on it, a worker back from
 recovery, a switch's new worker), then takes the head of its queue from the policy
-(``policy.start``) and runs it (``run``, the request path's step) until the queue is
-empty. A bug in one step is contained (``contain``: the request path answers it) and
-the loop goes on. What a step does is ``request_path.py``'s; which request a worker
-runs is the policy's.
+(``start``: ``PoolPolicy.start`` and the host-tier copies it asks for) and runs it
+(``run``, the request path's step) until the queue is empty. A bug in one step is
+contained (``contain``: the request path answers it) and the loop goes on. What a
+step does is ``request_path.py``'s; which request a worker runs is the policy's.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ BUG_PAUSE_S = 0.05  # a worker's loop waits this long after a step that failed w
 
 class WorkerLoops:
     """Given the policy stack (its queues and workers), the clock, ``run`` (one
-    started prefill, to its answer) and ``contain`` (a bug in a worker's step)."""
+    started prefill, to its answer), ``contain`` (a bug in a worker's step) and
+    ``start`` (a worker's next prefill; None: ``policy.start``)."""
 
     def __init__(
         self,
@@ -31,8 +32,10 @@ class WorkerLoops:
         clock: Callable[[], float],
         run: Callable[[Started], Coroutine[Any, Any, None]],
         contain: Callable[[int, Started | None, Exception], None],
+        start: Callable[[int, float], Started | None] | None = None,
     ) -> None:
         self.policy, self.clock, self.run, self.contain = policy, clock, run, contain
+        self.start = start or policy.start
         self._wake: dict[int, asyncio.Event] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._idle: set[int] = set()  # workers whose task waits to be woken
@@ -59,7 +62,7 @@ class WorkerLoops:
             # An idle worker starts now, as in the simulator: what a start does to the
             # caches (the evictions its slots cause, reported at once) must come before
             # the placement of a request that arrives at the same moment.
-            started = self.policy.start(worker_id, self.clock())
+            started = self.start(worker_id, self.clock())
             if started is not None:
                 self._next[worker_id] = started
         wake.set()
@@ -85,7 +88,7 @@ class WorkerLoops:
             try:
                 while True:
                     if started is None:
-                        started = policy.start(worker_id, self.clock())
+                        started = self.start(worker_id, self.clock())
                         if started is None:
                             break
                     await self.run(started)

@@ -6,7 +6,8 @@
                                   the installed packages (nothing from outside)
     GET /v1/timeline?since=T      the samples and reshape events after T (seconds
                                   since the server started; none: every one kept),
-                                  with the workers, composition and epoch now
+                                  with the workers, composition and epoch now,
+                                  and the host tier's use (``host_tier``)
 
 The page and its assets hold no data and are open; ``/v1/timeline`` follows the rule
 of the rest of ``/v1`` (the API key when one is set: the page asks for it). The
@@ -77,6 +78,7 @@ async def timeline(request: web.Request) -> web.Response:
         degrees=view["degrees"],
         workers=coord.workers_view(),
         slo=coord.cfg.slo.describe(),  # [server] slo: "5x" is 5x the isolated prefill
+        host_tier=coord.tier_view(),  # the host tier's use (None: no tier)
     )
     return json_response(body)
 

@@ -105,7 +105,10 @@ async def metrics(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
     return web.Response(
         body=coord.metrics.render(
-            coord.workers_view(), len(coord.handoffs.leases), waiting=coord.policy.waiting
+            coord.workers_view(),
+            len(coord.handoffs.leases),
+            waiting=coord.policy.waiting,
+            tier=coord.tier_view(),
         ),
         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
     )

@@ -328,6 +328,7 @@
       el("span", { class: "fact" }, [el("span", { text: "composition " }), el("b", { id: "composition", text: view.composition || "–" })]),
       el("span", { class: "fact", id: "epoch", text: view.epoch === undefined ? "" : `epoch ${view.epoch}` }),
       el("span", { class: "fact", id: "samples", text: "" }),
+      el("span", { class: "fact", id: "host-tier", text: "" }),
       el("span", { class: "fact", id: "status", text: "" }),
     ]);
     const main = el("main", {}, [el("div", { id: "keyform" })]);
@@ -361,6 +362,7 @@
     }
     document.getElementById("epoch").textContent = view.epoch === undefined ? "" : `epoch ${view.epoch}`;
     document.getElementById("samples").textContent = `${view.samples.length} samples, ${view.workers.length} workers`;
+    hostTier(view);
     const workers = document.getElementById("workers");
     if (workers) workers.replaceChildren(workersTable(view.workers));
     const events = document.getElementById("events");
@@ -371,6 +373,17 @@
     stats.maxRenderMs = Math.max(stats.maxRenderMs, ms);
     stats.samples = view.samples.length;
     document.body.dataset.renders = String(stats.renders);
+  }
+
+  // The host KV tier's use (the server's /v1/timeline host_tier; none: nothing shown).
+  function hostTier(view) {
+    const node = document.getElementById("host-tier");
+    const t = view.host_tier;
+    if (!node) return;
+    node.textContent = t
+      ? `host tier ${fmt(t.used_bytes / 2 ** 20, 1)} / ${fmt(t.capacity_bytes / 2 ** 20, 1)} MiB, ` +
+        `${t.demoted_blocks} blocks demoted, ${t.loaded_blocks} loaded back`
+      : "";
   }
 
   function newView(title, t0) {
@@ -443,12 +456,14 @@
       view.composition = data.composition;
       view.epoch = data.epoch;
       view.window_s = data.window_s;
+      view.host_tier = data.host_tier;
       const last = [view.samples, view.events].map((a) => (a.length ? a[a.length - 1].t : -Infinity));
       if (Math.max(...last) > -Infinity) since = Math.max(...last);
       const changed = data.samples.length || data.events.length || stats.renders === 0;
       if (changed) render(view);
       else {
         document.getElementById("composition").textContent = view.composition || "–";
+        hostTier(view);
         const workers = document.getElementById("workers");
         if (workers) workers.replaceChildren(workersTable(view.workers));
       }

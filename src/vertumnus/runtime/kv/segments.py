@@ -3,9 +3,12 @@
 A rank on the CPU keeps its paged KV store (``engine/kv_store.py``) in a segment
 made here, so that the coordinator streams a hand-off's blocks straight from the
 rank's own memory (``runtime/kv/handoffs.py``): no command to the rank, no gather, no
-copy in this process. The coordinator writes nothing into a store; the blocks it
-reads are pinned by their lease, so no prefill or KV copy writes them meanwhile,
-and a reshape waits for the pulls under way on its ranks before it switches.
+copy in this process. The coordinator writes into a store only the host tier's
+loads (``host_tier.py``: into the slots a prefill's lease just took, before its
+command leaves); the blocks it reads for a pull are pinned by their lease, so no
+prefill or KV copy writes them meanwhile, and a reshape waits for the pulls under way
+on its ranks before it switches. A pool with a host tier needs a segment for every
+rank.
 
 One segment per rank, made before the rank's first start and kept across its
 restarts (a restarted worker starts with an empty index: the old contents mean
