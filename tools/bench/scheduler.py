@@ -15,7 +15,8 @@ all 64 candidates, reserves E_iw and runs the cache manager's per-request update
 (Algorithm 1). The request is then cancelled, so the load stays the same. Printed:
 the median and p99, with the ratio to the 100 us target, the same placement with
 coming prefixes not counted, without the backlog term, and without a cache
-manager (costs and reservation only), for reference. ``--json PATH`` writes the
+manager (costs and reservation only), and with a full host tier on every host, for
+reference. ``--json PATH`` writes the
 figures with the machine and source they were measured on (``harness.py``).
 """
 
@@ -30,6 +31,7 @@ from typing import Any
 import harness
 import trie_workload
 from vertumnus.perfmodel import Profile
+from vertumnus.policy.cache.host_tier import HostLink, HostTiers
 from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.costs import CostWeights
 from vertumnus.policy.lattice import Lattice, LatticeConfig
@@ -38,10 +40,17 @@ from vertumnus.stats import percentile
 
 PROFILE = "qwen3-30b-a3b-h100"  # shipped with the package
 BLOCK_TOKENS = 512
+KV_BYTES_PER_TOKEN = 98_304
+TIER_CHAINS = 160  # conversations demoted into each host's tier (20,480 blocks: full)
 
 
 def setup(
-    nodes: int, seed: int, with_cache: bool, coming: bool = True, backlog_weight: float = 1.0
+    nodes: int,
+    seed: int,
+    with_cache: bool,
+    coming: bool = True,
+    backlog_weight: float = 1.0,
+    tier: bool = False,
 ) -> tuple[Scheduler, list[list[int]]]:
     rng = random.Random(seed)
     profile = Profile.load(PROFILE)
@@ -56,6 +65,13 @@ def setup(
         trie_workload.populate(cache, chains, range(64), rng)
     weights = CostWeights(backlog_weight=backlog_weight)
     sched = Scheduler(lattice, coeffs, SchedulerConfig(weights, coming_reuse=coming), cache)
+    if tier:  # 1 TB a host of 8 devices, each holding TIER_CHAINS conversations
+        tiers = HostTiers(10**12, HostLink(BLOCK_TOKENS * KV_BYTES_PER_TOKEN, devices_per_host=8))
+        for host in range(384 // 8):
+            for chain in rng.sample(chains, TIER_CHAINS):
+                evicted = [(bid, 0, 0) for bid in reversed(chain)]
+                tiers.demote(host * 8, evicted, now=-1e6)  # (written back long ago)
+        sched.tiers = tiers
     tokens = (trie_workload.SHARED_BLOCKS + trie_workload.OWN_BLOCKS) * BLOCK_TOKENS + 1
     for rid in range(-1, -200, -1):  # a few requests queued everywhere
         chain = tuple(rng.choice(chains)) if rng.random() < 0.5 else ()
@@ -110,6 +126,7 @@ def main() -> None:
     flat, _ = setup(args.nodes, args.seed, with_cache=True, backlog_weight=0.0)
     waiting = min(len(full.queued(w)) for w in full.lattice.workers)
     bare, _ = setup(args.nodes, args.seed, with_cache=False)
+    tiered, _ = setup(args.nodes, args.seed, with_cache=True, tier=True)
     n_nodes = len(full.cache.trie.nodes) if full.cache is not None else 0
     # Untimed first: the statistics of recent requests exist, as in steady state.
     measure(full, conversations, args.warm_requests, args.seed + 2)
@@ -119,6 +136,8 @@ def main() -> None:
     measure(flat, conversations, args.warm_requests, args.seed + 2)
     no_backlog, _ = measure(flat, conversations, args.requests, args.seed + 1)
     costs_only, _ = measure(bare, conversations, args.requests, args.seed + 1)
+    measure(tiered, conversations, args.warm_requests, args.seed + 2)
+    with_tier, _ = measure(tiered, conversations, args.requests, args.seed + 1)
     placing = [t - u for t, u in zip(with_trie, updates, strict=True)]
 
     med = statistics.median(with_trie)
@@ -148,6 +167,11 @@ def main() -> None:
         f"place() without a cache manager (costs + reservation): median "
         f"{statistics.median(costs_only):.1f} us, p99 {percentile(costs_only, 99):.1f} us"
     )
+    print(
+        f"place() with a host tier (1 TB on each of 48 hosts, full of conversations): "
+        f"median {statistics.median(with_tier):.1f} us, p99 {percentile(with_tier, 99):.1f} us "
+        f"-> the tier costs {statistics.median(with_tier) / med:.2f}x"
+    )
     session.finish(
         args.json,
         {
@@ -158,6 +182,7 @@ def main() -> None:
             "placement_us": harness.summary(placing),
             "statistics_update_us": harness.summary(updates),
             "place_held_only_us": harness.summary(held_only),
+            "place_with_tier_us": harness.summary(with_tier),
             "place_no_backlog_us": harness.summary(no_backlog),
             "fewest_waiting": waiting,
             "place_no_cache_manager_us": harness.summary(costs_only),

@@ -67,10 +67,10 @@ def run(policy: PoolPolicy, req: PlacementRequest, now: float, worker: int | Non
 
 def test_a_full_tier_evicts_its_least_recently_used_block() -> None:
     tier, stats = HostTier(capacity=2), TierStats()
-    assert tier.insert(10, 0.0, stats) == 0
-    assert tier.insert(11, 0.0, stats) == 1
+    assert tier.insert(10, 0.0, stats) == (0, None)
+    assert tier.insert(11, 0.0, stats) == (1, None)
     tier.touch([10])  # 11 is now the oldest
-    assert tier.insert(12, 0.0, stats) == 1  # (11's slot)
+    assert tier.insert(12, 0.0, stats) == (1, 11)  # (11's slot)
     assert 11 not in tier and 10 in tier and 12 in tier
     assert stats.evicted_blocks == 1 and stats.peak_blocks == 2
 
@@ -87,12 +87,20 @@ def test_demotions_queue_on_the_device_to_host_lane_and_load_when_written() -> N
     assert tiers.run(0, ids, 0, 2, now=7.0) == 2
     assert tiers.run(2, ids, 0, 2, now=7.0) == 0  # another host's tier: not used
     assert tiers.demote(0, [(7, 0, 1)], now=8.0) == []  # held already: refreshed only
+    assert tiers.hosts_holding([5, 6, 7], 3) == 0b1 and tiers.hosts_holding([5], 1) == 0
+    tiers.demote(2, [(6, 0, 0)], now=8.0)  # host 1 holds 6 as well
+    assert tiers.hosts_holding([6], 1) == 0b11
+    assert tiers.runs_from([6, 7, 5], 0, 3, 0b11) == {0: 2, 1: 1}
+    assert tiers.runs_from([6, 7, 5], 1, 3, 0b11) == {0: 1, 1: 0}
     # Each rank of a degree-C worker loads its own blocks, at once.
     assert tiers.load_s(5, 2) == pytest.approx(3 * BLOCK_BYTES / 2e6)
 
 
 def test_no_tier_when_not_asked_or_smaller_than_a_block() -> None:
     assert not HostTiers(0, None).enabled
+    small = HostTiers(2 * BLOCK_BYTES, HostLink(BLOCK_BYTES))
+    small.demote(0, [(1, 0, 0), (2, 0, 1), (3, 0, 2)], now=0.0)  # 1 is evicted for 3
+    assert small.hosts_holding([1], 1) == 0 and small.hosts_holding([3], 1) == 1
     assert not HostTiers(BLOCK_BYTES - 1, HostLink(BLOCK_BYTES)).enabled
     assert HostTiers(BLOCK_BYTES, HostLink(BLOCK_BYTES)).capacity_blocks == 1
 

@@ -129,25 +129,29 @@ class HostTier:
             if bid in entries:
                 entries.move_to_end(bid)
 
-    def insert(self, block_id: int, ready_s: float, stats: TierStats) -> int | None:
-        """A slot for ``block_id`` (evicting the least recently used), or None."""
+    def insert(
+        self, block_id: int, ready_s: float, stats: TierStats
+    ) -> tuple[int | None, int | None]:
+        """A slot for ``block_id`` (None: held already, or no room), and the block
+        evicted for it (the least recently used), if one was."""
         entry = self._entries.get(block_id)
         if entry is not None:
             self._entries.move_to_end(block_id)
-            return None
+            return None, None
+        evicted = None
         if self._free:
             slot = self._free.pop()
         elif self.capacity is None or self._next_slot < self.capacity:
             slot, self._next_slot = self._next_slot, self._next_slot + 1
         elif self._entries:
-            _, old = self._entries.popitem(last=False)
+            evicted, old = self._entries.popitem(last=False)
             slot = old.slot
             stats.evicted_blocks += 1
         else:
-            return None
+            return None, None
         self._entries[block_id] = _Entry(slot, ready_s)
         stats.peak_blocks = max(stats.peak_blocks, len(self._entries))
-        return slot
+        return slot, evicted
 
     def blocks(self) -> dict[int, int]:
         """Block id -> tier slot of every block held (LRU first)."""
@@ -168,6 +172,7 @@ class HostTiers:
         )
         self.tiers: dict[int, HostTier] = {}
         self.stats = TierStats()
+        self._where: dict[int, int] = {}  # block id -> bit set of the hosts holding it
 
     # -- geometry and prices ------------------------------------------------------------
 
@@ -188,6 +193,29 @@ class HostTiers:
         if blocks <= 0 or self.link is None:
             return 0.0
         return math.ceil(blocks / cp_degree) * self.link.block_bytes / self.link.h2d_bytes_s
+
+    def holding(self, block_ids: Sequence[int], usable: int) -> tuple[int, list[int]]:
+        """Per block of the first ``usable``, the bit set of the hosts whose tier
+        holds it, and their union (placement prices only those hosts' workers)."""
+        where = self._where
+        if not where:
+            return 0, []
+        masks = [where.get(bid, 0) for bid in block_ids[:usable]]
+        hosts = 0
+        for m in masks:
+            hosts |= m
+        return hosts, masks
+
+    def hosts_holding(self, block_ids: Sequence[int], usable: int) -> int:
+        """The bit set of the hosts whose tier holds any of the first ``usable`` blocks."""
+        return self.holding(block_ids, usable)[0]
+
+    def runs_from(
+        self, block_ids: Sequence[int], start: int, usable: int, hosts: int
+    ) -> dict[int, int]:
+        """Host -> the run of ``block_ids`` from depth ``start`` (below ``usable``) its
+        tier holds, for the hosts of the bit set ``hosts`` (``sweep``)."""
+        return sweep(self.holding(block_ids, usable)[1], start, hosts)
 
     def run(
         self, first_device: int, block_ids: Sequence[int], start: int, usable: int, now: float
@@ -227,7 +255,7 @@ class HostTiers:
                 tier.touch((bid,))
                 continue
             done += seconds
-            tier_slot = tier.insert(bid, done, stats)
+            tier_slot = self._insert(host, tier, bid, done)
             if tier_slot is None:
                 stats.refused_blocks += 1
                 continue
@@ -273,7 +301,20 @@ class HostTiers:
         if self.bound and self.enabled:
             tier = self.tier(0)
             for bid in block_ids:
-                tier.insert(bid, now, self.stats)
+                self._insert(0, tier, bid, now)
+
+    def _insert(self, host: int, tier: HostTier, block_id: int, ready_s: float) -> int | None:
+        slot, evicted = tier.insert(block_id, ready_s, self.stats)
+        bit, where = 1 << host, self._where
+        if evicted is not None:
+            left = where.get(evicted, 0) & ~bit
+            if left:
+                where[evicted] = left
+            else:
+                where.pop(evicted, None)
+        if slot is not None:
+            where[block_id] = where.get(block_id, 0) | bit
+        return slot
 
     # -- views ------------------------------------------------------------------------
 
@@ -300,3 +341,26 @@ class HostTiers:
             "d2h_busy_s": s.d2h_busy_s,
             "h2d_s": s.h2d_s,
         }
+
+
+def sweep(masks: Sequence[int], start: int, hosts: int) -> dict[int, int]:
+    """Host -> its run of consecutive blocks from depth ``start``, for the hosts of the
+    bit set ``hosts``, where ``masks[d]`` is the bit set of the hosts holding block d:
+    one pass, ended when no host's run goes on. Placement's price: a block still being
+    written back counts (it is written before a prefill placed now starts, but on an
+    idle worker, whose start checks it: ``HostTiers.run``)."""
+    alive, runs, d, end = hosts, {}, start, len(masks)
+    while alive and d < end:
+        holding = masks[d]
+        gone = alive & ~holding
+        while gone:
+            low = gone & -gone
+            runs[low.bit_length() - 1] = d - start
+            gone ^= low
+        alive &= holding
+        d += 1
+    while alive:
+        low = alive & -alive
+        runs[low.bit_length() - 1] = d - start
+        alive ^= low
+    return runs

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from vertumnus.blocks import max_reuse_blocks
 from vertumnus.perfmodel import DegreeCoeffs
 from vertumnus.policy.cache.coming import coming_run
-from vertumnus.policy.cache.host_tier import HostTiers
+from vertumnus.policy.cache.host_tier import HostTiers, sweep
 from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.cache.plans import RequestUpdate
 from vertumnus.policy.cache.trie import Node
@@ -251,7 +251,17 @@ class Scheduler(WorkerQueues):
         best_key: tuple[float, float, int, int] | None = None
         reused = counted = 0
         tiers = self.tiers if self.tiers is not None and self.tiers.enabled and ids else None
-        runs: dict[tuple[int, int], int] = {}  # (host, first depth) -> tier run
+        runs: dict[int, dict[int, int]] = {}  # first depth -> host -> its tier's run
+        in_tiers, masks = (0, []) if tiers is None else tiers.holding(ids, usable)
+        if not in_tiers:  # (no host's tier holds any of it)
+            tiers = None
+        loaded_e: dict[tuple[int, int, int], float] = {}  # (C, P, run) -> E + load
+        per_host, floor_e = 1, {}
+        if tiers is not None:  # (the bound: one host; E at the longest reuse bounds a load)
+            link = tiers.link
+            per_host = 1 << 62 if tiers.bound or link is None else link.devices_per_host
+            per_host = per_host or 1 << 62
+            floor_e = {c: curve.time_s(n, usable * block) for c, curve in self.curves.items()}
         exec_s = 0.0
         for w in candidates:
             worker_id, c = w.worker_id, w.cp_degree
@@ -269,13 +279,26 @@ class Scheduler(WorkerQueues):
             if run is not None:
                 q += max(0.0, run.exec_s - (now - run.start_s) * rate)
             cost = q + factor[c] * e
-            if tiers is not None:  # a run in the host tier, priced at its load-back
-                at = (tiers.host_of(w.first_device), p // block)
-                found = runs.get(at)
-                if found is None:
-                    found = runs[at] = tiers.run(w.first_device, ids, p // block, usable, now)
+            host = -1 if tiers is None else w.first_device // per_host
+            if (
+                tiers is not None
+                and in_tiers >> host & 1  # a run in its host's tier
+                and (best_key is None or q + factor[c] * floor_e[c] <= best_key[0])
+            ):
+                if p:  # (a worker's own start: its host's run alone)
+                    found, d, bit = 0, p // block, 1 << host
+                    while d < usable and masks[d] & bit:
+                        found, d = found + 1, d + 1
+                else:  # (most workers start at 0: every host's run in one sweep)
+                    from_0 = runs.get(0)
+                    if from_0 is None:
+                        from_0 = runs[0] = sweep(masks, 0, in_tiers)
+                    found = from_0.get(host, 0)
                 if found:
-                    loaded = self.curves[c].time_s(n, p + found * block) + tiers.load_s(found, c)
+                    loaded = loaded_e.get((c, p, found))
+                    if loaded is None:
+                        loaded = self.curves[c].time_s(n, p + found * block)
+                        loaded = loaded_e[(c, p, found)] = loaded + tiers.load_s(found, c)
                     if q + factor[c] * loaded < cost:
                         p, e, cost = p + found * block, loaded, q + factor[c] * loaded
                         self._tier_reuse[worker_id] = p
