@@ -155,13 +155,15 @@ class PoolSpec:
     # times block_tokens) and devices per host (0: the lattice's, else one host)
     block_bytes: int = 0
     devices_per_host: int = 0
+    # A device's network bandwidth: another host's tier is read at it (0: not read)
+    net_bytes_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", tuple(self.layout))
         if self.block_tokens < 1 or self.blocks_per_rank < 0:
             raise PolicyError("need block_tokens >= 1 and blocks_per_rank >= 0")
-        if self.block_bytes < 0 or self.devices_per_host < 0:
-            raise PolicyError("need block_bytes >= 0 and devices_per_host >= 0")
+        if self.block_bytes < 0 or self.devices_per_host < 0 or self.net_bytes_s < 0:
+            raise PolicyError("need block_bytes, devices_per_host and net_bytes_s >= 0")
 
     def check_profile(self, profile: Profile, config: PolicyConfig) -> None:
         """PolicyError unless ``profile`` has what ``config`` needs of every degree."""
@@ -205,6 +207,7 @@ def host_tiers(profile: Profile, pool: PoolSpec, config: PolicyConfig) -> HostTi
             float(link.get("d2h_bytes_s", DEFAULT_D2H_BYTES_S)),
             float(link.get("h2d_bytes_s", DEFAULT_H2D_BYTES_S)),
             per_host,
+            pool.net_bytes_s,
         ),
         cache.host_tier_bound,
     )

@@ -114,24 +114,34 @@ class Prefills:
         lease: PrefillLease,
         now: float,
     ) -> tuple[list[Load], float]:
-        """Load the run of blocks after the worker's own prefix back from its host
-        tier when that costs less than computing them (the cost is concave in the
-        run's length, so all of it or none), and refresh what it reused."""
+        """Load the run of blocks after the worker's own prefix from the tiers when
+        that costs less than computing them, and refresh what it reused. The options:
+        its own host's run, or the whole run with the blocks other hosts' tiers hold
+        (``HostTiers.remote``); the cost is concave in a run's length, so each option
+        loads all of its run or none."""
         tiers, ids = self.tiers, request.block_ids
         if not tiers.enabled:
             return [], 0.0
         held = lease.num_reused_blocks
         tiers.reused(first_device, ids[:held])
-        run = min(tiers.run(first_device, ids, held, held + len(lease.new), now), len(lease.new))
-        if run <= 0:
+        sources = tiers.sources(first_device, ids, held, held + len(lease.new), now)
+        if not sources:
             return [], 0.0
+        own = tiers.host_of(first_device)
+        local = next((i for i, h in enumerate(sources) if h != own), len(sources))
         b, n, curve = self.block_tokens, request.input_tokens, self.curves[degree]
-        load_s = tiers.load_s(run, degree)
-        if curve.time_s(n, (held + run) * b) + load_s >= curve.time_s(n, held * b):
+        best, best_s, best_run = curve.time_s(n, held * b), 0.0, 0
+        for run, remote in ((local, 0), (len(sources), sum(h != own for h in sources))):
+            if run > best_run:
+                load_s = tiers.load_s(run, degree, remote)
+                total = curve.time_s(n, (held + run) * b) + load_s
+                if total < best:
+                    best, best_s, best_run = total, load_s, run
+        if not best_run:
             return [], 0.0
-        lease.loaded = run
-        targets = [(loc.block_id, loc.rank, loc.slot) for loc in lease.new[:run]]
-        return tiers.load(first_device, targets, degree), load_s
+        lease.loaded = best_run
+        targets = [(loc.block_id, loc.rank, loc.slot) for loc in lease.new[:best_run]]
+        return tiers.load(first_device, targets, degree, sources[:best_run]), best_s
 
     def finish(
         self, worker_id: int, now: float, ok: bool, compute_s: float | None, hold: bool

@@ -63,13 +63,15 @@ class Simulation:
     ) -> None:
         if settings.profile_bias:
             profile = biased(profile, settings.profile_bias)
-        # The host tier's geometry, as the copy model's: the KV's bytes and host size.
+        # The host tier's geometry, as the copy model's: the KV's bytes, the host size
+        # and the network between hosts.
         pool = dataclasses.replace(
             pool,
             block_bytes=pool.block_bytes or settings.kv_bytes_per_token * pool.block_tokens,
             devices_per_host=pool.devices_per_host
             or pool.lattice.devices_per_host
             or settings.devices_per_host,
+            net_bytes_s=pool.net_bytes_s or settings.inter_host_bytes_s,
         )
         try:
             self.policy = PoolPolicy.build(profile, pool, policy)

@@ -29,6 +29,7 @@ def make_policy(
     bound: bool = False,
     devices_per_host: int = 1,
     h2d_bytes_s: float | None = None,
+    net_bytes_s: float = 0.0,
     **config: object,
 ) -> PoolPolicy:
     pool = PoolSpec(
@@ -38,6 +39,7 @@ def make_policy(
         blocks_per_rank,
         block_bytes=BLOCK_BYTES,
         devices_per_host=devices_per_host,
+        net_bytes_s=net_bytes_s,
     )
     profile = make_profile(CACHE_COEFFS, KAPPA_S)
     if h2d_bytes_s is not None:
@@ -148,11 +150,15 @@ def test_a_load_slower_than_computing_is_not_made() -> None:
     assert again.cached_tokens == BLOCK_SIZE
 
 
-def _busy_worker_0_with_a_in_its_tier(tier_blocks: int) -> tuple[PoolPolicy, float]:
+def _busy_worker_0_with_a_in_its_tier(
+    tier_blocks: int, net_bytes_s: float = 0.0
+) -> tuple[PoolPolicy, float]:
     """Two workers of degree 1, one host each. Prompt A runs on worker 0, two others
     evict it there (into host 0's tier, if it has one); a short prompt then runs on
     worker 0, so worker 0 is busy and worker 1 idle when A comes again."""
-    policy = make_policy(layout=(1, 1), blocks_per_rank=4, tier_blocks=tier_blocks)
+    policy = make_policy(
+        layout=(1, 1), blocks_per_rank=4, tier_blocks=tier_blocks, net_bytes_s=net_bytes_s
+    )
     for rid, seed in ((1, 1), (2, 2), (3, 3)):
         assert run(policy, prompt(rid, 50, seed), float(rid)).worker_id == 0  # (ties: 0)
     assert not policy.indexes[0].match(prompt(0, 50, seed=1).block_ids)
@@ -172,6 +178,23 @@ def test_placement_prices_the_host_tier_of_each_worker() -> None:
     # Without a tier, the idle worker wins.
     policy, now = _busy_worker_0_with_a_in_its_tier(tier_blocks=0)
     assert policy.arrive(a, now).placed[0].worker_id == 1
+
+
+def test_another_hosts_tier_is_read_over_the_network() -> None:
+    # A is in host 0's tier only; worker 0 (host 0) is busy, worker 1 (host 1) idle.
+    policy, now = _busy_worker_0_with_a_in_its_tier(tier_blocks=100, net_bytes_s=25e9)
+    a = prompt(9, 50, seed=1)
+    placed = policy.arrive(a, now).placed[0]
+    assert placed.worker_id == 1 and placed.reused_tokens == 3 * BLOCK_SIZE
+    started = policy.start(1, now)
+    assert started is not None and started.request_id == 9
+    assert [(x.host, x.block_id) for x in started.loads] == [(0, b) for b in a.block_ids]
+    # Its ranks read the three blocks over the network, at 25 GB/s.
+    assert started.load_s == pytest.approx(3 * BLOCK_BYTES / 25e9)
+    assert policy.tiers.stats.remote_blocks == 3
+    # Without the network read, worker 1 would compute it all: worker 0 waits less.
+    policy, now = _busy_worker_0_with_a_in_its_tier(tier_blocks=100)
+    assert policy.arrive(a, now).placed[0].worker_id == 0
 
 
 def test_dynamo_credits_host_tier_hits() -> None:

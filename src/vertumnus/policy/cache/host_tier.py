@@ -45,14 +45,16 @@ class HostLink:
     d2h_bytes_s: float = DEFAULT_D2H_BYTES_S
     h2d_bytes_s: float = DEFAULT_H2D_BYTES_S
     devices_per_host: int = 0
+    # Reading another host's tier over the network (a device's link; 0: not done)
+    net_bytes_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.block_bytes < 1:
             raise ValueError(f"block_bytes must be >= 1, got {self.block_bytes}")
         if not (self.d2h_bytes_s > 0 and self.h2d_bytes_s > 0):
             raise ValueError("the host link's bandwidths must be > 0")
-        if self.devices_per_host < 0:
-            raise ValueError("devices_per_host must be >= 0")
+        if self.devices_per_host < 0 or self.net_bytes_s < 0:
+            raise ValueError("devices_per_host and net_bytes_s must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class TierStats:
 
     demoted_blocks: int = 0
     loaded_blocks: int = 0
+    remote_blocks: int = 0  # of loaded_blocks, read from another host's tier
     evicted_blocks: int = 0
     refused_blocks: int = 0  # not demoted: the tier had no room it could free
     d2h_busy_s: float = 0.0
@@ -187,12 +190,23 @@ class HostTiers:
             tier = self.tiers[host] = HostTier(self.capacity_blocks)
         return tier
 
-    def load_s(self, blocks: int, cp_degree: int) -> float:
-        """Seconds to load ``blocks`` consecutive blocks back into a degree-C worker:
-        its ranks load their own blocks at once."""
-        if blocks <= 0 or self.link is None:
+    @property
+    def remote(self) -> bool:
+        """Another host's tier is read over the network (``HostLink.net_bytes_s``)."""
+        return self.link is not None and self.link.net_bytes_s > 0 and not self.bound
+
+    def load_s(self, blocks: int, cp_degree: int, remote: int = 0) -> float:
+        """Seconds to load ``blocks`` consecutive blocks into a degree-C worker, of
+        which ``remote`` come from other hosts' tiers over the network: its ranks
+        load their own blocks at once."""
+        link = self.link
+        if blocks <= 0 or link is None:
             return 0.0
-        return math.ceil(blocks / cp_degree) * self.link.block_bytes / self.link.h2d_bytes_s
+        local = blocks - remote
+        seconds = math.ceil(local / cp_degree) * link.block_bytes / link.h2d_bytes_s
+        if remote > 0:
+            seconds += math.ceil(remote / cp_degree) * link.block_bytes / link.net_bytes_s
+        return seconds
 
     def holding(self, block_ids: Sequence[int], usable: int) -> tuple[int, list[int]]:
         """Per block of the first ``usable``, the bit set of the hosts whose tier
@@ -266,26 +280,62 @@ class HostTiers:
             tier.lane_free_s = done
         return moves
 
+    def sources(
+        self, first_device: int, block_ids: Sequence[int], start: int, usable: int, now: float
+    ) -> list[int]:
+        """The host to read each block from, for the blocks of ``block_ids`` from depth
+        ``start`` (below ``usable``) that some tier holds, written back by ``now``: the
+        worker's own host where its tier has the block, else (``remote``) the first
+        other host whose tier has it; ends at the first block none has."""
+        if not self.enabled:
+            return []
+        own = self.host_of(first_device)
+        mine = self.tiers.get(own)
+        where, tiers, remote = self._where, self.tiers, self.remote
+        out: list[int] = []
+        for d in range(start, usable):
+            bid = block_ids[d]
+            if mine is not None and mine.ready(bid, now):
+                out.append(own)
+                continue
+            hosts = where.get(bid, 0) if remote else 0
+            found = -1
+            while hosts:
+                low = hosts & -hosts
+                h = low.bit_length() - 1
+                if tiers[h].ready(bid, now):
+                    found = h
+                    break
+                hosts ^= low
+            if found < 0:
+                break
+            out.append(found)
+        return out
+
     def load(
         self,
         first_device: int,
         targets: Sequence[tuple[int, int, int]],
         cp_degree: int,
+        sources: Sequence[int] | None = None,
     ) -> list[Load]:
-        """Load (id, rank, slot) blocks back from the worker's host tier (a run that
-        ``run`` found); refreshes them there."""
+        """Load (id, rank, slot) blocks from the tiers ``sources`` names (default: the
+        worker's host's, a run that ``run`` found); refreshes them there."""
         if not targets:
             return []
-        host = self.host_of(first_device)
-        tier = self.tier(host)
+        own = self.host_of(first_device)
+        hosts = list(sources) if sources is not None else [own] * len(targets)
         loads = []
-        for bid, rank, slot in targets:
-            tier_slot = tier.slot_of(bid)
-            assert tier_slot is not None, "a load-back of a block the tier lacks"
+        for (bid, rank, slot), host in zip(targets, hosts, strict=True):
+            tier_slot = self.tier(host).slot_of(bid)
+            assert tier_slot is not None, "a load of a block the tier lacks"
             loads.append(Load(host, bid, tier_slot, rank, slot))
-        tier.touch(reversed([bid for bid, _, _ in targets]))
+        for (bid, _, _), host in zip(reversed(targets), reversed(hosts), strict=True):
+            self.tiers[host].touch((bid,))
+        remote = sum(h != own for h in hosts)
         self.stats.loaded_blocks += len(loads)
-        self.stats.h2d_s += self.load_s(len(loads), cp_degree)
+        self.stats.remote_blocks += remote
+        self.stats.h2d_s += self.load_s(len(loads), cp_degree, remote)
         return loads
 
     def reused(self, first_device: int, block_ids: Sequence[int]) -> None:
@@ -336,6 +386,8 @@ class HostTiers:
             "demoted_bytes": s.demoted_blocks * block,
             "loaded_blocks": s.loaded_blocks,
             "loaded_bytes": s.loaded_blocks * block,
+            "remote_blocks": s.remote_blocks,
+            "remote_bytes": s.remote_blocks * block,
             "evicted_blocks": s.evicted_blocks,
             "refused_blocks": s.refused_blocks,
             "d2h_busy_s": s.d2h_busy_s,

@@ -255,12 +255,9 @@ class Scheduler(WorkerQueues):
         in_tiers, masks = (0, []) if tiers is None else tiers.holding(ids, usable)
         if not in_tiers:  # (no host's tier holds any of it)
             tiers = None
-        loaded_e: dict[tuple[int, int, int], float] = {}  # (C, P, run) -> E + load
-        per_host, floor_e = 1, {}
-        if tiers is not None:  # (the bound: one host; E at the longest reuse bounds a load)
-            link = tiers.link
-            per_host = 1 << 62 if tiers.bound or link is None else link.devices_per_host
-            per_host = per_host or 1 << 62
+        loaded_e: dict[tuple[int, int, int, int], float] = {}  # (C, P, run, remote) -> E
+        floor_e: dict[int, float] = {}  # E at the longest reuse: a bound on a load's worth
+        if tiers is not None:
             floor_e = {c: curve.time_s(n, usable * block) for c, curve in self.curves.items()}
         exec_s = 0.0
         for w in candidates:
@@ -279,29 +276,13 @@ class Scheduler(WorkerQueues):
             if run is not None:
                 q += max(0.0, run.exec_s - (now - run.start_s) * rate)
             cost = q + factor[c] * e
-            host = -1 if tiers is None else w.first_device // per_host
-            if (
-                tiers is not None
-                and in_tiers >> host & 1  # a run in its host's tier
-                and (best_key is None or q + factor[c] * floor_e[c] <= best_key[0])
-            ):
-                if p:  # (a worker's own start: its host's run alone)
-                    found, d, bit = 0, p // block, 1 << host
-                    while d < usable and masks[d] & bit:
-                        found, d = found + 1, d + 1
-                else:  # (most workers start at 0: every host's run in one sweep)
-                    from_0 = runs.get(0)
-                    if from_0 is None:
-                        from_0 = runs[0] = sweep(masks, 0, in_tiers)
-                    found = from_0.get(host, 0)
-                if found:
-                    loaded = loaded_e.get((c, p, found))
-                    if loaded is None:
-                        loaded = self.curves[c].time_s(n, p + found * block)
-                        loaded = loaded_e[(c, p, found)] = loaded + tiers.load_s(found, c)
-                    if q + factor[c] * loaded < cost:
-                        p, e, cost = p + found * block, loaded, q + factor[c] * loaded
-                        self._tier_reuse[worker_id] = p
+            if tiers is not None and (
+                best_key is None or q + factor[c] * floor_e[c] <= best_key[0]
+            ):  # a run in the tiers, priced at its load (``_tier_price``)
+                found, e2 = self._tier_price(w, c, n, p, masks, in_tiers, runs, loaded_e)
+                if found and q + factor[c] * e2 < cost:
+                    p, e, cost = p + found * block, e2, q + factor[c] * e2
+                    self._tier_reuse[worker_id] = p
             if pull_cost is not None and matched_tokens > p:
                 pulled = times.get((c, matched_tokens))
                 if pulled is None:
@@ -320,6 +301,56 @@ class Scheduler(WorkerQueues):
         assert best_key is not None
         cost, q, c, worker_id = best_key
         return worker_id, c, reused, exec_s, q, cost, counted
+
+    def _tier_price(
+        self,
+        w: LatticeWorker,
+        c: int,
+        n: int,
+        p: int,
+        masks: Sequence[int],
+        in_tiers: int,
+        runs: dict[int, dict[int, int]],
+        loaded_e: dict[tuple[int, int, int, int], float],
+    ) -> tuple[int, float]:
+        """The blocks after the worker's ``p`` tokens that the tiers hold, and E of the
+        longer prefix plus their load: its host's run, or (``HostTiers.remote``) the
+        run with other hosts' blocks read over the network, whichever costs less
+        (0 blocks: none). ``masks``: per block, the hosts holding it; ``runs`` and
+        ``loaded_e``: this request's memos."""
+        tiers = self.tiers
+        assert tiers is not None
+        block = self._block()
+        host = tiers.host_of(w.first_device)
+        start, end, bit = p // block, len(masks), 1 << host
+        local = 0
+        if in_tiers & bit:
+            if p:  # (a worker's own start: its host's run alone)
+                d = start
+                while d < end and masks[d] & bit:
+                    d += 1
+                local = d - start
+            else:  # (most workers start at 0: every host's run in one sweep)
+                from_0 = runs.get(0)
+                if from_0 is None:
+                    from_0 = runs[0] = sweep(masks, 0, in_tiers)
+                local = from_0.get(host, 0)
+        anywhere = local
+        if tiers.remote:
+            d = start + local
+            while d < end and masks[d]:
+                d += 1
+            anywhere = d - start
+        best, best_e = 0, math.inf
+        for run, remote in ((local, 0), (anywhere, anywhere - local)):
+            if run and run > best:
+                e = loaded_e.get((c, p, run, remote))
+                if e is None:
+                    e = self.curves[c].time_s(n, p + run * block) + tiers.load_s(run, c, remote)
+                    loaded_e[(c, p, run, remote)] = e
+                if e < best_e:
+                    best, best_e = run, e
+        return best, best_e
 
     def _reserve(
         self, request: PlacementRequest, worker_id: int, exec_s: float, held_tokens: int = 0
