@@ -13,7 +13,9 @@ boundaries (multiples of 2.5 s), so no two events tie."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import math
 import random
 from pathlib import Path
 
@@ -94,6 +96,11 @@ PAPER_CACHE = CacheManagerConfig(
     theta_intra=3.0, theta_reclaim=0.5, theta_inter_s=0.05, priced=False, pull=False
 )
 PULLS = CacheManagerConfig(theta_intra=3.0, theta_reclaim=0.5, theta_inter_s=0.05)
+# The default manager with a host tier, on caches small enough that prefills evict:
+# the tier's demotions and loads must run alike (its copies take no time here: the
+# fake ranks model no bytes, so the profile's host link is infinitely fast).
+TIER = dataclasses.replace(PULLS, host_tier_bytes=256 * BLOCK * 2048)
+TIER_BLOCKS_PER_RANK = 48
 
 
 def serve_config(
@@ -109,6 +116,7 @@ def serve_config(
         },
     )
     profile.capacity = {1: {"kappa_s": 0.6}, 2: {"kappa_s": 0.8}}
+    profile.host_link = {"kv_bytes_per_token": 2048, "d2h_bytes_s": 1e300, "h2d_bytes_s": 1e300}
     path = tmp_path / "profile.json"
     profile.save(path)
     return ServeConfig(
@@ -116,7 +124,10 @@ def serve_config(
         # Room for every conversation's chain and its replicas: with 256 blocks a
         # replica is evicted before the quiet spell would reclaim it, and reclamation
         # ran only where placement had scattered a conversation over two workers.
-        engine=EngineConfig(block_size=BLOCK, kv_blocks_per_rank=1024),
+        engine=EngineConfig(
+            block_size=BLOCK,
+            kv_blocks_per_rank=TIER_BLOCKS_PER_RANK if cache.host_tier_bytes else 1024,
+        ),
         profile=str(path),
         policy=PolicyConfig(
             controller=controller,
@@ -179,17 +190,29 @@ def decisions_of(history: list[Decision]) -> list[tuple[object, ...]]:
             d.demand_s,
             d.capacity_s,
             d.long_fraction,
-            # the what-if controller's candidates and predictions (to 9 digits: the
-            # two clocks subtract their times in different orders)
+            # the what-if controller's candidates and predictions (within 1e-9 of
+            # each other, ``alike``: the two clocks subtract their times in different
+            # orders)
             rounded(d.inputs),
         )
         for d in history
     ]
 
 
+def alike(a: object, b: object) -> bool:
+    """Equal, floats within a relative 1e-9 (not rounded: two values either side of a
+    rounding boundary would differ in their last digit)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(alike(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
 def rounded(value: object) -> object:
+    """``value`` with its dicts as sorted tuples, for ``alike``."""
     if isinstance(value, float):
-        return float(f"{value:.9g}") if abs(value) > 1e-12 else 0.0
+        return value
     if isinstance(value, dict):
         return tuple(sorted((k, rounded(v)) for k, v in value.items()))
     if isinstance(value, list | tuple):
@@ -200,8 +223,13 @@ def rounded(value: object) -> object:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("controller", "burst_rate", "cache"),
-    [(WHATIF, 120.0, PAPER_CACHE), (RULES, 40.0, PAPER_CACHE), (WHATIF, 120.0, PULLS)],
-    ids=["whatif", "rules", "whatif-pulls"],
+    [
+        (WHATIF, 120.0, PAPER_CACHE),
+        (RULES, 40.0, PAPER_CACHE),
+        (WHATIF, 120.0, PULLS),
+        (WHATIF, 120.0, TIER),
+    ],
+    ids=["whatif", "rules", "whatif-pulls", "whatif-tier"],
 )
 def test_simulator_and_coordinator_place_and_decide_alike(
     tmp_path: Path, controller: ControllerConfig, burst_rate: float, cache: CacheManagerConfig
@@ -224,13 +252,21 @@ def test_simulator_and_coordinator_place_and_decide_alike(
     assert served == simulated
     # The simulator's last row is the window the run ended in (decided nothing).
     sim_history = sim.result.decisions[:-1]  # type: ignore[attr-defined]
-    assert decisions_of(coord_history) == decisions_of(sim_history)
+    coord_decisions, sim_decisions = decisions_of(coord_history), decisions_of(sim_history)
+    assert [d[:-1] for d in coord_decisions] == [d[:-1] for d in sim_decisions]
+    inputs = [(c[-1], s[-1]) for c, s in zip(coord_decisions, sim_decisions, strict=True)]
+    assert all(alike(c, s) for c, s in inputs), inputs
     # The slice exercised what it was written for.
     kinds = [op.kind for d in sim_history for op in d.ops]
     assert "split" in kinds and "merge" in kinds, kinds
     assert sum(c for _, _, c in simulated) > 0  # prefix reuse
     audit = sim.policy.cache.audit.kinds
-    if cache.pull:  # pulls ran, and every one served its request
+    if cache.host_tier_bytes:  # the tier demoted and loaded back, alike
+        tiers = sim.policy.tiers.stats
+        assert tiers.demoted_blocks > 0 and tiers.loaded_blocks > 0, tiers
+        assert coord.policy.tiers.stats == tiers
+        assert coord.tier is None  # (the fake ranks hold no KV: nothing to copy)
+    elif cache.pull:  # pulls ran, and every one served its request
         assert audit["pull"].copies > 0 and audit["pull"].wasted_blocks == 0
     else:  # the scan copied and reclaimed
         assert sim.copies > 0 and sim.reclaims > 0 and "pull" not in audit

@@ -38,6 +38,8 @@ from vertumnus.sim.time_model import TimeModel
 
 
 class FakeRanks:
+    holds_kv = False  # (no KV bytes: a host tier runs its policy, moves nothing)
+
     def __init__(
         self,
         world_size: int,

@@ -98,9 +98,13 @@ class Coordinator:
         except (PolicyError, LatticeError, ProfileError) as exc:
             raise ConfigError(f"{exc}") from exc
         tiers = self.policy.tiers
-        host_tier.check(tiers, cfg.policy.cache.host_tier_bytes, cfg.engine, cfg.ranks, ranks)
-        # The host tier's bytes (``runtime/kv/host_tier.py``), made at ``start``
-        self.tier = HostTierStore(tiers, cfg.ranks) if tiers.enabled else None
+        # The host tier's bytes (``runtime/kv/host_tier.py``), made at ``start``;
+        # ranks that hold no KV (``holds_kv`` False: the parity test's fakes) run the
+        # tier's policy with no bytes to move.
+        holds_kv = getattr(ranks, "holds_kv", True)
+        if holds_kv:
+            host_tier.check(tiers, cfg.policy.cache.host_tier_bytes, cfg.engine, cfg.ranks, ranks)
+        self.tier = HostTierStore(tiers, cfg.ranks) if tiers.enabled and holds_kv else None
         period_s = cfg.policy.controller.period_s
         self.metrics = Metrics(
             cfg.timeline_s, cfg.timeline_samples, clock(), period_s, model_name=cfg.model

@@ -2,17 +2,16 @@
 "The host tier").
 
 A block a rank evicts is *demoted* to its host's tier: written back from the device
-(device-to-host bandwidth, on the host's own copy lane, beside the prefill that evicted
-it, never ahead of it) into a tier slot, where it is loadable once the write is done.
-The tier keeps whole blocks by id (ids are chained hashes: an id names its whole
+(device-to-host bandwidth, on the host's own copy lane, before the prefill that
+evicted it writes its slot) into a tier slot, where it is loadable once the write is
+done. The tier keeps whole blocks by id (ids are chained hashes: an id names its whole
 prefix), evicts by LRU, and refreshes a block whenever a request on that host reuses
-it, from either tier. A prefix run the worker lacks on its ranks but finds in its
-host's tier is *loaded back* (host-to-device; block j goes to CP rank j % C, so each
-rank loads its own blocks and the ranks load at once) when that costs less than
-computing it. The load runs on the worker before its prefill; the copy stays in the
-tier. A prefix in another host's tier is not used: a network read would compete with
-the pool's own copies for the links (``policy/lanes.py``), and the trie's pulls
-already move prefixes between hosts' devices.
+it, from either tier. A prefix run the worker lacks on its ranks but finds in the
+tiers is *loaded* (host-to-device from its own host's tier, over the network from
+another host's where the pool has one, ``HostLink.net_bytes_s``; block j goes to CP
+rank j % C, so each rank loads its own blocks and the ranks load at once) when that
+costs less than computing it. The load runs on the worker before its prefill; the
+copy stays in the tier.
 
 The bound (``bound = True``): one tier for the whole pool, of unbounded size, into
 which every committed block is written as well: every prefix ever seen is reusable at
