@@ -154,23 +154,27 @@ def markdown(table: list[dict[str, Any]]) -> str:
 
 
 def verdicts(table: list[dict[str, Any]]) -> list[str]:
-    """The targets missed, worst first."""
-    misses: list[tuple[float, str]] = []
+    """The targets missed: harm first (the tier worse than none), then hit rates short
+    of the bound, then headroom not captured; each the worst first."""
+    worse: list[tuple[float, str]] = []
+    short: list[tuple[float, str]] = []
+    uncaptured: list[tuple[float, str]] = []
     for r in table:
         if r["overloaded"]:
             continue
         rate = "–" if r["rate"] is None else f"×{r['rate']:g}"
         where = f"{r['experiment']} {rate}"
-        worse = max(r["mean_change"], r["p90_change"])
-        if worse > 0.01:
-            misses.append((worse, f"{where}: tier worse by {100 * worse:.1f} % (mean or P90)"))
+        change = max(r["mean_change"], r["p90_change"])
+        if change > 0.01:
+            worse.append((change, f"{where}: tier worse by {100 * change:.1f} % (mean or P90)"))
         gap = r["hit"]["bound"] - r["hit"]["tier"]
         if gap > 0.05:
-            misses.append((gap, f"{where}: hit rate {100 * gap:.1f} points below the bound"))
+            short.append((gap, f"{where}: hit rate {100 * gap:.1f} points below the bound"))
         headroom = r["mean"]["no tier"] - r["mean"]["bound"]
         if headroom > 0.01 * r["mean"]["no tier"] and (r["captured"] or 0) < 0.5:
-            misses.append((1 - (r["captured"] or 0), f"{where}: captured {r['captured']:.0%}"))
-    return [text for _, text in sorted(misses, reverse=True)]
+            captured = r["captured"] or 0
+            uncaptured.append((-captured, f"{where}: captured {captured:.0%}"))
+    return [text for group in (worse, short, uncaptured) for _, text in sorted(group, reverse=True)]
 
 
 def main() -> None:
