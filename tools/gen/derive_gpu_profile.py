@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from vertumnus.perfmodel import DegreeCoeffs, Profile
+from vertumnus.policy.cache.host_tier import DEFAULT_D2H_BYTES_S, DEFAULT_H2D_BYTES_S
 
 # Qwen3-30B-A3B (config.json of Qwen/Qwen3-30B-A3B).
 LAYERS = 48
@@ -160,6 +161,15 @@ def main() -> None:
             },
         },
     )
+    # The host KV tier's link: documented, not measured (docs/gpu-profile.md)
+    profile.host_link = {
+        "kv_bytes_per_token": int(facts["kv_bytes_per_token"]),
+        "d2h_bytes_s": DEFAULT_D2H_BYTES_S,
+        "h2d_bytes_s": DEFAULT_H2D_BYTES_S,
+        "source": "documented, not measured: H100 SXM on PCIe Gen5 x16 with pinned host "
+        "memory, about 50 GB/s each way per GPU (docs/gpu-profile.md); the device check "
+        "measures it",
+    }
     table = speedups(profile)
     profile.provenance["predicted_speedup"] = {
         str(c): {str(n): round(v, 3) for n, v in row.items()} for c, row in table.items()
