@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import math
-import random
 from pathlib import Path
 
 import pytest
 
 from support.fake_ranks import FakeRanks
+from support.traces import write_trace
 from support.virtual_time import run_virtual
 from vertumnus import loadgen
 from vertumnus.blocks import block_ids
@@ -43,44 +42,6 @@ from vertumnus.sim.workload import SimRequest
 BLOCK = 16
 LENGTH_SCALE = 0.5  # a 512-token trace block is 256 tokens, 16 engine blocks
 OFFSET_S = 3e-4
-
-
-def write_trace(path: Path, seed: int = 5, burst_rate: float = 30.0) -> None:
-    """A burst (10 s at ``burst_rate`` req/s) then a quiet spell (40 s at 2 req/s) of turns of 40
-    conversations; every request starts with the shared block 0, then its
-    conversation so far (every earlier turn), then its own new blocks (512 tokens
-    each, as Mooncake)."""
-    rng = random.Random(seed)
-    sessions: list[list[int]] = [[] for _ in range(40)]
-    weights = [1.0 / (k + 1) for k in range(len(sessions))]
-    next_block = 1
-    t, lines = 0.0, []
-    for duration, rate in ((10.0, burst_rate), (40.0, 2.0)):
-        end = t + duration
-        while True:
-            t += rng.expovariate(rate)
-            if t >= end:
-                t = end
-                break
-            s = rng.choices(range(len(sessions)), weights)[0]
-            if len(sessions[s]) > 12:
-                sessions[s] = []  # the conversation ends; a new one takes its place
-            new = list(range(next_block, next_block + rng.randint(1, 3)))
-            next_block += len(new)
-            hashes = [0, *sessions[s], *new]
-            sessions[s] += new
-            length = 512 * len(hashes) - rng.randrange(512)
-            lines.append(
-                json.dumps(
-                    {
-                        "timestamp": round(t * 1000),
-                        "hash_ids": hashes,
-                        "input_length": length,
-                        "output_length": 1,
-                    }
-                )
-            )
-    path.write_text("\n".join(lines) + "\n")
 
 
 # The what-if controller, on this short slice: decisions as often as the rules'

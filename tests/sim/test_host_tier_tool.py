@@ -1,14 +1,14 @@
 """``tools/experiments/host_tier.py``: an experiment's three variants (no tier, tier,
-bound) on its composition, the table and the verdicts (a tiny generated workload
-whose caches are too small for its conversations)."""
+bound) on its composition, the table and the verdicts (a tiny conversation
+trace whose conversations overflow the caches)."""
 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 from support.tools import load_tool
+from support.traces import write_trace
 
 CONFIG = """
 [experiment]
@@ -33,35 +33,9 @@ seed = 3
 """
 
 
-def write_trace(path: Path, seed: int = 3) -> None:
-    """Turns of 30 conversations over 60 s at 4 req/s, each turn its conversation so
-    far plus 1-3 new blocks of 512 tokens (Mooncake's): more than 2CP4's 64 blocks."""
-    rng = random.Random(seed)
-    sessions: list[list[int]] = [[] for _ in range(30)]
-    lines, t, next_block = [], 0.0, 1
-    while (t := t + rng.expovariate(4.0)) < 60.0:
-        s = rng.randrange(len(sessions))
-        new = list(range(next_block, next_block + rng.randint(1, 3)))
-        next_block += len(new)
-        sessions[s] += new
-        hashes = list(sessions[s])
-        length = 512 * len(hashes) - rng.randrange(512)
-        lines.append(
-            json.dumps(
-                {
-                    "timestamp": round(t * 1000),
-                    "hash_ids": hashes,
-                    "input_length": length,
-                    "output_length": 1,
-                }
-            )
-        )
-    path.write_text("\n".join(lines) + "\n")
-
-
 def test_three_variants_on_the_fixed_composition(tmp_path: Path) -> None:
     tool = load_tool("experiments/host_tier.py")
-    write_trace(tmp_path / "trace.jsonl")
+    write_trace(tmp_path / "trace.jsonl", seed=3)  # (more conversations than 2CP4 holds)
     config = tmp_path / "tiny.toml"
     config.write_text(CONFIG.replace("TRACE", str(tmp_path / "trace.jsonl")))
     folder = tool.run_one(config, 10**12, tmp_path / "out")

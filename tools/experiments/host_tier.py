@@ -126,6 +126,11 @@ def rows(folder: Path) -> list[dict[str, Any]]:
     return out
 
 
+def trio(values: dict[str, float | None]) -> str:
+    """A figure of the three variants, no tier / tier / bound ("–": none)."""
+    return " / ".join("–" if values[k] is None else f"{values[k]:.3f}" for k in ROLES)
+
+
 def _gb(x: float | None) -> str:
     return "–" if x is None else f"{x / 1e9:,.0f} GB"
 
@@ -138,9 +143,7 @@ def markdown(table: list[dict[str, Any]]) -> str:
     ]
     for r in table:
         rate = "–" if r["rate"] is None else f"×{r['rate']:g}"
-        hit = " / ".join(f"{r['hit'][k]:.3f}" for k in ROLES)
-        mean = " / ".join(f"{r['mean'][k]:.3f}" for k in ROLES)
-        p90 = " / ".join(f"{r['p90'][k]:.3f}" for k in ROLES)
+        hit, mean, p90 = trio(r["hit"]), trio(r["mean"]), trio(r["p90"])
         change = f"{100 * r['mean_change']:+.1f} / {100 * r['p90_change']:+.1f} %"
         captured = "–" if r["captured"] is None else f"{100 * r['captured']:.0f} %"
         if r["overloaded"]:

@@ -28,9 +28,8 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import robustness
+from host_tier import ROLES, trio
 from vertumnus.sim import scenarios
-
-ROLES = ("no tier", "tier", "bound")
 
 
 def run_seed(seed: int, tier_bytes: int, duration_scale: float) -> dict[str, Any]:
@@ -69,10 +68,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "| ---: | --- | ---: | --- | --- | --- | --- | ---: |",
     ]
     for r in rows:
-        hit = " / ".join("–" if r["hit"][k] is None else f"{r['hit'][k]:.3f}" for k in ROLES)
+        hit, mean, p90 = trio(r["hit"]), trio(r["mean"]), trio(r["p90"])
         captured = "–" if r["captured"] is None else f"{100 * r['captured']:.0f} %"
-        mean = " / ".join(f"{r['mean'][k]:.3f}" for k in ROLES)
-        p90 = " / ".join(f"{r['p90'][k]:.3f}" for k in ROLES)
         lines.append(
             f"| {r['seed']} | {r['family']}, {r['shape']} | {r['load']:.2f} "
             f"| {mean} | {p90} "

@@ -130,14 +130,9 @@ class Prefills:
         own = tiers.host_of(first_device)
         local = next((i for i, h in enumerate(sources) if h != own), len(sources))
         b, n, curve = self.block_tokens, request.input_tokens, self.curves[degree]
-        best, best_s, best_run = curve.time_s(n, held * b), 0.0, 0
-        for run, remote in ((local, 0), (len(sources), sum(h != own for h in sources))):
-            if run > best_run:
-                load_s = tiers.load_s(run, degree, remote)
-                total = curve.time_s(n, (held + run) * b) + load_s
-                if total < best:
-                    best, best_s, best_run = total, load_s, run
-        if not best_run:
+        options = ((local, 0), (len(sources), sum(h != own for h in sources)))
+        best_run, total, best_s = tiers.cheapest(curve, n, held * b, b, degree, options)
+        if not best_run or total >= curve.time_s(n, held * b):
             return [], 0.0
         lease.loaded = best_run
         targets = [(loc.block_id, loc.rank, loc.slot) for loc in lease.new[:best_run]]

@@ -55,7 +55,8 @@ from vertumnus.runtime.health import Health
 from vertumnus.runtime.kv import host_tier
 from vertumnus.runtime.kv.copies import CopyRuns, KVCopier
 from vertumnus.runtime.kv.handoffs import Handoffs
-from vertumnus.runtime.kv.host_tier import HostTierStore, served_block_bytes
+from vertumnus.runtime.kv.host_tier import HostTierStore
+from vertumnus.runtime.kv.segments import served_block_bytes
 from vertumnus.runtime.metrics import Metrics
 from vertumnus.runtime.periodic import Periodic
 from vertumnus.runtime.prompt_logprobs import check_top_k

@@ -12,8 +12,9 @@ from support.factories import BLOCK_SIZE, make_profile
 from support.policy import CACHE_COEFFS, KAPPA_S
 from vertumnus.blocks import block_ids
 from vertumnus.perfmodel import Profile, ProfileError
-from vertumnus.policy.cache.host_tier import HostLink, HostTier, HostTiers, TierStats
+from vertumnus.policy.cache.host_tier import HostLink, HostTiers
 from vertumnus.policy.cache.plans import CacheManagerConfig
+from vertumnus.policy.cache.tier_lru import HostTier, TierStats, sweep
 from vertumnus.policy.lattice import LatticeConfig
 from vertumnus.policy.placement.scheduler import PlacementRequest
 from vertumnus.policy.pool_config import PolicyConfig, PolicyError, PoolSpec
@@ -89,11 +90,11 @@ def test_demotions_queue_on_the_device_to_host_lane_and_load_when_written() -> N
     assert tiers.run(0, ids, 0, 2, now=7.0) == 2
     assert tiers.run(2, ids, 0, 2, now=7.0) == 0  # another host's tier: not used
     assert tiers.demote(0, [(7, 0, 1)], now=8.0) == []  # held already: refreshed only
-    assert tiers.hosts_holding([5, 6, 7], 3) == 0b1 and tiers.hosts_holding([5], 1) == 0
+    assert tiers.holding([5, 6, 7], 3)[0] == 0b1 and tiers.holding([5], 1)[0] == 0
     tiers.demote(2, [(6, 0, 0)], now=8.0)  # host 1 holds 6 as well
-    assert tiers.hosts_holding([6], 1) == 0b11
-    assert tiers.runs_from([6, 7, 5], 0, 3, 0b11) == {0: 2, 1: 1}
-    assert tiers.runs_from([6, 7, 5], 1, 3, 0b11) == {0: 1, 1: 0}
+    assert tiers.holding([6], 1)[0] == 0b11
+    assert sweep(tiers.holding([6, 7, 5], 3)[1], 0, 0b11) == {0: 2, 1: 1}
+    assert sweep(tiers.holding([6, 7, 5], 3)[1], 1, 0b11) == {0: 1, 1: 0}
     # Each rank of a degree-C worker loads its own blocks, at once.
     assert tiers.load_s(5, 2) == pytest.approx(3 * BLOCK_BYTES / 2e6)
 
@@ -102,7 +103,7 @@ def test_no_tier_when_not_asked_or_smaller_than_a_block() -> None:
     assert not HostTiers(0, None).enabled
     small = HostTiers(2 * BLOCK_BYTES, HostLink(BLOCK_BYTES))
     small.demote(0, [(1, 0, 0), (2, 0, 1), (3, 0, 2)], now=0.0)  # 1 is evicted for 3
-    assert small.hosts_holding([1], 1) == 0 and small.hosts_holding([3], 1) == 1
+    assert small.holding([1], 1)[0] == 0 and small.holding([3], 1)[0] == 1
     assert not HostTiers(BLOCK_BYTES - 1, HostLink(BLOCK_BYTES)).enabled
     assert HostTiers(BLOCK_BYTES, HostLink(BLOCK_BYTES)).capacity_blocks == 1
 

@@ -25,9 +25,11 @@ prefill loads what (``policy/prefills.py``), placement's prices (``scheduler``).
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from vertumnus.policy.cache.tier_lru import HostTier, TierStats
+from vertumnus.policy.costs import ReuseCurve
 
 # Documented defaults where a profile has no measured host link: H100 SXM on PCIe
 # Gen5 x16, pinned host memory, about 50 GB/s each way per GPU (docs/gpu-profile.md).
@@ -79,87 +81,6 @@ class Load:
     slot: int
 
 
-@dataclass
-class TierStats:
-    """Totals since the start, for ``/metrics``, the dashboard and the simulator."""
-
-    demoted_blocks: int = 0
-    loaded_blocks: int = 0
-    remote_blocks: int = 0  # of loaded_blocks, read from another host's tier
-    evicted_blocks: int = 0
-    refused_blocks: int = 0  # not demoted: the tier had no room it could free
-    d2h_busy_s: float = 0.0
-    h2d_s: float = 0.0  # load-back seconds charged to workers
-    peak_blocks: int = 0
-
-
-@dataclass
-class _Entry:
-    slot: int
-    ready_s: float  # loadable from then on (its write-back is done)
-
-
-@dataclass
-class HostTier:
-    """One host's tier: ``capacity`` slots (None: unbounded), LRU order."""
-
-    capacity: int | None
-    _entries: OrderedDict[int, _Entry] = field(default_factory=OrderedDict)
-    _free: list[int] = field(default_factory=list)
-    _next_slot: int = 0
-    lane_free_s: float = 0.0  # the device-to-host lane is busy until then
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, block_id: int) -> bool:
-        return block_id in self._entries
-
-    def slot_of(self, block_id: int) -> int | None:
-        entry = self._entries.get(block_id)
-        return None if entry is None else entry.slot
-
-    def ready(self, block_id: int, now: float) -> bool:
-        entry = self._entries.get(block_id)
-        return entry is not None and entry.ready_s <= now
-
-    def touch(self, block_ids: Iterable[int]) -> None:
-        """Most recently used, in the order given (pass a prefix deepest first, so that
-        its root end is the newest and its leaves go first)."""
-        entries = self._entries
-        for bid in block_ids:
-            if bid in entries:
-                entries.move_to_end(bid)
-
-    def insert(
-        self, block_id: int, ready_s: float, stats: TierStats
-    ) -> tuple[int | None, int | None]:
-        """A slot for ``block_id`` (None: held already, or no room), and the block
-        evicted for it (the least recently used), if one was."""
-        entry = self._entries.get(block_id)
-        if entry is not None:
-            self._entries.move_to_end(block_id)
-            return None, None
-        evicted = None
-        if self._free:
-            slot = self._free.pop()
-        elif self.capacity is None or self._next_slot < self.capacity:
-            slot, self._next_slot = self._next_slot, self._next_slot + 1
-        elif self._entries:
-            evicted, old = self._entries.popitem(last=False)
-            slot = old.slot
-            stats.evicted_blocks += 1
-        else:
-            return None, None
-        self._entries[block_id] = _Entry(slot, ready_s)
-        stats.peak_blocks = max(stats.peak_blocks, len(self._entries))
-        return slot, evicted
-
-    def blocks(self) -> dict[int, int]:
-        """Block id -> tier slot of every block held (LRU first)."""
-        return {bid: e.slot for bid, e in self._entries.items()}
-
-
 class HostTiers:
     """Every host's tier, the link's prices, and the statistics."""
 
@@ -207,6 +128,29 @@ class HostTiers:
             seconds += math.ceil(remote / cp_degree) * link.block_bytes / link.net_bytes_s
         return seconds
 
+    def cheapest(
+        self,
+        curve: ReuseCurve,
+        n: int,
+        p: int,
+        block: int,
+        cp_degree: int,
+        options: Iterable[tuple[int, int]],
+    ) -> tuple[int, float, float]:
+        """Of the runs ``options`` offers after ``p`` reused tokens, each (blocks,
+        of them read from another host), the one whose prefill plus load costs least:
+        (its blocks, E of the longer prefix plus the load, the load's seconds); (0, inf,
+        0) when none has blocks. A run is loaded whole: the cost is concave in its
+        length."""
+        best = (0, math.inf, 0.0)
+        for run, remote in options:
+            if run > best[0]:
+                load_s = self.load_s(run, cp_degree, remote)
+                e = curve.time_s(n, p + run * block) + load_s
+                if e < best[1]:
+                    best = (run, e, load_s)
+        return best
+
     def holding(self, block_ids: Sequence[int], usable: int) -> tuple[int, list[int]]:
         """Per block of the first ``usable``, the bit set of the hosts whose tier
         holds it, and their union (placement prices only those hosts' workers)."""
@@ -218,17 +162,6 @@ class HostTiers:
         for m in masks:
             hosts |= m
         return hosts, masks
-
-    def hosts_holding(self, block_ids: Sequence[int], usable: int) -> int:
-        """The bit set of the hosts whose tier holds any of the first ``usable`` blocks."""
-        return self.holding(block_ids, usable)[0]
-
-    def runs_from(
-        self, block_ids: Sequence[int], start: int, usable: int, hosts: int
-    ) -> dict[int, int]:
-        """Host -> the run of ``block_ids`` from depth ``start`` (below ``usable``) its
-        tier holds, for the hosts of the bit set ``hosts`` (``sweep``)."""
-        return sweep(self.holding(block_ids, usable)[1], start, hosts)
 
     def run(
         self, first_device: int, block_ids: Sequence[int], start: int, usable: int, now: float
@@ -316,14 +249,14 @@ class HostTiers:
         first_device: int,
         targets: Sequence[tuple[int, int, int]],
         cp_degree: int,
-        sources: Sequence[int] | None = None,
+        sources: Sequence[int],
     ) -> list[Load]:
-        """Load (id, rank, slot) blocks from the tiers ``sources`` names (default: the
-        worker's host's, a run that ``run`` found); refreshes them there."""
+        """Load (id, rank, slot) blocks from the tiers ``sources`` names, host by host
+        (``sources``' run); refreshes them there."""
         if not targets:
             return []
         own = self.host_of(first_device)
-        hosts = list(sources) if sources is not None else [own] * len(targets)
+        hosts = list(sources)
         loads = []
         for (bid, rank, slot), host in zip(targets, hosts, strict=True):
             tier_slot = self.tier(host).slot_of(bid)
@@ -392,26 +325,3 @@ class HostTiers:
             "d2h_busy_s": s.d2h_busy_s,
             "h2d_s": s.h2d_s,
         }
-
-
-def sweep(masks: Sequence[int], start: int, hosts: int) -> dict[int, int]:
-    """Host -> its run of consecutive blocks from depth ``start``, for the hosts of the
-    bit set ``hosts``, where ``masks[d]`` is the bit set of the hosts holding block d:
-    one pass, ended when no host's run goes on. Placement's price: a block still being
-    written back counts (it is written before a prefill placed now starts, but on an
-    idle worker, whose start checks it: ``HostTiers.run``)."""
-    alive, runs, d, end = hosts, {}, start, len(masks)
-    while alive and d < end:
-        holding = masks[d]
-        gone = alive & ~holding
-        while gone:
-            low = gone & -gone
-            runs[low.bit_length() - 1] = d - start
-            gone ^= low
-        alive &= holding
-        d += 1
-    while alive:
-        low = alive & -alive
-        runs[low.bit_length() - 1] = d - start
-        alive ^= low
-    return runs

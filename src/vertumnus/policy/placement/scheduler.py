@@ -56,9 +56,10 @@ from dataclasses import dataclass, field
 from vertumnus.blocks import max_reuse_blocks
 from vertumnus.perfmodel import DegreeCoeffs
 from vertumnus.policy.cache.coming import coming_run
-from vertumnus.policy.cache.host_tier import HostTiers, sweep
+from vertumnus.policy.cache.host_tier import HostTiers
 from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.cache.plans import RequestUpdate
+from vertumnus.policy.cache.tier_lru import sweep
 from vertumnus.policy.cache.trie import Node
 from vertumnus.policy.costs import CostWeights, reuse_curves
 from vertumnus.policy.lattice import Lattice, LatticeWorker, WorkerState
@@ -251,11 +252,12 @@ class Scheduler(WorkerQueues):
         best_key: tuple[float, float, int, int] | None = None
         reused = counted = 0
         tiers = self.tiers if self.tiers is not None and self.tiers.enabled and ids else None
-        runs: dict[int, dict[int, int]] = {}  # first depth -> host -> its tier's run
+        from_0: dict[int, int] = {}  # host -> its tier's run from depth 0 (made once)
         in_tiers, masks = (0, []) if tiers is None else tiers.holding(ids, usable)
         if not in_tiers:  # (no host's tier holds any of it)
             tiers = None
-        loaded_e: dict[tuple[int, int, int, int], float] = {}  # (C, P, run, remote) -> E
+        # (C, P, own host's run, the run with other hosts') -> (blocks loaded, E + load)
+        loaded_e: dict[tuple[int, int, int, int], tuple[int, float]] = {}
         floor_e: dict[int, float] = {}  # E at the longest reuse: a bound on a load's worth
         if tiers is not None:
             floor_e = {c: curve.time_s(n, usable * block) for c, curve in self.curves.items()}
@@ -279,7 +281,7 @@ class Scheduler(WorkerQueues):
             if tiers is not None and (
                 best_key is None or q + factor[c] * floor_e[c] <= best_key[0]
             ):  # a run in the tiers, priced at its load (``_tier_price``)
-                found, e2 = self._tier_price(w, c, n, p, masks, in_tiers, runs, loaded_e)
+                found, e2 = self._tier_price(w, c, n, p, masks, in_tiers, from_0, loaded_e)
                 if found and q + factor[c] * e2 < cost:
                     p, e, cost = p + found * block, e2, q + factor[c] * e2
                     self._tier_reuse[worker_id] = p
@@ -310,14 +312,14 @@ class Scheduler(WorkerQueues):
         p: int,
         masks: Sequence[int],
         in_tiers: int,
-        runs: dict[int, dict[int, int]],
-        loaded_e: dict[tuple[int, int, int, int], float],
+        from_0: dict[int, int],
+        loaded_e: dict[tuple[int, int, int, int], tuple[int, float]],
     ) -> tuple[int, float]:
         """The blocks after the worker's ``p`` tokens that the tiers hold, and E of the
         longer prefix plus their load: its host's run, or (``HostTiers.remote``) the
         run with other hosts' blocks read over the network, whichever costs less
-        (0 blocks: none). ``masks``: per block, the hosts holding it; ``runs`` and
-        ``loaded_e``: this request's memos."""
+        (0 blocks: none). ``masks``: per block, the hosts holding it; ``from_0`` (every
+        host's run from depth 0, one sweep) and ``loaded_e``: this request's memos."""
         tiers = self.tiers
         assert tiers is not None
         block = self._block()
@@ -331,9 +333,8 @@ class Scheduler(WorkerQueues):
                     d += 1
                 local = d - start
             else:  # (most workers start at 0: every host's run in one sweep)
-                from_0 = runs.get(0)
-                if from_0 is None:
-                    from_0 = runs[0] = sweep(masks, 0, in_tiers)
+                if not from_0:
+                    from_0.update(sweep(masks, 0, in_tiers))
                 local = from_0.get(host, 0)
         anywhere = local
         if tiers.remote:
@@ -341,16 +342,13 @@ class Scheduler(WorkerQueues):
             while d < end and masks[d]:
                 d += 1
             anywhere = d - start
-        best, best_e = 0, math.inf
-        for run, remote in ((local, 0), (anywhere, anywhere - local)):
-            if run and run > best:
-                e = loaded_e.get((c, p, run, remote))
-                if e is None:
-                    e = self.curves[c].time_s(n, p + run * block) + tiers.load_s(run, c, remote)
-                    loaded_e[(c, p, run, remote)] = e
-                if e < best_e:
-                    best, best_e = run, e
-        return best, best_e
+        key = (c, p, local, anywhere)
+        priced = loaded_e.get(key)
+        if priced is None:
+            options = ((local, 0), (anywhere, anywhere - local))
+            run, e, _ = tiers.cheapest(self.curves[c], n, p, block, c, options)
+            priced = loaded_e[key] = (run, e)
+        return priced
 
     def _reserve(
         self, request: PlacementRequest, worker_id: int, exec_s: float, held_tokens: int = 0

@@ -32,9 +32,8 @@ import structlog
 import torch
 from torch import Tensor
 
-from vertumnus.config import ConfigError, EngineConfig, ModelConfig
+from vertumnus.config import ConfigError, EngineConfig
 from vertumnus.engine.rank import resolve_device
-from vertumnus.engine.weights import resolve_dtype
 from vertumnus.policy.cache.host_tier import Demotion, HostTiers, Load
 from vertumnus.runtime.kv import segments
 from vertumnus.runtime.ranks import ChildRanks, Ranks
@@ -42,21 +41,6 @@ from vertumnus.runtime.ranks import ChildRanks, Ranks
 log = structlog.get_logger("vertumnus")
 
 KEY = "[cache] host_tier_bytes"
-
-
-def kv_dtype(engine: EngineConfig) -> torch.dtype:
-    """The dtype the ranks keep their KV in (CUDA asked for and absent: CUDA's)."""
-    try:
-        device = resolve_device(engine, 0)
-    except RuntimeError:
-        device = torch.device("cuda")
-    return resolve_dtype(engine.dtype, device)
-
-
-def served_block_bytes(model: ModelConfig, engine: EngineConfig) -> int:
-    """The bytes of one KV block of one rank's store: K and V of every layer for
-    ``block_size`` tokens, at the ranks' dtype (``PoolSpec.block_bytes``)."""
-    return model.kv_bytes(kv_dtype(engine).itemsize) * engine.block_size
 
 
 def check(

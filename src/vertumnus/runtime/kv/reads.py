@@ -25,9 +25,8 @@ from torch import Tensor
 
 from vertumnus.config import EngineConfig, ModelConfig
 from vertumnus.engine.messages import KVData, KVRead, KVSend, RankFailed
-from vertumnus.engine.rank import resolve_device
-from vertumnus.engine.weights import resolve_dtype
 from vertumnus.policy.cache.index import BlockLocation
+from vertumnus.runtime.kv.segments import kv_dtype, served_block_bytes
 from vertumnus.runtime.ranks import ChildRanks, Ranks, RanksError
 
 CHUNK_BYTES = 8 << 20  # KV read from the ranks per chunk of the stream (at least a block)
@@ -59,13 +58,11 @@ class KVReads:
     def kv_dtype(self) -> torch.dtype:
         """The dtype the ranks keep their KV in."""
         if self._dtype is None:
-            engine = self.engine
-            self._dtype = resolve_dtype(engine.dtype, resolve_device(engine, 0))
+            self._dtype = kv_dtype(self.engine)
         return self._dtype
 
     def block_bytes(self) -> int:
-        cfg, block = self.model, self.engine.block_size
-        return cfg.kv_bytes(self.kv_dtype.itemsize) * block
+        return served_block_bytes(self.model, self.engine)
 
     def give_back(self, read: asyncio.Future[tuple[int, Any, Any]]) -> None:
         """A read's segment back (a done callback of a read nobody will write)."""

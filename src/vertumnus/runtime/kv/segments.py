@@ -51,6 +51,21 @@ def free_shared_bytes() -> int | None:
     return st.f_bavail * st.f_frsize
 
 
+def kv_dtype(engine: EngineConfig) -> torch.dtype:
+    """The dtype the ranks keep their KV in (CUDA asked for and absent: CUDA's)."""
+    try:
+        device = resolve_device(engine, 0)
+    except RuntimeError:
+        device = torch.device("cuda")
+    return resolve_dtype(engine.dtype, device)
+
+
+def served_block_bytes(model: ModelConfig, engine: EngineConfig) -> int:
+    """The bytes of one KV block of one rank's store: K and V of every layer for
+    ``block_size`` tokens, at the ranks' dtype (``PoolSpec.block_bytes``)."""
+    return model.kv_bytes(kv_dtype(engine).itemsize) * engine.block_size
+
+
 class KVSegments:
     def __init__(self, model: ModelConfig, engine: EngineConfig) -> None:
         self.engine = engine
