@@ -11,6 +11,7 @@ import pytest
 from vertumnus.__main__ import main
 from vertumnus.config import ConfigError
 from vertumnus.config.pool import PoolConfig
+from vertumnus.engine.weights import cpu_computes_bf16
 from vertumnus.runtime import serve_config
 from vertumnus.sim import config as sim_config
 
@@ -99,12 +100,17 @@ def test_presets_name_the_three_choices_for_both_commands(tmp_path: Path) -> Non
 
 def test_the_embedded_defaults_of_each_command(tmp_path: Path) -> None:
     served = serve_config.load(None)
+    # The shipped profile measured in the dtype the CPU ranks compute in.
+    profile = "tiny-cpu-bf16" if cpu_computes_bf16() else "tiny-cpu"
     assert (served.model, served.ranks, served.layout, served.profile) == (
         "tiny",
         2,
         (1, 1),
-        "tiny-cpu",
+        profile,
     )
+    fp32_file = tmp_path / "fp32.toml"
+    fp32_file.write_text('[engine]\ndtype = "float32"\n')
+    assert serve_config.load(fp32_file).profile == "tiny-cpu"
     assert served.policy.controller.window_s == 10.0
     raw = {"workload": {"phases": [{"duration_s": 5, "rate": 2.0}]}}
     simulated = sim_config.load(None, {}, raw=raw)

@@ -102,6 +102,8 @@ def test_prefill_prints_json_and_dumps_logits(tmp_path: Path) -> None:
     result = one_json_object(
         run_cli(
             "prefill",
+            "--dtype",
+            "float32",
             "--model",
             "tiny",
             "--cp",
@@ -155,6 +157,8 @@ def test_tokens_file_matches_the_api(tmp_path: Path) -> None:
     result = one_json_object(
         run_cli(
             "prefill",
+            "--dtype",
+            "float32",
             "--model",
             "tiny",
             "--cp",
@@ -187,6 +191,8 @@ def test_model_folder(checkpoint: Checkpoint, tmp_path: Path) -> None:
     result = one_json_object(
         run_cli(
             "prefill",
+            "--dtype",
+            "float32",
             "--model",
             str(checkpoint.model_dir),
             "--cp",
@@ -408,6 +414,8 @@ def test_profile_then_fit_round_trip(tmp_path: Path) -> None:
         str(samples),
         "--plot",
         str(tmp_path / "fit.png"),
+        "--dtype",
+        "float32",
     ]
     result = run_cli(*args, timeout_s=170)
     assert result.returncode == 0, result.stderr
@@ -417,6 +425,7 @@ def test_profile_then_fit_round_trip(tmp_path: Path) -> None:
     assert set(profile["degrees"]["2"]) == {"d", "a", "b", "c", "alpha"}
     assert profile["model"] == "tiny" and profile["block_size"] == 16
     assert set(profile["provenance"]["mape_held_out"]) == {"1", "2"}
+    assert profile["provenance"]["dtype"] == "float32"
     # The host link, measured on the ranks' device once they are closed.
     link = profile["host_link"]
     assert link["kv_bytes_per_token"] == 2048 and link["source"].startswith("measured by")

@@ -96,7 +96,7 @@ def test_the_installed_package_runs_its_commands_from_anywhere(
         ).stdout
     )
 
-    out = run(installed, elsewhere, "prefill", "--model", "tiny", "--cp", "2",
+    out = run(installed, elsewhere, "prefill", "--model", "tiny", "--cp", "2", "--dtype", "float32",
               "--prompt-len", "512", "--check")  # fmt: skip
     prefill = json.loads(out)
     assert prefill["cp_degree"] == 2 and prefill["max_abs_diff"] < 1e-4

@@ -161,6 +161,8 @@ def test_prefill_command_reports_expert_tokens() -> None:
             "-m",
             "vertumnus",
             "prefill",
+            "--dtype",
+            "float32",
             "--model",
             "tiny-moe",
             "--cp",

@@ -28,7 +28,7 @@ def test_the_tiny_model_on_the_cpu_gets_positive_bandwidths_and_its_kv_bytes(
             made.append(self.name)
 
     monkeypatch.setattr(host_link, "SharedMemory", Recorded)
-    link = measure_host_link(TINY, EngineConfig(device="cpu"), **SMALL)
+    link = measure_host_link(TINY, EngineConfig(device="cpu", dtype="float32"), **SMALL)
     assert set(link) == {"kv_bytes_per_token", "d2h_bytes_s", "h2d_bytes_s", "source"}
     # fp32 on the CPU: 4 layers x (K, V) x 2 KV heads x head dim 32 x 4 bytes.
     assert link["kv_bytes_per_token"] == 4 * 2 * 2 * 32 * 4 == TINY.kv_bytes(4) == 2048

@@ -88,6 +88,7 @@ def serve_config(
         engine=EngineConfig(
             block_size=BLOCK,
             kv_blocks_per_rank=TIER_BLOCKS_PER_RANK if cache.host_tier_bytes else 1024,
+            dtype="float32",  # the KV bytes per block the profile's host link was given
         ),
         profile=str(path),
         policy=PolicyConfig(

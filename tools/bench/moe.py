@@ -1,6 +1,7 @@
 """Prefill throughput of the Qwen3-MoE engine against transformers, same weights.
 
     .venv/bin/python tools/bench/moe.py [--lengths 512,2048] [--repeats 3] [--threads 2]
+        [--kernels auto|loop,grouped_mm] [--dtype float32|bfloat16]
 
 The model is Qwen3-30B-A3B's layer shape cut to 2 layers (the ``qwen3-30b-a3b-2l``
 preset: hidden 2048, 32 query and 4 KV heads of 128, 128 experts of 768, top 8,
@@ -10,14 +11,19 @@ length: one warm-up each, then ``--repeats`` timed prefills of each, interleaved
 alternating order, each guarded against other processes' load
 (``harness.interleaved``). The engine runs its C = 1 path (``prefill_rank`` with the
 KV written to a paged store); transformers runs one forward with ``logits_to_keep=1``
-and no cache. Prints tokens per second and the ratio, and the engine's expert load of
-the last run; ``--json PATH`` writes the figures with the machine and source they
-were measured on (``harness.py``).
+and no cache. ``--kernels`` times the engine once per experts' kernel named
+(``engine/moe.py``: ``loop``, ``grouped_mm``; ``auto``, the default, is the engine's
+own choice), each run interleaved with the others, and prints the ratio of the
+second to the first; ``--dtype`` sets both models' weights and the KV store. Prints
+tokens per second and the ratio to transformers, and the engine's expert load of the
+last run; ``--json PATH`` writes the figures with the machine and source they were
+measured on (``harness.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from typing import Any
 
@@ -28,7 +34,9 @@ import harness
 from vertumnus.config import PRESETS
 from vertumnus.engine.comm import SoloComm
 from vertumnus.engine.kv_store import PagedKVStore
-from vertumnus.engine.model import Qwen3ForCausalLM
+from vertumnus.engine.model import Qwen3ForCausalLM, SparseMoeBlock
+from vertumnus.engine.moe import KERNELS, Kernel
+from vertumnus.engine.transformers_config import hf_config
 from vertumnus.engine.zigzag import prefill_rank
 from vertumnus.policy.cache.index import WorkerCacheIndex
 from vertumnus.runtime.prefill import plan_prefill
@@ -36,27 +44,11 @@ from vertumnus.runtime.prefill import plan_prefill
 BLOCK = 16
 
 
-def hf_model(cfg_name: str) -> transformers.Qwen3MoeForCausalLM:
+def hf_model(cfg_name: str, dtype: torch.dtype) -> transformers.Qwen3MoeForCausalLM:
     c = PRESETS[cfg_name]
-    hf_cfg = transformers.Qwen3MoeConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        moe_intermediate_size=c.moe_intermediate_size,
-        num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        num_experts=c.num_experts,
-        num_experts_per_tok=c.num_experts_per_tok,
-        norm_topk_prob=c.norm_topk_prob,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-        max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=c.tie_word_embeddings,
-    )
-    hf_cfg._attn_implementation = "sdpa"
+    hf_cfg = hf_config(c)
     torch.manual_seed(0)
-    return transformers.Qwen3MoeForCausalLM(hf_cfg).float().eval()
+    return transformers.Qwen3MoeForCausalLM(hf_cfg).float().to(dtype).eval()
 
 
 def engine_model(cfg_name: str, hf: transformers.Qwen3MoeForCausalLM) -> Qwen3ForCausalLM:
@@ -74,19 +66,40 @@ def engine_model(cfg_name: str, hf: transformers.Qwen3MoeForCausalLM) -> Qwen3Fo
     return model.eval()
 
 
+def set_kernel(model: Qwen3ForCausalLM, kernel: Kernel | None) -> None:
+    """Force every sparse layer's experts' kernel (None: the engine's own choice)."""
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, SparseMoeBlock):
+            layer.mlp.kernel = kernel
+
+
+def parse_kernels(text: str) -> list[Kernel | None]:
+    names = text.split(",")
+    for name in names:
+        if name != "auto" and name not in KERNELS:
+            raise SystemExit(
+                f"--kernels: unknown kernel {name!r}; known: auto, {', '.join(KERNELS)}"
+            )
+    return [next((k for k in KERNELS if k == name), None) for name in names]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
     parser.add_argument("--lengths", default="512,2048")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model", default="qwen3-30b-a3b-2l")
+    parser.add_argument("--kernels", default="auto", help="comma list: auto, loop, grouped_mm")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     harness.add_arguments(parser, retries=True)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    kernels = parse_kernels(args.kernels)
+    dtype = getattr(torch, args.dtype)
     session = harness.Session("moe", args)
     cfg = PRESETS[args.model]
     start = time.perf_counter()
-    hf = hf_model(args.model)
+    hf = hf_model(args.model, dtype)
     ours = engine_model(args.model, hf)
     print(f"built {args.model} in {time.perf_counter() - start:.0f} s", flush=True)
     gen = torch.Generator().manual_seed(1)
@@ -95,15 +108,18 @@ def main() -> None:
         tokens = torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
         blocks = -(-n // BLOCK) + 1
 
-        def run_ours(tokens: list[int] = tokens, blocks: int = blocks) -> float:
+        def run_ours(
+            kernel: Kernel | None, tokens: list[int] = tokens, blocks: int = blocks
+        ) -> tuple[float, None]:
+            set_kernel(ours, kernel)
             ours.reset_expert_tokens()
             index = WorkerCacheIndex(1, blocks)
-            store = PagedKVStore(cfg, blocks, BLOCK, torch.float32, torch.device("cpu"))
+            store = PagedKVStore(cfg, blocks, BLOCK, dtype, torch.device("cpu"))
             _, cmd = plan_prefill(index, tokens, BLOCK, 0, (0,), logits="last")
             t = time.perf_counter()
             with torch.inference_mode():
                 prefill_rank(ours, SoloComm(), store, cmd.for_rank(0), logits="last")
-            return time.perf_counter() - t
+            return time.perf_counter() - t, None
 
         def run_hf(tokens: list[int] = tokens) -> float:
             ids = torch.tensor([tokens])
@@ -112,26 +128,38 @@ def main() -> None:
                 hf(input_ids=ids, use_cache=False, logits_to_keep=1)
             return time.perf_counter() - t
 
-        runners = {"engine": lambda: (run_ours(), None), "transformers": lambda: (run_hf(), None)}
+        engines = {f"engine[{k or 'auto'}]": k for k in kernels}
+        runners: dict[str, harness.Runner] = {
+            name: functools.partial(run_ours, k) for name, k in engines.items()
+        }
+        runners["transformers"] = lambda: (run_hf(), None)
         timed, _ = harness.interleaved(runners, args.repeats, session.load)
-        o, h = timed["engine"].median, timed["transformers"].median
+        h = timed["transformers"].median
         load = ours.expert_tokens() or {}  # of the last engine run, by sparse layer
         first = load[min(load)]
+        figures: dict[str, Any] = {"transformers": timed["transformers"].to_dict()}
+        figures["transformers_tokens_s"] = n / h
+        for name in engines:
+            o = timed[name].median
+            print(
+                f"{n:>6} tokens: {name} {n / o:8.1f} tok/s ({o:.3f} s), transformers "
+                f"{n / h:8.1f} tok/s ({h:.3f} s), ratio {h / o:.2f}x",
+                flush=True,
+            )
+            figures[name] = timed[name].to_dict()
+            figures[f"{name}_tokens_s"] = n / o
+            figures[f"{name}_ratio"] = h / o
+        if len(engines) > 1:
+            (a, ta), (b, tb) = [(name, timed[name].median) for name in list(engines)[:2]]
+            print(f"{n:>6} tokens: {b} / {a} time {tb / ta:.3f} ({ta / tb:.2f}x)", flush=True)
+            figures["kernel_time_ratio"] = {"of": b, "to": a, "ratio": tb / ta}
         print(
-            f"{n:>6} tokens: engine {n / o:8.1f} tok/s ({o:.3f} s), transformers "
-            f"{n / h:8.1f} tok/s ({h:.3f} s), ratio {h / o:.2f}x; layer 0 expert load: "
-            f"{sum(first)} assignments, busiest expert {max(first)}, idle experts "
-            f"{sum(c == 0 for c in first)} of {len(first)}",
+            f"{n:>6} tokens: layer 0 expert load: {sum(first)} assignments, busiest "
+            f"expert {max(first)}, idle experts {sum(c == 0 for c in first)} of {len(first)}",
             flush=True,
         )
-        lengths[n] = {
-            "engine": timed["engine"].to_dict(),
-            "transformers": timed["transformers"].to_dict(),
-            "engine_tokens_s": n / o,
-            "transformers_tokens_s": n / h,
-            "ratio": h / o,
-            "layer0_expert_load": first,
-        }
+        figures["layer0_expert_load"] = first
+        lengths[n] = figures
     session.finish(args.json, {"args": vars(args), "lengths": lengths})
 
 

@@ -53,6 +53,7 @@ import torch
 
 import harness
 from vertumnus.config import PRESETS, EngineConfig, ModelConfig
+from vertumnus.engine.transformers_config import hf_config
 from vertumnus.engine.weights import random_model
 from vertumnus.runtime.prefill import PrefillClient
 from vertumnus.runtime.ranks import ChildRanks
@@ -86,30 +87,10 @@ def make_tokens(length: int, vocab: int, seed: int) -> list[int]:
 
 def hf_model(cfg: ModelConfig, seed: int) -> Any:
     """transformers' Qwen3ForCausalLM with exactly the weights every rank builds."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
-    kwargs: dict[str, Any] = dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        rms_norm_eps=cfg.rms_norm_eps,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        attention_bias=cfg.attention_bias,
-        use_cache=False,
-    )
-    import inspect
-
-    if "rope_parameters" in inspect.signature(Qwen3Config.__init__).parameters:
-        kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    else:  # transformers 4.x
-        kwargs["rope_theta"] = cfg.rope_theta
-    hc = Qwen3Config(**kwargs)
-    hc._attn_implementation = "sdpa"
+    hc = hf_config(cfg)
+    hc.use_cache = False
     model = Qwen3ForCausalLM(hc).to(torch.float32).eval()
     model.load_state_dict(random_model(cfg, seed).state_dict(), strict=True)
     if cfg.tie_word_embeddings:

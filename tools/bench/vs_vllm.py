@@ -1,5 +1,7 @@
 """Vertumnus against vLLM itself, measured in one run with one client nobody here
-wrote (``vllm bench serve``), on one random Qwen3 folder, fp32, the same cores:
+wrote (``vllm bench serve``), on one random Qwen3 folder, the same cores, one dtype
+(``--dtype``: ``auto`` is what ``vertumnus serve`` computes in on this CPU, bf16 where
+it has bf16 in hardware, and vLLM is given the same):
 
     vllm            ``vllm serve`` alone, prefix caching on (the baseline)
     fixed           ``vertumnus serve``, its default composition held still, with its
@@ -106,10 +108,10 @@ def trace_dataset(
     return path
 
 
-def serve_config(path: Path, folder: Path, system: str, decode_url: str | None) -> Path:
+def serve_config(path: Path, folder: Path, system: str, decode_url: str | None, dtype: str) -> Path:
     lines = [
         "[model]", f'name = "{folder}"',
-        "[engine]", 'dtype = "float32"', 'device = "cpu"',
+        "[engine]", f'dtype = "{dtype}"', 'device = "cpu"',
         "[handoff]", f'secret = "{SECRET}"',
     ]  # fmt: skip
     if system == "fixed":
@@ -121,23 +123,25 @@ def serve_config(path: Path, folder: Path, system: str, decode_url: str | None) 
 
 
 @contextmanager
-def running(system: str, folder: Path, work: Path) -> Iterator[str]:
+def running(system: str, folder: Path, work: Path, dtype: str) -> Iterator[str]:
     """The base URL of ``system`` serving ``folder``, stopped on leaving."""
     log = (work / f"{system}.log").open("w")
     procs: list[Any] = []
     try:
         if system == "vllm":
-            proc, url = vllm_server.start_vllm(folder, log, connector=False, prefix_caching=True)
+            proc, url = vllm_server.start_vllm(
+                folder, log, connector=False, prefix_caching=True, dtype=dtype
+            )
             procs.append(proc)
             yield url
             return
         decode_url = None
         if system == "vllm-decode":
             proc, decode_url = vllm_server.start_vllm(
-                folder, log, connector=True, prefix_caching=True, prefill_key=SECRET
+                folder, log, connector=True, prefix_caching=True, prefill_key=SECRET, dtype=dtype
             )
             procs.append(proc)
-        config = serve_config(work / f"{system}.toml", folder, system, decode_url)
+        config = serve_config(work / f"{system}.toml", folder, system, decode_url, dtype)
         server, url = start_server(config, stderr=log, timeout_s=300.0)
         procs.insert(0, server)
         yield url
@@ -213,8 +217,14 @@ def main() -> int:
     p.add_argument("--chunk-words", type=int, default=6, help="words per trace hash id")
     p.add_argument("--hidden", type=int, default=256, help="the random Qwen3's hidden size")
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     harness.add_arguments(p)
     args = p.parse_args()
+    import torch
+
+    from vertumnus.engine.weights import resolve_dtype
+
+    dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
     systems = args.systems.split(",")
     if unknown := set(systems) - set(SYSTEMS):
         p.error(f"unknown systems {sorted(unknown)}: choose from {', '.join(SYSTEMS)}")
@@ -231,7 +241,7 @@ def main() -> int:
     )
     rows: dict[str, dict[str, dict[str, Any]]] = {}
     for system in systems:
-        with running(system, folder, work) as url:
+        with running(system, folder, work, dtype) as url:
             for stream in args.streams.split(","):
                 result = bench(url, folder, stream, args, work / f"{system}-{stream}.json")
                 rows.setdefault(stream, {})[system] = row(result)
@@ -253,6 +263,7 @@ def main() -> int:
             print(f"{stream:7} {system:12} " + "  ".join(f"{x:5.2f}x" for x in ratios))
     figures = {
         "folder": {"hidden": args.hidden, "layers": args.layers, "head_dim": 64},
+        "dtype": dtype,
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "trace_file")},
         "rows": rows,
     }

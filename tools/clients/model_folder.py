@@ -59,7 +59,12 @@ def write_tokenizer(folder: Path) -> int:
 
 
 def write_model_folder(
-    folder: Path, seed: int = 0, head_dim: int = 16, hidden_size: int = 64, layers: int = 2
+    folder: Path,
+    seed: int = 0,
+    head_dim: int = 16,
+    hidden_size: int = 64,
+    layers: int = 2,
+    max_positions: int = MAX_POSITIONS,
 ) -> Path:
     """A Qwen3 (two layers by default) with grouped-query attention and its tokenizer
     in ``folder`` (``head_dim`` 64 for vLLM's CPU attention, which takes 32 and up)."""
@@ -76,7 +81,7 @@ def write_model_folder(
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=head_dim,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         eos_token_id=end,
         architectures=["Qwen3ForCausalLM"],

@@ -38,13 +38,15 @@ def start_vllm(
     prefix_caching: bool,
     prefill_key: str | None = None,
     timeout_s: float = 420.0,
+    dtype: str = "float32",
+    max_model_len: int = 4096,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """(process, base URL) of a ready ``vllm serve`` of ``folder`` (served under the
     folder's path, as ``vertumnus serve`` names it)."""
     port = free_port()
     command = [
         str(VLLM_PYTHON), "-m", "vllm.entrypoints.cli.main", "serve", str(folder),
-        "--port", str(port), "--dtype", "float32", "--max-model-len", "4096",
+        "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
         "--served-model-name", str(folder),
         "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
     ]  # fmt: skip

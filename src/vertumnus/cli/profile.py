@@ -49,6 +49,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads-per-rank", type=int, default=1)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument(
+        "--dtype",
+        default=EngineConfig().dtype,
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="the ranks' dtype (auto: what serve runs, recorded in the profile)",
+    )
+    p.add_argument(
         "--hardware",
         default=None,
         help="recorded in the profile (default: cpu-<machine> or the CUDA device name)",
@@ -68,6 +74,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FIT.png",
         help="predicted against measured time per degree (held-out points marked)",
     )
+
+
+def measured_dtype(engine: EngineConfig) -> str:
+    """The dtype the ranks computed in: what ``auto`` resolved to on this host."""
+    from vertumnus.runtime.kv.segments import kv_dtype
+
+    return str(kv_dtype(engine)).removeprefix("torch.")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         threads_per_rank=args.threads_per_rank,
         seed=args.seed,
+        dtype=args.dtype,
     )
     measured = profiling.measure(cfg, model_dir, engine, grid, progress)
     profile, fit_set, held_out = profiling.fit_measured(
@@ -117,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
             "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "machine": platform.node(),
             "threads_per_rank": args.threads_per_rank,
+            "dtype": measured_dtype(engine),
         },
     )
     profile.save(args.out)

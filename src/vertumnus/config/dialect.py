@@ -5,7 +5,8 @@ The tables both commands read, with the same keys::
     [pool]        degrees, layout or composition, ranks, min_workers, max_workers,
                   devices_per_host (``config/pool.py``)
     [profile]     path                    a profile file, or a shipped profile's name
-                                          ("tiny-cpu", "qwen3-30b-a3b-h100")
+                                          ("tiny-cpu", "tiny-cpu-bf16",
+                                          "qwen3-30b-a3b-h100")
     [scheduler]   router = "vertumnus"    the cost rule, or round-robin,
                                           least-load, cache-first, length-threshold,
                                           sglang-cache-aware, dynamo-kv, llm-d

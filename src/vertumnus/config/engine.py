@@ -21,7 +21,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block; only full blocks are cached
     kv_blocks_per_rank: int = 1024  # KV cache capacity of one rank, in blocks
     device: str = "auto"  # "auto" (cuda if present), "cpu" or "cuda"
-    dtype: str = "auto"  # "auto" (bf16 on cuda, fp32 on cpu), "float32", ...
+    dtype: str = "auto"  # "auto" (bf16 on cuda and bf16-capable cpus, else fp32), ...
     threads_per_rank: int | None = None  # intra-op threads per CPU rank; None: cores / ranks
     seed: int = 0  # seed of the random weights of built-in presets
     rank_timeout_s: float = 120.0  # start-up and per-step deadline for rank replies

@@ -1,8 +1,8 @@
 """Qwen3 and Qwen3-MoE decoders in plain PyTorch, unaware of parallelism.
 
 Owns the layers and their arithmetic (RMSNorm, RoPE, grouped-query attention with
-per-head q/k RMSNorm, SwiGLU MLP or a sparse mixture of SwiGLU experts, optional
-tied embeddings). It does not own
+per-head q/k RMSNorm, SwiGLU MLP, optional tied embeddings); the sparse mixture of
+SwiGLU experts is ``engine/moe.py``'s, its names re-exported here. It does not own
 attention itself: every layer hands its post-RoPE queries, keys and values to an
 ``AttentionFn`` supplied by the caller, which is where context parallelism, prefix
 caches and KV capture live (``engine/zigzag.py``). Parameter names match the
@@ -20,6 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vertumnus.config import ModelConfig
+from vertumnus.engine.moe import Experts as Experts
+from vertumnus.engine.moe import Router as Router
+from vertumnus.engine.moe import SparseMoeBlock as SparseMoeBlock
 
 
 class AttentionFn(Protocol):
@@ -103,76 +106,6 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         h = F.silu(self.gate_proj(x), inplace=True)  # in place: one [T, I] buffer less
         return self.down_proj(h.mul_(self.up_proj(x)))
-
-
-class Experts(nn.Module):
-    """The experts of one sparse layer, fused as Hugging Face's ``Qwen3MoeExperts``
-    holds them: ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I]."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i))
-
-
-class Router(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
-
-
-class SparseMoeBlock(nn.Module):
-    """Qwen3-MoE's sparse block: softmax router (fp32), top-k experts, renormalised
-    when ``norm_topk_prob``; each token's output is the routing-weighted sum of its
-    experts' SwiGLU outputs.
-
-    Dispatch is grouped by expert: the (token, expert) assignments are sorted by
-    expert, each active expert runs one matmul pair over its tokens, and the results
-    are scattered back with one ``index_add_``. No Python loop over tokens.
-    ``tokens_per_expert`` accumulates how many assignments each expert served (the
-    load balance), until ``reset`` by the caller."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
-        self.norm_topk_prob = cfg.norm_topk_prob
-        self.gate = Router(cfg)
-        self.experts = Experts(cfg)
-        self.register_buffer(
-            "tokens_per_expert", torch.zeros(cfg.num_experts, dtype=torch.long), persistent=False
-        )
-
-    def forward(self, x: Tensor, counted: Tensor | None = None) -> Tensor:
-        """``counted``: [T] bool, the rows that count in ``tokens_per_expert`` (not
-        the padding of a zigzag share); None: all."""
-        probs = F.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float32)  # [T, E]
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        flat = chosen.reshape(-1)  # [T*k]: assignment a is token a // k
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        if counted is None:
-            self.tokens_per_expert += counts
-        else:
-            real = chosen[counted].reshape(-1)
-            self.tokens_per_expert += torch.bincount(real, minlength=self.num_experts)
-        token_of = order // self.top_k
-        xs = x.index_select(0, token_of)  # [T*k, H], grouped by expert
-        out = torch.empty_like(xs)
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            if n == 0:
-                continue
-            rows = slice(start, start + n)
-            g, u = F.linear(xs[rows], gate_up[e]).chunk(2, dim=-1)
-            out[rows] = F.linear(F.silu(g) * u, down[e])
-            start += n
-        out.mul_(weights.reshape(-1)[order].unsqueeze(-1))
-        return torch.zeros_like(x).index_add_(0, token_of, out)
 
 
 class DecoderLayer(nn.Module):

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import traceback
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -33,6 +32,7 @@ import torch.distributed as dist
 
 from vertumnus.config import EngineConfig, ModelConfig
 from vertumnus.engine.comm import Communicator, DistComm, SoloComm, make_group, worker_group_name
+from vertumnus.engine.host_copy import HostStaging, StepTimer
 from vertumnus.engine.kv_store import PagedKVStore
 from vertumnus.engine.kv_transfer import PairGroups, check_transfer, run_transfer
 from vertumnus.engine.logprobs import PromptLogprobs
@@ -137,6 +137,7 @@ def _serve(
     parent = os.getppid()
     pairs = PairGroups(store, rank, device, timeout)  # of the KV copies
     attached = Attached()  # shared memory of hand-off reads
+    staging = HostStaging(device)  # a prefill's outputs on their way to the host
     while True:
         try:
             if not commands.poll(1.0):
@@ -150,7 +151,7 @@ def _serve(
             case Shutdown():
                 return
             case PrefillCommand():
-                results.send(_run(rank, model, kv, groups, msg))
+                results.send(_run(rank, model, kv, groups, msg, staging))
             case KVTransfer():
 
                 def transfer(m: KVTransfer = msg) -> KVWritten:
@@ -221,7 +222,12 @@ def _answer(
 
 
 def _run(
-    rank: int, model: Any, kv: PagedKVStore, groups: dict[tuple[int, ...], Any], cmd: PrefillCommand
+    rank: int,
+    model: Any,
+    kv: PagedKVStore,
+    groups: dict[tuple[int, ...], Any],
+    cmd: PrefillCommand,
+    staging: HostStaging,
 ) -> PrefillDone | RankFailed:
     try:
         cp_rank = cmd.worker_ranks.index(rank)
@@ -234,23 +240,23 @@ def _run(
         else:
             raise ValueError(f"no process group for worker ranks {cmd.worker_ranks}")
         _check_command(cmd, model.config.vocab_size, kv)
-        start = time.perf_counter()
+        timer = StepTimer(model.device)
+        timer.start()
         step = cmd.for_rank(cp_rank)
         step = replace(step, token_ids=step.token_ids.to(model.device))
         exported: list[torch.Tensor] = []
         prompt: list[PromptLogprobs] = []
         logits = prefill_rank(model, comm, kv, step, cmd.logits, exported, prompt)
-        if model.device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
+        elapsed = timer.stop()
+        host_logits, host_kv = staging.fetch([logits, exported[0] if exported else None])
         return PrefillDone(
             cmd.request_id,
             rank,
             elapsed,
-            None if logits is None else logits.cpu(),
+            host_logits,
             dict(comm.calls),
             model.expert_tokens(),
-            exported[0].cpu() if exported else None,
+            host_kv,
             prompt[0].cpu() if prompt else None,
         )
     except Exception as exc:

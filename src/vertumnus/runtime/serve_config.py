@@ -29,8 +29,9 @@ pool can be simulated from its own file. Of its own, ``serve`` reads::
 
 The embedded default (no file) is the ``tiny`` model on two CPU ranks, starting as
 two degree-1 workers that may merge into one degree-2 worker (the shipped
-``tiny-cpu`` profile covers degrees 1 and 2, and this development machine has two
-cores), with 10 s controller windows. On CUDA, give ``[pool] ranks`` = the number of
+``tiny-cpu`` profile, or ``tiny-cpu-bf16`` where the ranks compute in bf16, covers
+degrees 1 and 2, and this development machine has two cores), with 10 s controller
+windows. On CUDA, give ``[pool] ranks`` = the number of
 GPUs (one rank per GPU) and a profile of them. ``[pool] composition = "auto"`` is
 chosen here, on loading (``config/start.py``: a start workload, the state file or the
 built-in mix); the coordinator logs the choice and keeps ``[pool] state_file``.
@@ -65,7 +66,7 @@ from vertumnus.slo import DEFAULT_TTFT_SLO, SloError, TtftSlo
 
 DEFAULT_MODEL = "tiny"
 DEFAULT_POOL = PoolConfig(degrees=(1, 2), layout=(1, 1))
-DEFAULT_PROFILE = "tiny-cpu"
+DEFAULT_PROFILE = "tiny-cpu"  # fp32 CPU ranks; "tiny-cpu-bf16" where they compute in bf16
 DEFAULT_POLICY = PolicyConfig(controller=ControllerConfig(window_s=10.0))
 
 
@@ -176,6 +177,20 @@ def load_cluster(path: Path | None) -> ClusterConfig | None:
     return cluster
 
 
+def default_profile(engine: EngineConfig) -> str:
+    """The shipped profile of the embedded default's ranks, measured in the dtype they
+    compute in: bf16 prefills 2-2.5x faster than fp32 on a CPU that has it."""
+    from vertumnus.engine.rank import resolve_device
+    from vertumnus.engine.weights import resolve_dtype
+
+    try:
+        device = resolve_device(engine, 0)
+    except RuntimeError:  # CUDA asked for and absent: serve says so when it starts ranks
+        return DEFAULT_PROFILE
+    cpu_bf16 = device.type == "cpu" and str(resolve_dtype(engine.dtype, device)) == "torch.bfloat16"
+    return "tiny-cpu-bf16" if cpu_bf16 else DEFAULT_PROFILE
+
+
 def load_rank_setup(path: Path | None, model: str | None = None) -> tuple[str, EngineConfig]:
     """The model and the engine settings alone: what a multi-host pool's ranks need
     before the agents' topology completes the configuration."""
@@ -239,7 +254,8 @@ def load(
     if os.environ.get("VERTUMNUS_DECODE_API_KEY") and decode.get("url"):
         decode["api_key"] = os.environ["VERTUMNUS_DECODE_API_KEY"]
     pool = PoolConfig.from_table(raw.get("pool", {}), DEFAULT_POOL, topology)
-    profile = read_profile(raw, DEFAULT_PROFILE)
+    engine = read_engine(raw, EngineConfig())
+    profile = read_profile(raw, default_profile(engine))
     start = None
     if pool.start.auto:  # chosen now: a configuration's mistakes show before anything starts
         try:
@@ -251,7 +267,7 @@ def load(
         handoff=build_table(HandoffConfig, handoff, "handoff"),
         decode=build_table(DecodeConfig, decode, "decode"),
         pool=pool,
-        engine=read_engine(raw, EngineConfig()),
+        engine=engine,
         profile=profile,
         policy=policy,
         cluster=cluster,

@@ -1,0 +1,196 @@
+"""Qwen3-MoE's sparse mixture-of-experts block and the kernels that run its experts.
+
+Owns ``Experts`` (the fused expert weights, as Hugging Face's ``Qwen3MoeExperts``
+holds them), ``Router``, ``SparseMoeBlock`` (fp32 softmax top-k routing, dispatch
+sorted by expert, the per-expert load counters) and the two kernels that compute the
+experts' SwiGLU over the expert-sorted assignments, the same function either way:
+
+* ``"grouped_mm"``: one ``torch._grouped_mm`` per projection over all experts, the
+  groups delimited by cumulative row offsets, so no host sync on CUDA;
+* ``"loop"``: a Python loop over the active experts, one matmul pair each.
+
+``expert_kernel`` picks one from the device, dtype and shapes. ``model.py`` builds
+the decoder around the block and re-exports these names.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from vertumnus.config import ModelConfig
+
+Kernel = Literal["grouped_mm", "loop"]
+KERNELS: tuple[Kernel, ...] = ("grouped_mm", "loop")
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+TORCH_VERSION = _major_minor(str(torch.__version__))
+
+
+def expert_kernel(
+    device: torch.device,
+    dtype: torch.dtype,
+    hidden: int,
+    inter: int,
+    capability: tuple[int, int] | None = None,
+    torch_version: tuple[int, int] = TORCH_VERSION,
+) -> Kernel:
+    """The kernel for experts of hidden size ``hidden`` and intermediate size ``inter``
+    with weights of ``dtype`` on ``device``. ``capability``: the CUDA device's compute
+    capability (None: asked of ``device``); ``torch_version``: (major, minor).
+
+    The rule, for torch's ``_grouped_mm`` as of 2.13 (``GroupedBlas.cpp``,
+    ``GroupedMMUtils.h``):
+
+    * every operand's row stride must be a multiple of 16 bytes, or it raises: here
+      the activations [N, H] and [N, I] and the weights' transposed views, whose
+      strides are H and I elements;
+    * CUDA: a CUTLASS grouped GEMM, one launch with no host sync, for bf16 on compute
+      capability 9.x (torch >= 2.8) and 10.x (torch >= 2.9) only. Every other dtype
+      or device (sm80, sm89, sm120) takes torch's fallback, which copies the offsets
+      to the host and runs one ``mm`` per group: this module's loop without its skip
+      of idle experts, so ``"loop"``. ROCm (CK kernel on gfx942/950 only): ``"loop"``;
+    * CPU: torch (>= 2.9; 2.8 has no CPU kernel) runs that same fallback, and is not
+      faster. Measured on a 2-core Xeon (AMX), 1 and 2 threads, fp32 and bf16, whole
+      prefills of 512 and 2048 tokens (``tools/bench/moe.py --kernels
+      loop,grouped_mm``), as a multiple of the loop's time: Qwen3-30B-A3B's layer
+      shape 0.93 to 1.13, slower in 6 of 8 cases (bf16 at 2048 tokens: 1.04 and
+      1.13; a quieter rerun of fp32, 2 threads: 1.03 and 1.05); ``tiny-moe`` 0.96 to
+      1.09; the experts alone at 2048 tokens 1.06 to
+      1.21. Likely cause: it materialises the whole [N, 2I] gate/up product, where the
+      loop keeps one expert's block in cache between its two matmuls. So the loop.
+    """
+    if not hasattr(torch, "_grouped_mm") or torch_version < (2, 8):
+        return "loop"
+    alignment = 16 // dtype.itemsize  # elements per 16 bytes
+    if hidden % alignment or inter % alignment:
+        return "loop"
+    if device.type == "cuda":
+        if dtype != torch.bfloat16 or torch.version.hip is not None:
+            return "loop"
+        major = (capability or torch.cuda.get_device_capability(device))[0]
+        sm90 = major == 9
+        sm100 = major == 10 and torch_version >= (2, 9)
+        return "grouped_mm" if sm90 or sm100 else "loop"
+    return "loop"
+
+
+def grouped_mm_layout_ok(*weights: Tensor) -> bool:
+    """Whether expert weights are laid out as ``grouped_mm_experts`` needs: contiguous
+    (their transposed views then have the row strides ``expert_kernel`` checked) and
+    starting on a 16-byte boundary (a view into a larger buffer may not)."""
+    return all(w.is_contiguous() and w.data_ptr() % 16 == 0 for w in weights)
+
+
+def loop_experts(xs: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """Each expert's SwiGLU over its rows of ``xs`` [N, H], whose rows are sorted by
+    expert, ``counts`` [E] rows each: [N, H]. One matmul pair per active expert; the
+    counts are read on the host."""
+    out = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        rows = slice(start, start + n)
+        g, u = F.linear(xs[rows], gate_up[e]).chunk(2, dim=-1)  # [n, I] each
+        out[rows] = F.linear(F.silu(g) * u, down[e])
+        start += n
+    return out
+
+
+def grouped_mm_experts(xs: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """``loop_experts``'s function as two grouped GEMMs over all experts. Needs
+    ``expert_kernel``'s alignment and ``grouped_mm_layout_ok`` weights."""
+    offs = counts.cumsum(0).to(torch.int32)  # [E]: the end row of each expert's group
+    gu = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs)  # [N, 2I]
+    g, u = gu.chunk(2, dim=-1)  # [N, I] each, gate first
+    return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs)  # [N, H]
+
+
+class Experts(nn.Module):
+    """The experts of one sparse layer, fused as Hugging Face's ``Qwen3MoeExperts``
+    holds them: ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+
+
+class SparseMoeBlock(nn.Module):
+    """Qwen3-MoE's sparse block: softmax router (fp32), top-k experts, renormalised
+    when ``norm_topk_prob``; each token's output is the routing-weighted sum of its
+    experts' SwiGLU outputs.
+
+    Dispatch is grouped by expert: the (token, expert) assignments are sorted by
+    expert, the experts run over their contiguous rows (``kernel``), and the results
+    are scattered back with one ``index_add_``. No Python loop over tokens.
+    ``tokens_per_expert`` accumulates how many assignments each expert served (the
+    load balance), until ``reset`` by the caller."""
+
+    tokens_per_expert: Tensor  # [E] int64, a non-persistent buffer
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        # None: ``expert_kernel``'s choice for the weights as they are at each call; a
+        # name forces that kernel (benchmarks and tests compare the two).
+        self.kernel: Kernel | None = None
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(cfg.num_experts, dtype=torch.long), persistent=False
+        )
+
+    def chosen_kernel(self) -> Kernel:
+        """The kernel ``forward`` runs with the weights as they are now."""
+        if self.kernel is not None:
+            return self.kernel
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        hidden, inter = down.shape[1], down.shape[2]
+        kernel = expert_kernel(gate_up.device, gate_up.dtype, hidden, inter)
+        if kernel == "grouped_mm" and not grouped_mm_layout_ok(gate_up, down):
+            return "loop"
+        return kernel
+
+    def forward(self, x: Tensor, counted: Tensor | None = None) -> Tensor:
+        """``counted``: [T] bool, the rows that count in ``tokens_per_expert`` (not
+        the padding of a zigzag share); None: all."""
+        probs = F.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float32)  # [T, E]
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        flat = chosen.reshape(-1)  # [T*k]: assignment a is token a // k
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)  # [E]
+        if counted is None:
+            self.tokens_per_expert += counts
+        else:
+            real = chosen[counted].reshape(-1)
+            self.tokens_per_expert += torch.bincount(real, minlength=self.num_experts)
+        token_of = order // self.top_k
+        xs = x.index_select(0, token_of)  # [T*k, H], grouped by expert
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        if self.chosen_kernel() == "grouped_mm":
+            out = grouped_mm_experts(xs, counts, gate_up, down)
+        else:
+            out = loop_experts(xs, counts, gate_up, down)
+        out.mul_(weights.reshape(-1)[order].unsqueeze(-1))
+        return torch.zeros_like(x).index_add_(0, token_of, out)
