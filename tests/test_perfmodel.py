@@ -254,12 +254,14 @@ def test_the_profile_command_writes_the_measured_host_link(tmp_path: Path, monke
     monkeypatch.setattr(host_link, "measure_host_link", small)
     out = tmp_path / "profile.json"
     args = ["profile", "--degrees", "1,2", "--lengths", "64,128,256,512", "--device", "cpu"]
+    args += ["--dtype", "float32"]
     assert main([*args, "--hit-ratios", "0,0.5", "--repeats", "1", "--out", str(out)]) == 0
     assert "host link: device-to-host " in capsys.readouterr().out
     assert len(measured) == 1
     raw = json.loads(out.read_text())
     assert raw["host_link"] == measured[0]
     assert raw["host_link"]["kv_bytes_per_token"] == 2048  # tiny, fp32
+    assert raw["provenance"]["dtype"] == "float32"
     assert raw["host_link"]["source"].startswith("measured by `profile` on cpu-")
     back = Profile.load(out)
     assert back.host_link == measured[0]
