@@ -7,10 +7,12 @@ import itertools
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from vertumnus.__main__ import main
+from vertumnus.engine.messages import RankReady
 from vertumnus.perfmodel import (
     DegreeCoeffs,
     Profile,
@@ -209,9 +211,10 @@ def test_a_non_positive_host_link_figure_is_refused(name: str, value: float):
 class _FakeRanks:
     """``ChildRanks`` for the ``profile`` command without rank processes."""
 
-    def __init__(self, *args: object, world_size: int, **kwargs: object) -> None:
+    def __init__(self, *args: Any, world_size: int, **kwargs: object) -> None:
         self.degree = world_size
-        self.ready = [type("Ready", (), {"device": "cpu"})()]
+        layers = "eager" if args[2].compile == "off" else "compiled"  # (model, dir, engine)
+        self.ready = [RankReady(0, "cpu", 0, layers)]
 
     def __enter__(self) -> _FakeRanks:
         return self
@@ -254,14 +257,14 @@ def test_the_profile_command_writes_the_measured_host_link(tmp_path: Path, monke
     monkeypatch.setattr(host_link, "measure_host_link", small)
     out = tmp_path / "profile.json"
     args = ["profile", "--degrees", "1,2", "--lengths", "64,128,256,512", "--device", "cpu"]
-    args += ["--dtype", "float32"]
+    args += ["--dtype", "float32", "--compile", "off"]
     assert main([*args, "--hit-ratios", "0,0.5", "--repeats", "1", "--out", str(out)]) == 0
     assert "host link: device-to-host " in capsys.readouterr().out
     assert len(measured) == 1
     raw = json.loads(out.read_text())
     assert raw["host_link"] == measured[0]
     assert raw["host_link"]["kv_bytes_per_token"] == 2048  # tiny, fp32
-    assert raw["provenance"]["dtype"] == "float32"
+    assert raw["provenance"]["dtype"] == "float32" and raw["provenance"]["layers"] == "eager"
     assert raw["host_link"]["source"].startswith("measured by `profile` on cpu-")
     back = Profile.load(out)
     assert back.host_link == measured[0]

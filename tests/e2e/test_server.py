@@ -26,9 +26,17 @@ pytestmark = pytest.mark.multiproc
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     config = tmp_path_factory.mktemp("serve") / "serve.toml"
     # The controller off (SERVE_DEFAULTS): the tests reshape by hand, at known moments.
-    write_serve_config(config, server={"admin_token": ADMIN_TOKEN})
+    # Compiled layers, as serve's default (SERVE_DEFAULTS turns them off).
+    engine = {"threads_per_rank": 1, "compile": "auto"}
+    write_serve_config(config, server={"admin_token": ADMIN_TOKEN}, engine=engine)
     with running_server(config) as srv:
         yield srv
+
+
+def test_the_default_ranks_run_compiled_layers(server: Server) -> None:
+    # [engine] compile = "auto" on a host whose Inductor compiles (a C++ compiler here).
+    (ready,) = server.events("ready")
+    assert ready["layers"] == "compiled" and not server.events("rank_layers_eager")
 
 
 @pytest.mark.timeout(300)

@@ -58,7 +58,9 @@ def make_config(folder: Path) -> ServeConfig:
         make_profile(coeffs, {1: 1.0, 2: 1.5, 4: 2.0}).save(path)
     return ServeConfig(
         pool=PoolConfig((1, 2, 4), (1, 1, 2)),
-        engine=EngineConfig(block_size=16, kv_blocks_per_rank=48, rank_timeout_s=30.0),
+        engine=EngineConfig(
+            compile="off", block_size=16, kv_blocks_per_rank=48, rank_timeout_s=30.0
+        ),
         profile=str(path),
         policy=PolicyConfig(adaptive=False),  # replication on: scans and copies run too
         handoff=HandoffConfig(lease_s=3.0, reshape_wait_s=1.0),

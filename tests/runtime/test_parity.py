@@ -86,6 +86,7 @@ def serve_config(
         # replica is evicted before the quiet spell would reclaim it, and reclamation
         # ran only where placement had scattered a conversation over two workers.
         engine=EngineConfig(
+            compile="off",
             block_size=BLOCK,
             kv_blocks_per_rank=TIER_BLOCKS_PER_RANK if cache.host_tier_bytes else 1024,
             dtype="float32",  # the KV bytes per block the profile's host link was given

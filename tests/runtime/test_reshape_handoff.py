@@ -41,7 +41,7 @@ SETTINGS = SimSettings(switch_s=0.02, transfer_latency_s=0.001, kv_bytes_per_tok
 def make_config(tmp_path: Path, **overrides: Any) -> ServeConfig:
     cfg = ServeConfig(
         pool=PoolConfig((1, 2), (1, 1)),
-        engine=EngineConfig(block_size=16, kv_blocks_per_rank=64, dtype="float32"),
+        engine=EngineConfig(compile="off", block_size=16, kv_blocks_per_rank=64, dtype="float32"),
         profile=cpu_profile(tmp_path),
         policy=PolicyConfig(adaptive=False, replication=False),
         handoff=HandoffConfig(lease_s=30.0, reshape_wait_s=5.0),
@@ -189,7 +189,11 @@ def test_a_committed_switch_past_its_bound_is_finished(tmp_path: Path) -> None:
         cfg = make_config(
             tmp_path,
             engine=EngineConfig(
-                block_size=16, kv_blocks_per_rank=64, rank_timeout_s=1000.0, dtype="float32"
+                compile="off",
+                block_size=16,
+                kv_blocks_per_rank=64,
+                rank_timeout_s=1000.0,
+                dtype="float32",
             ),
             reshape_timeout_s=100.0,
         )

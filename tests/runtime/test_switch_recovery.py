@@ -33,7 +33,7 @@ def make_config(tmp_path: Path) -> ServeConfig:
     make_profile(coeffs, {1: 1.0, 2: 1.5}).save(path)
     return ServeConfig(
         pool=PoolConfig((1, 2), (2, 2)),
-        engine=EngineConfig(rank_timeout_s=RANK_TIMEOUT_S),
+        engine=EngineConfig(compile="off", rank_timeout_s=RANK_TIMEOUT_S),
         profile=str(path),
         policy=PolicyConfig(adaptive=False, replication=False),
         request_timeout_s=600.0,

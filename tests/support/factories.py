@@ -27,12 +27,15 @@ def make_tokens(n: int, seed: int, vocab: int = TINY.vocab_size) -> list[int]:
 
 
 def engine_config(**overrides: Any) -> EngineConfig:
-    """CPU, fp32, ``BLOCK_SIZE``-token blocks, one intra-op thread per rank (ranks
-    outnumber the cores here) and ``RANK_TIMEOUT_S``; ``overrides`` on top."""
+    """CPU, fp32, eager layers (compiling costs each rank seconds at start; the
+    compiled path has its own tests and serves the e2e default), ``BLOCK_SIZE``-token
+    blocks, one intra-op thread per rank (ranks outnumber the cores here) and
+    ``RANK_TIMEOUT_S``; ``overrides`` on top."""
     base: dict[str, Any] = dict(
         block_size=BLOCK_SIZE,
         device="cpu",
         dtype="float32",
+        compile="off",
         threads_per_rank=1,
         rank_timeout_s=RANK_TIMEOUT_S,
     )

@@ -83,7 +83,7 @@ def make_config(tmp_path: Path, decode_url: str | None) -> ServeConfig:
     known), and a decode server at ``decode_url`` (None: prefills only)."""
     return ServeConfig(
         pool=PoolConfig((1, 2), (2,)),
-        engine=EngineConfig(block_size=16, kv_blocks_per_rank=64),
+        engine=EngineConfig(compile="off", block_size=16, kv_blocks_per_rank=64),
         profile=cpu_profile(tmp_path),
         policy=PolicyConfig(adaptive=False, replication=False),
         handoff=HandoffConfig(lease_s=30.0),

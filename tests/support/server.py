@@ -21,11 +21,13 @@ from support.processes import descendants_of, wait_gone
 START_TIMEOUT_S = 90.0
 ADMIN_TOKEN = "test-admin-token-0123456789"
 # What every served test runs with: the controller off (tests reshape by hand, at
-# known moments), one intra-op thread per rank (ranks outnumber the cores here), and
-# no decode process (prefills only) unless a test asks for one.
+# known moments), one intra-op thread per rank (ranks outnumber the cores here), eager
+# layers (compiling costs every rank seconds at each start; tests/e2e/test_server.py
+# and the client lanes serve compiled, as the default does), and no decode process
+# (prefills only) unless a test asks for one.
 SERVE_DEFAULTS: dict[str, dict[str, Any]] = {
     "controller": {"enabled": False},
-    "engine": {"threads_per_rank": 1},
+    "engine": {"threads_per_rank": 1, "compile": "off"},
     "decode": {"local": False},
 }
 
@@ -69,9 +71,23 @@ def write_folder_config(path: Path, model_dir: Path, **sections: Mapping[str, An
     return write_serve_config(path, **{**folder, **sections})
 
 
+def _json_or_none(line: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 class Server:
-    def __init__(self, proc: subprocess.Popen[str], url: str) -> None:
-        self.proc, self.url = proc, url
+    def __init__(self, proc: subprocess.Popen[str], url: str, log: Path | None = None) -> None:
+        self.proc, self.url, self.log = proc, url, log  # log: its stderr's JSON lines
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        """The log lines of event ``name`` so far."""
+        assert self.log is not None
+        lines = self.log.read_text(errors="replace").splitlines()
+        return [e for e in map(_json_or_none, lines) if e and e.get("event") == name]
 
     def call(self, method: str, path: str, *args: Any, **kwargs: Any) -> tuple[int, Any]:
         """(status, JSON or text body): ``call_full`` without the headers."""
@@ -124,7 +140,7 @@ def running_server(config: Path, wait_ready: bool = True) -> Iterator[Server]:
             line,
             (config.parent / "server.log").read_text()[-2000:],
         )
-        srv = Server(proc, line.split()[-1])
+        srv = Server(proc, line.split()[-1], config.parent / "server.log")
         while wait_ready and time.monotonic() < deadline and srv.call("GET", "/ready")[0] != 200:
             time.sleep(0.2)
         yield srv

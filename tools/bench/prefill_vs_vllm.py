@@ -6,7 +6,8 @@ Both servers serve one random Qwen3 folder (``--hidden`` 256, ``--layers`` 4, he
     vllm        ``vllm serve --dtype D``, prefix caching off; its CPU worker is bound
                 to one core and leaves the other to its API server (its default)
     vertumnus   ``vertumnus serve`` with ``[engine] dtype = "auto"`` (what a user
-                gets: bf16 where the CPU computes in bf16, else fp32), the
+                gets: bf16 where the CPU computes in bf16, else fp32) and ``compile =
+                "auto"`` (its layers compiled, as vLLM compiles its model), the
                 controller off, its default composition here (workers of one rank,
                 one intra-op thread each): a request runs on one rank, one core
 

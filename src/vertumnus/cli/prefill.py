@@ -64,6 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--dtype", default=_DEFAULTS.dtype, choices=("auto", "float32", "bfloat16", "float16")
     )
     p.add_argument(
+        "--compile",
+        default=_DEFAULTS.compile,
+        choices=("auto", "on", "off"),
+        help="compile the ranks' layers at start, as serve does (default: auto)",
+    )
+    p.add_argument(
         "--threads-per-rank",
         type=int,
         default=None,
@@ -116,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         kv_blocks_per_rank=args.kv_blocks_per_rank,
         device=args.device,
         dtype=args.dtype,
+        compile=args.compile,
         threads_per_rank=args.threads_per_rank,
         seed=args.seed,
     )

@@ -55,6 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the ranks' dtype (auto: what serve runs, recorded in the profile)",
     )
     p.add_argument(
+        "--compile",
+        default=EngineConfig().compile,
+        choices=("auto", "on", "off"),
+        help="compile the ranks' layers (auto: as serve does; recorded in the profile)",
+    )
+    p.add_argument(
         "--hardware",
         default=None,
         help="recorded in the profile (default: cpu-<machine> or the CUDA device name)",
@@ -118,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         threads_per_rank=args.threads_per_rank,
         seed=args.seed,
         dtype=args.dtype,
+        compile=args.compile,
     )
     measured = profiling.measure(cfg, model_dir, engine, grid, progress)
     profile, fit_set, held_out = profiling.fit_measured(
@@ -132,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
             "machine": platform.node(),
             "threads_per_rank": args.threads_per_rank,
             "dtype": measured_dtype(engine),
+            "layers": measured.extra["layers"],
         },
     )
     profile.save(args.out)

@@ -23,6 +23,9 @@ class EngineConfig:
     device: str = "auto"  # "auto" (cuda if present), "cpu" or "cuda"
     dtype: str = "auto"  # "auto" (bf16 on cuda and bf16-capable cpus, else fp32), ...
     threads_per_rank: int | None = None  # intra-op threads per CPU rank; None: cores / ranks
+    # torch.compile the layers' arithmetic around attention ("auto": where Inductor
+    # compiles here, else eager with a warning; "on": a failure stops the rank; "off")
+    compile: str = "auto"
     seed: int = 0  # seed of the random weights of built-in presets
     rank_timeout_s: float = 120.0  # start-up and per-step deadline for rank replies
 
@@ -37,6 +40,8 @@ class EngineConfig:
             raise ConfigError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             )
+        if self.compile not in ("auto", "on", "off"):
+            raise ConfigError(f"compile must be auto, on or off, got {self.compile!r}")
         if self.threads_per_rank is not None and self.threads_per_rank <= 0:
             raise ConfigError(f"threads_per_rank must be positive, got {self.threads_per_rank}")
         if not (self.rank_timeout_s > 0 and math.isfinite(self.rank_timeout_s)):

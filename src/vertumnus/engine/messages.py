@@ -172,6 +172,8 @@ class RankReady:
     rank: int
     device: str
     kv_bytes: int
+    layers: str = "eager"  # how the layers run: "compiled" or "eager"
+    eager_because: str | None = None  # why not compiled under ``compile = "auto"``
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from vertumnus.config import EngineConfig, ModelConfig
 from vertumnus.engine.comm import Communicator, DistComm, SoloComm, make_group, worker_group_name
-from vertumnus.engine.host_copy import HostStaging, StepTimer
+from vertumnus.engine.fused import prepare_layers
+from vertumnus.engine.host_copy import HostStaging, StepTimer, keep_freed_host_memory
 from vertumnus.engine.kv_store import PagedKVStore
 from vertumnus.engine.kv_transfer import PairGroups, check_transfer, run_transfer
 from vertumnus.engine.logprobs import PromptLogprobs
@@ -52,9 +53,10 @@ from vertumnus.engine.messages import (
     Shutdown,
     SwitchEpoch,
 )
+from vertumnus.engine.model import Qwen3ForCausalLM
 from vertumnus.engine.shared_rows import Attached
 from vertumnus.engine.weights import build_model, resolve_dtype
-from vertumnus.engine.zigzag import prefill_rank
+from vertumnus.engine.zigzag import RankPrefill, prefill_rank
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ def rank_main(rank: int, spec: RankSpec, commands: Any, results: Any) -> None:
                 1, (os.cpu_count() or 1) // (spec.local_ranks or spec.world_size)
             )
             torch.set_num_threads(threads)
+            keep_freed_host_memory()
         timeout = timedelta(seconds=spec.engine.rank_timeout_s)
         store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
         generation = dict(spec.group_generations)
@@ -116,11 +119,23 @@ def rank_main(rank: int, spec: RankSpec, commands: Any, results: Any) -> None:
         segment = spec.kv_segments[rank] if rank < len(spec.kv_segments) else None
         blocks, block_size = spec.engine.kv_blocks_per_rank, spec.engine.block_size
         kv = PagedKVStore(spec.model, blocks, block_size, dtype, device, segment)
+        why = prepare_layers(model, spec.engine.compile, lambda: _warm_up(model, block_size))
     except Exception as exc:
         results.send(RankFailed(rank, None, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return
-    results.send(RankReady(rank=rank, device=str(device), kv_bytes=kv.nbytes))
+    ready = RankReady(rank, str(device), kv.nbytes, model.layer_fns.name, why)
+    results.send(ready)
     _serve(rank, model, kv, groups, commands, results, store, device, timeout)
+
+
+def _warm_up(model: Qwen3ForCausalLM, block_size: int) -> None:
+    """One short prefill on this rank alone, no cache: compiles the layers (dynamic in
+    the number of tokens, so every later length reuses the same code). 38 tokens: a
+    length no model dimension is likely to equal, which would tie the two in the
+    compiled code's guards and cost a recompile at the first other length."""
+    ids = torch.arange(38, device=model.device) % model.config.vocab_size
+    prefill_rank(model, SoloComm(), None, RankPrefill(ids, 0, (), (), block_size))
+    model.reset_expert_tokens()
 
 
 def _serve(

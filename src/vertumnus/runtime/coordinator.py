@@ -252,7 +252,12 @@ class Coordinator:
         self.link.watch(range(self.cfg.ranks))
         self.periodic.start(loop)
         self.health.ready = True
-        log.info("ready", ranks=self.cfg.ranks, composition=self.composition_name())
+        answers = getattr(ranks, "ready", {}).values()  # each rank's RankReady
+        for answer in answers:
+            if answer.eager_because is not None:
+                log.warning("rank_layers_eager", rank=answer.rank, because=answer.eager_because)
+        layers = ",".join(sorted({answer.layers for answer in answers})) or None
+        log.info("ready", ranks=self.cfg.ranks, composition=self.composition_name(), layers=layers)
 
     def stop_admission(self) -> None:
         """New requests get a 503 (``Unavailable``); what was accepted goes on (a

@@ -76,11 +76,11 @@ def measure(
     samples: list[Sample] = []
     total, done = len(grid.degrees) * len(points) * grid.repeats, 0
     hardware: str | None = None
-    device = "cpu"
+    device, layers = "cpu", "eager"
     for degree in grid.degrees:
         with ChildRanks(model, model_dir, engine, world_size=degree, degrees=[degree]) as pool:
             if hardware is None:
-                device = pool.ready[0].device
+                device, layers = pool.ready[0].device, pool.ready[0].layers
                 hardware = hardware_name(device)
 
             def one(length: int, hit: float) -> tuple[int, int, float]:
@@ -109,9 +109,8 @@ def measure(
                 seconds = statistics.median(t for _, _, t in runs[point])
                 samples.append(Sample(degree, r, p, seconds))
     # After the grid, with no rank running: the copies have the machine to themselves.
-    return Measured(
-        samples, hardware or "unknown", host_link=measure_host_link(model, engine, device)
-    )
+    host_link = measure_host_link(model, engine, device)
+    return Measured(samples, hardware or "unknown", {"layers": layers}, host_link)
 
 
 def fit_measured(
