@@ -37,6 +37,9 @@ def test_the_default_ranks_run_compiled_layers(server: Server) -> None:
     # [engine] compile = "auto" on a host whose Inductor compiles (a C++ compiler here).
     (ready,) = server.events("ready")
     assert ready["layers"] == "compiled" and not server.events("rank_layers_eager")
+    # [engine] cpu_attention = "auto": timed once before the ranks start; all run it.
+    assert ready["attention"] in ("flash", "chunked")
+    assert set(ready["attention_ms"]["2048"]) == {"flash", "chunked"}
 
 
 @pytest.mark.timeout(300)

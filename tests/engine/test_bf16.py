@@ -38,14 +38,18 @@ CPU = torch.device("cpu")
 PREFIX, SUFFIX, C = 96, 150, 2
 
 
-def engine_bf16(model_dir: Path, prompts: list[list[int]], layers: str) -> tuple[Tensor, int]:
+def engine_bf16(
+    model_dir: Path, prompts: list[list[int]], layers: str, attention: str
+) -> tuple[Tensor, int]:
     """The last prompt's logits at its computed positions, and how many were cached,
     after the prompts ran in order on a C-rank worker with bf16 stores, its layers
-    ``layers`` ("eager" or "compiled", ``engine/fused.py``)."""
+    ``layers`` ("eager" or "compiled", ``engine/fused.py``), its CPU attention kernel
+    ``attention`` ("flash" or "chunked", ``engine/attention.py``)."""
     cfg = ModelConfig.from_dir(model_dir)
     model = load_model(cfg, model_dir, torch.bfloat16, CPU)
     if layers == "compiled":
         model.layer_fns = compiled_layer_fns()
+    model.cpu_attention = attention
     index = WorkerCacheIndex(C, 64)
     stores = [PagedKVStore(cfg, 64, BLOCK_SIZE, torch.bfloat16, CPU) for _ in range(C)]
     logits: Tensor | None = None
@@ -65,15 +69,19 @@ def engine_bf16(model_dir: Path, prompts: list[list[int]], layers: str) -> tuple
     return logits, len(prompts[-1]) - logits.shape[0]
 
 
-@pytest.mark.parametrize("layers", ["eager", "compiled"])
+@pytest.mark.parametrize(
+    ("layers", "attention"), [("eager", "flash"), ("compiled", "flash"), ("compiled", "chunked")]
+)
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_bf16_rounds_no_worse_than_transformers_in_bf16(kind: str, layers: str, tmp_path: Path):
+def test_bf16_rounds_no_worse_than_transformers_in_bf16(
+    kind: str, layers: str, attention: str, tmp_path: Path
+):
     hf = make_hf_model(False) if kind == "dense" else make_hf_moe()
     hf.save_pretrained(tmp_path)
     vocab = hf.config.vocab_size
     first = make_tokens(PREFIX, 1, vocab)
     tokens = first + make_tokens(SUFFIX, 2, vocab)
-    ours, cached = engine_bf16(tmp_path, [first, tokens], layers)
+    ours, cached = engine_bf16(tmp_path, [first, tokens], layers, attention)
     assert cached == PREFIX  # the prefix came back from the bf16 stores
     ref = hf_logits(hf, tokens)[cached:]
     theirs = hf_logits(copy.deepcopy(hf).to(torch.bfloat16), tokens)[cached:]

@@ -19,6 +19,7 @@ from torch import Tensor
 from support.factories import BLOCK_SIZE, TINY, make_tokens
 from support.threads import BLOCKS_PER_RANK, ThreadWorker, cp_prefill, make_stores, run_ranks
 from vertumnus.blocks import block_ids
+from vertumnus.engine import attention
 from vertumnus.engine.comm import Communicator, SoloComm, ThreadComm
 from vertumnus.engine.kv_store import PagedKVStore
 from vertumnus.engine.model import Qwen3ForCausalLM, causal_attention
@@ -137,6 +138,35 @@ def test_cp_logits_match_reference_with_cached_prefix(
     torch.testing.assert_close(res.logits, ref[PREFIX_LEN:], rtol=0, atol=LOGITS_ATOL)
     # The prefix travels inside the same per-layer all-gather: no extra collectives.
     assert res.calls == [expected_calls()] * c
+
+
+@pytest.mark.parametrize("c", [1, 3])
+def test_the_chunked_cpu_kernel_gives_the_reference_logits(
+    tiny_model: Qwen3ForCausalLM, c: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank whose model picked the chunked CPU attention (``pick_cpu_kernel``):
+    blocks of 16 rows, a cached prefix, every rank's two zigzag ranges."""
+    monkeypatch.setattr(attention, "CHUNK_ROWS", 16)
+    monkeypatch.setattr(tiny_model, "cpu_attention", "chunked")
+    calls: list[int] = []
+    chunked = attention._chunked
+
+    def counted(*args: object) -> Tensor:
+        calls.append(1)
+        return chunked(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention, "_chunked", counted)
+    r = 150
+    tokens = make_tokens(PREFIX_LEN + r, seed=3000 + c)
+    worker = ThreadWorker.make(c)
+    cp_prefill(tiny_model, worker, tokens[:PREFIX_LEN])
+    res = cp_prefill(tiny_model, worker, tokens)
+    assert res.cmd.prefix_len == PREFIX_LEN
+    ref, _ = reference(tiny_model, tokens)
+    torch.testing.assert_close(res.logits, ref[PREFIX_LEN:], rtol=0, atol=LOGITS_ATOL)
+    # Once per layer and query range of each rank, in both prefills.
+    ranges = sum(len(ZigzagPartition(n, c).ranges(k)) for n in (PREFIX_LEN, r) for k in range(c))
+    assert len(calls) == TINY.num_hidden_layers * ranges
 
 
 @pytest.mark.parametrize("c", [1, 2, 3, 4])

@@ -70,6 +70,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="compile the ranks' layers at start, as serve does (default: auto)",
     )
     p.add_argument(
+        "--cpu-attention",
+        default=_DEFAULTS.cpu_attention,
+        choices=("auto", "flash", "chunked"),
+        help="a CPU rank's attention kernel, as serve picks it (default: auto)",
+    )
+    p.add_argument(
         "--threads-per-rank",
         type=int,
         default=None,
@@ -123,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         compile=args.compile,
+        cpu_attention=args.cpu_attention,
         threads_per_rank=args.threads_per_rank,
         seed=args.seed,
     )

@@ -61,6 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="compile the ranks' layers (auto: as serve does; recorded in the profile)",
     )
     p.add_argument(
+        "--cpu-attention",
+        default=EngineConfig().cpu_attention,
+        choices=("auto", "flash", "chunked"),
+        help="a CPU rank's attention kernel (auto: as serve does; recorded in the profile)",
+    )
+    p.add_argument(
         "--hardware",
         default=None,
         help="recorded in the profile (default: cpu-<machine> or the CUDA device name)",
@@ -125,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         dtype=args.dtype,
         compile=args.compile,
+        cpu_attention=args.cpu_attention,
     )
     measured = profiling.measure(cfg, model_dir, engine, grid, progress)
     profile, fit_set, held_out = profiling.fit_measured(
@@ -140,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
             "threads_per_rank": args.threads_per_rank,
             "dtype": measured_dtype(engine),
             "layers": measured.extra["layers"],
+            "attention": measured.extra["attention"],
         },
     )
     profile.save(args.out)

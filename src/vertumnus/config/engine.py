@@ -26,6 +26,9 @@ class EngineConfig:
     # torch.compile the layers' arithmetic around attention ("auto": where Inductor
     # compiles here, else eager with a warning; "on": a failure stops the rank; "off")
     compile: str = "auto"
+    # a CPU rank's attention kernel: "flash" (torch's fused CPU kernel), "chunked" (blocks
+    # of query rows through batched GEMMs) or "auto" (the faster, timed at the rank's start)
+    cpu_attention: str = "auto"
     seed: int = 0  # seed of the random weights of built-in presets
     rank_timeout_s: float = 120.0  # start-up and per-step deadline for rank replies
 
@@ -42,6 +45,10 @@ class EngineConfig:
             )
         if self.compile not in ("auto", "on", "off"):
             raise ConfigError(f"compile must be auto, on or off, got {self.compile!r}")
+        if self.cpu_attention not in ("auto", "flash", "chunked"):
+            raise ConfigError(
+                f"cpu_attention must be auto, flash or chunked, got {self.cpu_attention!r}"
+            )
         if self.threads_per_rank is not None and self.threads_per_rank <= 0:
             raise ConfigError(f"threads_per_rank must be positive, got {self.threads_per_rank}")
         if not (self.rank_timeout_s > 0 and math.isfinite(self.rank_timeout_s)):

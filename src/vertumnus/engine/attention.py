@@ -17,6 +17,9 @@ bottom-right causal shape:
     cpu-split              CPU, start > 0                two fused CPU flash calls, the
                                                          visible part and the causal
                                                          diagonal, merged by log-sum-exp
+    cpu-chunked            CPU, ``cpu = "chunked"``      blocks of query rows, two batched
+                           (any start)                   GEMMs each around a softmax of
+                                                         the keys the block can see
     flash-lower-right      CUDA, flash can run           SDPA with ``causal_lower_right``
                            (bf16/fp16, head dim)         (flash's causal is bottom-right
                                                          aligned), GQA in-kernel
@@ -24,6 +27,13 @@ bottom-right causal shape:
                                                          memory-efficient kernel
                                                          (custom mask type 2), which
                                                          has no GQA: K/V heads expanded
+
+Which CPU kernel is faster depends on the machine: torch's CPU flash kernel runs its
+small GEMMs through MKL, fast where MKL has a kernel for the CPU (AMX on recent Intel
+parts) and several times below the core's bf16 peak elsewhere (AMD EPYC), while
+``cpu-chunked`` issues a few large batched GEMMs (oneDNN in bf16) at the price of
+materialising one block's scores. ``pick_cpu_kernel`` times both on this process's
+threads and keeps flash unless the chunked kernel is clearly faster.
 
 With GQA and no flash, SDPA itself would fall back to the math kernel (a dense score
 matrix), so the KV heads are expanded first whenever flash cannot run on CUDA,
@@ -34,6 +44,8 @@ Shapes: q [1, Hq, n, D]; k, v [1, Hkv, start + n, D] (GQA: Hq a multiple of Hkv)
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -42,14 +54,22 @@ from torch.nn.attention.bias import causal_lower_right
 # Fused CPU flash attention that also returns the log-sum-exp (GQA-aware).
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
-KERNELS = ("sdpa-causal", "cpu-split", "flash-lower-right", "efficient-lower-right")
+KERNELS = (
+    "sdpa-causal", "cpu-split", "cpu-chunked", "flash-lower-right", "efficient-lower-right"
+)  # fmt: skip
+CPU_KERNELS = ("flash", "chunked")  # a CPU rank's family: torch's flash, or cpu-chunked
+CHUNK_ROWS = 64  # query rows per block of cpu-chunked
+TUNE_MARGIN = 0.1  # pick_cpu_kernel keeps flash unless chunked is this much faster
 
 
-def choose_kernel(device_type: str, start: int, flash_ok: bool) -> str:
+def choose_kernel(device_type: str, start: int, flash_ok: bool, cpu: str = "flash") -> str:
     """The kernel of one call (module docstring); ``flash_ok``: CUDA's flash kernel
-    accepts these tensors (``torch.backends.cuda.can_use_flash_attention``)."""
+    accepts these tensors (``torch.backends.cuda.can_use_flash_attention``); ``cpu``:
+    the CPU family of this rank (``CPU_KERNELS``)."""
     if device_type == "cuda":
         return "flash-lower-right" if flash_ok else "efficient-lower-right"
+    if cpu == "chunked":
+        return "cpu-chunked"
     if start == 0 or _flash_cpu is None:
         return "sdpa-causal"
     return "cpu-split"
@@ -63,12 +83,15 @@ def _flash_can_run(q: Tensor, k: Tensor, v: Tensor) -> bool:
     return bool(can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True), False))
 
 
-def prefix_causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+def prefix_causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, start: int, cpu: str = "flash"
+) -> Tensor:
     """Queries at positions ``start + i`` see keys ``0 .. start + i``; returns [1, Hq, n, D]."""
     n = q.shape[2]
     if k.shape[2] != start + n:
         raise ValueError(f"expected {start + n} keys for {n} queries at {start}, got {k.shape[2]}")
-    return run_kernel(choose_kernel(q.device.type, start, _flash_can_run(q, k, v)), q, k, v, start)
+    kernel = choose_kernel(q.device.type, start, _flash_can_run(q, k, v), cpu)
+    return run_kernel(kernel, q, k, v, start)
 
 
 def run_kernel(kernel: str, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
@@ -87,6 +110,8 @@ def run_kernel(kernel: str, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tens
             seen_o, seen_lse = _flash_cpu(q, k[:, :, :start], v[:, :, :start], 0.0, False)
             diag_o, diag_lse = _flash_cpu(q, k[:, :, start:], v[:, :, start:], 0.0, True)
             return merge_by_lse(seen_o, seen_lse, diag_o, diag_lse).to(q.dtype)
+        case "cpu-chunked":
+            return _chunked(q, k, v, start)
         case "flash-lower-right":
             return _lower_right(q, k, v, start, n, gqa=True)
         case "efficient-lower-right":
@@ -111,3 +136,74 @@ def merge_by_lse(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tensor:
     w1 = torch.exp(lse1 - lse).unsqueeze(-1)
     w2 = torch.exp(lse2 - lse).unsqueeze(-1)
     return o1 * w1 + o2 * w2
+
+
+def _chunked(q: Tensor, k: Tensor, v: Tensor, start: int, rows: int | None = None) -> Tensor:
+    """Query rows in blocks of ``rows``: per KV head, one GEMM gives a block's scores
+    against the keys it sees (the head's query heads stacked as rows, so GQA shares K
+    and V), the causal diagonal is masked in place, and after the softmax a second GEMM
+    gives the output. The masked triangle costs one block per block, not half the
+    matrix. One ``mm`` per head rather than one ``bmm``: torch's CPU ``bmm`` copies a
+    transposed operand and leaves oneDNN for a slower GEMM. The scale is folded into q;
+    in bf16 the scores are rounded to bf16 before the softmax (which computes in fp32),
+    where flash keeps them in fp32. ``rows``: ``CHUNK_ROWS`` unless given."""
+    rows = rows or CHUNK_ROWS
+    _, hq, n, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    keys, values = k[0].contiguous(), v[0].contiguous()  # [Hkv, N, D]
+    queries = (q[0] * d**-0.5).view(hkv, group, n, d)
+    out = q.new_empty(hkv, group, n, d)
+    above = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)
+    for lo in range(0, n, rows):
+        hi = min(n, lo + rows)
+        b, seen = hi - lo, start + hi
+        block = queries[:, :, lo:hi].reshape(hkv, group * b, d)
+        scores = q.new_empty(hkv, group * b, seen)
+        for h in range(hkv):
+            torch.mm(block[h], keys[h, :seen].t(), out=scores[h])
+        diagonal = scores.view(hkv, group, b, seen)[..., seen - b :]
+        diagonal.masked_fill_(above[:b, :b], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        for h in range(hkv):
+            out[h, :, lo:hi] = torch.mm(probs[h], values[h, :seen]).view(group, b, d)
+    return out.view(1, hq, n, d)
+
+
+def pick_cpu_kernel(
+    setting: str,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    lengths: tuple[int, ...] = (2048, 4096),
+    rounds: int = 3,
+) -> tuple[str, dict[int, dict[str, float]]]:
+    """The CPU kernel family for ``setting`` (``[engine] cpu_attention``: "auto" or one
+    of ``CPU_KERNELS``) and, under "auto", the best seconds of each at each length
+    tried. Both run causal prefills in the model's head shape and dtype, in the
+    engine's layout, on this process's threads, alternately (one warm-up call each
+    first); the chunked kernel is chosen only if it is at least ``TUNE_MARGIN`` faster
+    at every length in ``lengths``, tried in order until one says flash."""
+    if setting in CPU_KERNELS:
+        return setting, {}
+    if setting != "auto":
+        raise ValueError(f"cpu_attention must be auto or one of {CPU_KERNELS}, got {setting!r}")
+    gen = torch.Generator().manual_seed(0)
+    timed: dict[int, dict[str, float]] = {}
+    for i, tokens in enumerate(lengths):
+
+        def rows(h: int, n: int = tokens) -> Tensor:  # [1, h, n, D] over [n, h, D] memory
+            return torch.randn(n, h, head_dim, generator=gen).to(dtype).transpose(0, 1)[None]
+
+        q, k, v = rows(heads), rows(kv_heads), rows(kv_heads)
+        best = timed[tokens] = {name: float("inf") for name in CPU_KERNELS}
+        for round_ in range(rounds + (i == 0)):
+            for name in CPU_KERNELS:
+                began = time.perf_counter()
+                run_kernel(choose_kernel("cpu", 0, False, name), q, k, v, 0)
+                if round_ or i:  # the very first round warms both up
+                    best[name] = min(best[name], time.perf_counter() - began)
+        if best["chunked"] > (1 - TUNE_MARGIN) * best["flash"]:
+            return "flash", timed
+    return "chunked", timed

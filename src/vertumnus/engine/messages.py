@@ -174,6 +174,7 @@ class RankReady:
     kv_bytes: int
     layers: str = "eager"  # how the layers run: "compiled" or "eager"
     eager_because: str | None = None  # why not compiled under ``compile = "auto"``
+    attention: str = "flash"  # a CPU rank's attention kernel family; "cuda" on a GPU
 
 
 @dataclass(frozen=True)

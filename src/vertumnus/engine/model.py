@@ -147,6 +147,9 @@ class Qwen3ForCausalLM(nn.Module):
         # How the layers compute around attention (``engine/fused.py``): eager unless a
         # rank compiled them at start-up (``fused.prepare_layers``).
         self.layer_fns: LayerFns = EAGER
+        # The attention kernel family on a CPU (``attention.CPU_KERNELS``): torch's flash
+        # unless a rank picked the chunked kernel at start-up (``pick_cpu_kernel``).
+        self.cpu_attention = "flash"
         self.model = Qwen3Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

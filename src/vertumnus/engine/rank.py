@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from vertumnus.config import EngineConfig, ModelConfig
+from vertumnus.engine.attention import pick_cpu_kernel
 from vertumnus.engine.comm import Communicator, DistComm, SoloComm, make_group, worker_group_name
 from vertumnus.engine.fused import prepare_layers
 from vertumnus.engine.host_copy import HostStaging, StepTimer, keep_freed_host_memory
@@ -86,6 +87,34 @@ def resolve_device(engine: EngineConfig, rank: int) -> torch.device:
     return torch.device("cuda", rank % torch.cuda.device_count())
 
 
+def cpu_threads(engine: EngineConfig, local_ranks: int) -> int:
+    """Intra-op threads of one CPU rank: ``threads_per_rank``, else this host's cores
+    shared among its ``local_ranks`` ranks."""
+    return engine.threads_per_rank or max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+
+
+def settle_cpu_attention(
+    model: ModelConfig, engine: EngineConfig, local_ranks: int
+) -> tuple[EngineConfig, dict[int, dict[str, float]]]:
+    """``engine`` with ``cpu_attention = "auto"`` replaced by the kernel this host's CPU
+    ranks are to run, and the timings that chose it (``pick_cpu_kernel``, run here with
+    one rank's threads before the ranks start: they all run the same kernel, and it is
+    not timed while other ranks compile or time); unchanged where there is nothing to
+    decide (a kernel named, a GPU)."""
+    on_cpu = engine.device == "cpu" or (engine.device == "auto" and not torch.cuda.is_available())
+    if engine.cpu_attention != "auto" or not on_cpu:  # (a missing GPU: the ranks say so)
+        return engine, {}
+    dtype = resolve_dtype(engine.dtype, torch.device("cpu"))
+    heads, kv_heads = model.num_attention_heads, model.num_key_value_heads
+    before = torch.get_num_threads()
+    torch.set_num_threads(cpu_threads(engine, local_ranks))
+    try:
+        choice, timed = pick_cpu_kernel("auto", heads, kv_heads, model.head_dim, dtype)
+    finally:
+        torch.set_num_threads(before)
+    return replace(engine, cpu_attention=choice), timed
+
+
 def rank_main(rank: int, spec: RankSpec, commands: Any, results: Any) -> None:
     """Entry point of a spawned rank process (``commands``: the read end of its
     one-way command pipe; ``results``: the write end of its one-way answer pipe).
@@ -100,10 +129,7 @@ def rank_main(rank: int, spec: RankSpec, commands: Any, results: Any) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         else:
-            threads = spec.engine.threads_per_rank or max(
-                1, (os.cpu_count() or 1) // (spec.local_ranks or spec.world_size)
-            )
-            torch.set_num_threads(threads)
+            torch.set_num_threads(cpu_threads(spec.engine, spec.local_ranks or spec.world_size))
             keep_freed_host_memory()
         timeout = timedelta(seconds=spec.engine.rank_timeout_s)
         store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
@@ -120,10 +146,11 @@ def rank_main(rank: int, spec: RankSpec, commands: Any, results: Any) -> None:
         blocks, block_size = spec.engine.kv_blocks_per_rank, spec.engine.block_size
         kv = PagedKVStore(spec.model, blocks, block_size, dtype, device, segment)
         why = prepare_layers(model, spec.engine.compile, lambda: _warm_up(model, block_size))
+        attention = _pick_attention(model, spec.engine.cpu_attention)
     except Exception as exc:
         results.send(RankFailed(rank, None, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return
-    ready = RankReady(rank, str(device), kv.nbytes, model.layer_fns.name, why)
+    ready = RankReady(rank, str(device), kv.nbytes, model.layer_fns.name, why, attention)
     results.send(ready)
     _serve(rank, model, kv, groups, commands, results, store, device, timeout)
 
@@ -136,6 +163,17 @@ def _warm_up(model: Qwen3ForCausalLM, block_size: int) -> None:
     ids = torch.arange(38, device=model.device) % model.config.vocab_size
     prefill_rank(model, SoloComm(), None, RankPrefill(ids, 0, (), (), block_size))
     model.reset_expert_tokens()
+
+
+def _pick_attention(model: Qwen3ForCausalLM, setting: str) -> str:
+    """A CPU rank's attention kernel family (``attention.pick_cpu_kernel``), set on the
+    model; "cuda" on a GPU, whose kernel is chosen per call."""
+    if model.device.type != "cpu":
+        return "cuda"
+    cfg = model.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    model.cpu_attention, _ = pick_cpu_kernel(setting, heads, kv_heads, cfg.head_dim, model.dtype)
+    return model.cpu_attention
 
 
 def _serve(

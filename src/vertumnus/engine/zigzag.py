@@ -107,8 +107,10 @@ class ZigzagAttention:
         comm: Communicator,
         store: PagedKVStore | None,
         step: RankPrefill,
+        cpu_kernel: str = "flash",
     ) -> None:
         self.part, self.comm, self.store, self.step = part, comm, store, step
+        self.cpu_kernel = cpu_kernel  # ``attention.CPU_KERNELS``
         self.exported: list[Tensor] = []  # per layer: [2, b - a, Hkv, D] (``step.export``)
         c, bs = part.cp_degree, step.block_size
         self.num_prefix_blocks = step.prefix_len // bs
@@ -157,7 +159,11 @@ class ZigzagAttention:
         qh = q.transpose(0, 1)[None]  # [1, Hq, 2s, D]
         outs = [
             prefix_causal_attention(
-                qh[:, :, lo:hi], kh[:, :, : start + hi - lo], vh[:, :, : start + hi - lo], start
+                qh[:, :, lo:hi],
+                kh[:, :, : start + hi - lo],
+                vh[:, :, : start + hi - lo],
+                start,
+                self.cpu_kernel,
             )
             for lo, hi, start in self.blocks
         ]
@@ -197,7 +203,7 @@ def prefill_rank(
     real = idx < part.num_tokens
     ids = torch.where(real, step.token_ids[idx.clamp(max=part.num_tokens - 1)], 0)
     positions = step.prefix_len + idx
-    attention = ZigzagAttention(part, comm, store, step)
+    attention = ZigzagAttention(part, comm, store, step, model.cpu_attention)
     hidden = model(ids, positions, attention, counted=real)  # [2s, H]
     if attention.exported and exported is not None:
         exported.append(torch.stack(attention.exported, dim=1))

@@ -257,7 +257,17 @@ class Coordinator:
             if answer.eager_because is not None:
                 log.warning("rank_layers_eager", rank=answer.rank, because=answer.eager_because)
         layers = ",".join(sorted({answer.layers for answer in answers})) or None
-        log.info("ready", ranks=self.cfg.ranks, composition=self.composition_name(), layers=layers)
+        attention = ",".join(sorted({answer.attention for answer in answers})) or None
+        name, count = self.composition_name(), self.cfg.ranks
+        timed = getattr(ranks, "attention_ms", None) or None  # how "auto" chose, if it did
+        log.info(
+            "ready",
+            ranks=count,
+            composition=name,
+            layers=layers,
+            attention=attention,
+            attention_ms=timed,
+        )
 
     def stop_admission(self) -> None:
         """New requests get a 503 (``Unavailable``); what was accepted goes on (a

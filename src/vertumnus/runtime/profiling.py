@@ -76,11 +76,12 @@ def measure(
     samples: list[Sample] = []
     total, done = len(grid.degrees) * len(points) * grid.repeats, 0
     hardware: str | None = None
-    device, layers = "cpu", "eager"
+    device, layers, attention = "cpu", "eager", "flash"
     for degree in grid.degrees:
         with ChildRanks(model, model_dir, engine, world_size=degree, degrees=[degree]) as pool:
             if hardware is None:
-                device, layers = pool.ready[0].device, pool.ready[0].layers
+                first = pool.ready[0]
+                device, layers, attention = first.device, first.layers, first.attention
                 hardware = hardware_name(device)
 
             def one(length: int, hit: float) -> tuple[int, int, float]:
@@ -110,7 +111,8 @@ def measure(
                 samples.append(Sample(degree, r, p, seconds))
     # After the grid, with no rank running: the copies have the machine to themselves.
     host_link = measure_host_link(model, engine, device)
-    return Measured(samples, hardware or "unknown", {"layers": layers}, host_link)
+    extra = {"layers": layers, "attention": attention}
+    return Measured(samples, hardware or "unknown", extra, host_link)
 
 
 def fit_measured(

@@ -164,7 +164,8 @@ class RankLink:
                 else:
                     self._on_pool_failed(f"rank {msg.rank}: {msg.error}")
             case RankReady():
-                log.info("rank_back", rank=msg.rank, layers=msg.layers)  # a restarted rank
+                # a restarted rank
+                log.info("rank_back", rank=msg.rank, layers=msg.layers, attention=msg.attention)
                 if msg.eager_because is not None:
                     log.warning("rank_layers_eager", rank=msg.rank, because=msg.eager_because)
                 ready = self._ready.pop(msg.rank, None)

@@ -29,7 +29,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from vertumnus.config import EngineConfig, ModelConfig
 from vertumnus.engine.messages import RankFailed, RankReady
-from vertumnus.engine.rank import RankSpec
+from vertumnus.engine.rank import RankSpec, settle_cpu_attention
 from vertumnus.policy.lattice import LatticeConfig, worker_slots
 from vertumnus.runtime.kv.segments import KVSegments
 from vertumnus.runtime.processes import LocalRanks
@@ -205,10 +205,21 @@ class ChildRanks(RanksCore):
         self._ranks = LocalRanks()
         self._incarnations: dict[int, int] = {}  # restarts of each rank; absent: 0
         self.kv_segments = KVSegments(model, engine)  # the CPU ranks' KV stores
+        # What ``settle_cpu_attention`` timed, in ms by length and kernel (the ready log)
+        self.attention_ms: dict[str, dict[str, float]] = {}
 
     def __enter__(self) -> ChildRanks:
         self.start()
         return self
+
+    def start(self) -> None:
+        """As ``RanksCore.start``, after deciding ``cpu_attention = "auto"`` once for
+        every rank of this host (``settle_cpu_attention``), restarts included."""
+        self.engine, timed = settle_cpu_attention(self.model, self.engine, self.world_size)
+        self.attention_ms = {
+            str(n): {k: round(t * 1e3, 2) for k, t in ts.items()} for n, ts in timed.items()
+        }
+        super().start()
 
     def __exit__(self, *exc: object) -> None:
         self.close()
