@@ -188,9 +188,11 @@ def test_a_cpu_rank_sets_the_kernel_it_picked_on_its_model(
     tiny_model: Qwen3ForCausalLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(tiny_model, "cpu_attention", "flash")
-    assert _pick_attention(tiny_model, "chunked") == "chunked"
+    named = EngineConfig(device="cpu", dtype="float32", cpu_attention="chunked")
+    assert _pick_attention(tiny_model, named, 1) == "chunked"
     assert tiny_model.cpu_attention == "chunked"
-    picked = _pick_attention(tiny_model, "auto")
+    auto = EngineConfig(device="cpu", dtype="float32", threads_per_rank=1)
+    picked = _pick_attention(tiny_model, auto, 1)
     assert picked in CPU_KERNELS and tiny_model.cpu_attention == picked
 
 

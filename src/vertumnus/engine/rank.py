@@ -79,8 +79,13 @@ class RankSpec:
     kv_segments: tuple[str | None, ...] = ()
 
 
+def runs_on_cpu(engine: EngineConfig) -> bool:
+    """The ranks of ``engine`` compute on the CPU (``device`` cpu, or auto without CUDA)."""
+    return engine.device == "cpu" or (engine.device == "auto" and not torch.cuda.is_available())
+
+
 def resolve_device(engine: EngineConfig, rank: int) -> torch.device:
-    if engine.device == "cpu" or (engine.device == "auto" and not torch.cuda.is_available()):
+    if runs_on_cpu(engine):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise RuntimeError("device = 'cuda' was asked for, but CUDA is not available")
@@ -97,12 +102,12 @@ def settle_cpu_attention(
     model: ModelConfig, engine: EngineConfig, local_ranks: int
 ) -> tuple[EngineConfig, dict[int, dict[str, float]]]:
     """``engine`` with ``cpu_attention = "auto"`` replaced by the kernel this host's CPU
-    ranks are to run, and the timings that chose it (``pick_cpu_kernel``, run here with
-    one rank's threads before the ranks start: they all run the same kernel, and it is
-    not timed while other ranks compile or time); unchanged where there is nothing to
-    decide (a kernel named, a GPU)."""
-    on_cpu = engine.device == "cpu" or (engine.device == "auto" and not torch.cuda.is_available())
-    if engine.cpu_attention != "auto" or not on_cpu:  # (a missing GPU: the ranks say so)
+    ranks are to run, and the timings that chose it (``pick_cpu_kernel`` with one
+    rank's threads). ``ChildRanks`` settles it before the ranks start, so all run the
+    same kernel and none is timed while others compile; an agent-started rank of a
+    multi-host pool settles it itself. Unchanged where there is nothing to decide (a
+    kernel named, a GPU)."""
+    if engine.cpu_attention != "auto" or not runs_on_cpu(engine):  # (no GPU: ranks say so)
         return engine, {}
     dtype = resolve_dtype(engine.dtype, torch.device("cpu"))
     heads, kv_heads = model.num_attention_heads, model.num_key_value_heads
@@ -146,7 +151,7 @@ def rank_main(rank: int, spec: RankSpec, commands: Any, results: Any) -> None:
         blocks, block_size = spec.engine.kv_blocks_per_rank, spec.engine.block_size
         kv = PagedKVStore(spec.model, blocks, block_size, dtype, device, segment)
         why = prepare_layers(model, spec.engine.compile, lambda: _warm_up(model, block_size))
-        attention = _pick_attention(model, spec.engine.cpu_attention)
+        attention = _pick_attention(model, spec.engine, spec.local_ranks or spec.world_size)
     except Exception as exc:
         results.send(RankFailed(rank, None, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return
@@ -165,14 +170,14 @@ def _warm_up(model: Qwen3ForCausalLM, block_size: int) -> None:
     model.reset_expert_tokens()
 
 
-def _pick_attention(model: Qwen3ForCausalLM, setting: str) -> str:
-    """A CPU rank's attention kernel family (``attention.pick_cpu_kernel``), set on the
-    model; "cuda" on a GPU, whose kernel is chosen per call."""
+def _pick_attention(model: Qwen3ForCausalLM, engine: EngineConfig, local_ranks: int) -> str:
+    """A CPU rank's attention kernel family, set on the model: the one ``engine`` names
+    (the coordinator settled "auto" before starting this rank), else timed here, as an
+    agent-started rank does (``settle_cpu_attention``); "cuda" on a GPU, whose kernel
+    is chosen per call."""
     if model.device.type != "cpu":
         return "cuda"
-    cfg = model.config
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-    model.cpu_attention, _ = pick_cpu_kernel(setting, heads, kv_heads, cfg.head_dim, model.dtype)
+    model.cpu_attention = settle_cpu_attention(model.config, engine, local_ranks)[0].cpu_attention
     return model.cpu_attention
 
 
