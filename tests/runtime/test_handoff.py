@@ -22,6 +22,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from support.factories import TINY, cpu_profile, engine_config, make_tokens
+from support.pool_app import rank_app
 from vertumnus import kv_wire as wire
 from vertumnus.config.pool import PoolConfig
 from vertumnus.decode.dist_client import pull_dist
@@ -350,13 +351,8 @@ def test_a_client_that_leaves_stops_its_decode(tmp_path: Path) -> None:
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         url = f"http://127.0.0.1:{runner.addresses[0][1]}"
         cfg = dataclasses.replace(make_config(tmp_path, (1, 1)), decode=DecodeConfig(url=url))
-        coord = Coordinator(cfg)
-        await coord.start()
-        proxy = DecodeProxy(coord, cfg.decode, cfg.model)
         try:
-            app = build_app(coord, Tokenizer.for_model(None, TINY.vocab_size), proxy)
-            async with TestClient(TestServer(app)) as client:
-                await proxy.start(f"http://127.0.0.1:{client.port}")
+            async with rank_app(cfg) as (client, coord, _):
                 body = orjson.dumps({"prompt": make_tokens(40, seed=5), "max_tokens": 50})
                 _reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
                 writer.write(
@@ -376,8 +372,6 @@ def test_a_client_that_leaves_stops_its_decode(tmp_path: Path) -> None:
                 view = coord.handoffs.view()
                 assert (view["open"], view["released"]) == (0, 1) and pins(coord) == 0
         finally:
-            await proxy.close()
-            await coord.close()
             await runner.cleanup()
 
     asyncio.run(main())

@@ -22,6 +22,9 @@ vertumnus_handoff_ended_total        hand-off leases ended, by why (pulled, expi
                                      released, moved)
 vertumnus_handoff_bytes_total        KV bytes pulled by decode servers
 vertumnus_handoff_seconds            histogram of a pull, first byte to last
+vertumnus_decode_waits_total         completions, prefilled, that waited for a decode
+                                     server that went away, by outcome (forwarded:
+                                     it came back; unavailable: a 503; client_gone)
 vertumnus_internal_errors_total      bugs contained (logged with their traceback), by
                                      where (worker_step, reshape, task, handoff, api)
 vertumnus_reshapes_rolled_back_total reshapes past [server] reshape_timeout_s, by how
@@ -137,6 +140,12 @@ class Metrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        self.decode_waits = Counter(
+            "vertumnus_decode_waits",
+            "Completions, prefilled, that waited for a decode server that went away",
+            ["outcome"],
+            registry=r,
+        )
         self.internal_errors = Counter(
             "vertumnus_internal_errors",
             "Bugs contained (logged with their traceback)",
@@ -248,6 +257,11 @@ class Metrics:
     def pulled(self, num_bytes: int, seconds: float) -> None:
         self.handoff_bytes.inc(num_bytes)
         self.handoff_seconds.observe(seconds)
+
+    def decode_waited(self, outcome: str) -> None:
+        """A prefilled completion's wait for its decode server ended: ``forwarded``,
+        ``unavailable`` (a 503) or ``client_gone``."""
+        self.decode_waits.labels(outcome=outcome).inc()
 
     def internal_error(self, where: str) -> None:
         self.internal_errors.labels(where=where).inc()

@@ -79,6 +79,10 @@ class DecodeConfig:
     local: bool = True
     restart_s: float = 1.0  # wait before restarting a local decode process that died
     restart_max_s: float = 30.0  # the wait doubles while it keeps failing, up to this
+    # How long a completion whose prompts are prefilled waits for a decode server that
+    # went away (the local process restarting; a url refusing connections) before a
+    # 503 naming why; never past its KV leases (a margin is left for the pull)
+    restart_wait_s: float = 20.0
     # How the local decode process takes the KV: "http" (the pull) or "dist" (the
     # ranks send it over torch.distributed: gloo on CPU, NCCL between GPUs)
     transport: str = "http"
@@ -94,6 +98,8 @@ class DecodeConfig:
             raise ConfigError(f"[decode] url must start with http:// or https://, got {self.url!r}")
         if not 0 <= self.restart_s <= self.restart_max_s:
             raise ConfigError("[decode] need 0 <= restart_s <= restart_max_s")
+        if not self.restart_wait_s >= 0:
+            raise ConfigError("[decode] need restart_wait_s >= 0")
         if self.transport not in ("http", "dist"):
             raise ConfigError(f"[decode] transport must be http or dist, got {self.transport!r}")
         if self.engine not in ("vertumnus", "vllm"):

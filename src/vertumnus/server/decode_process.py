@@ -3,14 +3,17 @@ decode`` started beside the pool in the background, serving the model under the
 pool's name (``--served-model-name``), told the hand-off secret, and
 restarted with backoff whenever it dies or fails to start; ``state`` says why it is
 not up meanwhile (``/ready`` reports it), and the pool serves prefills all along.
-It does not forward completions: ``proxy.py`` does, to ``url``."""
+It does not forward completions: ``proxy.py`` does, to the address ``wait_up``
+gives (``url`` changes under any ``await``: read it once, then use what was read)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import structlog
 
@@ -18,6 +21,16 @@ from vertumnus.config import EngineConfig
 from vertumnus.runtime.serve_tables import DecodeConfig
 
 log = structlog.get_logger("vertumnus.proxy")
+
+
+@dataclass(frozen=True)
+class DecodeTarget:
+    """Where a decode server listens, and which of the local process's lives it is
+    (0: a separate server, which has no lives here)."""
+
+    url: str
+    generation: int = 0
+
 
 START_TIMEOUT_S = 120.0  # a local decode process's start (it imports torch, builds the model)
 STABLE_S = 30.0  # a decode process up this long had served: its restart backoff starts over
@@ -46,11 +59,52 @@ class LocalDecode:
         self._prefill_url = ""
         self._supervisor: asyncio.Task[None] | None = None
         self._closing = False
+        self._up = asyncio.Event()  # set while ``url`` is not None (or closing: no wait)
+        self._down = asyncio.Event()  # set while it is not (or closing)
+        self._down.set()
+        self.generation = 0  # one more at each process that comes up
 
     def start(self, prefill_url: str) -> None:
         """``prefill_url``: where the pool listens, for the process's pulls."""
         self._prefill_url = prefill_url
         self._supervisor = asyncio.create_task(self._supervise())
+
+    def current(self) -> DecodeTarget | None:
+        """Where the process listens now, and which one it is (None: not up)."""
+        if self.url is None or self._closing:
+            return None
+        return DecodeTarget(self.url, self.generation)
+
+    async def wait_up(self, timeout_s: float) -> DecodeTarget | None:
+        """``current()``: now if the process is up, else once it is back (a restart),
+        waiting at most ``timeout_s``; None if it is not back by then, or is being
+        closed."""
+        if self.url is None and not self._closing and timeout_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._up.wait(), timeout_s)
+        return self.current()
+
+    async def gone(self, target: DecodeTarget, within_s: float) -> bool:
+        """Whether the process at ``target`` has exited, waiting up to ``within_s``
+        for its exit to be seen (a killed process's connections are reset a moment
+        before its supervisor sees it exit)."""
+        if self.current() == target and within_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._down.wait(), within_s)
+        return self.current() != target
+
+    # The supervisor's two transitions (and a test's, which has no process).
+    def _mark_up(self, url: str, process: asyncio.subprocess.Process | None) -> None:
+        self.url, self.process = url, process
+        self.generation += 1
+        self._down.clear()
+        self._up.set()
+
+    def _mark_down(self) -> None:
+        self.url = None
+        self._down.set()
+        if not self._closing:
+            self._up.clear()
 
     def command(self) -> list[str]:
         """The process's command line (the pool's address once ``start`` gave it)."""
@@ -100,8 +154,7 @@ class LocalDecode:
             code = await process.wait()
             said = f": {text!r}" if text else ""
             raise RuntimeError(f"the local decode process exited with code {code}{said}")
-        self.url = text[text.index("http://") :]
-        self.process = process
+        self._mark_up(text[text.index("http://") :], process)
         log.info("decode_started", url=self.url, pid=process.pid, restarts=self.restarts)
 
     async def _supervise(self) -> None:
@@ -117,7 +170,7 @@ class LocalDecode:
                 code = await self.process.wait()
                 if self._closing:
                     return
-                self.url = None
+                self._mark_down()
                 log.error("decode_exited", pid=self.process.pid, code=code, retry_in_s=delay)
                 if time.monotonic() - began > STABLE_S:
                     delay = self.cfg.restart_s  # it had served a while: not a crash loop
@@ -133,6 +186,9 @@ class LocalDecode:
 
     async def close(self) -> None:
         self._closing = True
+        self._up.set()  # (whoever waits for the process: it is not coming back)
+        self._down.set()
+        self.url = None
         if self._supervisor is not None:
             self._supervisor.cancel()
         if self.process is not None and self.process.returncode is None:

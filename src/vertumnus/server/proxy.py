@@ -16,6 +16,15 @@ on another host). A decode server that fails or dies mid-stream gives the client
 error event; the leases not pulled are released (as are those already opened when
 another prompt's prefill fails); the pool keeps serving. Each answer carries the
 pool's share of the request (``answers.py``).
+
+A decode server that goes away while the prompts are prefilled (the local process
+killed and restarting, a separate server refusing connections) does not cost the
+prefill: the completion waits for it, its leases kept, up to ``[decode]
+restart_wait_s`` and never past them, then goes on to whichever process is up; if
+none comes back in time, or a lease ended meanwhile (its worker failed, a reshape's
+wait), the answer is a 503 naming why, the leases released. Where the decode server
+is, and whether each lease is still open, are read after the last ``await`` that
+could change them, never before.
 """
 
 from __future__ import annotations
@@ -42,13 +51,17 @@ from vertumnus.server.answers import (
     serve_prefills,
     with_pool_share,
 )
-from vertumnus.server.decode_process import LocalDecode
+from vertumnus.server.decode_process import DecodeTarget, LocalDecode
+from vertumnus.server.decode_side import DecodeSide, Undelivered
 from vertumnus.server.handoff_routes import transfer_params
 from vertumnus.server.http import BadRequest, error_body, error_response
 
 log = structlog.get_logger("vertumnus.proxy")
 
 GONE_CHECK_S = 0.25  # how often a non-streamed completion looks for its client
+RETRY_S = 0.25  # the first wait before asking again a decode server that went away
+RETRY_MAX_S = 2.0  # (doubling up to this)
+PULL_MARGIN_S = 5.0  # what a wait for the decode server leaves of a lease for its pull
 
 
 def _unavailable(message: str) -> web.Response:
@@ -80,25 +93,26 @@ async def _unless_gone(request: web.Request, work: Any) -> Any:
 
 
 class DecodeProxy:
-    def __init__(self, coord: Coordinator, cfg: DecodeConfig, model: str) -> None:
+    def __init__(
+        self, coord: Coordinator, cfg: DecodeConfig, model: str, local: LocalDecode | None = None
+    ) -> None:
+        """``local``: the local decode process's supervisor (default: one made here
+        when ``cfg`` asks for a local decode process)."""
         self.coord, self.cfg = coord, cfg
-        self.local = (
-            LocalDecode(cfg, coord.cfg.engine, model, coord.handoffs.secret, coord.cfg.model)
-            if cfg.url is None and cfg.local
-            else None
-        )
+        if local is None and cfg.url is None and cfg.local:
+            engine, secret = coord.cfg.engine, coord.handoffs.secret
+            local = LocalDecode(cfg, engine, model, secret, coord.cfg.model)
+        self.local = local
+        self.side = DecodeSide(cfg, local)
         self._session: aiohttp.ClientSession | None = None
         self._prefill_url = ""
+        self.waiting = 0  # completions prefilled that wait for the decode server now
 
     @property
     def url(self) -> str | None:
-        """Where the decode server listens (None: not yet)."""
-        return self.local.url if self.local is not None else self.cfg.url
-
-    @property
-    def process(self) -> asyncio.subprocess.Process | None:
-        """The local decode process, once one has started (None: a separate server)."""
-        return self.local.process if self.local is not None else None
+        """Where the decode server listens now (None: not up)."""
+        target = self.side.current()
+        return None if target is None else target.url
 
     async def start(self, prefill_url: str) -> None:
         """``prefill_url``: where this pool listens, for the local decode process,
@@ -127,6 +141,8 @@ class DecodeProxy:
 
     def unready_reason(self) -> str | None:
         """None when completions can be decoded now; else why not."""
+        if self.side.closing:
+            return "the server is shutting down"
         if self.url is not None and self._session is not None:
             return None
         if self.local is not None:
@@ -136,8 +152,7 @@ class DecodeProxy:
         return "the decode proxy is starting"
 
     async def close(self) -> None:
-        if self.local is not None:
-            await self.local.close()
+        await self.side.close()
         if self._session is not None:
             await self._session.close()
 
@@ -148,7 +163,10 @@ class DecodeProxy:
     ) -> web.StreamResponse:
         """Prefill every prompt of ``req`` with its KV kept, and have the decode
         server answer the client's ``body`` on the same path, its
-        ``kv_transfer_params`` replaced by the list of every prompt's (in order)."""
+        ``kv_transfer_params`` replaced by the list of every prompt's (in order).
+        A request that comes while the decode server is known to be down is refused
+        at once (nothing computed); one whose prefill is done waits for it
+        (``_hand_over``)."""
         coord, arrived = self.coord, time.perf_counter()
         if self.url is None or self._session is None:
             reason = self.unready_reason() or "the decode server is not up"
@@ -159,32 +177,130 @@ class DecodeProxy:
         )
         if isinstance(results, web.Response):
             return results
-        transfers = [self._params(request, r) for r in results]
-        one = self.cfg.engine == "vllm"  # vLLM's kv_transfer_params: one object
-        forward = {**body, "kv_transfer_params": transfers[0] if one else transfers}
-        url = self.url + ("/v1/chat/completions" if chat else "/v1/completions")
-        with coord.metrics.decoding():
-            return await self._decode(request, url, forward, results, arrived, req.stream)
+        # The prompts' KV waits under leases from here: every way out hands it to the
+        # decode server or releases it (an exception too, the handler's cancellation).
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        try:
+            with coord.metrics.decoding():
+                return await self._hand_over(request, path, body, results, arrived, req.stream)
+        except BaseException:
+            release_leases(coord, results)
+            raise
+
+    async def _hand_over(
+        self,
+        request: web.Request,
+        path: str,
+        body: dict[str, Any],
+        results: list[PrefillResult],
+        arrived: float,
+        stream: bool,
+    ) -> web.StreamResponse:
+        """Forward the completion to the decode server that is up now; while there is
+        none, or the one it went to went away before answering (``Undelivered``),
+        wait for one up to ``_wait_s``, the leases kept. Each try reads where the
+        decode server is, and that every lease is still open, after the wait that
+        preceded it."""
+        coord, loop = self.coord, asyncio.get_running_loop()
+        began = loop.time()
+        deadline = began + self._wait_s(results)
+        delay, waited = RETRY_S, False
+        undelivered: Undelivered | None = None
+        while True:
+            target = None if undelivered is not None else self.side.current()
+            if target is None:
+                waited = True
+                self.waiting += 1
+                try:
+                    wait = self.side.wait(deadline, undelivered, delay)
+                    target = await _unless_gone(request, wait)
+                except (ClientGone, asyncio.CancelledError) as exc:  # (or its handler)
+                    coord.metrics.decode_waited("client_gone")
+                    release_leases(coord, results)
+                    log.info("client_gone", request_id=results[0].request_id, waiting=True)
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
+                    return web.Response(status=499)
+                finally:
+                    self.waiting -= 1
+                delay = min(2 * delay, RETRY_MAX_S)
+            if target is None:
+                release_leases(coord, results)
+                coord.metrics.decode_waited("unavailable")
+                why = self.side.away(undelivered)
+                log.warning("decode_wait_over", request_id=results[0].request_id, why=why)
+                message = f"unavailable: {why}; the prompt was prefilled and waited "
+                message += f"{loop.time() - began:.1f} s for it ([decode] restart_wait_s)"
+                return _unavailable(message)
+            ended = self._ended(results)
+            if ended is not None:
+                release_leases(coord, results)
+                if waited:
+                    coord.metrics.decode_waited("unavailable")
+                if undelivered is not None:
+                    ended += f" and {self.side.who} that had it went away"
+                elif waited:
+                    ended += " while the completion waited for a decode server"
+                return _unavailable(f"unavailable: {ended}; retry the request")
+            transfers = [self._params(request, r) for r in results]
+            one = self.cfg.engine == "vllm"  # vLLM's kv_transfer_params: one object
+            forward = {**body, "kv_transfer_params": transfers[0] if one else transfers}
+            try:
+                response = await self._decode(
+                    request, target, path, forward, results, arrived, stream
+                )
+            except Undelivered as exc:
+                undelivered = exc
+                log.warning("decode_went_away", request_id=results[0].request_id, error=str(exc))
+                continue
+            if waited:
+                coord.metrics.decode_waited("forwarded")
+                log.info("decode_waited", request_id=results[0].request_id, url=target.url)
+            return response
+
+    def _wait_s(self, results: list[PrefillResult]) -> float:
+        """How long the completion may wait for its decode server: ``restart_wait_s``,
+        leaving each lease time for its pull (``PULL_MARGIN_S``, at most a quarter of
+        ``lease_s``)."""
+        handoffs = self.coord.handoffs
+        margin_s = min(PULL_MARGIN_S, handoffs.cfg.lease_s / 4)
+        now = handoffs.clock()
+        left = [r.handoff.expires_s - now for r in results if r.handoff is not None]
+        return max(0.0, min([self.cfg.restart_wait_s, *(t - margin_s for t in left)]))
+
+    def _ended(self, results: list[PrefillResult]) -> str | None:
+        """None while every result's lease is open; else which ended, and why."""
+        for n, result in enumerate(results):
+            lease = result.handoff
+            why = None if lease is None else self.coord.handoffs.why_ended(lease)
+            if why is not None:
+                which = f"prompt {n}" if len(results) > 1 else "the prompt"
+                return f"the KV kept for {which} ended ({why})"
+        return None
 
     async def _decode(
         self,
         request: web.Request,
-        url: str,
+        target: DecodeTarget,
+        path: str,
         forward: dict[str, Any],
         results: list[PrefillResult],
         arrived: float,
         stream: bool,
     ) -> web.StreamResponse:
-        """The decode server's answer, relayed with the pool's share."""
+        """The decode server's answer, relayed with the pool's share; ``Undelivered``
+        if it went away before anything came back (``DecodeSide.went_away``)."""
         coord, request_id = self.coord, results[0].request_id
         try:
             if stream:
-                return await self._stream(request, url, forward, results, arrived)
-            status, data = await _unless_gone(request, self._answer(url, forward))
+                return await self._stream(request, target, path, forward, results, arrived)
+            status, data = await _unless_gone(request, self._answer(target.url + path, forward))
             if status != 200:
                 release_leases(coord, results)
                 return web.Response(body=data, status=status, content_type="application/json")
         except (aiohttp.ClientError, ConnectionError) as exc:
+            if await self.side.went_away(target, exc):
+                raise Undelivered(str(exc)) from exc
             release_leases(coord, results)
             return _unavailable(self._failed(exc))
         except ClientGone:  # its decode stopped with the connection to the decode server
@@ -204,7 +320,7 @@ class DecodeProxy:
         waits (over loopback for the local decode process) and, when asked for, its
         prompt's log-probabilities (clamped at -9999: JSON has no infinity)."""
         params: dict[str, Any] = transfer_params(request, self.coord, result)
-        if self.process is not None:  # the local decode process pulls over loopback
+        if self.local is not None:  # the local decode process pulls over loopback
             local = self._prefill_url.removeprefix("http://").rpartition(":")
             params["remote_host"], params["remote_port"] = local[0], int(local[2])
             params["remote_scheme"] = "http"
@@ -221,27 +337,28 @@ class DecodeProxy:
         """The error a decode failure answers with, naming the local decode process
         where it is the decode server (a kill cuts its answers before its exit is
         seen)."""
-        who = "the local decode process" if self.process is not None else "the decode server"
-        return f"{who} failed: {exc}"
+        return f"{self.side.who} failed: {exc}"
 
     async def _stream(
         self,
         request: web.Request,
-        url: str,
+        target: DecodeTarget,
+        path: str,
         forward: dict[str, Any],
         results: list[PrefillResult],
         arrived: float,
     ) -> web.StreamResponse:
         """Relay the decode server's events as they come; a failure after the first
-        byte becomes an error event, then the end. A client that goes away ends the
-        relay, and with it the call to the decode server (which stops decoding)."""
+        byte becomes an error event, then the end (before it: ``Undelivered`` where
+        the decode server went away). A client that goes away ends the relay, and
+        with it the call to the decode server (which stops decoding)."""
         assert self._session is not None
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         first: float | None = None
         try:
-            async with self._session.post(url, json=forward) as answer:
+            async with self._session.post(target.url + path, json=forward) as answer:
                 if answer.status != 200:
                     release_leases(self.coord, results)
                     data = await answer.read()
@@ -263,6 +380,8 @@ class DecodeProxy:
                         log.info("client_gone", request_id=results[0].request_id, stream=True)
                         return response
         except (aiohttp.ClientError, ConnectionError, asyncio.IncompleteReadError) as exc:
+            if not response.prepared and await self.side.went_away(target, exc):
+                raise Undelivered(str(exc)) from exc
             release_leases(self.coord, results)
             if not response.prepared:
                 return _unavailable(self._failed(exc))
