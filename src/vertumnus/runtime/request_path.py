@@ -138,18 +138,32 @@ class RequestPath:
         self.open[rid] = req
         ids = placement_ids(tokens, self.cfg.engine.block_size, prompt_logprobs)
         timeout_s = self.cfg.request_timeout_s
+        result: PrefillResult | None = None
         try:
             self.metrics.timeline.arrived(now)
             self.apply(self.policy.arrive(PlacementRequest(rid, len(tokens), ids), now))
-            return await asyncio.wait_for(asyncio.shield(req.future), timeout_s)
+            result = await asyncio.wait_for(asyncio.shield(req.future), timeout_s)
+            return result
         except TimeoutError:
             limit = f"[server] request_timeout_s = {timeout_s:g} s"
             raise Unavailable(f"request {rid} was not answered within {limit}") from None
         finally:
             self.open.pop(rid, None)
             self.policy.abandon(rid, self.clock())  # (nothing if answered)
-            if req.future.done() and not req.future.cancelled():
-                req.future.exception()  # (retrieved: an answer nobody waits for is no bug)
+            self._unanswered(req, result)
+
+    def _unanswered(self, req: _Request, returned: PrefillResult | None) -> None:
+        """The caller stopped waiting for ``req`` (answered, timed out or cancelled):
+        an answer it will not get never comes (the future is cancelled, so a prefill
+        still running ends its lease at once, ``_answer``), and one that came as it
+        left gives back the KV kept for it."""
+        future = req.future
+        if not future.done():
+            future.cancel()
+        elif not future.cancelled() and future.exception() is None:  # (retrieved: no bug)
+            kept = future.result().handoff
+            if kept is not None and returned is None:  # (cancelled as it was answered)
+                self.handoffs.end(kept.handle, "released")
 
     def refuse(self, request_id: int, error: Exception) -> None:
         req = self.open.get(request_id)

@@ -29,6 +29,7 @@ from aiohttp import web
 
 from vertumnus.kv_wire import END, HandoffError, chunk_header
 from vertumnus.runtime.coordinator import Coordinator
+from vertumnus.runtime.kv.leases import Lease
 from vertumnus.runtime.request_path import PrefillResult
 from vertumnus.server.keys import ADDRESS, COORDINATOR
 
@@ -142,14 +143,24 @@ class SocketSink:
 
 
 async def pull(request: web.Request) -> web.StreamResponse:
+    """The lease is claimed before the first ``await`` (no second pull, release or
+    expiry takes it while the head goes out); ``stream`` writes it only if it is still
+    open then (a worker failure or a reshape's wait may have ended it: the answer is
+    cut short, as for any pull that fails)."""
     coord: Coordinator = request.app[COORDINATOR]
     handle = request.match_info["handle"]
     try:
-        lease = coord.handoffs.lookup(handle)
+        lease = coord.handoffs.claim(handle)
     except HandoffError as exc:
         return _gone(exc)
-    if lease.pulling:
-        return _gone(HandoffError(f"the KV hand-off {handle!r} is being pulled", "busy", 409))
+    try:
+        return await _send(request, coord, lease)
+    finally:
+        coord.handoffs.unclaim(lease)  # (a pull that never began: the lease is free again)
+
+
+async def _send(request: web.Request, coord: Coordinator, lease: Lease) -> web.StreamResponse:
+    handle = lease.handle
     response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
     response.content_length = coord.handoffs.stream_bytes(lease)
     await response.prepare(request)

@@ -128,6 +128,9 @@ class Handoffs:
         lease = self.leases.pop(handle, None)
         if lease is None:
             return False
+        pull = self._pulls.get(handle)
+        if pull is not None and why != "pulled":  # (its KV may be overwritten from now on)
+            pull[1].abort()  # the pull's writes fail: it stops reading the store
         lease.rows = None
         self.counts[why] += 1
         self.metrics.lease_ended(why)
@@ -146,10 +149,7 @@ class Handoffs:
                 return 0
         ended = [lease for lease in self.leases.values() if lease.worker_id == worker_id]
         for lease in ended:
-            pull = self._pulls.get(lease.handle)
-            if pull is not None:
-                pull[1].abort()  # its writes fail now: the stream stops reading the store
-            self.end(lease.handle, why)
+            self.end(lease.handle, why)  # (a pull under way is cut off)
         if ended:
             log.warning("handoffs_cut", worker=worker_id, leases=len(ended), why=why)
         return len(ended)
@@ -183,6 +183,29 @@ class Handoffs:
                 410,
             )
         return lease
+
+    def why_ended(self, lease: Lease) -> str | None:
+        """None while ``lease`` is open; else why it ended (pulled, expired, released,
+        moved). What a caller read before an ``await`` may have ended during it."""
+        if self.leases.get(lease.handle) is lease:
+            return None
+        return self.ended.get(lease.handle, "ended")
+
+    def claim(self, handle: str) -> Lease:
+        """The lease of a pull about to begin, marked as pulling at once (before the
+        route's first ``await``), so that no second pull, release or expiry takes it
+        meanwhile; ``stream`` then writes it, or ``unclaim`` gives it back. 404 / 410
+        as ``lookup``, 409 if another pull has it."""
+        lease = self.lookup(handle)
+        if lease.pulling:
+            raise HandoffError(f"the KV hand-off {handle!r} is being pulled", "busy", 409)
+        lease.pulling = True
+        return lease
+
+    def unclaim(self, lease: Lease) -> None:
+        """A claimed pull that did not begin (its puller left before the first byte)."""
+        if lease.handle not in self._pulls:
+            lease.pulling = False
 
     def release(self, handle: str) -> None:
         """The decode side gave up: end the lease (404 / 410 as ``lookup``)."""
@@ -230,7 +253,11 @@ class Handoffs:
     async def stream(self, lease: Lease, sink: Sink) -> int:
         """Write the lease's KV to ``sink`` as the wire format; the bytes written. The
         lease ends (pulled) once every byte left this process; a failure leaves it
-        open."""
+        open. A lease that ended since the caller looked it up (``claim``, then the
+        route's ``await``) is not written: ``HandoffError``, 410 with why."""
+        why = self.why_ended(lease)
+        if why is not None:
+            raise HandoffError(f"the KV hand-off {lease.handle!r} ended: {why}", "ended", 410)
         started = time.perf_counter()
         lease.pulling = True
         done = asyncio.get_running_loop().create_future()
@@ -250,7 +277,11 @@ class Handoffs:
         return sent
 
     def _check_current(self, lease: Lease) -> None:
-        """A pull under way stops if its worker's index went (a restart)."""
+        """A pull under way stops if its lease ended, or its worker's index went (a
+        restart)."""
+        why = self.why_ended(lease)
+        if why is not None:
+            raise HandoffError(f"the KV hand-off {lease.handle!r} ended: {why}", "ended", 410)
         if self.policy.indexes.get(lease.worker_id) is not lease.index:
             raise HandoffError(f"the KV hand-off {lease.handle!r} ended: moved", "ended", 410)
 
