@@ -15,6 +15,7 @@ ones come back ``restart_s`` later."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -150,8 +151,12 @@ class FakeRanks:
             if r in self.killed:
                 self.killed.remove(r)
 
-            def ready(r: int = r) -> None:
-                loop.call_later(delay, deliver, RankReady(r, "cpu", 0))
+            def ready(r: int = r, alive: int = self._incarnation[r]) -> None:
+                def answer() -> None:  # (not if killed meanwhile, starting)
+                    if self._incarnation[r] == alive:
+                        deliver(RankReady(r, "cpu", 0))
+
+                loop.call_later(delay, answer)
 
             loop.call_soon_threadsafe(ready)
         return []
@@ -205,9 +210,33 @@ class MemorySink:
         self.aborted = True
 
 
-async def start_coordinator(cfg: Any, settings: Any) -> tuple[Any, FakeRanks]:
-    """A coordinator on ``cfg`` over ``FakeRanks`` timed by ``settings`` (a
-    ``SimSettings``), on the running loop's clock, started: (coordinator, fake)."""
+def fake_pool_config(tmp_path: Any, layout: tuple[int, ...], **overrides: Any) -> Any:
+    """A ``ServeConfig`` for a coordinator over ``FakeRanks``: workers of degrees
+    ``layout`` (of 1 and 2), ``tiny``'s CPU profile (``cpu_profile``), eager layers,
+    no controller and no replication, ``rank_timeout_s`` 5 s (simulated, on a
+    ``VirtualTimeLoop``) and ``request_timeout_s`` 600 s; ``overrides`` on top."""
+    from support.factories import cpu_profile
+    from vertumnus.config import EngineConfig
+    from vertumnus.config.pool import PoolConfig
+    from vertumnus.policy.pool_config import PolicyConfig
+    from vertumnus.runtime.serve_config import ServeConfig
+
+    cfg = ServeConfig(
+        pool=PoolConfig((1, 2), layout),
+        engine=EngineConfig(compile="off", rank_timeout_s=5.0),
+        profile=cpu_profile(tmp_path),
+        policy=PolicyConfig(adaptive=False, replication=False),
+        request_timeout_s=600.0,
+    )
+    return dataclasses.replace(cfg, **overrides)
+
+
+async def start_coordinator(
+    cfg: Any, settings: Any, fake_class: type[FakeRanks] = FakeRanks
+) -> tuple[Any, FakeRanks]:
+    """A coordinator on ``cfg`` over ``FakeRanks`` (or ``fake_class``) timed by
+    ``settings`` (a ``SimSettings``), on the running loop's clock, started:
+    (coordinator, fake)."""
     from vertumnus.config import resolve_model
     from vertumnus.perfmodel import Profile
     from vertumnus.policy.costs import reuse_curves
@@ -216,7 +245,7 @@ async def start_coordinator(cfg: Any, settings: Any) -> tuple[Any, FakeRanks]:
     loop = asyncio.get_running_loop()
     block = cfg.engine.block_size
     model, _ = resolve_model(cfg.model)
-    fake = FakeRanks(
+    fake = fake_class(
         cfg.ranks,
         reuse_curves(Profile.load(cfg.profile).coeffs),
         TimeModel(settings, block),

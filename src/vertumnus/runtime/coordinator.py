@@ -123,6 +123,7 @@ class Coordinator:
             self.copier,
             lambda rank: self.recovery.rank_exited(rank),
             lambda error: self.recovery.pool_failed(error),
+            lambda rank, error: self.recovery.rank_down(rank, error),
             self.handoffs.reads,
         )
         self.health = Health()
@@ -298,6 +299,7 @@ class Coordinator:
             self.tier.close()  # (its views of the ranks' stores go before the stores)
         if self.ranks is not None:
             assert self._loop is not None
+            await self.recovery.settle()  # (a restart's thread first: never two at once)
             await self._loop.run_in_executor(None, self.ranks.close)
             self.ranks = None
 

@@ -56,14 +56,19 @@ class RankLink:
         copier: KVCopier,
         on_exit: Callable[[int], None],
         on_pool_failed: Callable[[str], None],
+        on_rank_failed: Callable[[int, str], None],
         reads: KVReads | None = None,
     ) -> None:
         """``on_exit(rank)``: a rank process ended; ``on_pool_failed(error)``: a rank
-        failed outside anything that waits (the pool is unusable). ``reads``: where
-        the answers to KV reads of hand-offs go."""
+        failed outside anything that waits (the pool is unusable); ``on_rank_failed(
+        rank, error)``: a rank failed a prefill after its attempt had ended (the
+        live peer of a rank that died mid-prefill reports its broken collective
+        after the request left: only that rank is suspect). ``reads``: where the
+        answers to KV reads of hand-offs go."""
         self.copier = copier
         self.reads = reads
         self._on_exit, self._on_pool_failed = on_exit, on_pool_failed
+        self._on_rank_failed = on_rank_failed
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: Ranks | None = None
         self._watcher: RankWatch | None = None
@@ -156,13 +161,16 @@ class RankLink:
                 ready = self._ready.pop(msg.rank, None)
                 if ready is not None and not ready.done():
                     ready.set_exception(error)
-            case RankFailed():
-                inflight = self._inflight.get(msg.request_id) if msg.request_id else None
-                if inflight is not None:
+            case RankFailed() if msg.request_id is not None:
+                inflight = self._inflight.get(msg.request_id)
+                if inflight is not None and msg.rank in inflight.ranks:
                     if not inflight.future.done():
                         inflight.future.set_exception(RanksError(msg.error))
-                else:
-                    self._on_pool_failed(f"rank {msg.rank}: {msg.error}")
+                else:  # late: its attempt ended (a peer died; the request may run elsewhere)
+                    log.warning("rank_failed_late", rank=msg.rank, request_id=msg.request_id)
+                    self._on_rank_failed(msg.rank, f"a prefill that had ended failed: {msg.error}")
+            case RankFailed():
+                self._on_pool_failed(f"rank {msg.rank}: {msg.error}")
             case RankReady():
                 # a restarted rank
                 log.info("rank_back", rank=msg.rank, layers=msg.layers, attention=msg.attention)
@@ -184,7 +192,8 @@ class RankLink:
 
     def mark_dead(self, ranks: set[int], lost: WorkerLost) -> None:
         """Release what waits on ``ranks`` (dead or hung, killed by the caller): their
-        prefills and copies fail; a switch's acknowledgement is skipped."""
+        prefills and copies fail; a switch's acknowledgement is skipped; a restart's
+        wait for them (a peer regrouping) fails."""
         for inflight in self._inflight.values():
             if set(inflight.ranks) & ranks and not inflight.future.done():
                 inflight.future.set_exception(lost)
@@ -194,6 +203,20 @@ class RankLink:
         for (r, _), ack in list(self._acks.items()):
             if r in ranks and not ack.done():
                 ack.set_result(None)
+        self.restart_failed(ranks, RanksError(str(lost)))
+
+    def restart_failed(self, ranks: Iterable[int], error: Exception) -> None:
+        """``ranks`` died while being restarted, or while regrouping with a restarted
+        peer: the restart's waits for them fail now (not at their time-out)."""
+        dead = set(ranks)
+        for key in [k for k in self._groups if k[0] in dead]:
+            wait = self._groups.pop(key)
+            if not wait.done():
+                wait.set_exception(error)
+        for r in dead:
+            ready = self._ready.pop(r, None)
+            if ready is not None and not ready.done():
+                ready.set_exception(error)
 
     def fail_all(self, error: str) -> None:
         """The pool failed: every prefill, acknowledgement and copy fails."""

@@ -20,6 +20,7 @@ copy that hung (``copy_hung``), and a failure that leaves the pool unusable
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -34,7 +35,7 @@ from vertumnus.runtime.health import Health
 from vertumnus.runtime.kv.handoffs import Handoffs
 from vertumnus.runtime.metrics import Metrics
 from vertumnus.runtime.rank_link import RankLink, WorkerLost
-from vertumnus.runtime.ranks import Ranks
+from vertumnus.runtime.ranks import Ranks, RanksError
 from vertumnus.runtime.serve_config import ServeConfig
 
 log = structlog.get_logger("vertumnus")
@@ -67,6 +68,7 @@ class Recovery:
         self._recovering: set[int] = set()  # workers being restarted
         self._lock = asyncio.Lock()
         self._tokens = itertools.count(1)
+        self._restarting: asyncio.Future[Any] | None = None  # ``restart``, in a thread
 
     def recovering(self, worker_id: int) -> bool:
         return worker_id in self._recovering
@@ -88,7 +90,8 @@ class Recovery:
             return
         suspects = set(worker.devices) if whole_worker else {rank}
         fresh = suspects - self.dead_ranks
-        if not fresh:
+        if not fresh:  # (a rank being restarted that died starting: its restart fails now)
+            self.link.restart_failed(suspects, RanksError(f"rank {rank}: {reason}"))
             return
         first_failure = not (set(worker.devices) & self.dead_ranks)
         self._mark_dead(fresh, WorkerLost(f"worker {worker.worker_id} failed: {reason}"))
@@ -151,6 +154,18 @@ class Recovery:
             pool.kill(r)
         self.link.mark_dead(ranks, lost)
 
+    def _shut(self, pool: Ranks) -> bool:
+        """The shutdown began, or the ranks ``pool`` are no longer the pool's."""
+        return self.health.draining or self.ranks() is not pool
+
+    async def settle(self) -> None:
+        """Wait for a restart under way in a thread (the shutdown: the ranks then
+        close with the processes it started, never beside it)."""
+        restarting = self._restarting
+        if restarting is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(restarting)
+
     def _in_reshape(self, rank: int) -> bool:
         lattice = self.policy.lattice
         for transition in self.policy.transitions:
@@ -177,10 +192,16 @@ class Recovery:
                 # A reshape it takes part in ends first: its drain ends with the failed
                 # prefill, its switch skips the dead rank; and it is bounded (rolled
                 # back or finished at [server] reshape_timeout_s), so this wait is too.
+                # (The shutdown may begin during any wait here: nothing is restarted
+                # after it, and what was read before a wait is read again after it.)
                 bound_s = self.cfg.reshape_timeout_s + self.cfg.engine.rank_timeout_s
                 deadline = self.clock() + bound_s
                 while self._in_reshape(rank) and self.clock() < deadline:
+                    if self._shut(pool):
+                        return
                     await asyncio.sleep(0.02)
+                if self._shut(pool):
+                    return
                 if self._in_reshape(rank):
                     log.error("recovery_past_reshape", rank=rank, waited_s=bound_s)
                 w = self.worker_of_rank(rank)
@@ -193,11 +214,18 @@ class Recovery:
                 self._mark_dead(set(ranks), WorkerLost(f"worker {worker_id} failed: {reason}"))
                 self.apply(policy.outages.reset(worker_id, self.clock()))
                 link.unwatch(ranks)
-                rebuild = await loop.run_in_executor(None, pool.restart, ranks)
+                self._restarting = loop.run_in_executor(None, pool.restart, ranks)
+                try:
+                    rebuild = await self._restarting
+                finally:
+                    self._restarting = None
+                if self._shut(pool):  # (``close`` stops the processes just started)
+                    return
                 token = next(self._tokens)
                 waits = [link.expect_ready(r) for r in ranks]
                 link.watch(ranks)
-                live = sorted({r for group, _ in rebuild for r in group} - set(ranks))
+                peers = {r for group, _ in rebuild for r in group}
+                live = sorted(peers - set(ranks) - self.dead_ranks)  # (dead: restarted after)
                 for r in live:
                     mine = tuple((g, gen) for g, gen in rebuild if r in g)
                     waits.append(link.expect_groups(r, token))

@@ -110,8 +110,7 @@ class Reshaping:
         return [t for t in self.policy.transitions if t.started_s < limit]
 
     async def run_switch(self, switch: Switch) -> None:
-        pool, link = self.ranks(), self.link
-        assert pool is not None
+        link = self.link
         transition, epoch = switch.transition, switch.epoch
         devices = dict(switch.workers)
         owed = [
@@ -123,6 +122,9 @@ class Reshaping:
             # A hand-off pull may be streaming blocks straight from these ranks' stores:
             # once switched, their slots may be written for the new workers.
             await self.handoffs.settle({r for _, _, r in owed})
+            pool = self.ranks()  # (read after the wait: the shutdown may have closed them)
+            if pool is None or self.health.stopping:
+                return
             acks = []
             for worker_id, _, r in owed:
                 ack = link.expect_ack(r, epoch)
@@ -151,6 +153,9 @@ class Reshaping:
                 composition=self.composition_name(),
             )
         except Exception as exc:  # the pool failed, or a bug: the switch finishes anyway
+            if self.health.stopping:  # (ranks closing under it: no bug, nothing to finish)
+                log.warning("reshape_stopped", epoch=epoch, error=repr(exc))
+                return
             self.metrics.bug("reshape", "reshape_step_failed", exc, epoch=epoch)
             self._finish(transition, owed, f"the switch to epoch {epoch} failed: {exc!r}")
         finally:

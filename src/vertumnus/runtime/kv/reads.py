@@ -157,16 +157,20 @@ class KVReads:
             raise
 
         async def gather() -> tuple[int, Any, Any]:
-            kept = False
+            kept = answered = False
             try:
                 answers = await self._answers(read_id, sent)
+                answered = True
                 if shm is not None:
                     assert shm.buf is not None
                     kept = True
                     return rows, shm.buf[:size], shm
             finally:
                 if shm is not None and not kept:
-                    self._free.append(shm)
+                    if answered:
+                        self._free.append(shm)
+                    else:  # a rank may still write into it: never reused
+                        self._discard(shm)
             data = [answer.data for answer in answers if answer.data is not None]
             assert len(data) == len(answers), "a rank answered a read without its data"
             if len(data) == 1:
@@ -188,13 +192,16 @@ class KVReads:
                 self._free.remove(shm)
                 return shm
         if len(self._segments) >= SEGMENTS and self._free:
-            old = self._free.pop(0)  # too small for this read: make room for a larger one
-            self._segments.remove(old)
-            old.close()
-            old.unlink()
+            self._discard(self._free.pop(0))  # too small for this read: room for a larger one
         shm = shared_memory.SharedMemory(create=True, size=max(size, CHUNK_BYTES))
         self._segments.append(shm)
         return shm
+
+    def _discard(self, shm: shared_memory.SharedMemory) -> None:
+        """Unmap and unlink ``shm`` here (a rank still writing keeps its own mapping)."""
+        self._segments.remove(shm)
+        shm.close()
+        shm.unlink()
 
     def answer(self, msg: KVData | RankFailed) -> None:
         """A rank's answer to a ``KVRead`` (fed by the rank link)."""
