@@ -18,7 +18,8 @@ first token is checked against a single-process reference forward of the same
 seeded model (a differing token counts as wrong unless the two logits tie within
 1e-4), and every completion's length. A completion whose decode process was killed
 under it ends with a clear error (``decode_failed``: answered, with the error); one
-that arrives while the decode process restarts gets a 503 naming why (``refused``).
+that arrives while the decode process restarts gets a 503 naming why (``refused``);
+one prefilled while it was away waits for the restarted one (``decode_waits``).
 ``/ready`` is sampled every 0.5 s between two reads of ``/v1/workers``, its 503s
 counted with their reasons; where the two reads agree, the pool's readiness must be
 exactly "some worker is active" (``ready_disagreed`` counts the samples where not). At the end
@@ -531,6 +532,13 @@ def summarize(
         "unready_reason_at_end": end["unready_reason"],
         "bugs_logged": sum(any(b in line for b in BUG_MARKS) for line in log.splitlines()),
         "internal_errors_counted": [m for m in metrics if m.startswith("vertumnus_internal_")],
+        # completions prefilled while the decode process was away, by how their wait
+        # ended (forwarded: decoded by the restarted process)
+        "decode_waits": {
+            line.split('outcome="')[1].split('"')[0]: float(line.split()[-1])
+            for line in metrics
+            if line.startswith("vertumnus_decode_waits_total{")
+        },
         "mean_ttft_ms": 1e3 * statistics.fmean(ttft) if ttft else None,
         "p99_ttft_ms": 1e3 * percentile(ttft, 99) if ttft else None,
         "rss_growth_after_warmup": growth(run["memory"], args.duration_s / 5),
