@@ -31,19 +31,17 @@ LOCAL, REMOTE = True, False
 
 def hook_after_prefill(
     monkeypatch: pytest.MonkeyPatch, away: Callable[[], Awaitable[None]]
-) -> list[int]:
-    """Run ``away`` once every prompt's prefill is done, before its answer reaches
-    the proxy; the list counts the prefills it followed."""
-    prefill, count = Coordinator.prefill, []
+) -> None:
+    """Run ``away`` once each prompt's prefill is done, before its answer reaches
+    the proxy."""
+    prefill = Coordinator.prefill
 
     async def hooked(self: Coordinator, tokens: Any, *args: Any, **kwargs: Any) -> Any:
         result = await prefill(self, tokens, *args, **kwargs)
-        count.append(result.request_id)
         await away()
         return result
 
     monkeypatch.setattr(Coordinator, "prefill", hooked)
-    return count
 
 
 def die_after_prefill(monkeypatch: pytest.MonkeyPatch, app: ProxyApp) -> FakeLocalDecode:

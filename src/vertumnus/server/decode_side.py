@@ -40,6 +40,12 @@ class DecodeSide:
     def who(self) -> str:
         return "the local decode process" if self.local is not None else "the decode server"
 
+    def failed(self, exc: BaseException) -> str:
+        """The error a decode failure answers with, naming the local decode process
+        where it is the decode server (a kill cuts its answers before its exit is
+        seen)."""
+        return f"{self.who} failed: {exc}"
+
     def current(self) -> DecodeTarget | None:
         """Where the decode server listens now (None: not up, or closing)."""
         if self.closing:
@@ -77,9 +83,9 @@ class DecodeSide:
         if self.closing:
             return "the server is shutting down"
         if self.local is not None:
-            if undelivered is None or self.local.url is None:
+            if undelivered is None or self.local.current() is None:
                 return self.local.state
-            return f"{self.who} failed: {undelivered}"
+            return self.failed(undelivered)
         return f"the decode server at {self.cfg.url} is unreachable ({undelivered})"
 
     async def close(self) -> None:

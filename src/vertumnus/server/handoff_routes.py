@@ -199,9 +199,7 @@ async def send_dist(request: web.Request) -> web.StreamResponse:
             {"error": {"message": message, "type": "invalid_request"}}, status=400
         )
     try:
-        lease = coord.handoffs.lookup(handle)
-        if lease.pulling:
-            raise HandoffError(f"the KV hand-off {handle!r} is being pulled", "busy", 409)
+        lease = coord.handoffs.claim(handle)
         header, ranks, rows = coord.handoffs.send_dist(lease, (host, port), prefix)
     except HandoffError as exc:
         return _gone(exc)

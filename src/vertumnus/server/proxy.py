@@ -302,7 +302,7 @@ class DecodeProxy:
             if await self.side.went_away(target, exc):
                 raise Undelivered(str(exc)) from exc
             release_leases(coord, results)
-            return _unavailable(self._failed(exc))
+            return _unavailable(self.side.failed(exc))
         except ClientGone:  # its decode stopped with the connection to the decode server
             release_leases(coord, results)
             log.info("client_gone", request_id=request_id)
@@ -332,12 +332,6 @@ class DecodeProxy:
                 "top_values": got.top_values.clamp(min=LOGPROB_FLOOR).tolist(),
             }
         return params
-
-    def _failed(self, exc: BaseException) -> str:
-        """The error a decode failure answers with, naming the local decode process
-        where it is the decode server (a kill cuts its answers before its exit is
-        seen)."""
-        return f"{self.side.who} failed: {exc}"
 
     async def _stream(
         self,
@@ -384,8 +378,8 @@ class DecodeProxy:
                 raise Undelivered(str(exc)) from exc
             release_leases(self.coord, results)
             if not response.prepared:
-                return _unavailable(self._failed(exc))
-            message = self._failed(exc)
+                return _unavailable(self.side.failed(exc))
+            message = self.side.failed(exc)
             event = error_body(message, "decode_error", 502)
             try:
                 await response.write(b"data: " + orjson.dumps(event) + b"\n\n")

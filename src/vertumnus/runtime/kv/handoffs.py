@@ -255,9 +255,7 @@ class Handoffs:
         lease ends (pulled) once every byte left this process; a failure leaves it
         open. A lease that ended since the caller looked it up (``claim``, then the
         route's ``await``) is not written: ``HandoffError``, 410 with why."""
-        why = self.why_ended(lease)
-        if why is not None:
-            raise HandoffError(f"the KV hand-off {lease.handle!r} ended: {why}", "ended", 410)
+        self._check_current(lease)
         started = time.perf_counter()
         lease.pulling = True
         done = asyncio.get_running_loop().create_future()
