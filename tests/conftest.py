@@ -13,7 +13,7 @@ import torch
 from support.factories import TINY
 from support.processes import live_child_pids
 from support.reference import Checkpoint, make_checkpoint
-from vertumnus.engine.model import Qwen3ForCausalLM
+from vertumnus.engine.model import CausalLM
 from vertumnus.engine.weights import random_model
 
 TINY_SEED = 0  # EngineConfig.seed's default: the weights the rank processes build
@@ -28,7 +28,7 @@ def _one_intra_op_thread() -> None:
 
 
 @pytest.fixture(scope="session")
-def tiny_model() -> Qwen3ForCausalLM:
+def tiny_model() -> CausalLM:
     """The ``tiny`` preset with the seeded random weights the rank processes build
     (``EngineConfig.seed`` = 0), fp32 on CPU. Shared: tests must not modify it."""
     return random_model(TINY, TINY_SEED).requires_grad_(False).eval()

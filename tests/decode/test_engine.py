@@ -25,7 +25,7 @@ from vertumnus.config import ModelConfig
 from vertumnus.decode.engine import DecodeEngine, StepOutput
 from vertumnus.decode.loop import DecodeFailure, DecodeLoop, NewSequence
 from vertumnus.decode.sampling import Choosing, SamplingParams, adjust
-from vertumnus.engine.model import Qwen3ForCausalLM, causal_attention
+from vertumnus.engine.model import CausalLM, causal_attention
 from vertumnus.engine.weights import load_model, random_model
 
 CPU = torch.device("cpu")
@@ -34,15 +34,17 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @torch.inference_mode()
-def prompt_kv(model: Qwen3ForCausalLM, prompt: list[int]) -> KV:
+def prompt_kv(model: CausalLM, prompt: list[int]) -> KV:
     """K and V of every token of ``prompt`` but the last, per layer [n, Hkv, D]: what
     the prefill pool hands over, computed by our single-process model."""
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     reference = causal_attention()
 
-    def capture(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def capture(
+        layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: object
+    ) -> torch.Tensor:
         captured[layer] = (k.clone(), v.clone())
-        return reference(layer, q, k, v)
+        return reference(layer, q, k, v, *rest)  # type: ignore[arg-type]
 
     n = len(prompt) - 1
     if n == 0:
@@ -54,7 +56,7 @@ def prompt_kv(model: Qwen3ForCausalLM, prompt: list[int]) -> KV:
 
 
 def decode(
-    model: Qwen3ForCausalLM, prompt: list[int], max_tokens: int, **kwargs: object
+    model: CausalLM, prompt: list[int], max_tokens: int, **kwargs: object
 ) -> list[StepOutput]:
     """One sequence alone, to its end."""
     engine = DecodeEngine(model)
@@ -85,7 +87,7 @@ def hf_logprobs(
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def load_ours(checkpoint: Checkpoint) -> Qwen3ForCausalLM:
+def load_ours(checkpoint: Checkpoint) -> CausalLM:
     model = load_model(checkpoint.config, Path(checkpoint.model_dir), torch.float32, CPU)
     return model.requires_grad_(False)
 
@@ -101,7 +103,7 @@ def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
 @pytest.fixture(params=["dense", "moe"])
 def pair(
     request: pytest.FixtureRequest, checkpoint: Checkpoint, moe_checkpoint: Checkpoint
-) -> tuple[transformers.PreTrainedModel, Qwen3ForCausalLM]:
+) -> tuple[transformers.PreTrainedModel, CausalLM]:
     """(transformers' model, ours) on the same checkpoint."""
     chosen = checkpoint if request.param == "dense" else moe_checkpoint
     return chosen.hf, load_ours(chosen)
@@ -109,7 +111,7 @@ def pair(
 
 @pytest.mark.timeout(120)
 def test_greedy_ids_equal_transformers_alone(
-    pair: tuple[transformers.PreTrainedModel, Qwen3ForCausalLM],
+    pair: tuple[transformers.PreTrainedModel, CausalLM],
 ) -> None:
     hf, ours = pair
     prompt = make_tokens(13, seed=1, vocab=ours.config.vocab_size)
@@ -120,7 +122,7 @@ def test_greedy_ids_equal_transformers_alone(
 
 @pytest.mark.timeout(120)
 def test_a_batch_with_a_late_joiner_equals_transformers_in_one_forward_per_step(
-    pair: tuple[transformers.PreTrainedModel, Qwen3ForCausalLM],
+    pair: tuple[transformers.PreTrainedModel, CausalLM],
 ) -> None:
     hf, ours = pair
     vocab = ours.config.vocab_size
@@ -153,7 +155,7 @@ def test_a_batch_with_a_late_joiner_equals_transformers_in_one_forward_per_step(
 
 
 @pytest.mark.timeout(60)
-def test_seeded_sampling_is_reproducible_alone_and_batched(tiny_model: Qwen3ForCausalLM) -> None:
+def test_seeded_sampling_is_reproducible_alone_and_batched(tiny_model: CausalLM) -> None:
     prompt = make_tokens(9, seed=3)
     # The tiny preset's logits spread over tens: a high temperature mixes them.
     hot = SamplingParams(temperature=20.0, top_p=0.95, seed=42)
@@ -173,7 +175,7 @@ def test_seeded_sampling_is_reproducible_alone_and_batched(tiny_model: Qwen3ForC
 
 
 @pytest.mark.timeout(60)
-def test_an_end_of_sequence_id_stops_unless_ignored(tiny_model: Qwen3ForCausalLM) -> None:
+def test_an_end_of_sequence_id_stops_unless_ignored(tiny_model: CausalLM) -> None:
     prompt = make_tokens(7, seed=5)
     free = [o.token_id for o in decode(tiny_model, prompt, 10, params=GREEDY)]
     eos = free[3]
@@ -196,7 +198,7 @@ def test_the_last_position_ends_a_sequence() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_joining_is_checked(tiny_model: Qwen3ForCausalLM) -> None:
+def test_joining_is_checked(tiny_model: CausalLM) -> None:
     engine = DecodeEngine(tiny_model)
     kv = prompt_kv(tiny_model, make_tokens(5, seed=7))
     with pytest.raises(ValueError, match="prompt KV of 3 layers for a model of 4"):
@@ -216,7 +218,7 @@ def test_joining_is_checked(tiny_model: Qwen3ForCausalLM) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_the_decode_thread_delivers_cancels_and_fails(tiny_model: Qwen3ForCausalLM) -> None:
+def test_the_decode_thread_delivers_cancels_and_fails(tiny_model: CausalLM) -> None:
     prompt = make_tokens(8, seed=8)
     expected = [o.token_id for o in decode(tiny_model, prompt, 6, params=GREEDY)]
     events: dict[int, list[StepOutput | DecodeFailure]] = {}
@@ -256,7 +258,7 @@ def test_the_decode_thread_delivers_cancels_and_fails(tiny_model: Qwen3ForCausal
 
 @pytest.mark.timeout(120)
 def test_logprobs_are_transformers_raw_ones_in_a_mixed_batch(
-    pair: tuple[transformers.PreTrainedModel, Qwen3ForCausalLM],
+    pair: tuple[transformers.PreTrainedModel, CausalLM],
 ) -> None:
     hf, model = pair
     prompt = make_tokens(11, seed=20, vocab=model.config.vocab_size)
@@ -337,7 +339,7 @@ def test_penalties_choose_as_adjust_says(checkpoint: Checkpoint) -> None:
 
 
 def run_loop(
-    model: Qwen3ForCausalLM, prompt: list[int], seq: NewSequence, cancel_copy: int | None = None
+    model: CausalLM, prompt: list[int], seq: NewSequence, cancel_copy: int | None = None
 ) -> tuple[list[int], dict[int, list[StepOutput]]]:
     """``seq`` through a decode thread: its copies' ids and outputs; ``cancel_copy``
     is cancelled after its first token."""
@@ -367,7 +369,7 @@ def run_loop(
 
 
 @pytest.mark.timeout(60)
-def test_copies_fork_one_prompt_kv(tiny_model: Qwen3ForCausalLM) -> None:
+def test_copies_fork_one_prompt_kv(tiny_model: CausalLM) -> None:
     prompt = make_tokens(8, seed=23)
     kv = prompt_kv(tiny_model, prompt)
     releases: list[int] = []

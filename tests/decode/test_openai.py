@@ -28,7 +28,7 @@ from support.decode_pool import FakePool, events, run, serving
 from support.reference import VOCAB, Checkpoint, hf_greedy, hf_logits
 from support.tokenizer import make_tokenizer
 from vertumnus.decode.engine import DecodeEngine
-from vertumnus.engine.model import Qwen3ForCausalLM
+from vertumnus.engine.model import CausalLM
 from vertumnus.engine.weights import load_model
 from vertumnus.server.tokenizer import Tokenizer
 
@@ -42,7 +42,7 @@ ATOL = 1e-4
 @dataclass(frozen=True)
 class Text:
     checkpoint: Checkpoint
-    model: Qwen3ForCausalLM
+    model: CausalLM
     tokenizer: Tokenizer
     end: int  # <|im_end|>: the end-of-sequence id
 
@@ -59,7 +59,7 @@ def text(checkpoint: Checkpoint) -> Text:
 class CountingEngine(DecodeEngine):
     """Counts the sequences that joined (each copy of a prompt is one)."""
 
-    def __init__(self, model: Qwen3ForCausalLM) -> None:
+    def __init__(self, model: CausalLM) -> None:
         super().__init__(model)
         self.joined = 0
 

@@ -35,7 +35,7 @@ from vertumnus.config import ConfigError
 from vertumnus.config.model import eos_token_ids
 from vertumnus.decode.engine import DecodeEngine, StepOutput
 from vertumnus.decode.kv_client import HandoffError, pull, release
-from vertumnus.engine.model import Qwen3ForCausalLM
+from vertumnus.engine.model import CausalLM
 from vertumnus.server.tokenizer import Tokenizer
 
 API_KEY = "decode-key-0123456789abcdef"
@@ -43,7 +43,7 @@ TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @pytest.mark.timeout(60)
-def test_answers_carry_the_engine_greedy_ids(tiny_model: Qwen3ForCausalLM) -> None:
+def test_answers_carry_the_engine_greedy_ids(tiny_model: CausalLM) -> None:
     tokenizer = Tokenizer.for_model(None, tiny_model.config.vocab_size)
     prompts = [make_tokens(9, seed=1), tokenizer.encode("the prompt, as text"), [7]]
     expected = [greedy_ids(tiny_model, p, 6) for p in prompts]
@@ -81,7 +81,7 @@ def test_answers_carry_the_engine_greedy_ids(tiny_model: Qwen3ForCausalLM) -> No
 
 
 @pytest.mark.timeout(60)
-def test_a_stream_with_kv_transfer_params(tiny_model: Qwen3ForCausalLM) -> None:
+def test_a_stream_with_kv_transfer_params(tiny_model: CausalLM) -> None:
     tokenizer = Tokenizer.for_model(None, tiny_model.config.vocab_size)
     prompt = tokenizer.encode("héllo wörld")  # multi-byte characters: held back whole
     expected = greedy_ids(tiny_model, prompt, 5)
@@ -112,7 +112,7 @@ def test_a_stream_with_kv_transfer_params(tiny_model: Qwen3ForCausalLM) -> None:
 
 @pytest.mark.timeout(60)
 def test_the_pools_refusals_and_broken_streams_are_clear_errors(
-    tiny_model: Qwen3ForCausalLM,
+    tiny_model: CausalLM,
 ) -> None:
     pool = FakePool(tiny_model)
     prompt = make_tokens(6, seed=2)
@@ -182,7 +182,7 @@ def test_the_pools_refusals_and_broken_streams_are_clear_errors(
     ],
 )
 def test_bad_requests_name_the_field(
-    tiny_model: Qwen3ForCausalLM, change: dict[str, Any], field: str
+    tiny_model: CausalLM, change: dict[str, Any], field: str
 ) -> None:
     async def main() -> None:
         async with serving(tiny_model, FakePool(tiny_model)) as client:
@@ -198,7 +198,7 @@ def test_bad_requests_name_the_field(
 
 
 @pytest.mark.timeout(60)
-def test_the_api_key_guards_v1_and_eos_stops(tiny_model: Qwen3ForCausalLM) -> None:
+def test_the_api_key_guards_v1_and_eos_stops(tiny_model: CausalLM) -> None:
     prompt = make_tokens(5, seed=3)
     free = greedy_ids(tiny_model, prompt, 6)
     eos = free[2]
@@ -229,7 +229,7 @@ def test_the_api_key_guards_v1_and_eos_stops(tiny_model: Qwen3ForCausalLM) -> No
 class FailingEngine(DecodeEngine):
     """Its ``fail_at``-th step (counted from 1) raises."""
 
-    def __init__(self, model: Qwen3ForCausalLM, fail_at: int) -> None:
+    def __init__(self, model: CausalLM, fail_at: int) -> None:
         super().__init__(model)
         self.steps, self.fail_at = 0, fail_at
 
@@ -241,7 +241,7 @@ class FailingEngine(DecodeEngine):
 
 
 @pytest.mark.timeout(60)
-def test_a_failed_step_ends_the_stream_with_an_error_event(tiny_model: Qwen3ForCausalLM) -> None:
+def test_a_failed_step_ends_the_stream_with_an_error_event(tiny_model: CausalLM) -> None:
     prompt = make_tokens(5, seed=7)
     expected = greedy_ids(tiny_model, prompt, 3)
 
@@ -271,7 +271,7 @@ def test_a_failed_step_ends_the_stream_with_an_error_event(tiny_model: Qwen3ForC
 
 
 @pytest.mark.timeout(60)
-def test_a_client_that_goes_away_leaves_the_batch(tiny_model: Qwen3ForCausalLM) -> None:
+def test_a_client_that_goes_away_leaves_the_batch(tiny_model: CausalLM) -> None:
     async def main() -> None:
         async with serving(tiny_model, FakePool(tiny_model)) as client:
 
@@ -301,7 +301,7 @@ def test_a_client_that_goes_away_leaves_the_batch(tiny_model: Qwen3ForCausalLM) 
 
 
 @pytest.mark.timeout(60)
-def test_pull_reads_bfloat16_in_uneven_chunks(tiny_model: Qwen3ForCausalLM) -> None:
+def test_pull_reads_bfloat16_in_uneven_chunks(tiny_model: CausalLM) -> None:
     pool = FakePool(tiny_model, dtype="bfloat16", chunk_tokens=3)
     prompt = make_tokens(12, seed=5)
 
@@ -361,7 +361,7 @@ def pool_in_thread(pool: FakePool) -> Iterator[str]:
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_the_decode_command_serves_and_stops_on_sigterm(
-    tiny_model: Qwen3ForCausalLM, tmp_path: Path
+    tiny_model: CausalLM, tmp_path: Path
 ) -> None:
     prompt = make_tokens(7, seed=6)
     expected = greedy_ids(tiny_model, prompt, 4)

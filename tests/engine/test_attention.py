@@ -23,7 +23,7 @@ from vertumnus.engine.attention import (
     prefix_causal_attention,
     run_kernel,
 )
-from vertumnus.engine.model import Qwen3ForCausalLM
+from vertumnus.engine.model import CausalLM
 from vertumnus.engine.rank import _pick_attention, settle_cpu_attention
 
 
@@ -185,7 +185,7 @@ def test_the_engine_config_refuses_an_unknown_cpu_attention() -> None:
 
 
 def test_a_cpu_rank_sets_the_kernel_it_picked_on_its_model(
-    tiny_model: Qwen3ForCausalLM, monkeypatch: pytest.MonkeyPatch
+    tiny_model: CausalLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(tiny_model, "cpu_attention", "flash")
     named = EngineConfig(device="cpu", dtype="float32", cpu_attention="chunked")

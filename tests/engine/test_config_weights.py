@@ -124,10 +124,10 @@ def test_reads_what_transformers_writes() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"architectures": ["LlamaForCausalLM"]}, "unsupported architecture 'LlamaForCausalLM'"),
+        ({"architectures": ["PhiForCausalLM"]}, "unsupported architecture 'PhiForCausalLM'"),
         (
-            {"architectures": ["Qwen3ForCausalLM", "Qwen2MoeForCausalLM"]},
-            "unsupported architecture 'Qwen2MoeForCausalLM'",
+            {"architectures": ["Qwen3ForCausalLM", "Phi3ForCausalLM"]},
+            "unsupported architecture 'Phi3ForCausalLM'",
         ),
         (
             {"architectures": ["Qwen3MoeForCausalLM"], "num_experts_per_tok": 2},
@@ -142,17 +142,25 @@ def test_reads_what_transformers_writes() -> None:
             },
             "num_experts_per_tok must lie in [1, num_experts]",
         ),
-        ({"architectures": _DROP, "model_type": "llama"}, "unsupported model_type 'llama'"),
+        ({"architectures": _DROP, "model_type": "phi"}, "unsupported model_type 'phi'"),
         ({"architectures": [], "model_type": _DROP}, "unsupported model_type None"),
         (
-            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
-            "unsupported RoPE type 'yarn'",
+            {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e6, "factor": 4.0}},
+            "unsupported RoPE type 'longrope'",
         ),
         (
-            {"rope_parameters": _DROP, "rope_scaling": {"type": "linear", "factor": 2.0}},
-            "unsupported RoPE type 'linear'",
+            {"rope_parameters": _DROP, "rope_scaling": {"type": "su", "factor": 2.0}},
+            "unsupported RoPE type 'su'",
         ),
-        ({"use_sliding_window": True, "sliding_window": 4096}, "sliding-window"),
+        (
+            {
+                "layer_types": ["chunked_attention"] * 2,
+                "use_sliding_window": True,
+                "sliding_window": 64,
+            },
+            "unsupported layer_types ['chunked_attention']",
+        ),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quant_method 'fp8'"),
         ({"vocab_size": _DROP}, "lacks required fields: vocab_size"),
         (
             {"hidden_size": _DROP, "num_hidden_layers": _DROP},

@@ -15,7 +15,7 @@ from vertumnus.config.model import PRESETS
 from vertumnus.config.tables import ConfigError
 from vertumnus.engine import fused
 from vertumnus.engine.comm import SoloComm
-from vertumnus.engine.model import Qwen3ForCausalLM
+from vertumnus.engine.model import CausalLM
 from vertumnus.engine.rank import _warm_up
 from vertumnus.engine.weights import random_model
 from vertumnus.engine.zigzag import RankPrefill, prefill_rank
@@ -23,7 +23,7 @@ from vertumnus.engine.zigzag import RankPrefill, prefill_rank
 pytestmark = pytest.mark.timeout(600)
 
 
-def last_logits(model: Qwen3ForCausalLM, n: int, seed: int = 0) -> torch.Tensor:
+def last_logits(model: CausalLM, n: int, seed: int = 0) -> torch.Tensor:
     ids = torch.tensor(make_tokens(n, seed, model.config.vocab_size))
     out = prefill_rank(model, SoloComm(), None, RankPrefill(ids, 0, (), (), 16), logits="all")
     assert out is not None

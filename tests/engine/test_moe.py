@@ -19,7 +19,7 @@ from support.factories import make_tokens
 from support.reference import hf_logits, make_hf_moe
 from support.threads import ThreadWorker, cp_prefill
 from vertumnus.config import PRESETS, ConfigError, ModelConfig
-from vertumnus.engine.model import Qwen3ForCausalLM, SparseMoeBlock, causal_attention
+from vertumnus.engine.model import CausalLM, SparseMoeBlock, causal_attention
 from vertumnus.engine.weights import load_model, random_model
 
 VOCAB = 256
@@ -37,7 +37,7 @@ def checkpoint(
     return hf, folder
 
 
-def ours(folder: Path) -> Qwen3ForCausalLM:
+def ours(folder: Path) -> CausalLM:
     return load_model(ModelConfig.from_dir(folder), folder, torch.float32, CPU)
 
 

@@ -19,7 +19,7 @@ from support.threads import make_stores, run_ranks
 from vertumnus.engine.comm import Communicator
 from vertumnus.engine.logprobs import PromptLogprobs, prompt_logprobs
 from vertumnus.engine.messages import PrefillDone
-from vertumnus.engine.model import Qwen3ForCausalLM
+from vertumnus.engine.model import CausalLM
 from vertumnus.engine.rank import _check_command
 from vertumnus.engine.zigzag import prefill_rank
 from vertumnus.policy.cache.index import WorkerCacheIndex
@@ -86,7 +86,7 @@ def test_mismatched_rows_are_refused() -> None:
 @pytest.mark.parametrize("c", [1, 2, 3])
 @pytest.mark.parametrize("k", [0, 5])
 def test_prefill_rank_equals_log_softmax_of_all_logits(
-    tiny_model: Qwen3ForCausalLM, c: int, k: int
+    tiny_model: CausalLM, c: int, k: int
 ) -> None:
     tokens = make_tokens(45, seed=c + 10 * k)
     ranks = tuple(range(c))

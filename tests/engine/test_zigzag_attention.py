@@ -22,7 +22,7 @@ from vertumnus.blocks import block_ids
 from vertumnus.engine import attention
 from vertumnus.engine.comm import Communicator, SoloComm, ThreadComm
 from vertumnus.engine.kv_store import PagedKVStore
-from vertumnus.engine.model import Qwen3ForCausalLM, causal_attention
+from vertumnus.engine.model import CausalLM, causal_attention
 from vertumnus.engine.zigzag import RankPrefill, ZigzagAttention, ZigzagPartition, prefill_rank
 from vertumnus.policy.cache.index import BlockLocation, WorkerCacheIndex
 from vertumnus.runtime.prefill import plan_prefill
@@ -42,13 +42,21 @@ class RecordingAttention:
         self.inner = causal_attention()
         self.kv: dict[int, tuple[Tensor, Tensor]] = {}
 
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def __call__(
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        window: int | None = None,
+        sinks: Tensor | None = None,
+    ) -> Tensor:
         self.kv[layer] = (k.clone(), v.clone())
-        return self.inner(layer, q, k, v)
+        return self.inner(layer, q, k, v, window, sinks)
 
 
 @torch.no_grad()
-def reference(model: Qwen3ForCausalLM, tokens: Sequence[int]) -> tuple[Tensor, RecordingAttention]:
+def reference(model: CausalLM, tokens: Sequence[int]) -> tuple[Tensor, RecordingAttention]:
     """Logits [L, V] of every position and the per-layer K/V, single process."""
     rec = RecordingAttention()
     ids = torch.tensor(tokens, dtype=torch.long)
@@ -105,9 +113,7 @@ def test_harness_propagates_a_rank_failure_without_hanging() -> None:
 
 
 @pytest.mark.parametrize(("c", "r"), CASES)
-def test_cp_logits_match_reference_without_prefix(
-    tiny_model: Qwen3ForCausalLM, c: int, r: int
-) -> None:
+def test_cp_logits_match_reference_without_prefix(tiny_model: CausalLM, c: int, r: int) -> None:
     tokens = make_tokens(r, seed=1000 + r)
     worker = ThreadWorker.make(c)
     res = cp_prefill(tiny_model, worker, tokens)
@@ -120,9 +126,7 @@ def test_cp_logits_match_reference_without_prefix(
 
 
 @pytest.mark.parametrize(("c", "r"), CASES)
-def test_cp_logits_match_reference_with_cached_prefix(
-    tiny_model: Qwen3ForCausalLM, c: int, r: int
-) -> None:
+def test_cp_logits_match_reference_with_cached_prefix(tiny_model: CausalLM, c: int, r: int) -> None:
     tokens = make_tokens(PREFIX_LEN + r, seed=2000 + r)
     worker = ThreadWorker.make(c)
     first = cp_prefill(tiny_model, worker, tokens[:PREFIX_LEN])
@@ -142,7 +146,7 @@ def test_cp_logits_match_reference_with_cached_prefix(
 
 @pytest.mark.parametrize("c", [1, 3])
 def test_the_chunked_cpu_kernel_gives_the_reference_logits(
-    tiny_model: Qwen3ForCausalLM, c: int, monkeypatch: pytest.MonkeyPatch
+    tiny_model: CausalLM, c: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A rank whose model picked the chunked CPU attention (``pick_cpu_kernel``):
     blocks of 16 rows, a cached prefix, every rank's two zigzag ranges."""
@@ -170,7 +174,7 @@ def test_the_chunked_cpu_kernel_gives_the_reference_logits(
 
 
 @pytest.mark.parametrize("c", [1, 2, 3, 4])
-def test_conversation_reuses_and_extends_the_cache(tiny_model: Qwen3ForCausalLM, c: int) -> None:
+def test_conversation_reuses_and_extends_the_cache(tiny_model: CausalLM, c: int) -> None:
     # Three turns of one conversation; turn 1 ends mid-block, so turn 2 recomputes the
     # tail of block 2 and writes blocks after a prefix; turn 3 reuses both turns.
     tokens = make_tokens(150, seed=3)
@@ -192,7 +196,7 @@ def test_conversation_reuses_and_extends_the_cache(tiny_model: Qwen3ForCausalLM,
     assert_blocks_match(worker, cached, rec)
 
 
-def test_fully_cached_sequence_recomputes_its_last_block(tiny_model: Qwen3ForCausalLM) -> None:
+def test_fully_cached_sequence_recomputes_its_last_block(tiny_model: CausalLM) -> None:
     # 64 tokens = 4 whole blocks, all cached: the last token must still be computed, so
     # only 3 blocks are reused and the last block (already cached) is not written again.
     c = 2
@@ -206,7 +210,7 @@ def test_fully_cached_sequence_recomputes_its_last_block(tiny_model: Qwen3ForCau
     torch.testing.assert_close(res.logits, ref[48:], rtol=0, atol=LOGITS_ATOL)
 
 
-def test_last_logits_equal_last_row_of_all(tiny_model: Qwen3ForCausalLM) -> None:
+def test_last_logits_equal_last_row_of_all(tiny_model: CausalLM) -> None:
     c, tokens = 3, make_tokens(45, seed=5)
     _, cmd = plan_prefill(WorkerCacheIndex(c, 0), tokens, BLOCK_SIZE, 0, (0, 1, 2), "last")
     outs, comms = run_ranks(
@@ -223,7 +227,7 @@ def test_last_logits_equal_last_row_of_all(tiny_model: Qwen3ForCausalLM) -> None
 
 
 @pytest.mark.parametrize("c", [1, 2, 3, 4])
-def test_stored_prefix_blocks_equal_reference_kv(tiny_model: Qwen3ForCausalLM, c: int) -> None:
+def test_stored_prefix_blocks_equal_reference_kv(tiny_model: CausalLM, c: int) -> None:
     tokens = make_tokens(PREFIX_LEN + 9, seed=6)  # 5 full blocks and a partial one
     worker = ThreadWorker.make(c)
     res = cp_prefill(tiny_model, worker, tokens)

@@ -18,7 +18,7 @@ from support.decode_pool import POOL_KEY, FakePool, prompt_kv
 from support.factories import make_tokens
 from vertumnus.decode.kv_client import TransferParams
 from vertumnus.decode.kv_pull import PulledKV
-from vertumnus.engine.model import Qwen3ForCausalLM
+from vertumnus.engine.model import CausalLM
 from vertumnus.integrations.vllm.loads import Load, Loader, blocks_of, plan, slot_mapping
 
 BLOCK = 16
@@ -72,7 +72,7 @@ async def _until_ended(loader: Loader, write: Any) -> tuple[set[str], set[int]]:
 
 @pytest.mark.timeout(60)
 def test_a_load_pulls_the_prompts_kv_and_writes_it_where_vllm_will_read_it(
-    tiny_model: Qwen3ForCausalLM,
+    tiny_model: CausalLM,
 ) -> None:
     prompt = make_tokens(40, seed=3)
     k, v = prompt_kv(tiny_model, prompt)  # [L, 39, Hkv, D]

@@ -27,7 +27,7 @@ from vertumnus import kv_wire as wire
 from vertumnus.config.pool import PoolConfig
 from vertumnus.decode.dist_client import pull_dist
 from vertumnus.engine.messages import KVRead
-from vertumnus.engine.model import Qwen3ForCausalLM, causal_attention
+from vertumnus.engine.model import CausalLM, causal_attention
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.kv import segments
@@ -50,14 +50,16 @@ def make_config(tmp_path: Path, layout: tuple[int, ...], **handoff: Any) -> Serv
     )
 
 
-def reference_kv(model: Qwen3ForCausalLM, tokens: list[int]) -> torch.Tensor:
+def reference_kv(model: CausalLM, tokens: list[int]) -> torch.Tensor:
     """K and V of every token, [2, layers, n, Hkv, D], from one causal pass."""
     layers: list[torch.Tensor] = []
     attend = causal_attention()
 
-    def capture(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def capture(
+        layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: object
+    ) -> torch.Tensor:
         layers.append(torch.stack((k, v)))
-        return attend(layer, q, k, v)
+        return attend(layer, q, k, v, *rest)  # type: ignore[arg-type]
 
     with torch.inference_mode():
         ids = torch.tensor(tokens, dtype=torch.long)
@@ -126,7 +128,7 @@ async def pins_once_copied(coord: Coordinator) -> int:
 )
 def test_the_pull_streams_the_prompts_kv_in_order(
     tmp_path: Path,
-    tiny_model: Qwen3ForCausalLM,
+    tiny_model: CausalLM,
     layout: tuple[int, ...],
     from_store: bool,
     monkeypatch: pytest.MonkeyPatch,
@@ -240,7 +242,7 @@ def test_no_lease_or_pin_is_left_after_pulls_releases_and_abandonment(tmp_path: 
 
 @pytest.mark.timeout(240)
 def test_a_reshape_waits_for_its_leases_and_a_dead_decode_server_releases_it(
-    tmp_path: Path, tiny_model: Qwen3ForCausalLM
+    tmp_path: Path, tiny_model: CausalLM
 ) -> None:
     """A merge of workers that hold leases waits for them: one is pulled during the
     drain (its KV equal to the reference), the other, which nobody pulls, ends as
@@ -293,7 +295,7 @@ def test_a_reshape_waits_for_its_leases_and_a_dead_decode_server_releases_it(
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("layout", [(1, 1), (2,)], ids=["cp1", "cp2"])
 def test_the_dist_transport_sends_the_same_kv_point_to_point(
-    tmp_path: Path, tiny_model: Qwen3ForCausalLM, layout: tuple[int, ...]
+    tmp_path: Path, tiny_model: CausalLM, layout: tuple[int, ...]
 ) -> None:
     """``dist`` (gloo here): the ranks send their blocks to the puller over
     torch.distributed, the rows no block holds come over HTTP; the KV equals the

@@ -24,7 +24,7 @@ from vertumnus.decode.keys import DecodeSettings
 from vertumnus.decode.sampling import SamplingParams
 from vertumnus.decode.server import build_app
 from vertumnus.engine.logprobs import prompt_logprobs
-from vertumnus.engine.model import Qwen3ForCausalLM, causal_attention
+from vertumnus.engine.model import CausalLM, causal_attention
 from vertumnus.server.tokenizer import Tokenizer
 
 POOL_KEY = "pool-key-0123456789abcdef"
@@ -32,15 +32,17 @@ TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @torch.inference_mode()
-def prompt_kv(model: Qwen3ForCausalLM, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def prompt_kv(model: CausalLM, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V [L, n, Hkv, D] of the prompt but its last token."""
     ks, vs = [], []
     reference = causal_attention()
 
-    def capture(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def capture(
+        layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: object
+    ) -> torch.Tensor:
         ks.append(k.clone())
         vs.append(v.clone())
-        return reference(layer, q, k, v)
+        return reference(layer, q, k, v, *rest)  # type: ignore[arg-type]
 
     n, cfg = len(prompt) - 1, model.config
     if n == 0:
@@ -50,7 +52,7 @@ def prompt_kv(model: Qwen3ForCausalLM, prompt: list[int]) -> tuple[torch.Tensor,
     return torch.stack(ks), torch.stack(vs)
 
 
-def greedy_ids(model: Qwen3ForCausalLM, prompt: list[int], max_tokens: int) -> list[int]:
+def greedy_ids(model: CausalLM, prompt: list[int], max_tokens: int) -> list[int]:
     """What the engine decodes alone from the prompt's KV."""
     k, v = prompt_kv(model, prompt)
     engine = DecodeEngine(model)
@@ -69,7 +71,7 @@ class FakePool:
     after its first chunk), ``layers`` (a header of another model), ``listed`` (a
     prefill answers its kv_transfer_params as a list of one)."""
 
-    def __init__(self, model: Qwen3ForCausalLM, dtype: str = "float32", chunk_tokens: int = 4):
+    def __init__(self, model: CausalLM, dtype: str = "float32", chunk_tokens: int = 4):
         self.model, self.dtype, self.chunk_tokens = model, dtype, chunk_tokens
         self.key = POOL_KEY
         self.leases: dict[str, tuple[wire.KVHeader, torch.Tensor, torch.Tensor]] = {}
@@ -212,7 +214,7 @@ def _pool_error(status: int, message: str) -> web.Response:
 
 @asynccontextmanager
 async def serving(
-    model: Qwen3ForCausalLM,
+    model: CausalLM,
     pool: FakePool,
     engine: DecodeEngine | None = None,
     tokenizer: Tokenizer | None = None,

@@ -19,7 +19,7 @@ from vertumnus.config import ModelConfig
 from vertumnus.engine.comm import ThreadComm, ThreadGroup
 from vertumnus.engine.kv_store import PagedKVStore
 from vertumnus.engine.messages import PrefillCommand
-from vertumnus.engine.model import Qwen3ForCausalLM
+from vertumnus.engine.model import CausalLM
 from vertumnus.engine.zigzag import prefill_rank
 from vertumnus.policy.cache.index import PrefillLease, WorkerCacheIndex
 from vertumnus.runtime.prefill import plan_prefill
@@ -86,7 +86,7 @@ class CPResult:
     calls: list[Counter[str]]  # collectives per rank, by tag
 
 
-def cp_prefill(model: Qwen3ForCausalLM, worker: ThreadWorker, tokens: Sequence[int]) -> CPResult:
+def cp_prefill(model: CausalLM, worker: ThreadWorker, tokens: Sequence[int]) -> CPResult:
     """Plan, run on C threads, commit: what ``PrefillClient.prefill`` does over processes."""
     c = worker.index.cp_degree
     lease, cmd = plan_prefill(

@@ -34,7 +34,7 @@ import harness
 from vertumnus.config import PRESETS
 from vertumnus.engine.comm import SoloComm
 from vertumnus.engine.kv_store import PagedKVStore
-from vertumnus.engine.model import Qwen3ForCausalLM, SparseMoeBlock
+from vertumnus.engine.model import CausalLM, SparseMoeBlock
 from vertumnus.engine.moe import KERNELS, Kernel
 from vertumnus.engine.transformers_config import hf_config
 from vertumnus.engine.zigzag import prefill_rank
@@ -51,9 +51,9 @@ def hf_model(cfg_name: str, dtype: torch.dtype) -> transformers.Qwen3MoeForCausa
     return transformers.Qwen3MoeForCausalLM(hf_cfg).float().to(dtype).eval()
 
 
-def engine_model(cfg_name: str, hf: transformers.Qwen3MoeForCausalLM) -> Qwen3ForCausalLM:
+def engine_model(cfg_name: str, hf: transformers.Qwen3MoeForCausalLM) -> CausalLM:
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(PRESETS[cfg_name])
+        model = CausalLM(PRESETS[cfg_name])
     state = {k: v for k, v in hf.state_dict().items() if "rotary_emb" not in k}
     result = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in result.missing_keys if not k.endswith("tokens_per_expert")]
@@ -66,7 +66,7 @@ def engine_model(cfg_name: str, hf: transformers.Qwen3MoeForCausalLM) -> Qwen3Fo
     return model.eval()
 
 
-def set_kernel(model: Qwen3ForCausalLM, kernel: Kernel | None) -> None:
+def set_kernel(model: CausalLM, kernel: Kernel | None) -> None:
     """Force every sparse layer's experts' kernel (None: the engine's own choice)."""
     for layer in model.model.layers:
         if isinstance(layer.mlp, SparseMoeBlock):

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from vertumnus.engine.comm import SoloComm
 from vertumnus.engine.kv_store import PagedKVStore
-from vertumnus.engine.model import Qwen3ForCausalLM
+from vertumnus.engine.model import CausalLM
 from vertumnus.engine.zigzag import RankPrefill, prefill_rank
 from vertumnus.policy.cache.index import PrefillLease, WorkerCacheIndex
 from vertumnus.runtime.prefill import plan_prefill
@@ -117,7 +117,7 @@ class EngineRunner:
     """The engine's C = 1 prefill of ``model`` on one paged store of ``capacity``
     tokens; each ``fresh_index`` is an empty worker cache over that store."""
 
-    model: Qwen3ForCausalLM
+    model: CausalLM
     block_size: int
     capacity_tokens: int
 

@@ -43,7 +43,7 @@ from torch import Tensor
 import hf_twin
 from common import EngineRunner
 from vertumnus.config import PRESETS
-from vertumnus.engine.model import Qwen3ForCausalLM
+from vertumnus.engine.model import CausalLM
 from vertumnus.engine.weights import random_model
 
 FP32_ATOL = 1e-4
@@ -59,9 +59,7 @@ def _rms(a: Tensor, b: Tensor | None = None) -> float:
     return float(d.double().pow(2).mean().sqrt())
 
 
-def engine_logits(
-    model: Qwen3ForCausalLM, tokens: Sequence[int], prefix: int, block: int
-) -> Tensor:
+def engine_logits(model: CausalLM, tokens: Sequence[int], prefix: int, block: int) -> Tensor:
     """Logits of the rows the engine computes: all of ``tokens``, or, after a first
     prefill of ``tokens[:prefix]``, those after the cached prefix."""
     runner = EngineRunner(model, block, len(tokens) + block)

@@ -23,7 +23,7 @@ import transformers
 from torch import Tensor, nn
 
 from vertumnus.config import ModelConfig
-from vertumnus.engine.model import Qwen3ForCausalLM
+from vertumnus.engine.model import CausalLM
 from vertumnus.engine.transformers_config import hf_config
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -44,7 +44,7 @@ def _engine_tensor(src: dict[str, Tensor], key: str, cfg: ModelConfig) -> Tensor
     return gate_up[:i] if proj == "gate_proj" else gate_up[i:]
 
 
-def twin(engine: Qwen3ForCausalLM, experts: str | None = None) -> transformers.PreTrainedModel:
+def twin(engine: CausalLM, experts: str | None = None) -> transformers.PreTrainedModel:
     """transformers' model of ``engine.config`` holding ``engine``'s tensors, in eval
     mode. ``experts``: transformers' experts implementation ("eager": its loop over
     experts; None: its default, grouped GEMMs where it can)."""

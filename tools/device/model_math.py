@@ -22,7 +22,7 @@ import torch
 
 from vertumnus.config import ModelConfig
 from vertumnus.engine.kv_store import store_shape
-from vertumnus.engine.model import Qwen3ForCausalLM
+from vertumnus.engine.model import CausalLM
 from vertumnus.perfmodel import attention_work
 
 ACTIVATION_MARGIN = 1.5  # transformers' forward and the caching allocator's slack
@@ -55,7 +55,7 @@ def prefill_flops(cfg: ModelConfig, uncached: int, cached: int = 0) -> dict[str,
 
 def param_count(cfg: ModelConfig) -> int:
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(cfg)
+        model = CausalLM(cfg)
     return sum(p.numel() for p in model.parameters())  # a tied LM head counted once
 
 

@@ -1,8 +1,9 @@
 """The served model's shape: ``ModelConfig`` and the built-in presets.
 
-A model config is read from a Hugging Face style ``config.json`` (the fields of
-``Qwen3Config``) or taken from a built-in preset (``tiny`` for tests and the CPU demo,
-``qwen3-0.6b-4l`` for benchmarks), whose weights are seeded random.
+A model config is read from a Hugging Face style ``config.json`` by the family its
+``architectures`` name (``config/families/``: Qwen3, Llama, Mistral, Qwen2, Mixtral,
+Qwen2-MoE, gpt-oss) or taken from a built-in preset (``tiny`` for tests and the CPU
+demo, ``qwen3-0.6b-4l`` for benchmarks), whose weights are seeded random.
 """
 
 from __future__ import annotations
@@ -14,16 +15,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vertumnus.config.families import SUPPORTED_ARCHITECTURES, family_of
+from vertumnus.config.families.common import ROPE_TYPES
 from vertumnus.config.tables import ConfigError
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-_MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+__all__ = ["PRESETS", "SUPPORTED_ARCHITECTURES", "ModelConfig", "resolve_model"]
+ROUTERS = ("softmax_topk", "topk_softmax")
+EXPERT_ACTS = ("swiglu", "clamped_swiglu")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Qwen3-family decoder (names follow ``Qwen3Config`` and, for the
-    mixture-of-experts fields, ``Qwen3MoeConfig``; ``num_experts`` = 0: dense)."""
+    """Shape of a decoder of one of the families (names follow transformers'
+    ``Qwen3Config`` and, for the mixture-of-experts fields, ``Qwen3MoeConfig``;
+    ``num_experts`` = 0: dense). The defaults are Qwen3's; a family's module says
+    which fields differ for it."""
 
     vocab_size: int
     hidden_size: int
@@ -36,8 +42,20 @@ class ModelConfig:
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 40_960
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on q, k and v
     name: str = "custom"
+    architecture: str = "Qwen3ForCausalLM"  # the family (``config/families``)
+    o_proj_bias: bool = False
+    qk_norm: bool = True  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    # RoPE: ``rope_type`` one of ``ROPE_TYPES`` with its scalar parameters
+    # (factor, original_max_position_embeddings, ...), computed in ``engine/rope.py``.
+    rope_type: str = "default"
+    rope_params: tuple[tuple[str, float], ...] = ()
+    # Sliding windows: query i sees keys i - sliding_window < j <= i on the layers whose
+    # ``layer_types`` entry is "sliding_attention" (every layer when given and empty).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    attention_sinks: bool = False  # a learned logit per query head in each softmax
     # Mixture of experts (Qwen3-MoE): a layer is sparse when it is not in
     # ``mlp_only_layers`` and (layer + 1) % decoder_sparse_step == 0.
     num_experts: int = 0
@@ -46,10 +64,35 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # softmax_topk: softmax over all experts, then the top k (renormalised when
+    # norm_topk_prob); topk_softmax: the top k logits, then a softmax over them.
+    router: str = "softmax_topk"
+    router_bias: bool = False
+    expert_bias: bool = False  # biases on the experts' projections
+    # swiglu: silu(gate) * up; clamped_swiglu (gpt-oss): ``engine/moe.py``.
+    expert_act: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert; 0: none
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` in tokens; None: full causal attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return tuple(self.window(i) for i in range(self.num_hidden_layers))
+
+    def rope_param(self, key: str, default: float | None = None) -> float | None:
+        return dict(self.rope_params).get(key, default)
 
     def is_sparse_layer(self, layer: int) -> bool:
         return (
@@ -88,6 +131,7 @@ class ModelConfig:
             raise ConfigError("model config: rms_norm_eps and rope_theta must be positive")
         if self.num_experts < 0:
             raise ConfigError(f"model config: num_experts must be >= 0, got {self.num_experts}")
+        self._check_variants()
         if self.num_experts > 0:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ConfigError(
@@ -100,6 +144,31 @@ class ModelConfig:
                     "positive for a mixture-of-experts model"
                 )
 
+    def _check_variants(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"model config: unsupported architecture {self.architecture!r}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.rope_type not in ROPE_TYPES:
+            raise ConfigError(f"model config: rope_type must be one of {ROPE_TYPES}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(
+                f"model config: sliding_window must be >= 1, got {self.sliding_window}"
+            )
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"model config: {len(self.layer_types)} layer_types for "
+                f"{self.num_hidden_layers} layers"
+            )
+        if self.router not in ROUTERS or self.expert_act not in EXPERT_ACTS:
+            raise ConfigError(
+                f"model config: router must be one of {ROUTERS} and expert_act one of "
+                f"{EXPERT_ACTS}, got {self.router!r} and {self.expert_act!r}"
+            )
+        if self.shared_expert_intermediate_size < 0:
+            raise ConfigError("model config: shared_expert_intermediate_size must be >= 0")
+
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token over all layers, at 2 bytes per element (bf16)."""
@@ -111,81 +180,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], name: str = "custom") -> ModelConfig:
-        """Read the fields of a Hugging Face ``config.json``; reject what we cannot run."""
-        archs = raw.get("architectures") or []
-        model_type = raw.get("model_type")
-        if archs:
-            unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
-            if unsupported:
-                raise ConfigError(
-                    f"unsupported architecture {unsupported[0]!r}; supported: "
-                    f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-                )
-            arch = archs[0]
-        elif model_type in _MODEL_TYPES:
-            arch = _MODEL_TYPES[model_type]
-        else:
-            raise ConfigError(
-                f"unsupported model_type {model_type!r} (no 'architectures' given); "
-                f"supported: {', '.join(_MODEL_TYPES)} ({', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
-        moe: dict[str, Any] = {}
-        if arch == "Qwen3MoeForCausalLM":
-            # transformers >= 5 writes num_experts as num_local_experts.
-            experts = raw.get("num_experts", raw.get("num_local_experts"))
-            missing_moe = [
-                k
-                for k, v in (
-                    ("num_experts", experts),
-                    ("num_experts_per_tok", raw.get("num_experts_per_tok")),
-                    ("moe_intermediate_size", raw.get("moe_intermediate_size")),
-                )
-                if v is None
-            ]
-            if missing_moe:
-                raise ConfigError(f"config.json lacks MoE fields: {', '.join(missing_moe)}")
-            moe = {
-                "num_experts": int(experts),  # type: ignore[arg-type]
-                "num_experts_per_tok": int(raw["num_experts_per_tok"]),
-                "moe_intermediate_size": int(raw["moe_intermediate_size"]),
-                "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
-                "decoder_sparse_step": int(raw.get("decoder_sparse_step", 1)),
-                "mlp_only_layers": tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
-            }
-        if raw.get("use_sliding_window"):
-            raise ConfigError("sliding-window attention is not supported")
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ConfigError(f"unsupported RoPE type {rope_type!r}; supported: default")
-        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10_000.0))
-        required = (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-        )
-        missing = [k for k in required if k not in raw]
-        if missing:
-            raise ConfigError(f"config.json lacks required fields: {', '.join(missing)}")
-        heads = raw["num_attention_heads"]
-        return cls(
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=raw.get("max_position_embeddings", 40_960),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", False)),
-            name=name,
-            **moe,
-        )
+        """Read a Hugging Face ``config.json`` by its family; reject what we cannot run."""
+        family = family_of(raw)
+        return cls(**family.read(raw), name=name, architecture=family.architecture)
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike[str]) -> ModelConfig:

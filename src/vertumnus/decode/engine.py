@@ -1,4 +1,4 @@
-"""Continuous-batching decode over a ``Qwen3ForCausalLM``: the reference decode
+"""Continuous-batching decode over a ``CausalLM`` (any family): the reference decode
 server's engine (``DecodeEngine``).
 
 A sequence joins with the KV of its prompt but the last token, pulled from the
@@ -56,7 +56,8 @@ from vertumnus.decode.sampling import (
     choose_rows,
     make_generator,
 )
-from vertumnus.engine.model import Qwen3ForCausalLM
+from vertumnus.engine.attention import banded_attention
+from vertumnus.engine.model import CausalLM
 
 # Positions a new cache holds beyond the prompt before its first growth.
 INITIAL_HEADROOM = 64
@@ -92,7 +93,7 @@ class _Sequence:
 class DecodeEngine:
     """The active sequences and their caches; ``step`` decodes one token of each."""
 
-    def __init__(self, model: Qwen3ForCausalLM, initial_headroom: int = INITIAL_HEADROOM) -> None:
+    def __init__(self, model: CausalLM, initial_headroom: int = INITIAL_HEADROOM) -> None:
         if initial_headroom < 1:
             raise ValueError(f"initial_headroom must be >= 1, got {initial_headroom}")
         self.model = model
@@ -222,19 +223,30 @@ class DecodeEngine:
         ids = torch.tensor([s.next_token for s in seqs], dtype=torch.long, device=device)
         positions = torch.tensor([s.length for s in seqs], dtype=torch.long, device=device)
 
-        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        def attend(
+            layer: int,
+            q: Tensor,
+            k: Tensor,
+            v: Tensor,
+            window: int | None = None,
+            sinks: Tensor | None = None,
+        ) -> Tensor:
             # q [T, Hq, D], k and v [T, Hkv, D]: row i is sequence i's new token.
             out = torch.empty_like(q)
             for i, seq in enumerate(seqs):
                 pos = seq.length
                 seq.k[layer, :, pos] = k[i]
                 seq.v[layer, :, pos] = v[i]
-                keys = seq.k[layer, :, : pos + 1][None]  # [1, Hkv, pos + 1, D]
-                values = seq.v[layer, :, : pos + 1][None]
-                # One query, the last position: it sees every cached key (no mask).
-                out[i] = F.scaled_dot_product_attention(
-                    q[i][None, :, None], keys, values, enable_gqa=True
-                )[0, :, 0]
+                # One query, the last position: it sees every cached key in its window.
+                first = 0 if window is None else max(0, pos - window + 1)
+                keys = seq.k[layer, :, first : pos + 1][None]  # [1, Hkv, keys, D]
+                values = seq.v[layer, :, first : pos + 1][None]
+                query = q[i][None, :, None]  # [1, Hq, 1, D]
+                if sinks is None:
+                    one = F.scaled_dot_product_attention(query, keys, values, enable_gqa=True)
+                else:
+                    one = banded_attention(query, keys, values, pos, first, window, sinks)
+                out[i] = one[0, :, 0]
             return out
 
         hidden = self.model(ids, positions, attend)  # [T, H]

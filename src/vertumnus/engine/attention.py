@@ -39,6 +39,11 @@ With GQA and no flash, SDPA itself would fall back to the math kernel (a dense s
 matrix), so the KV heads are expanded first whenever flash cannot run on CUDA,
 ``start = 0`` included.
 
+Sliding windows and attention sinks (Mistral, Qwen2, gpt-oss) take one more kernel,
+``banded_attention``: query rows in blocks, each block against only the keys inside
+its window (the band), with a sink logit per query head joining each softmax's
+denominator. It is exact in fp32 and costs the band, not the causal triangle.
+
 Shapes: q [1, Hq, n, D]; k, v [1, Hkv, start + n, D] (GQA: Hq a multiple of Hkv).
 """
 
@@ -167,6 +172,57 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, start: int, rows: int | None = Non
         probs = torch.softmax(scores, dim=-1)
         for h in range(hkv):
             out[h, :, lo:hi] = torch.mm(probs[h], values[h, :seen]).view(group, b, d)
+    return out.view(1, hq, n, d)
+
+
+BAND_ROWS = 128  # query rows per block of banded_attention
+
+
+def banded_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    start: int,
+    key_start: int = 0,
+    window: int | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """Queries at positions ``start + i`` over keys at ``key_start + j``: query i sees
+    key positions p with ``p <= start + i`` and, with a ``window``, ``p > start + i -
+    window``; ``k`` must hold every position the queries see (from ``key_start`` up to
+    ``start + n``). ``sinks`` [Hq]: each query head's softmax also counts
+    ``exp(sink)`` in its denominator (a value-less key). Query rows go in blocks of
+    ``BAND_ROWS``; each block's scores cover only the keys its rows can see, one GEMM
+    per KV head (its query heads stacked), masked at both edges of the band, softmax in
+    fp32. Returns [1, Hq, n, D]."""
+    _, hq, n, d = q.shape
+    hkv, total = k.shape[1], k.shape[2]
+    if key_start + total != start + n:
+        raise ValueError(f"keys end at {key_start + total}, queries at {start + n}")
+    group = hq // hkv
+    queries = (q[0] * d**-0.5).view(hkv, group, n, d)
+    keys, values = k[0], v[0]  # [Hkv, N, D]
+    out = q.new_empty(hkv, group, n, d)
+    sink = None if sinks is None else sinks.float().view(hkv, group, 1, 1)
+    for lo in range(0, n, BAND_ROWS):
+        hi = min(n, lo + BAND_ROWS)
+        first = key_start if window is None else max(key_start, start + lo - window + 1)
+        a, b = first - key_start, start + hi - key_start  # key rows the block sees
+        qpos = torch.arange(start + lo, start + hi, device=q.device)[:, None]
+        kpos = torch.arange(first, start + hi, device=q.device)[None, :]
+        hidden = kpos > qpos
+        if window is not None:
+            hidden |= kpos <= qpos - window
+        block = queries[:, :, lo:hi]  # [Hkv, G, rows, D]
+        scores = torch.matmul(block, keys[:, None, a:b].transpose(-1, -2)).float()
+        scores.masked_fill_(hidden, float("-inf"))  # [Hkv, G, rows, keys]
+        if sink is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
+            e = torch.exp(scores - top)
+            probs = e / (e.sum(dim=-1, keepdim=True) + torch.exp(sink - top))
+        out[:, :, lo:hi] = torch.matmul(probs.to(v.dtype), values[:, None, a:b])
     return out.view(1, hq, n, d)
 
 

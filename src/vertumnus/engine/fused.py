@@ -1,17 +1,18 @@
 """The arithmetic around attention in a decoder layer, eager or compiled.
 
 Owns, as free functions of tensors, everything a layer computes besides attention
-itself and the sparse experts: RMSNorm, the q/k/v projections with per-head q/k norm
-and RoPE (``attention_in``), the output projection, residual and post-attention norm
-(``attention_out``), and for a dense layer the SwiGLU MLP and its residual too
-(``dense_out``). ``model.py`` calls the first and the last through a ``LayerFns``:
-``EAGER`` runs them op by op; ``compiled_layer_fns()`` runs them through
-``torch.compile`` (Inductor), which fuses the elementwise chain (fp32 upcasts, norms,
-RoPE, SiLU, residual adds) into a few loops between the matmuls, the way vLLM
-compiles its model. A sparse layer's ``attention_out`` stays eager: its router turns
-the compiled norm's different rounding into other experts (docs/architecture.md,
-"Numerics"). Compiled, eager casts are emulated (``emulate_precision_casts``):
-``attention_in`` is then bit for bit the eager one in bf16.
+itself and the sparse experts: RMSNorm, the q/k/v projections with their biases, the
+per-head q/k norm where a family has one, and RoPE (``attention_in``), the output
+projection, residual and post-attention norm (``attention_out``), and for a dense
+layer the SwiGLU MLP and its residual too (``dense_out``). ``model.py`` calls the
+first and the last through a ``LayerFns``: ``EAGER`` runs them op by op;
+``compiled_layer_fns()`` runs them through ``torch.compile`` (Inductor), which fuses
+the elementwise chain (fp32 upcasts, norms, RoPE, SiLU, residual adds) into a few
+loops between the matmuls, the way vLLM compiles its model. A sparse layer's
+``attention_out`` stays eager: its router turns the compiled norm's different rounding
+into other experts (docs/architecture.md, "Numerics"). Compiled, eager casts are
+emulated (``emulate_precision_casts``): ``attention_in`` is then bit for bit the eager
+one in bf16.
 
 Why: on one CPU core, op-by-op elementwise work was about a third of a bf16 prefill
 (each op one pass over a [T, hidden] tensor); fused, the layer is its matmuls and
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from vertumnus.engine.model import Qwen3ForCausalLM
+    from vertumnus.engine.model import CausalLM
 
 COMPILE_MODES = ("auto", "on", "off")
 
@@ -71,18 +72,21 @@ def attention_in(
     bk: Tensor | None,
     wv: Tensor,
     bv: Tensor | None,
-    q_norm: Tensor,
-    k_norm: Tensor,
+    q_norm: Tensor | None,
+    k_norm: Tensor | None,
     heads: int,
     kv_heads: int,
     eps: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Residual stream [T, hidden] -> q [T, Hq, D], k and v [T, Hkv, D], after the
-    input norm, the projections, the per-head q/k norm and RoPE (q and k)."""
-    t, d = x.shape[0], q_norm.shape[0]
+    input norm, the projections, the per-head q/k norm (where the family has one) and
+    RoPE (q and k)."""
+    t, d = x.shape[0], wq.shape[0] // heads
     h = rms_norm(x, norm, eps)
-    q = rms_norm(F.linear(h, wq, bq).view(t, heads, d), q_norm, eps)
-    k = rms_norm(F.linear(h, wk, bk).view(t, kv_heads, d), k_norm, eps)
+    q = F.linear(h, wq, bq).view(t, heads, d)
+    k = F.linear(h, wk, bk).view(t, kv_heads, d)
+    if q_norm is not None and k_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     v = F.linear(h, wv, bv).view(t, kv_heads, d)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -146,7 +150,7 @@ def compiled_layer_fns() -> LayerFns:
         return _compiled
 
 
-def prepare_layers(model: Qwen3ForCausalLM, mode: str, warm_up: Callable[[], object]) -> str | None:
+def prepare_layers(model: CausalLM, mode: str, warm_up: Callable[[], object]) -> str | None:
     """Set ``model.layer_fns`` for ``[engine] compile = mode`` and compile now by
     running ``warm_up`` (a short prefill). Returns None, or why the layers run eager
     under ``auto`` (no compiler, an Inductor error: the ranks stay up, slower). Under

@@ -1,12 +1,15 @@
-"""Qwen3 and Qwen3-MoE decoders in plain PyTorch, unaware of parallelism.
+"""The shared decoder of every family in plain PyTorch, unaware of parallelism.
 
-Owns the layers and their arithmetic (RMSNorm, RoPE, grouped-query attention with
-per-head q/k RMSNorm, SwiGLU MLP, optional tied embeddings); the sparse mixture of
-SwiGLU experts is ``engine/moe.py``'s, its names re-exported here. It does not own
-attention itself: every layer hands its post-RoPE queries, keys and values to an
-``AttentionFn`` supplied by the caller, which is where context parallelism, prefix
-caches and KV capture live (``engine/zigzag.py``). Parameter names match the
-Hugging Face ``Qwen3ForCausalLM`` state dict, so checkpoints load by name.
+Owns the layers and their arithmetic (RMSNorm, RoPE, grouped-query attention, SwiGLU
+MLP, optional tied embeddings) and the switches by which the families differ
+(``ModelConfig``, read by ``config/families/``): per-head q/k RMSNorm (Qwen3), biases
+on q/k/v and on o, the RoPE type (``rope.py``), a sliding window per layer, attention
+sinks, and the MLP or the mixture of experts (``moe.py``: router, expert biases and
+activation, shared expert). It does not own attention itself: every layer hands its
+post-RoPE queries, keys and values, with its window and sinks, to an ``AttentionFn``
+supplied by the caller, which is where context parallelism, prefix caches and KV
+capture live (``engine/zigzag.py``). Parameter names match the Hugging Face Qwen3
+state dict; a family whose checkpoints name tensors otherwise says so in its module.
 
 Shapes carry no batch dimension: one prefill is one sequence of T tokens.
 """
@@ -20,10 +23,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vertumnus.config import ModelConfig
+from vertumnus.engine.attention import banded_attention
 from vertumnus.engine.fused import EAGER, LayerFns, attention_out, rms_norm, swiglu
 from vertumnus.engine.moe import Experts as Experts
 from vertumnus.engine.moe import Router as Router
 from vertumnus.engine.moe import SparseMoeBlock as SparseMoeBlock
+from vertumnus.engine.rope import inv_freq, rope_cos_sin
 
 QKV = tuple[Tensor, Tensor, Tensor]
 
@@ -32,10 +37,20 @@ class AttentionFn(Protocol):
     """Attention of one layer for this rank's tokens.
 
     ``q``: [T, Hq, D]; ``k``, ``v``: [T, Hkv, D], all after q/k-norm and RoPE, for the
-    T tokens this rank computes. Returns [T, Hq, D] in the same token order.
+    T tokens this rank computes. ``window``: the layer's sliding window (a query at
+    position i sees keys after i - window); ``sinks`` [Hq]: the layer's sink logits.
+    Returns [T, Hq, D] in the same token order.
     """
 
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
+    def __call__(
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        window: int | None = None,
+        sinks: Tensor | None = None,
+    ) -> Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -48,40 +63,29 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_cos_sin(
-    positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
-    """cos, sin of shape [T, 1, D] for absolute ``positions`` [T] (default RoPE)."""
-    inv_freq = 1.0 / (
-        theta
-        ** (
-            torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
-            / head_dim
-        )
-    )
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim, self.num_heads, self.num_kv_heads = d, hq, hkv
-        self.q_proj = nn.Linear(cfg.hidden_size, hq * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=cfg.attention_bias)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.window = cfg.window(layer)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, hq * d, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=bias)
+        self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.sinks = nn.Parameter(torch.empty(hq)) if cfg.attention_sinks else None
 
     def qkv(self, fns: LayerFns, x: Tensor, norm: RMSNorm, cos: Tensor, sin: Tensor) -> QKV:
         """q, k, v of the residual stream ``x`` after the layer's input ``norm``."""
         q, k, v = self.q_proj, self.k_proj, self.v_proj
+        qn = None if self.q_norm is None else self.q_norm.weight
+        kn = None if self.k_norm is None else self.k_norm.weight
         return fns.attention_in(
             x, cos, sin, norm.weight, q.weight, q.bias, k.weight, k.bias, v.weight, v.bias,
-            self.q_norm.weight, self.k_norm.weight, self.num_heads, self.num_kv_heads, norm.eps,
+            qn, kn, self.num_heads, self.num_kv_heads, norm.eps,
         )  # fmt: skip
 
 
@@ -99,7 +103,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.mlp: nn.Module = SparseMoeBlock(cfg) if cfg.is_sparse_layer(layer) else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -115,7 +119,8 @@ class DecoderLayer(nn.Module):
         fns: LayerFns = EAGER,
     ) -> Tensor:
         attn, norm = self.self_attn, self.post_attention_layernorm
-        out = attention(layer, *attn.qkv(fns, x, self.input_layernorm, cos, sin))
+        q, k, v = attn.qkv(fns, x, self.input_layernorm, cos, sin)
+        out = attention(layer, q, k, v, attn.window, attn.sinks)
         o = attn.o_proj
         if isinstance(self.mlp, SparseMoeBlock):
             # Eager even when compiled: the router amplifies the compiled norm's other
@@ -130,7 +135,7 @@ class DecoderLayer(nn.Module):
         )  # fmt: skip
 
 
-class Qwen3Backbone(nn.Module):
+class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -138,7 +143,7 @@ class Qwen3Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class Qwen3ForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     """``forward`` returns final-normed hidden states; ``logits`` projects chosen rows."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -150,7 +155,8 @@ class Qwen3ForCausalLM(nn.Module):
         # The attention kernel family on a CPU (``attention.CPU_KERNELS``): torch's flash
         # unless a rank picked the chunked kernel at start-up (``pick_cpu_kernel``).
         self.cpu_attention = "flash"
-        self.model = Qwen3Backbone(cfg)
+        self.model = Backbone(cfg)
+        self._rope: tuple[Tensor, float] | None = None  # inverse frequencies, factor
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -175,7 +181,9 @@ class Qwen3ForCausalLM(nn.Module):
         rest is padding); None: all."""
         cfg = self.config
         x = self.model.embed_tokens(input_ids)  # [T, H]
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        if self._rope is None:
+            self._rope = inv_freq(cfg)
+        cos, sin = rope_cos_sin(positions, self._rope[0], self._rope[1], x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(i, x, cos, sin, attention, counted, self.layer_fns)
         return self.model.norm(x)
@@ -210,14 +218,23 @@ def causal_attention(prefix_kv: list[tuple[Tensor, Tensor]] | None = None) -> At
     per-layer (k, v) of shape [P, Hkv, D] are ``prefix_kv[layer]``.
     """
 
-    def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        window: int | None = None,
+        sinks: Tensor | None = None,
+    ) -> Tensor:
         if prefix_kv is not None:
             pk, pv = prefix_kv[layer]
             k, v = torch.cat((pk, k)), torch.cat((pv, v))
         t, n = q.shape[0], k.shape[0]
         # [1, H, T, D]: SDPA's fused CPU kernels need the batch dimension.
         qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))
-        if n == t:
+        if window is not None or sinks is not None:
+            out = banded_attention(qh, kh, vh, n - t, 0, window, sinks)
+        elif n == t:
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
         else:  # query i sees keys 0 .. n - t + i (bottom-right aligned causal mask)
             mask = torch.ones(t, n, dtype=torch.bool, device=q.device).tril(n - t)

@@ -1,9 +1,10 @@
-"""Qwen3-MoE's sparse mixture-of-experts block and the kernels that run its experts.
+"""The sparse mixture-of-experts block of every MoE family and its expert kernels.
 
 Owns ``Experts`` (the fused expert weights, as Hugging Face's ``Qwen3MoeExperts``
-holds them), ``Router``, ``SparseMoeBlock`` (fp32 softmax top-k routing, dispatch
-sorted by expert, the per-expert load counters) and the two kernels that compute the
-experts' SwiGLU over the expert-sorted assignments, the same function either way:
+holds them, with biases where the family has them), ``Router``, ``SparseMoeBlock``
+(routing, dispatch sorted by expert, the per-expert load counters, Qwen2-MoE's gated
+shared expert) and the two kernels that compute the experts' gated activation over
+the expert-sorted assignments, the same function either way:
 
 * ``"grouped_mm"``: one ``torch._grouped_mm`` per projection over all experts, the
   groups delimited by cumulative row offsets, so no host sync on CUDA;
@@ -11,10 +12,18 @@ experts' SwiGLU over the expert-sorted assignments, the same function either way
 
 ``expert_kernel`` picks one from the device, dtype and shapes. ``model.py`` builds
 the decoder around the block and re-exports these names.
+
+The families differ in three places: the router (``softmax_topk``: an fp32 softmax
+over all experts, then the top k, renormalised when ``norm_topk_prob``, as Qwen3-MoE,
+Qwen2-MoE and Mixtral; ``topk_softmax``: the top k logits, with a router bias, then a
+softmax over those k, as gpt-oss), the activation (``swiglu``: silu(g) * u;
+``clamped_swiglu``: gpt-oss's ``(clamp(u, -l, l) + 1) * g * sigmoid(alpha g)`` with
+``g = min(g, l)``) and biases on the experts' projections (gpt-oss).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -22,6 +31,24 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vertumnus.config import ModelConfig
+from vertumnus.engine.fused import swiglu
+
+Activation = Callable[[Tensor, Tensor], Tensor]  # (gate, up) [n, I] each -> [n, I]
+
+
+def silu_and_mul(g: Tensor, u: Tensor) -> Tensor:
+    return F.silu(g) * u
+
+
+def clamped_swiglu(alpha: float, limit: float) -> Activation:
+    """gpt-oss's expert activation (``GptOssExperts._apply_gate``)."""
+
+    def act(g: Tensor, u: Tensor) -> Tensor:
+        g = g.clamp(max=limit)
+        return (u.clamp(min=-limit, max=limit) + 1) * (g * torch.sigmoid(g * alpha))
+
+    return act
+
 
 Kernel = Literal["grouped_mm", "loop"]
 KERNELS: tuple[Kernel, ...] = ("grouped_mm", "loop")
@@ -90,29 +117,52 @@ def grouped_mm_layout_ok(*weights: Tensor) -> bool:
     return all(w.is_contiguous() and w.data_ptr() % 16 == 0 for w in weights)
 
 
-def loop_experts(xs: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
-    """Each expert's SwiGLU over its rows of ``xs`` [N, H], whose rows are sorted by
-    expert, ``counts`` [E] rows each: [N, H]. One matmul pair per active expert; the
-    counts are read on the host."""
+def loop_experts(
+    xs: Tensor,
+    counts: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    act: Activation = silu_and_mul,
+    gate_up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+) -> Tensor:
+    """Each expert's gated activation over its rows of ``xs`` [N, H], whose rows are
+    sorted by expert, ``counts`` [E] rows each: [N, H]. One matmul pair per active
+    expert; the counts are read on the host. Biases [E, 2I] and [E, H] where given."""
     out = torch.empty_like(xs)
     start = 0
     for e, n in enumerate(counts.tolist()):
         if n == 0:
             continue
         rows = slice(start, start + n)
-        g, u = F.linear(xs[rows], gate_up[e]).chunk(2, dim=-1)  # [n, I] each
-        out[rows] = F.linear(F.silu(g) * u, down[e])
+        b1 = None if gate_up_bias is None else gate_up_bias[e]
+        b2 = None if down_bias is None else down_bias[e]
+        g, u = F.linear(xs[rows], gate_up[e], b1).chunk(2, dim=-1)  # [n, I] each
+        out[rows] = F.linear(act(g, u), down[e], b2)
         start += n
     return out
 
 
-def grouped_mm_experts(xs: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+def grouped_mm_experts(
+    xs: Tensor,
+    counts: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    act: Activation = silu_and_mul,
+    gate_up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+) -> Tensor:
     """``loop_experts``'s function as two grouped GEMMs over all experts. Needs
     ``expert_kernel``'s alignment and ``grouped_mm_layout_ok`` weights."""
     offs = counts.cumsum(0).to(torch.int32)  # [E]: the end row of each expert's group
     gu = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs)  # [N, 2I]
+    if gate_up_bias is not None:
+        gu = gu + gate_up_bias.repeat_interleave(counts, dim=0, output_size=xs.shape[0])
     g, u = gu.chunk(2, dim=-1)  # [N, I] each, gate first
-    return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs)  # [N, H]
+    out = torch._grouped_mm(act(g, u), down.transpose(-2, -1), offs=offs)  # [N, H]
+    if down_bias is not None:
+        out = out + down_bias.repeat_interleave(counts, dim=0, output_size=xs.shape[0])
+    return out
 
 
 class Experts(nn.Module):
@@ -124,18 +174,49 @@ class Experts(nn.Module):
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.gate_up_bias = nn.Parameter(torch.empty(e, 2 * i)) if cfg.expert_bias else None
+        self.down_bias = nn.Parameter(torch.empty(e, h)) if cfg.expert_bias else None
 
 
 class Router(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None
+
+    def route(
+        self, x: Tensor, top_k: int, kind: str, norm_topk_prob: bool
+    ) -> tuple[Tensor, Tensor]:
+        """Routing weights [T, k] (fp32) and the chosen experts [T, k] of ``x`` [T, H]."""
+        logits = F.linear(x, self.weight, self.bias)  # [T, E]
+        if kind == "topk_softmax":
+            top, chosen = torch.topk(logits, top_k, dim=-1)
+            return F.softmax(top, dim=-1), chosen
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, top_k, dim=-1)
+        if norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
+
+
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's shared expert: a SwiGLU MLP every token passes through."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.shared_expert_intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
 
 
 class SparseMoeBlock(nn.Module):
-    """Qwen3-MoE's sparse block: softmax router (fp32), top-k experts, renormalised
-    when ``norm_topk_prob``; each token's output is the routing-weighted sum of its
-    experts' SwiGLU outputs.
+    """The sparse block: the family's router picks k experts per token; each token's
+    output is the routing-weighted sum of its experts' outputs (plus, for Qwen2-MoE,
+    the shared expert's times ``sigmoid(shared_expert_gate(x))``).
 
     Dispatch is grouped by expert: the (token, expert) assignments are sorted by
     expert, the experts run over their contiguous rows (``kernel``), and the results
@@ -148,9 +229,17 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
-        self.norm_topk_prob = cfg.norm_topk_prob
+        self.norm_topk_prob, self.router = cfg.norm_topk_prob, cfg.router
+        self.act: Activation = silu_and_mul
+        if cfg.expert_act == "clamped_swiglu":
+            self.act = clamped_swiglu(cfg.swiglu_alpha, cfg.swiglu_limit)
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
+        self.shared_expert: SharedExpert | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(cfg)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         # None: ``expert_kernel``'s choice for the weights as they are at each call; a
         # name forces that kernel (benchmarks and tests compare the two).
         self.kernel: Kernel | None = None
@@ -172,11 +261,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: Tensor, counted: Tensor | None = None) -> Tensor:
         """``counted``: [T] bool, the rows that count in ``tokens_per_expert`` (not
         the padding of a zigzag share); None: all."""
-        probs = F.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float32)  # [T, E]
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        weights, chosen = self.gate.route(x, self.top_k, self.router, self.norm_topk_prob)
+        weights = weights.to(x.dtype)  # [T, k]
         flat = chosen.reshape(-1)  # [T*k]: assignment a is token a // k
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)  # [E]
@@ -187,10 +273,13 @@ class SparseMoeBlock(nn.Module):
             self.tokens_per_expert += torch.bincount(real, minlength=self.num_experts)
         token_of = order // self.top_k
         xs = x.index_select(0, token_of)  # [T*k, H], grouped by expert
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        if self.chosen_kernel() == "grouped_mm":
-            out = grouped_mm_experts(xs, counts, gate_up, down)
-        else:
-            out = loop_experts(xs, counts, gate_up, down)
+        ex = self.experts
+        run = grouped_mm_experts if self.chosen_kernel() == "grouped_mm" else loop_experts
+        out = run(
+            xs, counts, ex.gate_up_proj, ex.down_proj, self.act, ex.gate_up_bias, ex.down_bias
+        )
         out.mul_(weights.reshape(-1)[order].unsqueeze(-1))
-        return torch.zeros_like(x).index_add_(0, token_of, out)
+        y = torch.zeros_like(x).index_add_(0, token_of, out)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y

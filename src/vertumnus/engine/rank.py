@@ -54,7 +54,7 @@ from vertumnus.engine.messages import (
     Shutdown,
     SwitchEpoch,
 )
-from vertumnus.engine.model import Qwen3ForCausalLM
+from vertumnus.engine.model import CausalLM
 from vertumnus.engine.shared_rows import Attached
 from vertumnus.engine.weights import build_model, resolve_dtype
 from vertumnus.engine.zigzag import RankPrefill, prefill_rank
@@ -160,7 +160,7 @@ def rank_main(rank: int, spec: RankSpec, commands: Any, results: Any) -> None:
     _serve(rank, model, kv, groups, commands, results, store, device, timeout)
 
 
-def _warm_up(model: Qwen3ForCausalLM, block_size: int) -> None:
+def _warm_up(model: CausalLM, block_size: int) -> None:
     """One short prefill on this rank alone, no cache: compiles the layers (dynamic in
     the number of tokens, so every later length reuses the same code). 38 tokens: a
     length no model dimension is likely to equal, which would tie the two in the
@@ -170,7 +170,7 @@ def _warm_up(model: Qwen3ForCausalLM, block_size: int) -> None:
     model.reset_expert_tokens()
 
 
-def _pick_attention(model: Qwen3ForCausalLM, engine: EngineConfig, local_ranks: int) -> str:
+def _pick_attention(model: CausalLM, engine: EngineConfig, local_ranks: int) -> str:
     """A CPU rank's attention kernel family, set on the model: the one ``engine`` names
     (the coordinator settled "auto" before starting this rank), else timed here, as an
     agent-started rank does (``settle_cpu_attention``); "cuda" on a GPU, whose kernel

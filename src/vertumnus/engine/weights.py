@@ -1,13 +1,17 @@
 """Model construction: seeded random weights for presets, or a Hugging Face folder.
 
-Owns the mapping from checkpoint tensors to ``Qwen3ForCausalLM`` parameters and the
-errors a user sees when a checkpoint does not fit. Qwen3-MoE experts load from
+Owns the mapping from checkpoint tensors to ``CausalLM`` parameters and the
+errors a user sees when a checkpoint does not fit. A family whose checkpoints name
+tensors otherwise says how (``Family.renames``, applied to every name first: Mixtral's
+``block_sparse_moe.experts.E.w1``, gpt-oss's ``mlp.router``). MoE experts load from
 either layout a checkpoint may use: one tensor per expert and projection
 (``mlp.experts.E.gate_proj.weight`` [I, H], ``up_proj`` [I, H], ``down_proj`` [H, I],
 as transformers saves them) or fused (``mlp.experts.gate_up_proj`` [E, 2I, H] and
 ``mlp.experts.down_proj`` [E, H, I], the in-memory layout of newer transformers, or
 their transposes [E, H, 2I] and [E, I, H]; when 2I = H a transpose cannot be told
-apart, and the tensor is read in the transformers layout). Does not own the architecture
+apart, and the tensor is read in the transformers layout); gpt-oss's experts from its own
+fused layout (``expert_layout = "gpt_oss"``: ``gate_up_proj`` [E, H, 2I] with gate and
+up interleaved, ``down_proj`` [E, I, H], and their biases). Does not own the architecture
 (``model.py``) or device placement policy beyond the ``device``/``dtype`` it is given.
 """
 
@@ -23,7 +27,8 @@ import torch
 from safetensors import safe_open
 
 from vertumnus.config import ConfigError, ModelConfig
-from vertumnus.engine.model import Qwen3ForCausalLM
+from vertumnus.config.families import BY_ARCHITECTURE
+from vertumnus.engine.model import CausalLM
 
 # Tensors that checkpoints may carry but the model derives itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -64,7 +69,7 @@ def random_model(
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
-) -> Qwen3ForCausalLM:
+) -> CausalLM:
     """Model with weights drawn from ``seed`` alone (same on every rank); by default
     fp32 on CPU.
 
@@ -83,7 +88,7 @@ def random_model(
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(cfg)
+        model = CausalLM(cfg)
     model = model.to(dtype).to_empty(device=dev)
     model.reset_expert_tokens()
     if cfg.tie_word_embeddings:
@@ -123,11 +128,11 @@ _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_p
 
 def load_model(
     cfg: ModelConfig, model_dir: str | Path, dtype: torch.dtype, device: torch.device
-) -> Qwen3ForCausalLM:
+) -> CausalLM:
     """Build the model from the ``.safetensors`` files of a Hugging Face folder."""
     model_dir = Path(model_dir)
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(cfg)
+        model = CausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
     model.reset_expert_tokens()
     if cfg.tie_word_embeddings:
@@ -143,13 +148,21 @@ def load_model(
         else:
             expected.add(name)
     loaded: set[str] = set()
+    family = BY_ARCHITECTURE[cfg.architecture]
+    renames = [(re.compile(pattern), to) for pattern, to in family.renames]
     with torch.no_grad():
         for path in _safetensors_files(model_dir):
             with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    if name.endswith(_IGNORED_SUFFIXES):
+                for stored in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    if stored.endswith(_IGNORED_SUFFIXES):
                         continue
-                    tensor = f.get_tensor(name)
+                    name = stored
+                    for pattern, to in renames:
+                        name = pattern.sub(to, name)
+                    tensor = f.get_tensor(stored)
+                    if family.expert_layout == "gpt_oss" and ".mlp.experts." in name:
+                        loaded |= _place_gpt_oss(params, name, tensor, path.name, dtype)
+                        continue
                     loaded |= _place(cfg, params, name, tensor, path.name, dtype)
     if cfg.tie_word_embeddings:
         loaded.add("lm_head.weight")  # shares embed_tokens.weight
@@ -203,10 +216,44 @@ def _place(
     if name not in params:
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             return set()
-        kind = "Qwen3-MoE" if cfg.is_moe else "Qwen3"
-        raise ConfigError(f"{file}: unexpected tensor {name!r} for a {kind} decoder of this config")
+        raise ConfigError(
+            f"{file}: unexpected tensor {name!r} for a {cfg.architecture} of this config"
+        )
     _copy(params[name], tensor, name, file, dtype)
     return {name}
+
+
+def _place_gpt_oss(
+    params: dict[str, torch.nn.Parameter],
+    name: str,
+    tensor: torch.Tensor,
+    file: str,
+    dtype: torch.dtype,
+) -> set[str]:
+    """One of gpt-oss's fused expert tensors, unpacked into the shared layout: gate and
+    up de-interleaved (even columns gate, odd up) and each matrix transposed to [out,
+    in]. Returns the names it satisfies (the per-expert ones for the matrices)."""
+    base, _, kind = name.rpartition(".")
+    target_name = {
+        "gate_up_proj": "gate_up_proj",
+        "down_proj": "down_proj",
+        "gate_up_proj_bias": "gate_up_bias",
+        "down_proj_bias": "down_bias",
+    }.get(kind)
+    target = None if target_name is None else params.get(f"{base}.{target_name}")
+    if target is None:
+        raise ConfigError(f"{file}: unexpected tensor {name!r} for gpt-oss's experts")
+    if kind == "gate_up_proj":  # [E, H, 2I] interleaved -> [E, 2I, H], gate rows first
+        tensor = torch.cat((tensor[..., 0::2], tensor[..., 1::2]), dim=-1).transpose(1, 2)
+    elif kind == "gate_up_proj_bias":  # [E, 2I] interleaved -> [gate | up]
+        tensor = torch.cat((tensor[..., 0::2], tensor[..., 1::2]), dim=-1)
+    elif kind == "down_proj":  # [E, I, H] -> [E, H, I]
+        tensor = tensor.transpose(1, 2)
+    _copy(target, tensor, name, file, dtype)
+    if kind in ("gate_up_proj", "down_proj"):
+        parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+        return {f"{base}.{e}.{p}.weight" for e in range(target.shape[0]) for p in parts}
+    return {f"{base}.{target_name}"}
 
 
 def _copy(
@@ -226,7 +273,7 @@ def build_model(
     seed: int,
     dtype: torch.dtype,
     device: torch.device,
-) -> Qwen3ForCausalLM:
+) -> CausalLM:
     """Preset (``model_dir is None``: seeded random weights) or checkpoint folder."""
     if model_dir is None:
         return random_model(cfg, seed).to(device=device, dtype=dtype).eval()

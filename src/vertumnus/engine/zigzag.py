@@ -29,11 +29,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from vertumnus.engine.attention import prefix_causal_attention
+from vertumnus.engine.attention import banded_attention, prefix_causal_attention
 from vertumnus.engine.comm import Communicator
 from vertumnus.engine.kv_store import PagedKVStore
 from vertumnus.engine.logprobs import PromptLogprobs, prompt_logprobs
-from vertumnus.engine.model import Qwen3ForCausalLM
+from vertumnus.engine.model import CausalLM
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,15 @@ class ZigzagAttention:
             self.blocks.append((local, local + (b - a), step.prefix_len + a))
             local += b - a
 
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def __call__(
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        window: int | None = None,
+        sinks: Tensor | None = None,
+    ) -> Tensor:
         step, bs, c = self.step, self.step.block_size, self.part.cp_degree
         kv_local = torch.stack((k, v))  # [2, 2s, Hkv, D]
         width = self.max_local_blocks * bs
@@ -157,6 +165,13 @@ class ZigzagAttention:
         # [1, H, T, D]: SDPA's fused CPU kernels need the batch dimension.
         kh, vh = keys[0].transpose(0, 1)[None], keys[1].transpose(0, 1)[None]  # [1, Hkv, N, D]
         qh = q.transpose(0, 1)[None]  # [1, Hq, 2s, D]
+        if window is not None or sinks is not None:
+            outs = [
+                self._banded(qh[:, :, lo:hi], kh, vh, start, window, sinks)
+                for lo, hi, start in self.blocks
+            ]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+            return out[0].transpose(0, 1)
         outs = [
             prefix_causal_attention(
                 qh[:, :, lo:hi],
@@ -170,6 +185,18 @@ class ZigzagAttention:
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return out[0].transpose(0, 1)  # [2s, Hq, D]
 
+    @staticmethod
+    def _banded(
+        q: Tensor, k: Tensor, v: Tensor, start: int, window: int | None, sinks: Tensor | None
+    ) -> Tensor:
+        """Queries at ``start``.. over the keys they see: inside the window (when the
+        layer has one) and up to their own position."""
+        end = start + q.shape[2]
+        first = 0 if window is None else max(0, start - window + 1)
+        return banded_attention(
+            q, k[:, :, first:end], v[:, :, first:end], start, first, window, sinks
+        )
+
     def _store_new_blocks(self, layer: int, suf: Tensor) -> None:
         bs, p = self.step.block_size, self.step.prefix_len
         offsets = torch.tensor([d * bs - p for d, _ in self.step.write], device=suf.device)
@@ -180,7 +207,7 @@ class ZigzagAttention:
 
 @torch.inference_mode()
 def prefill_rank(
-    model: Qwen3ForCausalLM,
+    model: CausalLM,
     comm: Communicator,
     store: PagedKVStore | None,
     step: RankPrefill,

@@ -1,0 +1,123 @@
+"""Every family against transformers on the same folder: loaded as ``save_pretrained``
+wrote it, the zigzag CP prefill's fp32 logits at C = 1 to 4, fresh and after a cached
+prefix that ends inside and outside the sliding window, within ``ATOL`` of
+transformers' own; and the decode engine's greedy tokens equal ``generate``'s.
+
+The prefixes: one block (16 tokens: inside a window of 20 or 24, so the first new
+queries see all of it) and three blocks (48: the window reaches back only into its
+end, or not at all for a window of 8).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from support.factories import BLOCK_SIZE, make_tokens
+from support.families import CASES, VOCAB, write_family_folder
+from support.reference import hf_greedy, hf_logits, max_abs_diff
+from support.threads import ThreadWorker, cp_prefill
+from vertumnus.config import ModelConfig
+from vertumnus.decode.engine import DecodeEngine
+from vertumnus.decode.sampling import SamplingParams
+from vertumnus.engine.model import CausalLM, causal_attention
+from vertumnus.engine.weights import load_model
+
+ATOL = 1e-4  # fp32 against fp32
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    case = request.param
+    folder = tmp_path_factory.mktemp(case)
+    hf = write_family_folder(case, folder, shard=case == "mixtral")
+    cfg = ModelConfig.from_dir(folder)
+    ours = load_model(cfg, folder, torch.float32, CPU).requires_grad_(False)
+    return case, hf, ours, folder
+
+
+def test_the_folder_reads_as_its_family(family) -> None:
+    case, hf, ours, folder = family
+    cfg = ours.config
+    assert cfg.architecture == hf.config.architectures[0]
+    assert cfg.num_hidden_layers == hf.config.num_hidden_layers
+    if case == "mixtral":  # sharded: the index names several files
+        assert (folder / "model.safetensors.index.json").is_file()
+    windows = {c: w for c, w in [("mistral", 24), ("mixtral", 20), ("qwen2", 12), ("gpt-oss", 8)]}
+    assert cfg.sliding_window == windows.get(case)
+    if case == "gpt-oss":
+        assert cfg.windows == (8, None, 8) and cfg.attention_sinks
+    if case == "qwen2":
+        assert cfg.windows == (None, 12, 12) and cfg.attention_bias and not cfg.o_proj_bias
+
+
+@pytest.mark.parametrize("c", [1, 2, 3, 4])
+def test_cp_logits_equal_transformers_fresh_and_cached(family, c: int) -> None:
+    case, hf, ours, _ = family
+    tokens = make_tokens(45, seed=3, vocab=VOCAB)
+    worker = ThreadWorker.make(c, ours.config)
+    out = cp_prefill(ours, worker, tokens)
+    ref = hf_logits(hf, tokens)
+    assert max_abs_diff(out.logits, ref) < ATOL, case
+    # A conversation that extends the first prompt: its 2 full blocks are reused.
+    longer = tokens + make_tokens(40, seed=4, vocab=VOCAB)
+    out = cp_prefill(ours, worker, longer)
+    assert out.cmd.prefix_len == 2 * BLOCK_SIZE
+    diff = max_abs_diff(out.logits, hf_logits(hf, longer)[2 * BLOCK_SIZE :])
+    assert diff < ATOL, f"{case} C={c} prefix 32: {diff:.3g}"
+
+
+@pytest.mark.parametrize("prefix_blocks", [1, 3])
+def test_a_cached_prefix_inside_and_outside_the_window(family, prefix_blocks: int) -> None:
+    case, hf, ours, _ = family
+    prefix = make_tokens(prefix_blocks * BLOCK_SIZE, seed=5, vocab=VOCAB)
+    worker = ThreadWorker.make(2, ours.config)
+    cp_prefill(ours, worker, [*prefix, 1])  # caches the prefix's blocks
+    tokens = prefix + make_tokens(37, seed=6, vocab=VOCAB)
+    out = cp_prefill(ours, worker, tokens)
+    assert out.cmd.prefix_len == prefix_blocks * BLOCK_SIZE
+    diff = max_abs_diff(out.logits, hf_logits(hf, tokens)[prefix_blocks * BLOCK_SIZE :])
+    assert diff < ATOL, f"{case} prefix {prefix_blocks} blocks: {diff:.3g}"
+
+
+@torch.inference_mode()
+def test_decode_engine_greedy_equals_generate(family) -> None:
+    case, hf, ours, _ = family
+    prompt = make_tokens(30, seed=7, vocab=VOCAB)
+    layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def capture(layer, q, k, v, window=None, sinks=None):
+        layers.append((k.clone(), v.clone()))
+        return causal_attention()(layer, q, k, v, window, sinks)
+
+    ours(torch.tensor(prompt[:-1]), torch.arange(len(prompt) - 1), capture)
+    engine = DecodeEngine(ours)
+    engine.add(
+        0, layers, prompt[-1], SamplingParams(temperature=0.0), max_tokens=12, ignore_eos=True
+    )
+    got: list[int] = []
+    while len(engine):
+        got += [o.token_id for o in engine.step()]
+    assert got == hf_greedy(hf, prompt, 12), case
+
+
+def test_unsupported_features_are_named(tmp_path: Path) -> None:
+    from vertumnus.config import ConfigError
+
+    base = CASES["llama-linear"]().to_dict()
+    for change, message in [
+        ({"architectures": ["PhiForCausalLM"]}, "unsupported architecture 'PhiForCausalLM'"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "'longrope'"),
+        ({"quantization_config": {"quant_method": "mxfp4"}}, "quant_method 'mxfp4'"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            ModelConfig.from_hf_dict({**base, "architectures": ["LlamaForCausalLM"], **change})
+
+
+def test_model_is_a_causal_lm(family) -> None:
+    assert isinstance(family[2], CausalLM)
