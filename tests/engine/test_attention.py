@@ -208,3 +208,33 @@ def test_auto_is_settled_once_for_a_hosts_ranks_and_a_named_kernel_kept() -> Non
     assert settled.cpu_attention in CPU_KERNELS and 2048 in timed
     assert settled == dataclasses.replace(auto, cpu_attention=settled.cpu_attention)
     assert torch.get_num_threads() == threads  # timed on one rank's threads, then restored
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("start", "key_start", "n", "window", "sinks"),
+    [
+        (0, 0, 300, 40, False),  # the band's edge inside every block
+        (200, 150, 70, 51, True),  # keys clipped: the window reaches before them
+        (90, 0, 260, 300, False),  # a window longer than the sequence
+        (37, 0, 129, None, True),  # sinks alone, full causal attention with a prefix
+        (0, 0, 5, 1, True),  # a query sees only itself
+    ],
+)
+def test_window_flash_equals_the_banded_math(
+    dtype: torch.dtype, start: int, key_start: int, n: int, window: int | None, sinks: bool
+) -> None:
+    """The fused-kernel window attention (blocks of flash calls and the band's edge,
+    merged by log-sum-exp) computes what the banded math kernel computes."""
+    gen = torch.Generator().manual_seed(n)
+    keys = start + n - key_start
+    q = torch.randn(1, 4, n, 16, generator=gen).to(dtype)
+    k = torch.randn(1, 2, keys, 16, generator=gen).to(dtype)
+    v = torch.randn(1, 2, keys, 16, generator=gen).to(dtype)
+    s = torch.randn(4, generator=gen) if sinks else None
+    got = attention.window_flash(q, k, v, start, key_start, window, s)
+    want = attention.banded_attention(
+        q.double(), k.double(), v.double(), start, key_start, window, s
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=tol)

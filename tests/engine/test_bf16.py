@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from support.factories import BLOCK_SIZE, make_tokens
+from support.families import make_family_model
 from support.reference import hf_logits, make_hf_model, make_hf_moe
 from support.threads import run_ranks
 from vertumnus.config import ModelConfig
@@ -77,6 +78,22 @@ def test_bf16_rounds_no_worse_than_transformers_in_bf16(
     kind: str, layers: str, attention: str, tmp_path: Path
 ):
     hf = make_hf_model(False) if kind == "dense" else make_hf_moe()
+    check_bf16(hf, kind == "dense", layers, attention, tmp_path)
+
+
+# One per family beyond Qwen3 (``support.families``), on the eager layers.
+FAMILIES = {"llama3": True, "mistral": True, "qwen2": True, "mixtral": False,
+            "qwen2-moe": False, "gpt-oss": False}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(FAMILIES))
+def test_every_family_rounds_no_worse_than_transformers(case: str, tmp_path: Path) -> None:
+    check_bf16(make_family_model(case), FAMILIES[case], "eager", "flash", tmp_path)
+
+
+def check_bf16(hf, dense: bool, layers: str, attention: str, tmp_path: Path) -> None:
+    """The module docstring's bounds for ``hf`` saved into ``tmp_path``; ``dense``:
+    the max bound too."""
     hf.save_pretrained(tmp_path)
     vocab = hf.config.vocab_size
     first = make_tokens(PREFIX, 1, vocab)
@@ -92,7 +109,7 @@ def test_bf16_rounds_no_worse_than_transformers_in_bf16(
     top1 = float((ours.argmax(-1) == ref.argmax(-1)).float().mean())
     their_top1 = float((theirs.argmax(-1) == ref.argmax(-1)).float().mean())
     assert top1 >= their_top1 - 0.02, f"top-1 agreement {top1:.3f}, transformers {their_top1:.3f}"
-    if kind == "dense":
+    if dense:
         assert float(err.max()) <= 1.5 * float(their_err.max()), (
             f"max error {float(err.max()):.4f}, transformers-bf16 {float(their_err.max()):.4f}"
         )

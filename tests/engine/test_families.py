@@ -10,6 +10,7 @@ end, or not at all for a window of 8).
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,88 @@ def test_unsupported_features_are_named(tmp_path: Path) -> None:
 
 def test_model_is_a_causal_lm(family) -> None:
     assert isinstance(family[2], CausalLM)
+
+
+@pytest.mark.parametrize("c", [2, 3, 4])
+def test_a_sliding_layer_moves_its_halo_not_the_sequence(family, c: int) -> None:
+    """Per rank: one all-gather per full layer, one all-to-all per sliding layer; the
+    all-to-all brings at most the window's rows before each of the rank's two chunks
+    and the rows of the blocks it stores, far fewer than the all-gather's."""
+    case, _, ours, _ = family
+    cfg = ours.config
+    if cfg.sliding_window is None:
+        pytest.skip("no sliding layer")
+    worker = ThreadWorker.make(c, cfg)
+    out = cp_prefill(ours, worker, make_tokens(45, seed=3, vocab=VOCAB))
+    windows = cfg.windows
+    sliding = sum(w is not None for w in windows)
+    row = 2 * cfg.num_key_value_heads * cfg.head_dim  # elements of one token's K and V
+    for rank, (calls, got) in enumerate(zip(out.calls, out.received, strict=True)):
+        assert calls == Counter(kv=len(windows) - sliding, halo=sliding, out=1)
+        stored = len(out.cmd.write[rank]) * BLOCK_SIZE
+        bound = 2 * (cfg.sliding_window - 1) + stored
+        assert got["halo"] <= sliding * bound * row, (case, rank, got)
+        if sliding == len(windows):
+            continue
+        # Whole-sequence all-gathers, for comparison: (C - 1) shares of 2s rows.
+        assert got["kv"] == (len(windows) - sliding) * (c - 1) * 2 * (-(-45 // (2 * c))) * row
+
+
+@pytest.mark.parametrize("c", [2, 3])
+def test_stored_blocks_hold_every_layers_kv(family, c: int) -> None:
+    """The blocks a prefill stores (each on rank depth % C) hold the reference's K/V in
+    every layer, sliding ones included: the halo brought each rank its blocks' rows."""
+    _, _, ours, _ = family
+    tokens = make_tokens(70, seed=8, vocab=VOCAB)
+    worker = ThreadWorker.make(c, ours.config)
+    out = cp_prefill(ours, worker, tokens)
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def capture(layer, q, k, v, window=None, sinks=None):
+        kv[layer] = (k, v)
+        return causal_attention()(layer, q, k, v, window, sinks)
+
+    with torch.inference_mode():
+        ours(torch.tensor(tokens), torch.arange(len(tokens)), capture)
+    written = [(d, rank, slot) for rank, w in enumerate(out.cmd.write) for d, slot in w]
+    assert len(written) == 70 // BLOCK_SIZE
+    for depth, rank, slot in written:
+        assert rank == depth % c
+        rows = slice(depth * BLOCK_SIZE, (depth + 1) * BLOCK_SIZE)
+        store = worker.stores[rank]
+        for layer, (k, v) in kv.items():
+            torch.testing.assert_close(store.k[slot, layer], k[rows], rtol=0, atol=1e-5)
+            torch.testing.assert_close(store.v[slot, layer], v[rows], rtol=0, atol=1e-5)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+@pytest.mark.usefixtures("no_leftover_ranks")
+def test_gpt_oss_over_rank_processes(tmp_path: Path) -> None:
+    """gpt-oss on a degree-2 worker of rank processes (gloo): the halo's all-to-all
+    and the sinks over real process groups, fp32 and bf16, fresh and cached."""
+    from support.factories import engine_config
+    from vertumnus.runtime.prefill import PrefillClient
+    from vertumnus.runtime.ranks import ChildRanks
+
+    hf = write_family_folder("gpt-oss", tmp_path)
+    cfg = ModelConfig.from_dir(tmp_path)
+    tokens = make_tokens(61, seed=9, vocab=VOCAB)
+    ref = hf_logits(hf, tokens)
+    for dtype, atol in (("float32", ATOL), ("bfloat16", None)):
+        pool = ChildRanks(cfg, str(tmp_path), engine_config(dtype=dtype), world_size=2, degrees=[2])
+        pool.start()
+        try:
+            worker = PrefillClient(pool, (0, 1))
+            fresh = worker.prefill(tokens[:40], logits="all")
+            out = worker.prefill(tokens, logits="all")
+        finally:
+            pool.close()
+        assert fresh.collectives == {"kv": 1, "halo": 2, "out": 1}
+        assert out.cached_tokens == 32
+        if atol is not None:
+            assert max_abs_diff(fresh.logits, ref[:40]) < atol
+            assert max_abs_diff(out.logits, ref[32:]) < atol
+        else:  # bf16: the same greedy token at the end, logits near
+            assert int(out.logits[-1].argmax()) == int(ref[-1].argmax())
+            assert max_abs_diff(out.logits, ref[32:]) < 0.5

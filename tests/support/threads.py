@@ -84,6 +84,7 @@ class CPResult:
     lease: PrefillLease
     cmd: PrefillCommand
     calls: list[Counter[str]]  # collectives per rank, by tag
+    received: list[Counter[str]]  # elements each rank received from its peers, by tag
 
 
 def cp_prefill(model: CausalLM, worker: ThreadWorker, tokens: Sequence[int]) -> CPResult:
@@ -104,4 +105,6 @@ def cp_prefill(model: CausalLM, worker: ThreadWorker, tokens: Sequence[int]) -> 
     worker.index.commit(lease)
     assert all(out is None for out in outs[1:]), "only CP rank 0 returns logits"
     assert outs[0] is not None, "CP rank 0 returned no logits"
-    return CPResult(outs[0], lease, cmd, [comm.calls for comm in comms])
+    return CPResult(
+        outs[0], lease, cmd, [comm.calls for comm in comms], [comm.received for comm in comms]
+    )

@@ -226,6 +226,91 @@ def banded_attention(
     return out.view(1, hq, n, d)
 
 
+def windowed_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    start: int,
+    key_start: int = 0,
+    window: int | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """``banded_attention``'s function, on a CPU through torch's fused flash kernel
+    (``window_flash``) where it runs, else ``banded_attention`` itself."""
+    if q.device.type == "cpu" and _flash_cpu is not None:
+        return window_flash(q, k, v, start, key_start, window, sinks)
+    return banded_attention(q, k, v, start, key_start, window, sinks)
+
+
+def window_flash(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    start: int,
+    key_start: int = 0,
+    window: int | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """``banded_attention`` by fused CPU flash calls merged by log-sum-exp. Queries go
+    in blocks of w (the window; no window: one block of all), and a block at [x0,
+    x0 + b) sees two parts::
+
+        [x0, x0 + b)        itself, causally: flash with its causal mask
+        [x0 - w + 1, x0)    the window's reach before it: query x0 + j sees the keys
+                            at or after x0 + j - w + 1, a mask the flash kernel does
+                            not know; reversed (queries and keys both), it is the
+                            kernel's top-left causal mask, so the part is one flash
+                            call on reversed copies (no window: all of [key_start,
+                            x0), unmasked)
+
+    The parts are merged by their log-sum-exp; a sink joins each softmax at the end,
+    ``out * sigmoid(lse - sink)``. Each call runs over the band (at most 2w keys), so
+    the cost is the window's, at the fused kernel's speed."""
+    _, hq, n, d = q.shape
+    if key_start + k.shape[2] != start + n:
+        raise ValueError(f"keys end at {key_start + k.shape[2]}, queries at {start + n}")
+    out = q.new_empty(1, hq, n, d)
+    rows = n if window is None else window
+    for lo in range(0, n, rows):
+        hi = min(n, lo + rows)
+        x0, b = start + lo, hi - lo
+        qb = q[:, :, lo:hi]
+        own = slice(x0 - key_start, x0 - key_start + b)
+        o, lse = _flash_cpu(qb, k[:, :, own], v[:, :, own], 0.0, True)
+        reach = key_start if window is None else max(key_start, x0 - window + 1)
+        if reach < x0 and window is None:
+            before = slice(0, x0 - key_start)
+            o2, lse2 = _flash_cpu(qb, k[:, :, before], v[:, :, before], 0.0, False)
+            o, lse = merge_by_lse(o, lse, o2, lse2), torch.logaddexp(lse, lse2)
+        elif reach < x0 and window is not None and min(b, window - 1) > 0:
+            o, lse = _merge_reach(o, lse, qb, k, v, x0 - key_start, reach - key_start, window)
+        if sinks is not None:
+            o = o * torch.sigmoid(lse - sinks.float().view(1, hq, 1)).unsqueeze(-1)
+        out[:, :, lo:hi] = o.to(q.dtype)
+    return out
+
+
+def _merge_reach(
+    o: Tensor, lse: Tensor, qb: Tensor, k: Tensor, v: Tensor, x0: int, reach: int, window: int
+) -> tuple[Tensor, Tensor]:
+    """The block's output and log-sum-exp with the keys [reach, x0) (indices into k)
+    merged in: query j (j < w - 1) sees those at or after x0 + j - w + 1. Reversed,
+    query i = w - 2 - j sees the reversed keys m <= i: top-left causal, with the
+    block's last w - 1 - nq rows padded in front when it has fewer queries."""
+    nq = min(qb.shape[2], window - 1)
+    pad = window - 1 - nq
+    qf = qb[:, :, :nq].flip(2)
+    if pad:
+        qf = torch.cat((qf.new_zeros(*qf.shape[:2], pad, qf.shape[3]), qf), dim=2)
+    kf, vf = k[:, :, reach:x0].flip(2), v[:, :, reach:x0].flip(2)
+    o2, lse2 = _flash_cpu(qf, kf, vf, 0.0, True)
+    o2, lse2 = o2[:, :, pad:].flip(2), lse2[:, :, pad:].flip(2)
+    o, lse = o.clone(), lse.clone()
+    o[:, :, :nq] = merge_by_lse(o[:, :, :nq], lse[:, :, :nq], o2, lse2)
+    lse[:, :, :nq] = torch.logaddexp(lse[:, :, :nq], lse2)
+    return o, lse
+
+
 def pick_cpu_kernel(
     setting: str,
     heads: int,

@@ -59,6 +59,7 @@ class PrefillCommand(TensorsAsBytes):
             block_size=self.block_size,
             export=self.export,
             prompt_logprobs=self.prompt_logprobs,
+            peer_writes=tuple(tuple(d for d, _ in w) for w in self.write),
         )
 
 

@@ -1,9 +1,9 @@
 """Zigzag context-parallel prefill: partition, attention, restore.
 
-Owns how one prefill's uncached suffix is split over a worker's C ranks and how each
-rank attends over the cached prefix and the causally visible suffix. It does not own
-communication (``comm.py``), the model (``model.py``) or slot allocation
-(``policy/cache/index.py``).
+Owns how each rank of a worker attends over the cached prefix and the causally
+visible suffix. It does not own the partition (``partition.py``), communication
+(``comm.py``), a sliding window's halo plan (``halo.py``), the model (``model.py``)
+or slot allocation (``policy/cache/index.py``).
 
 Partition (docs/architecture.md, "Zigzag CP prefill"). The suffix of R tokens is
 padded to Rp = 2C * s tokens, s = ceil(R / 2C), and cut into 2C chunks of s tokens;
@@ -16,9 +16,13 @@ Padding sits at the end of the suffix, after every real token, so causal masking
 alone keeps it out of every real query's view; outputs of padded queries are dropped.
 
 Per layer, each rank packs [its share of the cached prefix blocks, padded to the
-largest share | its suffix K/V] and issues exactly one all-gather; after it, every
-rank holds the whole prefix and suffix K/V in sequence order and keeps the K/V of
-the new full blocks assigned to it for the cache.
+largest share | its suffix K/V] and issues exactly one collective. A full-attention
+layer all-gathers (tag ``kv``): every rank then holds the whole prefix and suffix
+K/V in sequence order. A sliding-window layer exchanges its halo instead (one
+all-to-all, tag ``halo``): each rank receives only the rows its queries see within
+the window and the rows of the blocks it stores. Either way each rank keeps the K/V
+of the new full blocks assigned to it for the cache. Sinks join every query's
+softmax on its own rank (the rank sees every key its query sees), so they are exact.
 """
 
 from __future__ import annotations
@@ -29,56 +33,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from vertumnus.engine.attention import banded_attention, prefix_causal_attention
+from vertumnus.engine.attention import prefix_causal_attention, windowed_attention
 from vertumnus.engine.comm import Communicator
+from vertumnus.engine.halo import HaloPlan, plan_halo
 from vertumnus.engine.kv_store import PagedKVStore
 from vertumnus.engine.logprobs import PromptLogprobs, prompt_logprobs
 from vertumnus.engine.model import CausalLM
-
-
-@dataclass(frozen=True)
-class ZigzagPartition:
-    num_tokens: int  # R: real tokens in the uncached suffix
-    cp_degree: int  # C
-
-    def __post_init__(self) -> None:
-        if self.num_tokens < 1:
-            raise ValueError(f"a prefill computes at least one token, got {self.num_tokens}")
-        if self.cp_degree < 1:
-            raise ValueError(f"cp_degree must be positive, got {self.cp_degree}")
-
-    @property
-    def chunk_len(self) -> int:
-        return math.ceil(self.num_tokens / (2 * self.cp_degree))
-
-    @property
-    def padded_len(self) -> int:
-        return self.chunk_len * 2 * self.cp_degree
-
-    def ranges(self, rank: int) -> list[tuple[int, int]]:
-        """Suffix index ranges [start, end) owned by ``rank``, in the rank's local order."""
-        if not 0 <= rank < self.cp_degree:
-            raise ValueError(f"rank {rank} outside a degree-{self.cp_degree} worker")
-        s = self.chunk_len
-        first, second = rank, 2 * self.cp_degree - 1 - rank
-        if second == first + 1:  # rank C-1 (all of C = 1): adjacent chunks, one range
-            return [(first * s, (second + 1) * s)]
-        return [(first * s, (first + 1) * s), (second * s, (second + 1) * s)]
-
-    def indices(self, rank: int) -> list[int]:
-        """Suffix indices of the tokens ``rank`` computes (indices >= R are padding)."""
-        return [i for a, b in self.ranges(rank) for i in range(a, b)]
-
-    def restore_index(self) -> list[int]:
-        """``flat[restore_index()[i]]`` is suffix token i, where ``flat`` concatenates
-        every rank's tokens in rank order (what an all-gather produces); all Rp slots."""
-        out = [0] * self.padded_len
-        pos = 0
-        for rank in range(self.cp_degree):
-            for i in self.indices(rank):
-                out[i] = pos
-                pos += 1
-        return out
+from vertumnus.engine.partition import ZigzagPartition as ZigzagPartition
 
 
 @dataclass(frozen=True)
@@ -96,6 +57,10 @@ class RankPrefill:
     # k: CP rank 0 also returns the log-probabilities of the suffix's tokens after its
     # first and the k most likely ids at each (``logprobs.py``); None: not asked.
     prompt_logprobs: int | None = None
+    # Per CP rank, the depths of the new blocks it stores: a sliding-window layer's
+    # halo (``halo.py``) brings each rank the rows it stores. None: not known here, and
+    # such a layer gathers the whole sequence as a full layer does.
+    peer_writes: tuple[tuple[int, ...], ...] | None = None
 
 
 class ZigzagAttention:
@@ -111,6 +76,7 @@ class ZigzagAttention:
     ) -> None:
         self.part, self.comm, self.store, self.step = part, comm, store, step
         self.cpu_kernel = cpu_kernel  # ``attention.CPU_KERNELS``
+        self._halos: dict[int, tuple[HaloPlan, Tensor, Tensor, Tensor] | None] = {}
         self.exported: list[Tensor] = []  # per layer: [2, b - a, Hkv, D] (``step.export``)
         c, bs = part.cp_degree, step.block_size
         self.num_prefix_blocks = step.prefix_len // bs
@@ -147,21 +113,26 @@ class ZigzagAttention:
             prefix[0, : pk.shape[0]] = pk
             prefix[1, : pv.shape[0]] = pv
             kv_local = torch.cat((prefix, kv_local), dim=1)
-        g = self.comm.all_gather(kv_local, tag="kv")  # [C, 2, W + 2s, Hkv, D]
-        heads = g.shape[3:]
-        # Prefix blocks: rank r's local block i is depth i*C + r.
-        pre = g[:, :, :width].reshape(c, 2, self.max_local_blocks, bs, *heads)
-        pre = pre.permute(1, 2, 0, 3, 4, 5).reshape(2, -1, *heads)[:, : step.prefix_len]
-        # Suffix: rank-major -> sequence order.
-        suf = g[:, :, width:].permute(1, 0, 2, 3, 4).reshape(2, -1, *heads)
-        if c > 1:  # C = 1: already in order
-            suf = suf[:, self.restore]
+        halo = None if window is None else self._halo(window, kv_local)
+        if halo is not None:  # [2, P + Rp, Hkv, D]: the rows some query sees or we store
+            keys = self._exchange(kv_local, *halo)
+            suf = keys[:, step.prefix_len :]
+        else:
+            g = self.comm.all_gather(kv_local, tag="kv")  # [C, 2, W + 2s, Hkv, D]
+            heads = g.shape[3:]
+            # Prefix blocks: rank r's local block i is depth i*C + r.
+            pre = g[:, :, :width].reshape(c, 2, self.max_local_blocks, bs, *heads)
+            pre = pre.permute(1, 2, 0, 3, 4, 5).reshape(2, -1, *heads)[:, : step.prefix_len]
+            # Suffix: rank-major -> sequence order.
+            suf = g[:, :, width:].permute(1, 0, 2, 3, 4).reshape(2, -1, *heads)
+            if c > 1:  # C = 1: already in order
+                suf = suf[:, self.restore]
+            keys = torch.cat((pre, suf), dim=1) if step.prefix_len else suf
         if step.write and self.store is not None:
             self._store_new_blocks(layer, suf)
         if step.export is not None and self.comm.rank == 0:
             a, b = step.export
             self.exported.append(suf[:, a:b].clone())
-        keys = torch.cat((pre, suf), dim=1) if step.prefix_len else suf  # [2, P + Rp, Hkv, D]
         # [1, H, T, D]: SDPA's fused CPU kernels need the batch dimension.
         kh, vh = keys[0].transpose(0, 1)[None], keys[1].transpose(0, 1)[None]  # [1, Hkv, N, D]
         qh = q.transpose(0, 1)[None]  # [1, Hq, 2s, D]
@@ -185,6 +156,47 @@ class ZigzagAttention:
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return out[0].transpose(0, 1)  # [2s, Hq, D]
 
+    def _halo(
+        self, window: int, kv_local: Tensor
+    ) -> tuple[HaloPlan, Tensor, Tensor, Tensor] | None:
+        """This rank's halo exchange for ``window`` (planned once per prefill), with
+        its index tensors; None where an all-gather is as good or the peers' writes
+        are unknown: one rank, or a window that sees the whole sequence."""
+        if window not in self._halos:
+            step, part = self.step, self.part
+            whole = window >= step.prefix_len + part.padded_len
+            if part.cp_degree == 1 or whole or step.peer_writes is None:
+                self._halos[window] = None
+            else:
+                plan = plan_halo(
+                    part, self.comm.rank, step.prefix_len, step.block_size, window,
+                    step.peer_writes, step.export,
+                )  # fmt: skip
+                dev = kv_local.device
+                own_rows = torch.tensor(plan.own_rows, dtype=torch.long, device=dev)
+                own_pos = torch.tensor(plan.own_positions, dtype=torch.long, device=dev)
+                got = [pos for peer in plan.recv_positions for pos in peer]
+                recv_pos = torch.tensor(got, dtype=torch.long, device=dev)
+                self._halos[window] = (plan, own_rows, own_pos, recv_pos)
+        return self._halos[window]
+
+    def _exchange(
+        self, kv_local: Tensor, plan: HaloPlan, own_rows: Tensor, own_pos: Tensor, recv_pos: Tensor
+    ) -> Tensor:
+        """The sequence's K/V [2, P + Rp, Hkv, D] with the rows this rank holds or
+        receives in one all-to-all (tag ``halo``) in place; zeros elsewhere (no query
+        of this rank sees them)."""
+        n = self.step.prefix_len + self.part.padded_len
+        seq = kv_local.new_zeros((2, n, *kv_local.shape[2:]))
+        seq[:, own_pos] = kv_local[:, own_rows]
+        rows = kv_local.transpose(0, 1)  # [W + 2s, 2, Hkv, D]
+        send = [rows[list(peer)] for peer in plan.send_rows]
+        recv = [len(peer) for peer in plan.recv_positions]
+        got = self.comm.all_to_all(send, recv, tag="halo")
+        if plan.received:
+            seq[:, recv_pos] = torch.cat(got).transpose(0, 1)
+        return seq
+
     @staticmethod
     def _banded(
         q: Tensor, k: Tensor, v: Tensor, start: int, window: int | None, sinks: Tensor | None
@@ -193,7 +205,7 @@ class ZigzagAttention:
         layer has one) and up to their own position."""
         end = start + q.shape[2]
         first = 0 if window is None else max(0, start - window + 1)
-        return banded_attention(
+        return windowed_attention(
             q, k[:, :, first:end], v[:, :, first:end], start, first, window, sinks
         )
 
