@@ -14,6 +14,14 @@ attention (s/token pair). Fitting is non-negative least squares on *relative* er
 alike. Prediction is pure Python (the scheduler and simulator call it per request);
 only fitting imports numpy and scipy.
 
+W above is a layer of full causal attention. A layer with a sliding window of w tokens
+(query i sees keys i - w < j <= i) has W_w(R, P) = sum over the positions P..P+R-1 of
+min(position + 1, w) = m*P + m*(m+1)/2 + (R - m)*w, m = clamp(w - P, 0, R). A model's
+``AttentionMix`` (the share of its layers per window, ``attention_mix``) makes W the
+layers' average, sum over groups of share * W_group. The mix rides on every degree's
+coefficients (so the policy's ``ReuseCurve`` sees it) and is stored once in a
+profile's JSON (``"attention"``; absent: every layer full).
+
 Not owned here: measuring samples on the engine (``profile``) and capacity
 (``capacity``), which produce the inputs and the ``capacity`` section of a profile.
 """
@@ -24,11 +32,14 @@ import csv
 import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vertumnus.config import ModelConfig
 
 COEFF_NAMES = ("d", "a", "b", "c", "alpha")
 CSV_HEADER = ("degree", "uncached_tokens", "cached_tokens", "seconds")
@@ -44,6 +55,77 @@ def attention_work(uncached_tokens: int, cached_tokens: int) -> float:
     return r * p + r * (r + 1) / 2
 
 
+def window_work(uncached_tokens: int, cached_tokens: int, window: int | None) -> float:
+    """W_w(R, P): one layer's pairs with a sliding window of ``window`` tokens (None:
+    full causal attention)."""
+    r, p = uncached_tokens, cached_tokens
+    if window is None:
+        return attention_work(r, p)
+    m = min(max(window - p, 0), r)  # the queries that still see their whole prefix
+    return m * p + m * (m + 1) / 2 + (r - m) * window
+
+
+@dataclass(frozen=True)
+class AttentionMix:
+    """How a model's layers attend: ``groups`` of (share of the layers, sliding window
+    in tokens or None for full causal attention), shares summing to 1."""
+
+    groups: tuple[tuple[float, int | None], ...] = ((1.0, None),)
+    # Every layer full causal attention: W is ``attention_work`` (set from ``groups``).
+    full: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        groups = tuple((float(f), w) for f, w in self.groups)
+        if not (
+            groups
+            and all(0 < f <= 1 and (w is None or (type(w) is int and w >= 1)) for f, w in groups)
+            and abs(sum(f for f, _ in groups) - 1.0) < 1e-6
+        ):
+            raise ProfileError(
+                "attention groups need shares in (0, 1] summing to 1 and windows that are "
+                f"integers >= 1 or None, got {self.groups!r}"
+            )
+        object.__setattr__(self, "groups", groups)
+        object.__setattr__(self, "full", all(w is None for _, w in groups))
+
+    def work(self, uncached_tokens: int, cached_tokens: int) -> float:
+        """The layers' average W: sum over groups of share * W_group(R, P)."""
+        if self.full:
+            return attention_work(uncached_tokens, cached_tokens)
+        return sum(f * window_work(uncached_tokens, cached_tokens, w) for f, w in self.groups)
+
+    @classmethod
+    def of_windows(cls, windows: Iterable[int | None]) -> AttentionMix:
+        """The mix of layers with these windows (full layers first, then by window)."""
+        counts: dict[int | None, int] = {}
+        for w in windows:
+            counts[w] = counts.get(w, 0) + 1
+        n = sum(counts.values())
+        order = sorted(counts, key=lambda w: -1 if w is None else w)
+        return cls(tuple((counts[w] / n, w) for w in order)) if n else cls()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"groups": [[f, w] for f, w in self.groups]}
+
+    @classmethod
+    def from_json(cls, raw: Any, source: str = "profile") -> AttentionMix:
+        try:
+            return cls(tuple((f, w) for f, w in raw["groups"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProfileError(
+                f'{source}: "attention" must be {{"groups": [[share, window or null], ...]}} '
+                f"({exc})"
+            ) from None
+
+
+FULL = AttentionMix()
+
+
+def attention_mix(model: ModelConfig) -> AttentionMix:
+    """The mix of ``model``'s layers (``ModelConfig.windows``)."""
+    return AttentionMix.of_windows(model.windows)
+
+
 @dataclass(frozen=True)
 class DegreeCoeffs:
     d: float = 0.0  # s
@@ -51,6 +133,7 @@ class DegreeCoeffs:
     b: float = 0.0  # s / cached token
     c: float = 0.0  # s / token, divided by C
     alpha: float = 0.0  # s / token pair, divided by C
+    attention: AttentionMix = FULL  # the model's layers: what W counts
 
     def __post_init__(self) -> None:
         for name in COEFF_NAMES:
@@ -65,8 +148,12 @@ class DegreeCoeffs:
             self.d
             + self.a * r
             + self.b * p
-            + (self.c * r + self.alpha * attention_work(r, p)) / cp_degree
+            + (self.c * r + self.alpha * self.attention.work(r, p)) / cp_degree
         )
+
+    def to_json(self) -> dict[str, float]:
+        """The coefficients by name (the mix is the profile's, stored once)."""
+        return {n: getattr(self, n) for n in COEFF_NAMES}
 
 
 @dataclass(frozen=True)
@@ -77,7 +164,7 @@ class Sample:
     seconds: float
 
 
-def _features(s: Sample) -> list[float]:
+def _features(s: Sample, attention: AttentionMix) -> list[float]:
     """Columns for d, c, b, alpha. Within one degree, a*R and c*R/C are the same column,
     so a per-degree fit cannot tell them apart: it reports the whole per-token term as
     ``c`` (``a`` = 0), which predicts the same E_C. ``a`` stays in the model for
@@ -87,12 +174,13 @@ def _features(s: Sample) -> list[float]:
         1.0,
         s.uncached_tokens / c,
         float(s.cached_tokens),
-        attention_work(s.uncached_tokens, s.cached_tokens) / c,
+        attention.work(s.uncached_tokens, s.cached_tokens) / c,
     ]
 
 
-def fit_degree(samples: list[Sample]) -> DegreeCoeffs:
-    """Non-negative least squares on relative error: min sum_i (E(x_i)/y_i - 1)^2."""
+def fit_degree(samples: list[Sample], attention: AttentionMix = FULL) -> DegreeCoeffs:
+    """Non-negative least squares on relative error: min sum_i (E(x_i)/y_i - 1)^2,
+    alpha against the work W of the model's ``attention`` mix."""
     import numpy as np
     from scipy.optimize import nnls  # type: ignore[import-untyped]
 
@@ -101,7 +189,7 @@ def fit_degree(samples: list[Sample]) -> DegreeCoeffs:
         raise ProfileError(f"fit_degree takes samples of one degree, got {sorted(degrees)}")
     if len(samples) < 4:
         raise ProfileError(f"degree {degrees.pop()}: {len(samples)} samples, need at least 4")
-    x = np.array([_features(s) for s in samples], dtype=np.float64)
+    x = np.array([_features(s, attention) for s in samples], dtype=np.float64)
     y = np.array([s.seconds for s in samples], dtype=np.float64)
     rows = x / y[:, None]
     # Columns span ~10 orders of magnitude (1 vs R*P): scale them for a stable solve.
@@ -109,7 +197,7 @@ def fit_degree(samples: list[Sample]) -> DegreeCoeffs:
     scale[scale == 0] = 1.0
     solution, _ = nnls(rows / scale, np.ones_like(y), maxiter=50 * x.shape[1])
     d, c, b, alpha = (float(v) for v in solution / scale)
-    return DegreeCoeffs(d=d, a=0.0, b=b, c=c, alpha=alpha)
+    return DegreeCoeffs(d=d, a=0.0, b=b, c=c, alpha=alpha, attention=attention)
 
 
 def mape(coeffs: DegreeCoeffs, samples: Iterable[Sample]) -> float:
@@ -123,7 +211,8 @@ def mape(coeffs: DegreeCoeffs, samples: Iterable[Sample]) -> float:
 
 @dataclass
 class Profile:
-    """Per-degree coefficients of one (model, hardware), as stored in a JSON file."""
+    """Per-degree coefficients of one (model, hardware), as stored in a JSON file.
+    Every degree's coefficients carry the model's attention mix (``attention``)."""
 
     model: str
     hardware: str
@@ -137,9 +226,20 @@ class Profile:
     # ("measured" or "documented")
     host_link: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.attention  # noqa: B018 (raises if the degrees' mixes differ)
+
     @property
     def degrees(self) -> list[int]:
         return sorted(self.coeffs)
+
+    @property
+    def attention(self) -> AttentionMix:
+        """The model's attention mix, shared by every degree's coefficients."""
+        mixes = {k.attention for k in self.coeffs.values()}
+        if len(mixes) > 1:
+            raise ProfileError(f"profile {self.model}: degrees with different attention mixes")
+        return mixes.pop() if mixes else FULL
 
     def predict(self, cp_degree: int, uncached_tokens: int, cached_tokens: int) -> float:
         try:
@@ -156,19 +256,23 @@ class Profile:
             "model": self.model,
             "hardware": self.hardware,
             "block_size": self.block_size,
-            "degrees": {str(c): asdict(self.coeffs[c]) for c in self.degrees},
+            "degrees": {str(c): self.coeffs[c].to_json() for c in self.degrees},
             "mape": {str(c): v for c, v in sorted(self.mape.items())},
             "capacity": {str(c): v for c, v in sorted(self.capacity.items())},
             "provenance": self.provenance,
             **({"host_link": self.host_link} if self.host_link else {}),
+            **({} if self.attention.full else {"attention": self.attention.to_json()}),
         }
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any], source: str = "profile") -> Profile:
         try:
             degrees = raw["degrees"]
+            mix = AttentionMix.from_json(raw["attention"], source) if "attention" in raw else FULL
             coeffs = {
-                _degree(k, source): DegreeCoeffs(**{n: float(v[n]) for n in COEFF_NAMES})
+                _degree(k, source): DegreeCoeffs(
+                    **{n: float(v[n]) for n in COEFF_NAMES}, attention=mix
+                )
                 for k, v in degrees.items()
             }
             return cls(
@@ -292,12 +396,14 @@ def fit_profile(
     hardware: str,
     block_size: int,
     provenance: dict[str, Any] | None = None,
+    attention: AttentionMix = FULL,
 ) -> Profile:
-    """One fit per degree present in ``samples``, with its in-sample MAPE."""
+    """One fit per degree present in ``samples`` (W of the model's ``attention``
+    mix), with its in-sample MAPE."""
     by_degree: dict[int, list[Sample]] = {}
     for s in samples:
         by_degree.setdefault(s.cp_degree, []).append(s)
-    coeffs = {c: fit_degree(ss) for c, ss in sorted(by_degree.items())}
+    coeffs = {c: fit_degree(ss, attention) for c, ss in sorted(by_degree.items())}
     errors = {c: mape(coeffs[c], by_degree[c]) for c in coeffs}
     return Profile(
         model=model,

@@ -5,7 +5,8 @@ FLOPs of a prefill of R new tokens after P cached ones (the MFU's numerator):
 router, the top-k experts' SwiGLU, or a dense layer's MLP; the embedding lookup
 excluded), 2 x hidden x vocabulary for the LM head of the last token only, and
 4 x query heads x head dim x layers per query-key pair for attention (QK^T and PV),
-over the pairs a causal prefill computes, W(R, P) = R*P + R(R+1)/2.
+over the pairs a causal prefill computes, W(R, P) = R*P + R(R+1)/2 per full layer
+(bounded by the window on a sliding-window layer: ``perfmodel.attention_mix``).
 
 Memory: the weights (the parameters of the model as built, counted on the meta
 device), the paged KV store and the peak activations of one layer at the longest
@@ -23,7 +24,7 @@ import torch
 from vertumnus.config import ModelConfig
 from vertumnus.engine.kv_store import store_shape
 from vertumnus.engine.model import CausalLM
-from vertumnus.perfmodel import attention_work
+from vertumnus.perfmodel import attention_mix
 
 ACTIVATION_MARGIN = 1.5  # transformers' forward and the caching allocator's slack
 RESERVE_BYTES = 2 << 30  # cuBLAS workspaces, kernels' scratch, fragmentation
@@ -48,7 +49,7 @@ def prefill_flops(cfg: ModelConfig, uncached: int, cached: int = 0) -> dict[str,
     parts = {
         "token_local": 2.0 * active_params_per_token(cfg) * uncached,
         "lm_head": 2.0 * cfg.hidden_size * cfg.vocab_size,
-        "attention": float(per_pair) * attention_work(uncached, cached),
+        "attention": float(per_pair) * attention_mix(cfg).work(uncached, cached),
     }
     return {**parts, "total": sum(parts.values())}
 

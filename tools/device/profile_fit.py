@@ -83,9 +83,9 @@ def run(
     return {
         "path": str(path),
         "samples": len(samples),
-        "coefficients": asdict(loaded.coeffs[1]),
+        "coefficients": loaded.coeffs[1].to_json(),
         "mape": loaded.mape[1],
-        "shipped_coefficients": asdict(shipped.coeffs[1]),
+        "shipped_coefficients": shipped.coeffs[1].to_json(),
         "e1_s": {
             str(n): {"measured_fit": loaded.predict(1, n, 0), "shipped": shipped.predict(1, n, 0)}
             for n in COMPARE_AT

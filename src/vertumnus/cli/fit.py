@@ -2,7 +2,10 @@
 
 ``--samples F.csv`` has the header ``degree,uncached_tokens,cached_tokens,seconds``;
 malformed rows are rejected with their line number. Writes a profile JSON and prints
-the per-degree fit error (MAPE) on the samples.
+the per-degree fit error (MAPE) on the samples. When ``--model`` is a preset or a model
+folder, alpha is fitted against its attention mix (sliding-window layers,
+``perfmodel.attention_mix``) and the profile stores the mix; any other name: every
+layer full causal attention.
 """
 
 from __future__ import annotations
@@ -13,8 +16,15 @@ import platform
 import sys
 from pathlib import Path
 
-from vertumnus.config import ConfigError, EngineConfig
-from vertumnus.perfmodel import ProfileError, fit_profile, read_samples_csv
+from vertumnus.config import PRESETS, ConfigError, EngineConfig, resolve_model
+from vertumnus.perfmodel import (
+    FULL,
+    AttentionMix,
+    ProfileError,
+    attention_mix,
+    fit_profile,
+    read_samples_csv,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,7 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out", type=Path, required=True, metavar="PROFILE.json", help="where to write the profile"
     )
-    p.add_argument("--model", default="unknown", help="model name recorded in the profile")
+    p.add_argument(
+        "--model",
+        default="unknown",
+        help="model name recorded in the profile (a preset or model folder: also its "
+        "attention mix)",
+    )
     p.add_argument(
         "--hardware",
         default=platform.machine() or "unknown",
@@ -40,6 +55,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=EngineConfig().block_size,
         help="KV block size the samples were measured with",
     )
+
+
+def model_attention(spec: str) -> AttentionMix:
+    """The attention mix of ``spec`` if it names a preset or a model folder (whose
+    ``config.json`` must then be readable), else full."""
+    if spec not in PRESETS and not Path(spec).is_dir():
+        return FULL
+    return attention_mix(resolve_model(spec)[0])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
                 "machine": platform.node(),
                 "samples": str(args.samples),
             },
+            attention=model_attention(args.model),
         )
         if not args.out.parent.is_dir():
             raise ConfigError(f"--out {args.out}: no directory {args.out.parent}")
@@ -65,5 +89,7 @@ def run(args: argparse.Namespace) -> int:
     for degree in profile.degrees:
         n = sum(1 for s in samples if s.cp_degree == degree)
         print(f"degree {degree}: {n} samples, MAPE {100 * profile.mape[degree]:.2f}%")
+    if not profile.attention.full:
+        print(f"attention (share of layers, window): {list(profile.attention.groups)}")
     print(f"profile written to {args.out}")
     return 0

@@ -160,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
             f"degree {c}: MAPE fit {100 * profile.mape[c]:.2f}%, held-out "
             f"{100 * profile.provenance['mape_held_out'][str(c)]:.2f}%"
         )
+    if not profile.attention.full:
+        print(f"attention (share of layers, window): {list(profile.attention.groups)}")
     link = profile.host_link
     if link:
         print(

@@ -18,7 +18,11 @@ request (fixed L) the predicted time is a quadratic in the reused prefix P:
 
 and the benefit of extending reuse from P1 to P2 tokens, f(P1) - f(P2), does not
 depend on L. ``ReuseCurve`` holds one degree's coefficients in that form, so the
-per-request update costs a few multiplications per trie node. Pure Python.
+per-request update costs a few multiplications per trie node. A model with
+sliding-window layers (the coefficients' ``attention`` mix, ``perfmodel``) has
+W(L - P, P) = F(L) - F(P) with F(n) = W(n, 0) of the mix: no longer quadratic in P,
+but the benefit f(P1) - f(P2) = (P2 - P1) * (a + c/C - b) + alpha * W(P2 - P1, P1) / C
+still does not depend on L. Pure Python.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from vertumnus.perfmodel import DegreeCoeffs
+from vertumnus.perfmodel import AttentionMix, DegreeCoeffs
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ class CostWeights:
 class ReuseCurve:
     """E_C(L - P, P) of one degree as a function of the reused prefix P."""
 
-    __slots__ = ("_d", "_lin_l", "_per_token", "_quad", "cp_degree")
+    __slots__ = ("_d", "_lin_l", "_mix", "_pair", "_per_token", "_quad", "cp_degree")
 
     def __init__(self, cp_degree: int, coeffs: DegreeCoeffs) -> None:
         c = cp_degree
@@ -65,10 +69,22 @@ class ReuseCurve:
         self._lin_l = coeffs.a + coeffs.c / c  # per input token, nothing reused
         self._quad = coeffs.alpha / (2 * c)  # times L(L+1) or P(P+1)
         self._per_token = coeffs.a + coeffs.c / c - coeffs.b  # saved per reused token
+        # Sliding-window layers: alpha/C times the mix's W instead of the quadratic.
+        self._mix: AttentionMix | None = None if coeffs.attention.full else coeffs.attention
+        self._pair = coeffs.alpha / c
+
+    @property
+    def quadratic(self) -> bool:
+        """Every layer full: f(P) is the quadratic above, a block's benefit linear in
+        its depth."""
+        return self._mix is None
 
     def time_s(self, input_tokens: int, reused_tokens: int) -> float:
         """E_C(L - P, P)."""
         n, p = input_tokens, reused_tokens
+        if self._mix is not None:
+            work = self._mix.work(n - p, p)
+            return self._d + self._lin_l * n - self._per_token * p + self._pair * work
         return (
             self._d
             + self._lin_l * n
@@ -80,7 +96,14 @@ class ReuseCurve:
         """f(from) - f(to): time saved by reusing ``to_tokens`` instead of ``from_tokens``
         (independent of the input length)."""
         p1, p2 = from_tokens, to_tokens
+        if self._mix is not None:
+            work = self._mix.work(abs(p2 - p1), min(p1, p2))  # the pairs between them
+            return (p2 - p1) * self._per_token + self._pair * (work if p2 >= p1 else -work)
         return (p2 - p1) * (self._per_token + self._quad * (p1 + p2 + 1))
+
+    def block_benefit_s(self, block_tokens: int, depth: int) -> float:
+        """The benefit of reusing block ``depth`` (its tokens depth*B to (depth+1)*B)."""
+        return self.benefit_s(depth * block_tokens, (depth + 1) * block_tokens)
 
 
 def reuse_curves(coeffs: Mapping[int, DegreeCoeffs]) -> dict[int, ReuseCurve]:

@@ -10,7 +10,9 @@ machine spreads over many points, where the median drops it), and the median of 
 point's repeats is its sample. The fit uses a checkerboard half of the grid (every
 length and every hit ratio in both halves); the profile records the MAPE on the
 held-out half and on all points. Once the ranks are closed, the host link of rank 0's
-device is measured (``runtime/host_link.py``) into the profile's ``host_link``.
+device is measured (``runtime/host_link.py``) into the profile's ``host_link``. The
+model's attention mix (its sliding-window layers, ``perfmodel.attention_mix``) is what
+alpha is fitted against, and the profile stores it.
 
 Owns the measurement and the fit's bookkeeping; ``cli/profile.py`` only parses
 arguments and prints. The model itself is ``perfmodel.py``.
@@ -27,7 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from vertumnus.config import EngineConfig, ModelConfig
-from vertumnus.perfmodel import Profile, Sample, fit_profile, mape
+from vertumnus.perfmodel import (
+    FULL,
+    AttentionMix,
+    Profile,
+    Sample,
+    attention_mix,
+    fit_profile,
+    mape,
+)
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,7 @@ class Measured:
     hardware: str
     extra: dict[str, Any] = field(default_factory=dict)
     host_link: dict[str, Any] = field(default_factory=dict)  # ``measure_host_link``'s
+    attention: AttentionMix = FULL  # the measured model's layers (``attention_mix``)
 
 
 def measure(
@@ -112,7 +123,7 @@ def measure(
     # After the grid, with no rank running: the copies have the machine to themselves.
     host_link = measure_host_link(model, engine, device)
     extra = {"layers": layers, "attention": attention}
-    return Measured(samples, hardware or "unknown", extra, host_link)
+    return Measured(samples, hardware or "unknown", extra, host_link, attention_mix(model))
 
 
 def fit_measured(
@@ -141,6 +152,7 @@ def fit_measured(
             },
             "fit_on": "checkerboard half of the grid; mape_held_out on the other half",
         },
+        attention=measured.attention,
     )
     profile.provenance["mape_held_out"] = {
         str(c): mape(profile.coeffs[c], [s for s in held_out if s.cp_degree == c])

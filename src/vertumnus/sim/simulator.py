@@ -21,7 +21,7 @@ import heapq
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from vertumnus.perfmodel import COEFF_NAMES, DegreeCoeffs, Profile
+from vertumnus.perfmodel import COEFF_NAMES, Profile
 from vertumnus.policy.placement.scheduler import PlacementRequest
 from vertumnus.policy.pool_config import PolicyConfig, PolicyError, PoolSpec
 from vertumnus.policy.pool_policy import PoolPolicy
@@ -285,9 +285,10 @@ class Simulation:
 
 
 def biased(profile: Profile, bias: Mapping[int, float]) -> Profile:
-    """The profile with degree C's coefficients times ``bias[C]`` (E scales with them)."""
+    """The profile with degree C's coefficients times ``bias[C]`` (E scales with them;
+    the attention mix stays the model's)."""
     coeffs = {
-        c: DegreeCoeffs(**{k: getattr(k_, k) * bias.get(c, 1.0) for k in COEFF_NAMES})
+        c: dataclasses.replace(k_, **{k: getattr(k_, k) * bias.get(c, 1.0) for k in COEFF_NAMES})
         for c, k_ in profile.coeffs.items()
     }
     out = copy.copy(profile)

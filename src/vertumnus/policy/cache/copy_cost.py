@@ -25,7 +25,7 @@ Python, clock-free.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -89,18 +89,26 @@ class EvictionValue:
         self._ghosts.pop(block_id, None)
 
     def missed(
-        self, block_ids: Sequence[int], start: int, stop: int, base_s: float, step_s: float
+        self,
+        block_ids: Sequence[int],
+        start: int,
+        stop: int,
+        base_s: float,
+        step_s: float,
+        block_s: Callable[[int], float] | None = None,
     ) -> None:
         """A request's blocks ``start`` (its MatchedPath's end) to ``stop`` (what it
         may reuse): those that are ghosts, in a row, were lost too early; block j
-        would have saved ``base_s + step_s * j``."""
+        would have saved ``base_s + step_s * j`` (``block_s(j)`` where given: a model
+        with sliding windows, whose benefit is not linear in j)."""
         ghosts = self._ghosts
         if not ghosts:
             return
         for depth in range(start, stop):
             if block_ids[depth] not in ghosts:
                 break
-            self.ghost_benefit_s += max(0.0, base_s + step_s * depth)
+            saved = base_s + step_s * depth if block_s is None else block_s(depth)
+            self.ghost_benefit_s += max(0.0, saved)
 
     def decay(self, factor: float) -> None:
         self.evicted *= factor

@@ -27,6 +27,7 @@ inherit at a split or merge (``handover``), the trie's structure (``trie``).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 
 from vertumnus.blocks import max_reuse_blocks
 from vertumnus.perfmodel import DegreeCoeffs
@@ -175,13 +176,15 @@ class PrefixCacheManager:
         while first > 0 and not path[first - 1].holders & mask:
             first -= 1
         # Marginal benefit of block z at depth j (B tokens, from jB to (j+1)B reused):
-        # B * (per_token + quad * (2jB + B + 1)), from ``ReuseCurve.benefit_s``.
+        # B * (per_token + quad * (2jB + B + 1)), from ``ReuseCurve.benefit_s``; with
+        # sliding-window layers not linear in j, so the curve's own per block.
         curve = self.curves[preferred]
         base = curve.benefit_s(0, b)
         step = curve.benefit_s(b, 2 * b) - base
-        self.eviction.missed(block_ids, len(path), usable, base, step)
+        block_s = None if curve.quadratic else partial(curve.block_benefit_s, b)
+        self.eviction.missed(block_ids, len(path), usable, base, step, block_s)
         for node in path[first:]:
-            benefit = base + step * node.depth
+            benefit = base + step * node.depth if block_s is None else block_s(node.depth)
             if benefit > 0:
                 missed = node.missed
                 if missed is None:
