@@ -61,14 +61,17 @@ def write_serve_config(path: Path, **sections: Mapping[str, Any]) -> Path:
 def write_folder_config(path: Path, model_dir: Path, **sections: Mapping[str, Any]) -> Path:
     """``write_serve_config`` for a checkpoint folder served in fp32 on two CPU ranks
     (two workers of CP degree 1, which a merge makes one of degree 2), with
-    ``sections`` over it."""
-    folder: dict[str, Mapping[str, Any]] = {
+    ``sections`` over it key by key (``engine={"compile": "auto"}`` keeps fp32 on
+    the CPU)."""
+    folder: dict[str, dict[str, Any]] = {
         "model": {"name": str(model_dir)},
         "profile": {"path": "tiny-cpu"},
         "engine": {"dtype": "float32", "device": "cpu"},
         "pool": {"degrees": [1, 2], "layout": [1, 1]},
     }
-    return write_serve_config(path, **{**folder, **sections})
+    for name, settings in sections.items():
+        folder[name] = {**folder.get(name, {}), **settings}
+    return write_serve_config(path, **folder)
 
 
 def _json_or_none(line: str) -> dict[str, Any] | None:
