@@ -207,3 +207,20 @@ def test_gpt_oss_over_rank_processes(tmp_path: Path) -> None:
         else:  # bf16: the same greedy token at the end, logits near
             assert int(out.logits[-1].argmax()) == int(ref[-1].argmax())
             assert max_abs_diff(out.logits, ref[32:]) < 0.5
+
+
+def test_the_gpt_oss_preset_runs_under_cp() -> None:
+    """``tiny-gpt-oss`` (random weights, no folder) reads as gpt-oss and its CP-3
+    prefill equals the single-process reference."""
+    from vertumnus.config import PRESETS
+    from vertumnus.engine.weights import random_model
+
+    cfg = PRESETS["tiny-gpt-oss"]
+    assert cfg.windows == (128, None, 128, None) and cfg.attention_sinks
+    model = random_model(cfg, 0).requires_grad_(False)
+    tokens = make_tokens(300, seed=1, vocab=cfg.vocab_size)
+    out = cp_prefill(model, ThreadWorker.make(3, cfg, blocks_per_rank=32), tokens)
+    with torch.inference_mode():
+        ids = torch.tensor(tokens)
+        ref = model.logits(model(ids, torch.arange(len(tokens)), causal_attention()))
+    assert max_abs_diff(out.logits, ref) < ATOL

@@ -222,6 +222,36 @@ PRESETS: dict[str, ModelConfig] = {
         moe_intermediate_size=64,
         norm_topk_prob=True,
     ),
+    # `tiny` as gpt-oss: sinks, a window of 128 on even layers, YaRN, 8 experts with
+    # biases (top 2, clamped SwiGLU, top-k-then-softmax router): tests, a CPU profile.
+    "tiny-gpt-oss": dataclasses.replace(
+        _TINY,
+        name="tiny-gpt-oss",
+        architecture="GptOssForCausalLM",
+        qk_norm=False,
+        attention_bias=True,
+        o_proj_bias=True,
+        tie_word_embeddings=False,
+        rope_theta=150_000.0,
+        rope_type="yarn",
+        rope_params=(
+            ("factor", 32.0),
+            ("original_max_position_embeddings", 4096.0),
+            ("beta_fast", 32.0),
+            ("beta_slow", 1.0),
+            ("truncate", 0.0),
+        ),
+        sliding_window=128,
+        layer_types=("sliding_attention", "full_attention") * 2,
+        attention_sinks=True,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        router="topk_softmax",
+        router_bias=True,
+        expert_bias=True,
+        expert_act="clamped_swiglu",
+    ),
     # Qwen3-30B-A3B's layer shape (128 experts, top 8) cut to 2 layers: benchmarks.
     "qwen3-30b-a3b-2l": ModelConfig(
         vocab_size=151_936,
