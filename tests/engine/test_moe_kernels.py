@@ -230,3 +230,38 @@ def test_kernel_choice_on_cuda(
     assert choice == kernel
     # An unaligned shape is the loop's on any device.
     assert expert_kernel(CUDA, dtype, 2048, 772, capability, torch_version) == "loop"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_grouped_mm_with_biases_and_gpt_oss_activation(dtype: torch.dtype) -> None:
+    """gpt-oss's experts (biases on both projections, the clamped SwiGLU) on the
+    grouped-GEMM path compute the loop's function, and the loop's is the per-row one."""
+    from vertumnus.engine.moe import clamped_swiglu
+
+    counts = [0, 5, 1, 0, 17, 3, 0, 2]
+    h, i = 64, 32
+    gate_up, down = expert_weights(len(counts), h, i, dtype)
+    gen = torch.Generator().manual_seed(2)
+    b1 = torch.randn(len(counts), 2 * i, generator=gen).to(dtype)
+    b2 = torch.randn(len(counts), h, generator=gen).to(dtype)
+    xs = (3 * torch.randn(sum(counts), h, generator=gen)).to(dtype)  # some clamp
+    n = torch.tensor(counts)
+    act = clamped_swiglu(1.702, 7.0)
+    looped = loop_experts(xs, n, gate_up, down, act, b1, b2)
+    grouped = grouped_mm_experts(xs, n, gate_up, down, act, b1, b2)
+    if dtype == torch.float32:
+        close(grouped, looped, dtype)
+    else:  # grouped rounds each product, then adds its bias: one rounding more
+        step = BF16_STEP * float(looped.float().abs().max())
+        assert float((grouped.float() - looped.float()).abs().max()) <= 2 * step
+    experts = [e for e, c in enumerate(counts) for _ in range(c)]
+    rows = []
+    for x, e in zip(xs.float(), experts, strict=True):
+        g, u = (gate_up[e].float() @ x + b1[e].float()).chunk(2)
+        g = g.clamp(max=7.0)
+        glu = (u.clamp(-7.0, 7.0) + 1) * g * torch.sigmoid(1.702 * g)
+        rows.append(down[e].float() @ glu + b2[e].float())
+    exact = torch.stack(rows)
+    bound = 1e-4 if dtype == torch.float32 else 8 * BF16_STEP * float(exact.abs().max())
+    assert float((looped.float() - exact).abs().max()) <= bound
+    assert float((grouped.float() - exact).abs().max()) <= bound
