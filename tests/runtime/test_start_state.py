@@ -117,3 +117,20 @@ def test_a_served_pool_starts_where_it_stopped(tmp_path: Path) -> None:
     assert json.loads(state.read_text())["composition"] == "1CP2"  # written at shutdown
     log = (tmp_path / "server.log").read_text()
     assert '"event":"start_chosen"' in log and '"source":"state_file"' in log
+
+
+def test_a_profile_of_other_attention_work_is_named(tmp_path: Path) -> None:
+    """Serving a windowed model (``tiny-gpt-oss``) on a profile of full attention
+    (``tiny``'s) says so at start: the profile's E counts other attention work."""
+    from support.fake_ranks import fake_pool_config
+    from vertumnus.runtime.coordinator import Coordinator
+
+    for model, warned in (("tiny-gpt-oss", True), ("tiny", False)):
+        cfg = fake_pool_config(tmp_path, (1, 1), model=model)
+        with capture_logs() as logs:
+            Coordinator(cfg)
+        found = [e for e in logs if e["event"] == "profile_attention_differs"]
+        assert bool(found) == warned, logs
+        if warned:
+            assert found[0]["model"] == ((0.5, None), (0.5, 128))
+            assert found[0]["profile"] == ((1.0, None),)

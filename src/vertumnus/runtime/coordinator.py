@@ -39,7 +39,7 @@ import structlog
 
 from vertumnus.config import ConfigError, resolve_model
 from vertumnus.config.start import write_state
-from vertumnus.perfmodel import Profile, ProfileError
+from vertumnus.perfmodel import Profile, ProfileError, attention_mix
 from vertumnus.policy.cache.index import WorkerCacheIndex
 from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.cache.plans import CopyPlan
@@ -93,6 +93,10 @@ class Coordinator:
         self.model_cfg, self.model_dir = resolve_model(cfg.model)
         try:
             self.profile = Profile.load(cfg.profile)
+            if (served := attention_mix(self.model_cfg)) != self.profile.attention:
+                # A profile of another model: its E counts other attention work.
+                log.warning("profile_attention_differs", model=served.groups,
+                            profile=self.profile.attention.groups)  # fmt: skip
             # The host tier's block is the served model's, at the ranks' KV dtype.
             spec = cfg.pool.spec(cfg.engine, served_block_bytes(self.model_cfg, cfg.engine))
             self.policy = PoolPolicy.build(self.profile, spec, cfg.policy)
