@@ -3,10 +3,15 @@
 (``integrations/vllm``), on a random Qwen3 folder built here:
 
 - exact: greedy ids from the pool's prefill plus vLLM's decode equal vLLM alone (its
-  prefix cache off, so it computes every prompt itself), log-probabilities within
-  1e-4, on a worker of CP degree 1 and one of degree 2, fresh and with the prompt's
-  prefix cached in the pool; vLLM's own metrics count the prompt but its last token
-  as transferred and that one token as computed;
+  prefix cache off, so it computes every prompt itself), log-probabilities (of each
+  token and of the 5 most likely) within 1e-4, on a worker of CP degree 1 and one of
+  degree 2, fresh and with the prompt's prefix cached in the pool; vLLM's own metrics
+  count the prompt but its last token as transferred and that one token as computed;
+- the same for the other families (``support/families.py``) on folders that vLLM's
+  CPU build takes (``VLLM_SHAPE``): Mistral (a window on every layer) and gpt-oss
+  (MoE, sinks, YaRN, windowed and full layers: several KV cache groups in its hybrid
+  manager) in CI; with ``VERTUMNUS_VLLM_FAMILIES=all`` also Llama 3, Qwen2 (its
+  window on every layer), Mixtral and Qwen2-MoE, each with a pull that fails;
 - one front door: ``serve`` with ``[decode] engine = "vllm"`` answers completions and
   chat, whole and streamed, through the openai SDK, with no lease left;
 - a pull that fails is recomputed by vLLM (``kv_load_failure_policy = "recompute"``)
@@ -17,6 +22,7 @@ Skipped, saying why, without ``.venv-vllm``."""
 from __future__ import annotations
 
 import json
+import os
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,8 +30,13 @@ from typing import Any
 
 import openai
 import pytest
+import torch
+import transformers
 
+from support.families import CASES, VOCAB
+from support.reference import seed_weights
 from support.server import Server, running_server, write_serve_config
+from support.tokenizer import make_tokenizer
 from support.tools import load_tool
 
 SERVER = load_tool("vllm/vllm_server.py")
@@ -110,7 +121,8 @@ def by_source(vllm: str) -> dict[str, float]:
 def decode(vllm: str, folder: Path, prompt: list[int], **extra: Any) -> dict[str, Any]:
     body = {
         "model": str(folder), "prompt": prompt, "max_tokens": 12, "temperature": 0,
-        "ignore_eos": True, "logprobs": 1, "return_token_ids": True, **extra,
+        "ignore_eos": True, "logprobs": 5, "return_tokens_as_token_ids": True,
+        "return_token_ids": True, **extra,
     }  # fmt: skip
     status, answer = call(vllm + "/v1/completions", body)
     assert status == 200, answer
@@ -118,15 +130,25 @@ def decode(vllm: str, folder: Path, prompt: list[int], **extra: Any) -> dict[str
     return choice
 
 
-def prompt_ids(seed: int, n: int, vocab: int = 400) -> list[int]:
+def prompt_ids(seed: int, n: int, vocab: int = 370) -> list[int]:
     return [(seed * 7919 + i * 104729) % vocab + 3 for i in range(n)]
 
 
-@pytest.mark.timeout(900)
-def test_the_pools_prefill_and_vllms_decode_equal_vllm_alone(
-    pool: tuple[Server, int], vllm: str, folder: Path
+def assert_same_logprobs(got: dict[str, Any], alone: dict[str, Any]) -> None:
+    """Each token's log-probability and the 5 most likely ones (sorted: a near tie
+    may swap two ids) within 1e-4."""
+    ours, theirs = got["logprobs"], alone["logprobs"]
+    pairs = list(zip(ours["token_logprobs"], theirs["token_logprobs"], strict=True))
+    for a, b in zip(ours["top_logprobs"], theirs["top_logprobs"], strict=True):
+        pairs += zip(sorted(a.values()), sorted(b.values()), strict=True)
+    assert max(abs(x - y) for x, y in pairs) <= 1e-4
+
+
+def assert_pool_then_vllm_equals_vllm_alone(
+    server: Server, degree: int, vllm: str, folder: Path
 ) -> None:
-    server, degree = pool
+    """Two prompts prefilled by the pool (the second's first 150 tokens from its
+    cache), decoded by vLLM: vLLM alone's tokens, n - 1 prompt tokens transferred."""
     shared = prompt_ids(1, 150)
     for prompt in (shared + prompt_ids(2, 30), shared + prompt_ids(3, 45)):  # 2nd: cached
         body = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
@@ -139,8 +161,7 @@ def test_the_pools_prefill_and_vllms_decode_equal_vllm_alone(
         after = by_source(vllm)
         alone = decode(vllm, folder, prompt)
         assert got["token_ids"] == alone["token_ids"]
-        ours, theirs = got["logprobs"]["token_logprobs"], alone["logprobs"]["token_logprobs"]
-        assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) <= 1e-4
+        assert_same_logprobs(got, alone)
         transferred = after["external_kv_transfer"] - before["external_kv_transfer"]
         computed = after["local_compute"] - before["local_compute"]
         assert (transferred, computed) == (len(prompt) - 1, 1)
@@ -150,8 +171,7 @@ def test_the_pools_prefill_and_vllms_decode_equal_vllm_alone(
     assert status == 200 and leases["open"] == 0 and leases["pulled"] == 2
 
 
-@pytest.mark.timeout(600)
-def test_a_pull_that_fails_is_recomputed(vllm: str, folder: Path) -> None:
+def assert_a_failed_pull_is_recomputed(vllm: str, folder: Path) -> None:
     prompt = prompt_ids(5, 60)
     gone = {
         "do_remote_prefill": True,
@@ -160,10 +180,87 @@ def test_a_pull_that_fails_is_recomputed(vllm: str, folder: Path) -> None:
         "remote_handle": "kv-gone",
         "num_tokens": len(prompt) - 1,
     }
-    assert (
-        decode(vllm, folder, prompt, kv_transfer_params=gone)["token_ids"]
-        == (decode(vllm, folder, prompt)["token_ids"])
-    )
+    got = decode(vllm, folder, prompt, kv_transfer_params=gone)
+    alone = decode(vllm, folder, prompt)
+    assert got["token_ids"] == alone["token_ids"]
+    assert_same_logprobs(got, alone)
+
+
+# How each family's case (support/families.py) is changed for vLLM CPU 0.32.0: head_dim
+# 64 (its CPU attention takes 32, 64, 80, ...; the cases have 16 and 24). vLLM's Qwen2
+# and Qwen2-MoE take head_dim as hidden_size / heads, so their hidden size is 4 x 64;
+# its Qwen2 refuses a window on some layers only ("Sliding window for some but all
+# layers is not supported"), so Qwen2's window is on every layer.
+VLLM_SHAPE: dict[str, dict[str, Any]] = {
+    "llama3": {},
+    "mistral": {},
+    "qwen2": {
+        "hidden_size": 256,
+        "max_window_layers": 0,
+        "layer_types": ["sliding_attention"] * 3,
+    },
+    "mixtral": {},
+    "qwen2-moe": {"hidden_size": 256},
+    "gpt-oss": {},
+}
+# Two families in CI (a dense one windowed on every layer, an MoE one with windowed
+# and full layers); VERTUMNUS_VLLM_FAMILIES=all runs them all (about a minute each).
+FAMILIES = (
+    list(VLLM_SHAPE)
+    if os.environ.get("VERTUMNUS_VLLM_FAMILIES") == "all"
+    else ["mistral", "gpt-oss"]
+)
+
+
+def write_vllm_family_folder(case: str, folder: Path, seed: int = 11) -> Path:
+    """``support.families.write_family_folder`` of ``case`` with ``VLLM_SHAPE``'s
+    changes: seeded fp32 weights saved by transformers, a tokenizer and template."""
+    cfg = CASES[case]()
+    cfg.head_dim = 64
+    for key, value in VLLM_SHAPE[case].items():
+        setattr(cfg, key, value)
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    seed_weights(model, seed)
+    folder.mkdir(parents=True)
+    model.config.eos_token_id = model.generation_config.eos_token_id = make_tokenizer(folder, VOCAB)
+    with torch.no_grad():
+        model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", FAMILIES)
+def test_each_family_through_the_connector_equals_vllm_alone(case: str, tmp_path: Path) -> None:
+    """One vLLM (started here, so that no other runs beside it), then a pool at CP 1
+    and one at CP 2 in front of it, then a pull that fails."""
+    folder = write_vllm_family_folder(case, tmp_path / "model")
+    with (tmp_path / "vllm.log").open("w") as log:
+        proc, vllm = SERVER.start_vllm(
+            folder, log, connector=True, prefix_caching=False, prefill_key=SECRET
+        )
+        try:
+            for degree in (1, 2):
+                (tmp_path / f"cp{degree}").mkdir()
+                config = pool_config(tmp_path / f"cp{degree}" / "serve.toml", folder, degree)
+                with running_server(config) as server:
+                    assert_pool_then_vllm_equals_vllm_alone(server, degree, vllm, folder)
+            assert_a_failed_pull_is_recomputed(vllm, folder)
+        finally:
+            SERVER.stop(proc)
+
+
+@pytest.mark.timeout(900)
+def test_the_pools_prefill_and_vllms_decode_equal_vllm_alone(
+    pool: tuple[Server, int], vllm: str, folder: Path
+) -> None:
+    server, degree = pool
+    assert_pool_then_vllm_equals_vllm_alone(server, degree, vllm, folder)
+
+
+@pytest.mark.timeout(600)
+def test_a_pull_that_fails_is_recomputed(vllm: str, folder: Path) -> None:
+    assert_a_failed_pull_is_recomputed(vllm, folder)
 
 
 @pytest.mark.timeout(900)

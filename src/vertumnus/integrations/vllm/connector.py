@@ -12,9 +12,15 @@ hands the worker side the request's blocks; the worker side pulls the KV over th
 pool's hand-off (``loads.py``; the pull ends the pool's lease) and writes it with
 the attention backend's own cache write (``do_kv_cache_update``), so the backend's
 layout (CPU, CUDA) is never hand-coded. A pull that fails marks its blocks as
-failed: with ``kv_load_failure_policy = "recompute"`` vLLM computes them itself and
-the request completes. The pool's bearer comes from
-``kv_connector_extra_config.prefill_key`` or ``$VERTUMNUS_PREFILL_KEY``.
+failed (or, with several KV cache groups, its request): with
+``kv_load_failure_policy = "recompute"`` vLLM computes them itself and the request
+completes. It supports vLLM's hybrid KV cache manager (``SupportsHMA``): a model
+whose layers differ in attention (gpt-oss: sliding and full layers) has one block
+table per KV cache group, and each layer's KV goes into its own group's blocks (none
+into the null blocks past a window). Without it vLLM turns that manager off for the
+connector, and vLLM CPU 0.32.0 then decodes such a model wrongly with any connector.
+The pool's bearer comes from ``kv_connector_extra_config.prefill_key`` or
+``$VERTUMNUS_PREFILL_KEY``.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from vertumnus.decode.kv_pull import PulledKV
@@ -62,7 +70,7 @@ class VertumnusMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[Load] = field(default_factory=list)
 
 
-class VertumnusConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class VertumnusConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -81,6 +89,10 @@ class VertumnusConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # The worker's side.
         self._caches: list[tuple[str, torch.Tensor]] = []
         self._failed_blocks: set[int] = set()
+        # vLLM's KV cache groups (one unless its hybrid manager splits the layers).
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+        self._group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
+        self._several_groups = len(groups) > 1
 
     # -- the scheduler's side --------------------------------------------------------
 
@@ -113,8 +125,8 @@ class VertumnusConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if planned is None or num_external_tokens == 0:
             return
         transfer, first, count = planned
-        (block_ids,) = blocks.get_block_ids()[:1]
-        self._ready.append(Load(request.request_id, transfer, first, count, tuple(block_ids)))
+        groups = tuple(tuple(-1 if b.is_null else b.block_id for b in g) for g in blocks.blocks)
+        self._ready.append(Load(request.request_id, transfer, first, count, groups[0], groups))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta, self._ready = VertumnusMetadata(self._ready), []
@@ -125,6 +137,11 @@ class VertumnusConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._planned.pop(request.request_id, None)
         return False, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, [])
 
     # -- the worker's side -----------------------------------------------------------
 
@@ -155,9 +172,19 @@ class VertumnusConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self.get_transfer_results(finished_req_ids).finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Loads that ended; a failed one by its blocks, or, with several KV cache
+        groups (where block ids do not name a request's blocks), by its request."""
         ended, failed = self.loader.finished(self._write)
+        failed_requests = self.loader.take_failed()
+        if self._several_groups:
+            return KVConnectorTransferResults(
+                finished_recving=ended, failed_recving=failed_requests
+            )
         self._failed_blocks |= failed
-        return None, ended or None
+        return KVConnectorTransferResults(finished_recving=ended)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -171,12 +198,21 @@ class VertumnusConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise ValueError(f"the pool's KV has {len(layers)} layers; vLLM's {len(self._caches)}")
         context = self._vllm_config.compilation_config.static_forward_context
         dtype = self._vllm_config.model_config.dtype  # what the layer's cache write takes
-        slots = slot_mapping(load.block_ids, self.block_size, load.first, load.count)
         end = load.first + load.count
+        # Per KV cache group: (slots, which of the tokens they hold; None: all).
+        by_group: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        for table in load.groups or (load.block_ids,):
+            mapped = slot_mapping(table, self.block_size, load.first, load.count)
+            real = mapped >= 0  # null blocks (past a sliding window) get nothing
+            by_group.append((mapped[real], None if bool(real.all()) else real))
         for (name, cache), (k, v) in zip(self._caches, layers, strict=True):
             layer, device = context[name], cache.device
-            key = k[load.first : end].to(device=device, dtype=dtype)
-            value = v[load.first : end].to(device=device, dtype=dtype)
+            slots, kept = by_group[self._group_of.get(name, 0)]
+            key, value = k[load.first : end], v[load.first : end]
+            if kept is not None:
+                key, value = key[kept], value[kept]
+            key = key.to(device=device, dtype=dtype)
+            value = value.to(device=device, dtype=dtype)
             layer.impl.do_kv_cache_update(layer, key, value, cache, slots.to(device))
 
     def shutdown(self) -> None:

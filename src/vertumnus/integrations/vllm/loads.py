@@ -4,7 +4,9 @@
   ``kv_transfer_params`` and the tokens vLLM's own prefix cache already holds (the
   pool exports every prompt token but the last, which vLLM computes itself);
 - ``slot_mapping``: where those tokens go in vLLM's paged cache (slot = block id x
-  block size + offset, the mapping every attention backend's cache write takes);
+  block size + offset, the mapping every attention backend's cache write takes; a
+  block id of -1, vLLM's null block past a sliding window, gives negative slots:
+  nothing to write);
 - ``Loader``: the pulls, each on a thread of its own (``decode/kv_pull.py``, which
   ends the pool's lease), their KV handed to the caller's thread to be written,
   and the blocks of a pull that failed, which vLLM then recomputes.
@@ -35,13 +37,17 @@ log = structlog.get_logger("vertumnus.vllm")
 @dataclass(frozen=True)
 class Load:
     """One request's KV to bring in: tokens [first, first + count) of its prompt,
-    into its blocks (the request's whole block table, in order)."""
+    into its blocks (the request's whole block table, in order; -1 for a null block).
+    ``groups``: the block table of each of vLLM's KV cache groups when it has several
+    (its hybrid allocator keeps one per attention kind, e.g. gpt-oss's full and
+    sliding layers); ``block_ids`` is the first."""
 
     req_id: str
     transfer: TransferParams
     first: int
     count: int
     block_ids: tuple[int, ...] = ()
+    groups: tuple[tuple[int, ...], ...] = ()
 
 
 def plan(params: Any, prompt_len: int, num_computed: int) -> tuple[TransferParams | None, int]:
@@ -70,11 +76,12 @@ def slot_mapping(block_ids: tuple[int, ...], block_size: int, first: int, count:
 
 
 def blocks_of(load: Load, block_size: int) -> set[int]:
-    """The blocks that tokens [first, first + count) of ``load`` go into."""
+    """The blocks that tokens [first, first + count) of ``load`` go into (null
+    blocks, -1, left out: other requests share vLLM's)."""
     if load.count == 0:
         return set()
     start, end = load.first // block_size, (load.first + load.count - 1) // block_size
-    return set(load.block_ids[start : end + 1])
+    return {b for b in load.block_ids[start : end + 1] if b >= 0}
 
 
 Write = Callable[[Load, PulledKV], None]
@@ -92,6 +99,7 @@ class Loader:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="vertumnus-pull")
         self._loads: dict[str, tuple[Load, Future[PulledKV]]] = {}
         self._lock = threading.Lock()
+        self._failed: set[str] = set()  # requests whose load failed, until taken
 
     def start(self, load: Load) -> None:
         future = self._pool.submit(self._pull, load.transfer)
@@ -123,6 +131,7 @@ class Loader:
             except Exception as exc:  # the pull failed: vLLM recomputes these blocks
                 log.warning("kv_pull_failed", request=req_id, error=str(exc))
                 failed |= blocks_of(load, self.block_size)
+                self._failed.add(req_id)
                 continue
             try:
                 if pulled.header.num_tokens != load.transfer.num_tokens:
@@ -135,9 +144,16 @@ class Loader:
             except Exception as exc:
                 log.warning("kv_write_failed", request=req_id, error=str(exc))
                 failed |= blocks_of(load, self.block_size)
+                self._failed.add(req_id)
             finally:
                 pulled.release()
         return ended, failed
+
+    def take_failed(self) -> set[str]:
+        """The requests whose load failed since the last call (for vLLM with several
+        KV cache groups, whose block ids cannot name a request's blocks)."""
+        failed, self._failed = self._failed, set()
+        return failed
 
     def release(self, transfer: TransferParams) -> None:
         """Give up a lease nobody will pull (vLLM held every token already)."""
