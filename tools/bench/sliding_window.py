@@ -8,7 +8,10 @@ one prompt of ``--tokens`` tokens, measured in one run:
 (a) Moved K/V per rank, CP = 2 and 4 (ranks as threads, ``engine/comm.ThreadComm``,
     which counts what each rank receives): the halo exchange's rows per layer against
     the window (2 windows per rank, one per zigzag chunk) and against the whole
-    sequence, which the full-attention all-gather delivers. Counted, not timed.
+    sequence, which the full-attention all-gather delivers; once for a prefill that
+    stores no blocks, once for one that stores every new block (a caching worker: a
+    block lives on rank depth % C, so a rank also receives the rows of its blocks
+    that other ranks computed). Counted, not timed.
 
 (b) Time at CP 1 (one thread, median of ``--repeats``, alternating): the engine's
     windowed prefill (``prefill_rank``; ``attention.window_flash``) against the same
@@ -50,14 +53,18 @@ def model_config(window: int | None) -> ModelConfig:
     )  # fmt: skip
 
 
-def moved(cfg: ModelConfig, tokens: Tensor, c: int) -> list[int]:
-    """K/V rows each rank of a degree-``c`` worker received over one prefill."""
+def moved(cfg: ModelConfig, tokens: Tensor, c: int, stores: bool) -> list[int]:
+    """K/V rows each rank of a degree-``c`` worker received per layer over one
+    prefill; ``stores``: the worker stores every new block (each on rank depth % C)."""
     import threading
 
     model = random_model(cfg, 0)
     group = ThreadGroup(c)
     comms = [group.comm(r) for r in range(c)]
-    step = RankPrefill(tokens, 0, (), (), 16, peer_writes=tuple(() for _ in range(c)))
+    blocks = tokens.numel() // 16
+    writes = tuple(tuple(d for d in range(blocks) if stores and d % c == q) for q in range(c))
+    # The exchange moves what ``peer_writes`` names; no store here to keep it.
+    step = RankPrefill(tokens, 0, (), (), 16, peer_writes=writes)
 
     def run(r: int) -> None:
         prefill_rank(model, comms[r], None, step)
@@ -104,13 +111,15 @@ def main() -> None:
     cfg = model_config(args.window)
     print(f"tokens {args.tokens}, window {args.window}, {args.dtype}")
     for c in (2, 4):
-        rows = moved(cfg, tokens, c)
         gathered = (c - 1) * 2 * -(-args.tokens // (2 * c))
-        print(
-            f"(a) C={c}: K/V rows received per rank per layer {rows} (max "
-            f"{max(rows)}); two windows {2 * (args.window - 1)}; an all-gather "
-            f"{gathered}; the sequence {args.tokens}"
-        )
+        for stores in (False, True):
+            rows = moved(cfg, tokens, c, stores)
+            print(
+                f"(a) C={c}, {'storing every block' if stores else 'storing none'}: K/V "
+                f"rows received per rank per layer {rows} (max {max(rows)}); two "
+                f"windows {2 * (args.window - 1)}; an all-gather {gathered}; the "
+                f"sequence {args.tokens}"
+            )
     windowed = random_model(cfg, 0).to(dtype).eval()
     full = random_model(model_config(None), 0).to(dtype).eval()
     positions = torch.arange(args.tokens)
