@@ -220,7 +220,7 @@ BAD_INPUT = {
     "unknown-model": (
         ["--model", "no-such-model", "--prompt-len", "10"],
         "--model 'no-such-model': neither a built-in preset (qwen3-0.6b-4l, qwen3-30b-a3b-2l, "
-        "tiny, tiny-moe) nor a folder with config.json and *.safetensors",
+        "tiny, tiny-gpt-oss, tiny-moe) nor a folder with config.json and *.safetensors",
     ),
     "prefix-longer-than-prompt": (
         ["--prompt-len", "10", "--prefix-len", "11"],
@@ -294,14 +294,13 @@ def test_bad_model_folders(checkpoint: Checkpoint, tmp_path: Path) -> None:
         f"{tmp_path}: no config.json (expected a Hugging Face model folder)",
     )
     raw = json.loads((checkpoint.model_dir / "config.json").read_text())
-    (tmp_path / "config.json").write_text(
-        json.dumps({**raw, "architectures": ["LlamaForCausalLM"]})
-    )
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "architectures": ["PhiForCausalLM"]}))
     assert_one_line_error(
         run_cli("prefill", "--model", str(tmp_path), "--prompt-len", "5"),
         2,
-        "unsupported architecture 'LlamaForCausalLM'; supported: Qwen3ForCausalLM, "
-        "Qwen3MoeForCausalLM",
+        "unsupported architecture 'PhiForCausalLM'; supported: Qwen3ForCausalLM, "
+        "Qwen3MoeForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+        "Qwen2MoeForCausalLM, MixtralForCausalLM, GptOssForCausalLM",
     )
     # Checked before any rank starts: the folder's config allows 4096 positions.
     assert_one_line_error(
