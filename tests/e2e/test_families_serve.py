@@ -34,7 +34,7 @@ import transformers
 
 from support.factories import make_tokens
 from support.families import VOCAB, write_family_folder
-from support.reference import hf_greedy, hf_logits
+from support.reference import assert_prompt_logprobs, hf_greedy, hf_logits
 from support.server import ADMIN_TOKEN, Server, running_server, write_folder_config
 
 pytestmark = pytest.mark.multiproc
@@ -147,14 +147,7 @@ def check_prompt_logprobs(fam: Family, cp: int) -> None:
     out = complete(fam.server, body)
     assert out["cp_degree"] == cp, out
     (choice,) = out["choices"]
-    ref = torch.log_softmax(hf_logits(fam.hf, prompt), dim=-1)[:-1]
-    want = ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
-    logprobs = choice["logprobs"]
-    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
-    got = torch.tensor(logprobs["token_logprobs"][1:], dtype=torch.float32)
-    torch.testing.assert_close(got, want, rtol=0.0, atol=ATOL)
-    best = torch.tensor([max(top.values()) for top in logprobs["top_logprobs"][1:]])
-    torch.testing.assert_close(best, ref.max(dim=-1).values, rtol=0.0, atol=ATOL)
+    assert_prompt_logprobs(choice["logprobs"], fam.hf, prompt)
 
 
 @pytest.mark.timeout(300)

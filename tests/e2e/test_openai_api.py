@@ -22,7 +22,14 @@ import torch
 import transformers
 
 from support.factories import make_tokens
-from support.reference import ATOL, VOCAB, Checkpoint, hf_logits, make_checkpoint
+from support.reference import (
+    ATOL,
+    VOCAB,
+    Checkpoint,
+    assert_prompt_logprobs,
+    hf_logits,
+    make_checkpoint,
+)
 from support.server import ADMIN_TOKEN, Server, running_server, write_folder_config
 from support.tokenizer import make_tokenizer
 
@@ -59,14 +66,7 @@ def check_prompt_logprobs(
 ) -> None:
     """The choice's prompt log-probabilities are transformers' (the first token has
     none); its top entry (k = 1) is the most likely token's."""
-    ref = torch.log_softmax(hf_logits(checkpoint.hf, prompt), dim=-1)[:-1]
-    want = ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
-    logprobs = choice["logprobs"]
-    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
-    got = torch.tensor(logprobs["token_logprobs"][1:], dtype=torch.float32)
-    torch.testing.assert_close(got, want, rtol=0.0, atol=ATOL)
-    best = torch.tensor([max(top.values()) for top in logprobs["top_logprobs"][1:]])
-    torch.testing.assert_close(best, ref.max(dim=-1).values, rtol=0.0, atol=ATOL)
+    assert_prompt_logprobs(choice["logprobs"], checkpoint.hf, prompt)
     assert choice["finish_reason"] == "length" and choice["token_ids"] == []
 
 

@@ -224,8 +224,9 @@ def test_auto_is_settled_once_for_a_hosts_ranks_and_a_named_kernel_kept() -> Non
 def test_window_flash_equals_the_banded_math(
     dtype: torch.dtype, start: int, key_start: int, n: int, window: int | None, sinks: bool
 ) -> None:
-    """The fused-kernel window attention (blocks of flash calls and the band's edge,
-    merged by log-sum-exp) computes what the banded math kernel computes."""
+    """The fused-kernel window attention (per block of queries, a causal flash call
+    over the block and one over the window's reach, reversed, merged by log-sum-exp)
+    computes what the banded math kernel computes."""
     gen = torch.Generator().manual_seed(n)
     keys = start + n - key_start
     q = torch.randn(1, 4, n, 16, generator=gen).to(dtype)

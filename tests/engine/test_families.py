@@ -16,13 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from support.decode_pool import greedy_ids, prompt_kv
 from support.factories import BLOCK_SIZE, make_tokens
 from support.families import CASES, VOCAB, write_family_folder
 from support.reference import hf_greedy, hf_logits, max_abs_diff
 from support.threads import ThreadWorker, cp_prefill
 from vertumnus.config import ModelConfig
-from vertumnus.decode.engine import DecodeEngine
-from vertumnus.decode.sampling import SamplingParams
 from vertumnus.engine.model import CausalLM, causal_attention
 from vertumnus.engine.weights import load_model
 
@@ -88,21 +87,7 @@ def test_a_cached_prefix_inside_and_outside_the_window(family, prefix_blocks: in
 def test_decode_engine_greedy_equals_generate(family) -> None:
     case, hf, ours, _ = family
     prompt = make_tokens(30, seed=7, vocab=VOCAB)
-    layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def capture(layer, q, k, v, window=None, sinks=None):
-        layers.append((k.clone(), v.clone()))
-        return causal_attention()(layer, q, k, v, window, sinks)
-
-    ours(torch.tensor(prompt[:-1]), torch.arange(len(prompt) - 1), capture)
-    engine = DecodeEngine(ours)
-    engine.add(
-        0, layers, prompt[-1], SamplingParams(temperature=0.0), max_tokens=12, ignore_eos=True
-    )
-    got: list[int] = []
-    while len(engine):
-        got += [o.token_id for o in engine.step()]
-    assert got == hf_greedy(hf, prompt, 12), case
+    assert greedy_ids(ours, prompt, 12) == hf_greedy(hf, prompt, 12), case
 
 
 def test_unsupported_features_are_named(tmp_path: Path) -> None:
@@ -157,21 +142,14 @@ def test_stored_blocks_hold_every_layers_kv(family, c: int) -> None:
     tokens = make_tokens(70, seed=8, vocab=VOCAB)
     worker = ThreadWorker.make(c, ours.config)
     out = cp_prefill(ours, worker, tokens)
-    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def capture(layer, q, k, v, window=None, sinks=None):
-        kv[layer] = (k, v)
-        return causal_attention()(layer, q, k, v, window, sinks)
-
-    with torch.inference_mode():
-        ours(torch.tensor(tokens), torch.arange(len(tokens)), capture)
+    ks, vs = prompt_kv(ours, [*tokens, 0])  # [L, 70, Hkv, D]: every token's
     written = [(d, rank, slot) for rank, w in enumerate(out.cmd.write) for d, slot in w]
     assert len(written) == 70 // BLOCK_SIZE
     for depth, rank, slot in written:
         assert rank == depth % c
         rows = slice(depth * BLOCK_SIZE, (depth + 1) * BLOCK_SIZE)
         store = worker.stores[rank]
-        for layer, (k, v) in kv.items():
+        for layer, (k, v) in enumerate(zip(ks, vs, strict=True)):
             torch.testing.assert_close(store.k[slot, layer], k[rows], rtol=0, atol=1e-5)
             torch.testing.assert_close(store.v[slot, layer], v[rows], rtol=0, atol=1e-5)
 

@@ -171,6 +171,21 @@ def hf_logits(model: transformers.PreTrainedModel, tokens: Sequence[int]) -> tor
     return model(input_ids=ids, use_cache=False).logits[0].float()
 
 
+def assert_prompt_logprobs(
+    logprobs: dict[str, Any], hf: transformers.PreTrainedModel, prompt: Sequence[int]
+) -> None:
+    """An answer's prompt log-probabilities (OpenAI completions' ``logprobs``) are
+    transformers' within ``ATOL`` (the first token has none); its top entry (k = 1) is
+    the most likely token's."""
+    ref = torch.log_softmax(hf_logits(hf, prompt), dim=-1)[:-1]
+    want = ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    got = torch.tensor(logprobs["token_logprobs"][1:], dtype=torch.float32)
+    torch.testing.assert_close(got, want, rtol=0.0, atol=ATOL)
+    best = torch.tensor([max(top.values()) for top in logprobs["top_logprobs"][1:]])
+    torch.testing.assert_close(best, ref.max(dim=-1).values, rtol=0.0, atol=ATOL)
+
+
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}"
     return float((a - b).abs().max())

@@ -137,10 +137,15 @@ def _lower_right(q: Tensor, k: Tensor, v: Tensor, start: int, n: int, gqa: bool)
 def merge_by_lse(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tensor:
     """Softmax attention over the union of two disjoint key sets, from each part's
     output [B, H, n, D] and log-sum-exp [B, H, n]: o = sum_i o_i * exp(lse_i - lse)."""
+    return merge_with_lse(o1, lse1, o2, lse2)[0]
+
+
+def merge_with_lse(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> tuple[Tensor, Tensor]:
+    """``merge_by_lse``'s output and the union's log-sum-exp (to merge again)."""
     lse = torch.logaddexp(lse1, lse2)
     w1 = torch.exp(lse1 - lse).unsqueeze(-1)
     w2 = torch.exp(lse2 - lse).unsqueeze(-1)
-    return o1 * w1 + o2 * w2
+    return o1 * w1 + o2 * w2, lse
 
 
 def _chunked(q: Tensor, k: Tensor, v: Tensor, start: int, rows: int | None = None) -> Tensor:
@@ -277,13 +282,13 @@ def window_flash(
         qb = q[:, :, lo:hi]
         own = slice(x0 - key_start, x0 - key_start + b)
         o, lse = _flash_cpu(qb, k[:, :, own], v[:, :, own], 0.0, True)
-        reach = key_start if window is None else max(key_start, x0 - window + 1)
-        if reach < x0 and window is None:
-            before = slice(0, x0 - key_start)
-            o2, lse2 = _flash_cpu(qb, k[:, :, before], v[:, :, before], 0.0, False)
-            o, lse = merge_by_lse(o, lse, o2, lse2), torch.logaddexp(lse, lse2)
-        elif reach < x0 and window is not None and min(b, window - 1) > 0:
-            o, lse = _merge_reach(o, lse, qb, k, v, x0 - key_start, reach - key_start, window)
+        if window is None:
+            if x0 > key_start:  # every earlier key, unmasked
+                before = slice(0, x0 - key_start)
+                o2, lse2 = _flash_cpu(qb, k[:, :, before], v[:, :, before], 0.0, False)
+                o, lse = merge_with_lse(o, lse, o2, lse2)
+        elif window > 1 and (reach := max(key_start, x0 - window + 1)) < x0:
+            _merge_reach(o, lse, qb, k, v, x0 - key_start, reach - key_start, window)
         if sinks is not None:
             o = o * torch.sigmoid(lse - sinks.float().view(1, hq, 1)).unsqueeze(-1)
         out[:, :, lo:hi] = o.to(q.dtype)
@@ -292,11 +297,11 @@ def window_flash(
 
 def _merge_reach(
     o: Tensor, lse: Tensor, qb: Tensor, k: Tensor, v: Tensor, x0: int, reach: int, window: int
-) -> tuple[Tensor, Tensor]:
-    """The block's output and log-sum-exp with the keys [reach, x0) (indices into k)
-    merged in: query j (j < w - 1) sees those at or after x0 + j - w + 1. Reversed,
-    query i = w - 2 - j sees the reversed keys m <= i: top-left causal, with the
-    block's last w - 1 - nq rows padded in front when it has fewer queries."""
+) -> None:
+    """Merge into the block's output and log-sum-exp (in place) the keys [reach, x0)
+    (indices into k): query j (j < w - 1) sees those at or after x0 + j - w + 1.
+    Reversed, query i = w - 2 - j sees the reversed keys m <= i: top-left causal,
+    with the block's last w - 1 - nq rows padded in front when it has fewer queries."""
     nq = min(qb.shape[2], window - 1)
     pad = window - 1 - nq
     qf = qb[:, :, :nq].flip(2)
@@ -305,10 +310,7 @@ def _merge_reach(
     kf, vf = k[:, :, reach:x0].flip(2), v[:, :, reach:x0].flip(2)
     o2, lse2 = _flash_cpu(qf, kf, vf, 0.0, True)
     o2, lse2 = o2[:, :, pad:].flip(2), lse2[:, :, pad:].flip(2)
-    o, lse = o.clone(), lse.clone()
-    o[:, :, :nq] = merge_by_lse(o[:, :, :nq], lse[:, :, :nq], o2, lse2)
-    lse[:, :, :nq] = torch.logaddexp(lse[:, :, :nq], lse2)
-    return o, lse
+    o[:, :, :nq], lse[:, :, :nq] = merge_with_lse(o[:, :, :nq], lse[:, :, :nq], o2, lse2)
 
 
 def pick_cpu_kernel(

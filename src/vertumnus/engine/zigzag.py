@@ -76,7 +76,7 @@ class ZigzagAttention:
     ) -> None:
         self.part, self.comm, self.store, self.step = part, comm, store, step
         self.cpu_kernel = cpu_kernel  # ``attention.CPU_KERNELS``
-        self._halos: dict[int, tuple[HaloPlan, Tensor, Tensor, Tensor] | None] = {}
+        self._halos: dict[int, _HaloIndex | None] = {}
         self.exported: list[Tensor] = []  # per layer: [2, b - a, Hkv, D] (``step.export``)
         c, bs = part.cp_degree, step.block_size
         self.num_prefix_blocks = step.prefix_len // bs
@@ -113,9 +113,9 @@ class ZigzagAttention:
             prefix[0, : pk.shape[0]] = pk
             prefix[1, : pv.shape[0]] = pv
             kv_local = torch.cat((prefix, kv_local), dim=1)
-        halo = None if window is None else self._halo(window, kv_local)
+        halo = None if window is None else self._halo(window, kv_local.device)
         if halo is not None:  # [2, P + Rp, Hkv, D]: the rows some query sees or we store
-            keys = self._exchange(kv_local, *halo)
+            keys = self._exchange(kv_local, halo)
             suf = keys[:, step.prefix_len :]
         else:
             g = self.comm.all_gather(kv_local, tag="kv")  # [C, 2, W + 2s, Hkv, D]
@@ -136,32 +136,17 @@ class ZigzagAttention:
         # [1, H, T, D]: SDPA's fused CPU kernels need the batch dimension.
         kh, vh = keys[0].transpose(0, 1)[None], keys[1].transpose(0, 1)[None]  # [1, Hkv, N, D]
         qh = q.transpose(0, 1)[None]  # [1, Hq, 2s, D]
-        if window is not None or sinks is not None:
-            outs = [
-                self._banded(qh[:, :, lo:hi], kh, vh, start, window, sinks)
-                for lo, hi, start in self.blocks
-            ]
-            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-            return out[0].transpose(0, 1)
         outs = [
-            prefix_causal_attention(
-                qh[:, :, lo:hi],
-                kh[:, :, : start + hi - lo],
-                vh[:, :, : start + hi - lo],
-                start,
-                self.cpu_kernel,
-            )
+            self._attend(qh[:, :, lo:hi], kh, vh, start, window, sinks)
             for lo, hi, start in self.blocks
         ]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return out[0].transpose(0, 1)  # [2s, Hq, D]
 
-    def _halo(
-        self, window: int, kv_local: Tensor
-    ) -> tuple[HaloPlan, Tensor, Tensor, Tensor] | None:
-        """This rank's halo exchange for ``window`` (planned once per prefill), with
-        its index tensors; None where an all-gather is as good or the peers' writes
-        are unknown: one rank, or a window that sees the whole sequence."""
+    def _halo(self, window: int, device: torch.device) -> _HaloIndex | None:
+        """This rank's halo exchange for ``window``, planned once per prefill; None
+        where an all-gather is as good or the peers' writes are unknown: one rank, or
+        a window that sees the whole sequence."""
         if window not in self._halos:
             step, part = self.step, self.part
             whole = window >= step.prefix_len + part.padded_len
@@ -172,38 +157,36 @@ class ZigzagAttention:
                     part, self.comm.rank, step.prefix_len, step.block_size, window,
                     step.peer_writes, step.export,
                 )  # fmt: skip
-                dev = kv_local.device
-                own_rows = torch.tensor(plan.own_rows, dtype=torch.long, device=dev)
-                own_pos = torch.tensor(plan.own_positions, dtype=torch.long, device=dev)
-                got = [pos for peer in plan.recv_positions for pos in peer]
-                recv_pos = torch.tensor(got, dtype=torch.long, device=dev)
-                self._halos[window] = (plan, own_rows, own_pos, recv_pos)
+                self._halos[window] = _HaloIndex.of(plan, device)
         return self._halos[window]
 
-    def _exchange(
-        self, kv_local: Tensor, plan: HaloPlan, own_rows: Tensor, own_pos: Tensor, recv_pos: Tensor
-    ) -> Tensor:
+    def _exchange(self, kv_local: Tensor, halo: _HaloIndex) -> Tensor:
         """The sequence's K/V [2, P + Rp, Hkv, D] with the rows this rank holds or
         receives in one all-to-all (tag ``halo``) in place; zeros elsewhere (no query
         of this rank sees them)."""
         n = self.step.prefix_len + self.part.padded_len
         seq = kv_local.new_zeros((2, n, *kv_local.shape[2:]))
-        seq[:, own_pos] = kv_local[:, own_rows]
+        seq[:, halo.own_pos] = kv_local[:, halo.own_rows]
         rows = kv_local.transpose(0, 1)  # [W + 2s, 2, Hkv, D]
-        send = [rows[list(peer)] for peer in plan.send_rows]
-        recv = [len(peer) for peer in plan.recv_positions]
-        got = self.comm.all_to_all(send, recv, tag="halo")
-        if plan.received:
-            seq[:, recv_pos] = torch.cat(got).transpose(0, 1)
+        got = self.comm.all_to_all([rows[i] for i in halo.send], halo.recv_rows, tag="halo")
+        if halo.recv_pos.numel():
+            seq[:, halo.recv_pos] = torch.cat(got).transpose(0, 1)
         return seq
 
-    @staticmethod
-    def _banded(
-        q: Tensor, k: Tensor, v: Tensor, start: int, window: int | None, sinks: Tensor | None
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        start: int,
+        window: int | None,
+        sinks: Tensor | None,
     ) -> Tensor:
-        """Queries at ``start``.. over the keys they see: inside the window (when the
-        layer has one) and up to their own position."""
+        """Queries at ``start``.. over the keys they see: all before them and their
+        own causally, or with a window or sinks only those inside the window."""
         end = start + q.shape[2]
+        if window is None and sinks is None:
+            return prefix_causal_attention(q, k[:, :, :end], v[:, :, :end], start, self.cpu_kernel)
         first = 0 if window is None else max(0, start - window + 1)
         return windowed_attention(
             q, k[:, :, first:end], v[:, :, first:end], start, first, window, sinks
@@ -215,6 +198,30 @@ class ZigzagAttention:
         rows = (offsets[:, None] + torch.arange(bs, device=suf.device)[None, :]).flatten()
         slots = [slot for _, slot in self.step.write]
         self.store.write(slots, layer, suf[0, rows], suf[1, rows])  # type: ignore[union-attr]
+
+
+@dataclass(frozen=True)
+class _HaloIndex:
+    """A ``HaloPlan`` as the index tensors each layer's exchange uses."""
+
+    own_rows: Tensor  # local rows this rank holds ...
+    own_pos: Tensor  # ... and their positions
+    send: tuple[Tensor, ...]  # per peer: the local rows it gets
+    recv_rows: list[int]  # per peer: how many rows it sends here
+    recv_pos: Tensor  # the positions of every row received, in peer order
+
+    @classmethod
+    def of(cls, plan: HaloPlan, device: torch.device) -> _HaloIndex:
+        def index(values: tuple[int, ...]) -> Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        return cls(
+            own_rows=index(plan.own_rows),
+            own_pos=index(plan.own_positions),
+            send=tuple(index(peer) for peer in plan.send_rows),
+            recv_rows=[len(peer) for peer in plan.recv_positions],
+            recv_pos=index(tuple(pos for peer in plan.recv_positions for pos in peer)),
+        )
 
 
 @torch.inference_mode()

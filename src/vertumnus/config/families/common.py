@@ -86,7 +86,7 @@ def rope(raw: dict[str, Any], default_theta: float = 10_000.0) -> dict[str, Any]
     ``rope_parameters`` or 4.x's ``rope_theta`` and ``rope_scaling``."""
     params = dict(raw.get("rope_parameters") or {})
     scaling = raw.get("rope_scaling") or {}
-    if not params or ("rope_type" not in params and "type" not in params):
+    if "rope_type" not in params and "type" not in params:  # 4.x: the type in rope_scaling
         params = {**scaling, **params}
     rope_type = params.get("rope_type", params.get("type")) or "default"
     if rope_type not in ROPE_TYPES:
