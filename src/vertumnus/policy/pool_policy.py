@@ -23,7 +23,7 @@ and the copy lanes (``lanes``). A driver calls it with the time:
     outages.failed / reset / restored / abandoned   rank failures (``outages``)
 
 and does what it returns, ``Actions`` (``policy/pool_results.py``): placements,
-refusals, the copies or the switch the copy lanes allow now (``policy/lanes.py``),
+refusals, the copies or the switch the copy lanes allow now (``policy/stack/lanes.py``),
 workers woken. Pure Python, clock-free. Not owned here: moving bytes, timing,
 processes (the drivers).
 """
@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vertumnus.perfmodel import Profile
-from vertumnus.policy.admission import Admission
+from vertumnus.policy.stack.admission import Admission
 from vertumnus.policy.cache.copy_cost import CopyTimer
 from vertumnus.policy.cache.holds import Hold, Holds
 from vertumnus.policy.cache.index import WorkerCacheIndex
@@ -42,9 +42,9 @@ from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.cache.plans import CopyPlan
 from vertumnus.policy.controllers import build_controller
 from vertumnus.policy.costs import reuse_curves
-from vertumnus.policy.lanes import CopyLanes
+from vertumnus.policy.stack.lanes import CopyLanes
 from vertumnus.policy.lattice import Lattice, Reshape, WorkerState, composition_name
-from vertumnus.policy.outages import Outages
+from vertumnus.policy.stack.outages import Outages
 from vertumnus.policy.placement.routers import ROUTERS
 from vertumnus.policy.placement.scheduler import PlacementRequest, SchedulerConfig
 from vertumnus.policy.pool_config import PolicyConfig, PoolSpec, host_tiers
@@ -57,9 +57,9 @@ from vertumnus.policy.pool_results import (
     WindowOutcome,
     WindowPlan,
 )
-from vertumnus.policy.prefills import Prefills
-from vertumnus.policy.pulls import Pulls
-from vertumnus.policy.reshapes import Reshapes
+from vertumnus.policy.stack.prefills import Prefills
+from vertumnus.policy.stack.pulls import Pulls
+from vertumnus.policy.stack.reshapes import Reshapes
 from vertumnus.policy.transition import Reconfigurer, Transition
 
 
@@ -197,7 +197,7 @@ class PoolPolicy:
         """The worker's prefill under way, if any."""
         return self.prefills.running.get(worker_id)
 
-    # -- requests (``policy/admission.py``) ---------------------------------------------
+    # -- requests (``policy/stack/admission.py``) ---------------------------------------------
 
     def arrive(self, request: PlacementRequest, now: float) -> Actions:
         """A new request: placed on a worker, or waiting for one (while a reshape or a
@@ -232,7 +232,7 @@ class PoolPolicy:
     def retry_waiting(self, now: float) -> Actions:
         return self.admission.retry_waiting(now)
 
-    # -- a worker's prefills (``policy/prefills.py``) ------------------------------------
+    # -- a worker's prefills (``policy/stack/prefills.py``) ------------------------------------
 
     def start(self, worker_id: int, now: float) -> Started | None:
         """The next prefill of an idle, active worker (None: nothing to run)."""
@@ -254,7 +254,7 @@ class PoolPolicy:
         """The decode side has the KV (or gave up, or its time is up): the pin goes."""
         return self.prefills.release_hold(hold, now)
 
-    # -- the controller and reshapes (``policy/reshapes.py``) ------------------------------
+    # -- the controller and reshapes (``policy/stack/reshapes.py``) ------------------------------
 
     def end_window(self, now: float, final: bool = False) -> WindowOutcome:
         """The controller's decision, at once (``prepare_window``, its ``evaluate``,

@@ -19,7 +19,7 @@ the load-back cost.
 
 Pure Python, clock-free (``now`` is an argument). Not owned here: moving bytes (the
 drivers: the simulator only times it, the coordinator copies shared memory), which
-prefill loads what (``policy/prefills.py``), placement's prices (``scheduler``).
+prefill loads what (``policy/stack/prefills.py``), placement's prices (``scheduler``).
 """
 
 from __future__ import annotations

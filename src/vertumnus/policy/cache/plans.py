@@ -72,7 +72,7 @@ class CacheManagerConfig:
     # workload at x2.75 and x3 (4 best), and checked on the conversation trace.
     eviction_weight: float = 4.0
     # Copies on disjoint devices run at once ("device"); "serial": one at a time in
-    # the whole pool (``policy/lanes.py``).
+    # the whole pool (``policy/stack/lanes.py``).
     lanes: str = "device"
     # The host tier (``cache/host_tier.py``): bytes of host memory per host for the
     # KV blocks its ranks evict (0: none); ``host_tier_bound``: the simulator's bound,

@@ -4,7 +4,7 @@ A request that arrives is placed by the router on a candidate worker; its demand
 counted by the controller once, at its first placement (not again when a drain or a
 failure places it anew). With no candidate it waits while a worker is coming (a
 reshape or a restart under way) and is refused otherwise. Its placement may start a
-pull of its prefix (``policy/pulls.py``) on the copy lanes. A request leaves when
+pull of its prefix (``policy/stack/pulls.py``) on the copy lanes. A request leaves when
 its prefill commits, when the driver answers it with an error (``drop``), or when its
 client gives up (``abandon``: a queued or waiting one at once; a running one when it
 ends). Pure Python, clock-free. Not owned here: what runs on the workers
@@ -16,11 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from vertumnus.policy.control.rules import Controller
-from vertumnus.policy.lanes import CopyLanes
+from vertumnus.policy.stack.lanes import CopyLanes
 from vertumnus.policy.placement.scheduler import PlacementRequest, Scheduler
 from vertumnus.policy.pool_config import PolicyError
 from vertumnus.policy.pool_results import Actions
-from vertumnus.policy.pulls import Pulls
+from vertumnus.policy.stack.pulls import Pulls
 
 
 class Admission:

@@ -28,7 +28,7 @@ from vertumnus.policy.cache.ledger import KVLedger
 from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.control.candidates import PoolInputs
 from vertumnus.policy.control.rules import Controller
-from vertumnus.policy.lanes import CopyLanes
+from vertumnus.policy.stack.lanes import CopyLanes
 from vertumnus.policy.lattice import Lattice, Reshape
 from vertumnus.policy.placement.scheduler import Scheduler
 from vertumnus.policy.pool_config import PolicyConfig
