@@ -33,7 +33,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vertumnus.perfmodel import Profile
-from vertumnus.policy.stack.admission import Admission
 from vertumnus.policy.cache.copy_cost import CopyTimer
 from vertumnus.policy.cache.holds import Hold, Holds
 from vertumnus.policy.cache.index import WorkerCacheIndex
@@ -42,9 +41,7 @@ from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.cache.plans import CopyPlan
 from vertumnus.policy.controllers import build_controller
 from vertumnus.policy.costs import reuse_curves
-from vertumnus.policy.stack.lanes import CopyLanes
 from vertumnus.policy.lattice import Lattice, Reshape, WorkerState, composition_name
-from vertumnus.policy.stack.outages import Outages
 from vertumnus.policy.placement.routers import ROUTERS
 from vertumnus.policy.placement.scheduler import PlacementRequest, SchedulerConfig
 from vertumnus.policy.pool_config import PolicyConfig, PoolSpec, host_tiers
@@ -57,6 +54,9 @@ from vertumnus.policy.pool_results import (
     WindowOutcome,
     WindowPlan,
 )
+from vertumnus.policy.stack.admission import Admission
+from vertumnus.policy.stack.lanes import CopyLanes
+from vertumnus.policy.stack.outages import Outages
 from vertumnus.policy.stack.prefills import Prefills
 from vertumnus.policy.stack.pulls import Pulls
 from vertumnus.policy.stack.reshapes import Reshapes

@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from vertumnus.policy.control.rules import Controller
-from vertumnus.policy.stack.lanes import CopyLanes
 from vertumnus.policy.placement.scheduler import PlacementRequest, Scheduler
 from vertumnus.policy.pool_config import PolicyError
 from vertumnus.policy.pool_results import Actions
+from vertumnus.policy.stack.lanes import CopyLanes
 from vertumnus.policy.stack.pulls import Pulls
 
 

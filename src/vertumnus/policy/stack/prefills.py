@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from vertumnus.blocks import max_reuse_blocks
-from vertumnus.policy.stack.admission import Admission
 from vertumnus.policy.cache.holds import Hold, Holds, held_blocks
 from vertumnus.policy.cache.host_tier import HostTiers, Load
 from vertumnus.policy.cache.index import PrefillLease, WorkerCacheIndex
@@ -27,6 +26,7 @@ from vertumnus.policy.costs import ReuseCurve
 from vertumnus.policy.lattice import Lattice, WorkerState
 from vertumnus.policy.placement.scheduler import PlacementRequest, Scheduler
 from vertumnus.policy.pool_results import Actions, Finished, Running, Started
+from vertumnus.policy.stack.admission import Admission
 from vertumnus.policy.stack.pulls import Pulls
 
 

@@ -33,8 +33,8 @@ from vertumnus.policy.cache.index import PrefillLease, WorkerCacheIndex
 from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.cache.plans import CopyPlan
 from vertumnus.policy.cache.trie import Node, WorkerInfo
-from vertumnus.policy.stack.lanes import CopyLanes
 from vertumnus.policy.placement.scheduler import PlacementRequest, Scheduler
+from vertumnus.policy.stack.lanes import CopyLanes
 
 
 class Pulls:

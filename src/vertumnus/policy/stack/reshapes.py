@@ -28,11 +28,11 @@ from vertumnus.policy.cache.ledger import KVLedger
 from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.control.candidates import PoolInputs
 from vertumnus.policy.control.rules import Controller
-from vertumnus.policy.stack.lanes import CopyLanes
 from vertumnus.policy.lattice import Lattice, Reshape
 from vertumnus.policy.placement.scheduler import Scheduler
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.policy.pool_results import Actions, Running, Switch, WindowOutcome, WindowPlan
+from vertumnus.policy.stack.lanes import CopyLanes
 from vertumnus.policy.transition import Phase, Reconfigurer, Transition, operator_reshape
 
 
