@@ -22,8 +22,8 @@ from vertumnus.capacity import (
     measure_capacity,
 )
 from vertumnus.perfmodel import DegreeCoeffs, Profile
-from vertumnus.sim.traces import load_trace
 from vertumnus.slo import TtftSlo
+from vertumnus.traces import load_trace
 
 # A made-up accelerator with a real profile's shape: C=4 pays start-up and a
 # per-token overhead, and wins on long inputs.

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from vertumnus import loadgen
-from vertumnus.sim.traces import Trace, TraceRequest
 from vertumnus.slo import TtftSlo
+from vertumnus.traces import Trace, TraceRequest
 
 
 def test_equal_hash_ids_give_equal_token_prefixes() -> None:

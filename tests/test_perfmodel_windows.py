@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from vertumnus.__main__ import main
 from vertumnus.config import ModelConfig
+from vertumnus.config.model import attention_mix
 from vertumnus.perfmodel import (
     FULL,
     AttentionMix,
@@ -23,7 +24,6 @@ from vertumnus.perfmodel import (
     Profile,
     ProfileError,
     Sample,
-    attention_mix,
     attention_work,
     fit_degree,
     fit_profile,

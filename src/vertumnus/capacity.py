@@ -23,7 +23,7 @@ The run is long enough to span ``num_windows`` windows at full load, and at leas
 degree-1 worker facing long requests under a scaled SLO), ``kappa`` is 0.
 
 Pure Python and clock-free: ``PredictFn`` is any E_C(R, P), such as
-``Profile.predict``. Not owned here: the length mixes' sources (``sim.traces``) and
+``Profile.predict``. Not owned here: the length mixes' sources (``traces.py``) and
 writing the result into a profile (``cli/capacity.py``).
 """
 
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from vertumnus.sim.traces import Trace
 from vertumnus.slo import DEFAULT_ATTAINMENT, DEFAULT_TTFT_SLO, PredictFn, TtftSlo
+from vertumnus.traces import Trace
 
 BUILTIN_MIX = "mooncake-conversation"
 

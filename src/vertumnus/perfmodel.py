@@ -17,13 +17,15 @@ only fitting imports numpy and scipy.
 W above is a layer of full causal attention. A layer with a sliding window of w tokens
 (query i sees keys i - w < j <= i) has W_w(R, P) = sum over the positions P..P+R-1 of
 min(position + 1, w) = m*P + m*(m+1)/2 + (R - m)*w, m = clamp(w - P, 0, R). A model's
-``AttentionMix`` (the share of its layers per window, ``attention_mix``) makes W the
-layers' average, sum over groups of share * W_group. The mix rides on every degree's
-coefficients (so the policy's ``ReuseCurve`` sees it) and is stored once in a
-profile's JSON (``"attention"``; absent: every layer full).
+``AttentionMix`` (the share of its layers per window) makes W the layers' average, sum
+over groups of share * W_group. The mix rides on every degree's coefficients (so the
+policy's ``ReuseCurve`` sees it) and is stored once in a profile's JSON
+(``"attention"``; absent: every layer full).
 
 Not owned here: measuring samples on the engine (``profile``) and capacity
-(``capacity``), which produce the inputs and the ``capacity`` section of a profile.
+(``capacity``), which produce the inputs and the ``capacity`` section of a profile; a
+model's mix (``config.model.attention_mix``: the configuration imports this module,
+never the reverse).
 """
 
 from __future__ import annotations
@@ -36,10 +38,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from vertumnus.config import ModelConfig
+from typing import Any
 
 COEFF_NAMES = ("d", "a", "b", "c", "alpha")
 CSV_HEADER = ("degree", "uncached_tokens", "cached_tokens", "seconds")
@@ -119,11 +118,6 @@ class AttentionMix:
 
 
 FULL = AttentionMix()
-
-
-def attention_mix(model: ModelConfig) -> AttentionMix:
-    """The mix of ``model``'s layers (``ModelConfig.windows``)."""
-    return AttentionMix.of_windows(model.windows)
 
 
 @dataclass(frozen=True)

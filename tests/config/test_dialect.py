@@ -190,7 +190,7 @@ def test_an_experiment_file_is_not_a_simulate_configuration(tmp_path: Path) -> N
     path = tmp_path / "experiment.toml"
     path.write_text('[experiment]\nvariants = [{ label = "a", preset = "fixed" }]\n')
     with pytest.raises(
-        ConfigError, match=r"run it with `python tools/experiments/sim_experiment\.py"
+        ConfigError, match=r"run it with `python -m tools\.experiments\.sim_experiment"
     ):
         sim_config.load(path, {})
 

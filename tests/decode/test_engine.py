@@ -24,9 +24,10 @@ from support.reference import Checkpoint, make_hf_moe
 from vertumnus.config import ModelConfig
 from vertumnus.decode.engine import DecodeEngine, StepOutput
 from vertumnus.decode.loop import DecodeFailure, DecodeLoop, NewSequence
-from vertumnus.decode.sampling import Choosing, SamplingParams, adjust
+from vertumnus.decode.sampling import Choosing, adjust
 from vertumnus.engine.model import CausalLM, causal_attention
 from vertumnus.engine.weights import load_model, random_model
+from vertumnus.protocol.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0.0)

@@ -30,7 +30,7 @@ from support.tokenizer import make_tokenizer
 from vertumnus.decode.engine import DecodeEngine
 from vertumnus.engine.model import CausalLM
 from vertumnus.engine.weights import load_model
-from vertumnus.server.tokenizer import Tokenizer
+from vertumnus.protocol.tokenizer import Tokenizer
 
 Client = TestClient[web.Request, web.Application]
 NAME = "org/reference"  # served under a name with a slash, as a Hugging Face id

@@ -1,6 +1,7 @@
 """Token choice from logits (``decode/sampling.py``): greedy is the argmax, top-p
 keeps the smallest set of most likely ids that reaches the mass, seeded draws are
-reproducible and follow the distribution, and bad parameters are refused."""
+reproducible and follow the distribution, and bad parameters are refused
+(``protocol/sampling_params.py``)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,8 @@ import math
 import pytest
 import torch
 
-from vertumnus.decode.sampling import (
-    SamplingParams,
-    make_generator,
-    nucleus_probs,
-    sample,
-    sample_rows,
-)
+from vertumnus.decode.sampling import make_generator, nucleus_probs, sample, sample_rows
+from vertumnus.protocol.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 # Probabilities 0.5, 0.3, 0.15, 0.05 as logits.
@@ -141,7 +137,8 @@ def test_top_k_and_min_p_truncate() -> None:
 
 
 def test_top_logprobs_are_raw_and_sorted() -> None:
-    from vertumnus.decode.sampling import LOGPROB_FLOOR, top_logprobs
+    from vertumnus.decode.sampling import top_logprobs
+    from vertumnus.protocol.sampling_params import LOGPROB_FLOOR
 
     logits = torch.tensor([[0.0, 1.0, float("-inf")], [3.0, 0.0, 0.0]])
     first, second = top_logprobs(logits, [2, 0], k=2)

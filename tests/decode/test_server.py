@@ -34,9 +34,11 @@ from support.factories import make_tokens
 from vertumnus.config import ConfigError
 from vertumnus.config.model import eos_token_ids
 from vertumnus.decode.engine import DecodeEngine, StepOutput
-from vertumnus.decode.kv_client import HandoffError, pull, release
+from vertumnus.decode.kv_client import release
+from vertumnus.decode.kv_pull import pull
 from vertumnus.engine.model import CausalLM
-from vertumnus.server.tokenizer import Tokenizer
+from vertumnus.kv_wire import HandoffError
+from vertumnus.protocol.tokenizer import Tokenizer
 
 API_KEY = "decode-key-0123456789abcdef"
 TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}

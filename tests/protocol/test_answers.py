@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from vertumnus.decode.sampling import TokenLogprobs
 from vertumnus.protocol.answers import Answer
 from vertumnus.protocol.request import Served, parse
-from vertumnus.server.tokenizer import Tokenizer
+from vertumnus.protocol.sampling_params import TokenLogprobs
+from vertumnus.protocol.tokenizer import Tokenizer
 
 TOK = Tokenizer.for_model(None, 1024)
 SERVED = Served("tiny", TOK, vocab_size=1024, max_model_len=256)

@@ -10,8 +10,8 @@ import transformers
 
 from support.tokenizer import make_tokenizer
 from vertumnus.protocol.chat import ChatTemplate, check_messages
-from vertumnus.server.http import BadRequest
-from vertumnus.server.tokenizer import Tokenizer
+from vertumnus.protocol.errors import BadRequest
+from vertumnus.protocol.tokenizer import Tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello, world!"}],

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
+from vertumnus.protocol.errors import BadRequest
 from vertumnus.protocol.request import COMPLETION_MAX_TOKENS, Served, parse
-from vertumnus.server.http import BadRequest
-from vertumnus.server.tokenizer import Tokenizer
+from vertumnus.protocol.tokenizer import Tokenizer
 
 SERVED = Served("tiny", Tokenizer.for_model(None, 1024), vocab_size=1024, max_model_len=64)
 

@@ -13,10 +13,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from vertumnus.config import ConfigError
+from vertumnus.protocol.tokenizer import Tokenizer
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.serve_config import ServeConfig, load
 from vertumnus.server.app import build_app
-from vertumnus.server.tokenizer import Tokenizer
 from vertumnus.slo import TtftSlo
 
 ADMIN = "admin-token-0123456789"

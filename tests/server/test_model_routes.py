@@ -14,10 +14,10 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from support.tokenizer import make_tokenizer
 from vertumnus.protocol.request import Served, parse
+from vertumnus.protocol.tokenizer import Tokenizer
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.serve_config import ServeConfig
 from vertumnus.server.app import build_app
-from vertumnus.server.tokenizer import Tokenizer
 
 KEY = "api-key-0123456789abcdef"
 MAX_LEN = 65536  # the tiny preset's positions

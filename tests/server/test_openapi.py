@@ -11,16 +11,16 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from vertumnus.decode.sampling import TokenLogprobs
 from vertumnus.protocol.answers import Answer
+from vertumnus.protocol.errors import BadRequest
 from vertumnus.protocol.request import CHAT, CHAT_OFF, COMPLETION, COMPLETION_OFF, Served, parse
+from vertumnus.protocol.sampling_params import TokenLogprobs
+from vertumnus.protocol.tokenizer import Tokenizer
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.serve_config import ServeConfig
 from vertumnus.server import openai_schemas as schemas
 from vertumnus.server.app import build_app
-from vertumnus.server.http import BadRequest
 from vertumnus.server.openapi import OPENAPI, served_document
-from vertumnus.server.tokenizer import Tokenizer
 
 TOK = Tokenizer.for_model(None, 1024)
 SERVED = Served("tiny", TOK, vocab_size=1024, max_model_len=256)

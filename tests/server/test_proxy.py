@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from support.pool_app import DECODE_TIMINGS, FakeDecode, pool_app, post, stream_events
-from vertumnus.runtime.coordinator import Coordinator, Unavailable
+from vertumnus.runtime.coordinator import Coordinator
+from vertumnus.runtime.request_path import Unavailable
 from vertumnus.runtime.serve_config import DecodeConfig, ServeConfig
 from vertumnus.server.answers import serve_prefills
 from vertumnus.server.proxy import DecodeProxy

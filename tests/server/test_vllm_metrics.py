@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from vertumnus.protocol.tokenizer import Tokenizer
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.metrics import Metrics
 from vertumnus.runtime.serve_config import ServeConfig
 from vertumnus.runtime.vllm_metrics import E2E_BUCKETS, TTFT_BUCKETS
 from vertumnus.server.app import build_app
-from vertumnus.server.tokenizer import Tokenizer
 
 MODEL = {"model_name": "Qwen/Qwen3-0.6B"}
 TYPES = {

@@ -13,8 +13,8 @@ import pytest
 from scipy.optimize import linprog
 
 from vertumnus.perfmodel import Profile
-from vertumnus.policy.lattice import composition_name, reachable_compositions
-from vertumnus.sim import scenarios
+from vertumnus.policy.geometry import composition_name, reachable_compositions
+from vertumnus.sim import families, scenarios, sessions
 from vertumnus.sim.config import DEFAULT_POOL, DEFAULT_PROFILE
 from vertumnus.sim.saturation import fluid_rate, saturation
 from vertumnus.sim.workload import SimRequest
@@ -75,7 +75,7 @@ def test_parameters_fall_in_their_ranges(
         else:
             assert 1.5 <= max(ratio, 1 / ratio) <= 4
     assert {s.shape for s, _ in drawn} == set(scenarios.SHAPES)
-    assert {s.family for s, _ in drawn} == set(scenarios.FAMILIES)
+    assert {s.family for s, _ in drawn} == set(families.FAMILIES)
 
 
 def test_realised_reuse_long_share_and_load_span_the_targets(
@@ -106,8 +106,8 @@ def test_block_ids_name_whole_prefixes(profile: Profile) -> None:
         reqs = scenarios.requests(scenario)
         prefix_of: dict[int, tuple[int, ...]] = {}
         for r in reqs:
-            assert len(r.block_ids) == r.input_tokens // scenarios.BLOCK_TOKENS
-            assert r.input_tokens <= scenarios.MAX_TOKENS
+            assert len(r.block_ids) == r.input_tokens // sessions.BLOCK_TOKENS
+            assert r.input_tokens <= families.MAX_TOKENS
             for j, block in enumerate(r.block_ids):
                 assert prefix_of.setdefault(block, r.block_ids[:j]) == r.block_ids[:j]
         assert [r.request_id for r in reqs] == list(range(len(reqs)))
@@ -133,7 +133,7 @@ def test_unbounded_reuse_counts_leading_blocks_seen_before() -> None:
         req(2, 1536, (1, 2, 3)),  # at most all but its last token: two blocks
         req(3, 1024, (5, 2)),  # block 2 after another prefix: not a reuse
     ]
-    assert scenarios.unbounded_reuse(reqs) == [0, 1536, 1024, 0]
+    assert sessions.unbounded_reuse(reqs) == [0, 1536, 1024, 0]
 
 
 def lp_rate(work: list[dict[int, float]], comp: dict[int, int]) -> float:

@@ -16,11 +16,12 @@ from vertumnus.__main__ import main
 from vertumnus.config import ConfigError
 from vertumnus.perfmodel import DegreeCoeffs, Profile
 from vertumnus.policy.cache.plans import CacheManagerConfig
-from vertumnus.policy.control.rules import ControllerConfig
-from vertumnus.policy.lattice import LatticeConfig
+from vertumnus.policy.control.config import ControllerConfig
+from vertumnus.policy.geometry import LatticeConfig
 from vertumnus.policy.pool_config import PRESETS, PolicyConfig, PoolSpec
 from vertumnus.sim.report import percentile, summarize
-from vertumnus.sim.simulator import SimSettings, Simulation, SimulationError
+from vertumnus.sim.simulator import Simulation
+from vertumnus.sim.time_model import SimSettings, SimulationError
 from vertumnus.sim.workload import LengthDistribution, Phase, SimRequest, phased
 from vertumnus.slo import TtftSlo
 

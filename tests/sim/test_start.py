@@ -26,7 +26,7 @@ from vertumnus.policy.control.candidates import best_start
 from vertumnus.policy.control.forecast import ArrivalSample
 from vertumnus.policy.control.replay import ReplayModel
 from vertumnus.policy.costs import reuse_curves
-from vertumnus.policy.lattice import LatticeConfig
+from vertumnus.policy.geometry import LatticeConfig
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.policy.start import mix_samples, replay_start
 from vertumnus.sim import config as sim_config

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from vertumnus.sim.traces import MOONCAKE_BLOCK_TOKENS, TraceError, load_trace
+from vertumnus.traces import MOONCAKE_BLOCK_TOKENS, TraceError, load_trace
 
 SHARED_TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 

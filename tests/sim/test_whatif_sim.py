@@ -11,9 +11,9 @@ import pytest
 
 from support.factories import make_profile
 from vertumnus.perfmodel import DegreeCoeffs
-from vertumnus.policy.control.rules import ControllerConfig
+from vertumnus.policy.control.config import ControllerConfig
 from vertumnus.policy.control.whatif import WhatIfController
-from vertumnus.policy.lattice import LatticeConfig
+from vertumnus.policy.geometry import LatticeConfig
 from vertumnus.policy.pool_config import PolicyConfig, PoolSpec
 from vertumnus.sim.simulator import Simulation
 from vertumnus.sim.time_model import SimSettings, SimulationError

@@ -10,7 +10,6 @@ import pytest
 from vertumnus.config import ConfigError
 from vertumnus.config.pool import parse_composition
 from vertumnus.sim.config import load
-from vertumnus.sim.traces import Trace, TraceRequest
 from vertumnus.sim.workload import (
     LengthDistribution,
     Phase,
@@ -20,6 +19,7 @@ from vertumnus.sim.workload import (
     phased,
     transform,
 )
+from vertumnus.traces import Trace, TraceRequest
 
 
 def test_trace_block_ids_are_shifted_off_the_root() -> None:

@@ -11,7 +11,8 @@ coordinator, the simulator and the CLI read these without loading the engine.
 """
 
 from vertumnus.config.engine import EngineConfig
-from vertumnus.config.model import PRESETS, SUPPORTED_ARCHITECTURES, ModelConfig, resolve_model
+from vertumnus.config.families import SUPPORTED_ARCHITECTURES
+from vertumnus.config.model import PRESETS, ModelConfig, resolve_model
 from vertumnus.config.tables import ConfigError, build_table, read_toml
 
 __all__ = [

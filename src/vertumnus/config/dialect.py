@@ -44,9 +44,9 @@ from typing import Any
 
 from vertumnus.config.engine import EngineConfig
 from vertumnus.config.tables import ConfigError, build_table
-from vertumnus.policy.cache.ledger import RetentionConfig
 from vertumnus.policy.cache.plans import CacheManagerConfig
-from vertumnus.policy.control.rules import ControllerConfig
+from vertumnus.policy.cache.retention import RetentionConfig
+from vertumnus.policy.control.config import ControllerConfig
 from vertumnus.policy.costs import CostWeights
 from vertumnus.policy.pool_config import PolicyConfig, PolicyError, preset
 
@@ -75,7 +75,7 @@ def check_tables(raw: Mapping[str, Any], where: str) -> None:
         if name == "experiment":
             raise ConfigError(
                 f"{where}: [experiment] is an experiment file's table: run it with "
-                f"`python tools/experiments/sim_experiment.py {where}`"
+                f"`python -m tools.experiments.sim_experiment {where}`"
             )
         if name in MOVED:
             raise ConfigError(f"{where}: [{name}] is gone: write {MOVED[name]}")

@@ -3,7 +3,9 @@
 A model config is read from a Hugging Face style ``config.json`` by the family its
 ``architectures`` name (``config/families/``: Qwen3, Llama, Mistral, Qwen2, Mixtral,
 Qwen2-MoE, gpt-oss) or taken from a built-in preset (``tiny`` for tests and the CPU
-demo, ``qwen3-0.6b-4l`` for benchmarks), whose weights are seeded random.
+demo, ``qwen3-0.6b-4l`` for benchmarks), whose weights are seeded random. A model's
+``attention_mix`` is its layers' windows as the execution-time model counts them
+(``perfmodel.AttentionMix``, which knows nothing of the configuration).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from typing import Any
 from vertumnus.config.families import SUPPORTED_ARCHITECTURES, family_of
 from vertumnus.config.families.common import ROPE_TYPES
 from vertumnus.config.tables import ConfigError
+from vertumnus.perfmodel import AttentionMix
 
-__all__ = ["PRESETS", "SUPPORTED_ARCHITECTURES", "ModelConfig", "resolve_model"]
+__all__ = ["PRESETS", "ModelConfig", "attention_mix", "resolve_model"]
 ROUTERS = ("softmax_topk", "topk_softmax")
 EXPERT_ACTS = ("swiglu", "clamped_swiglu")
 
@@ -284,6 +287,11 @@ PRESETS: dict[str, ModelConfig] = {
         name="qwen3-0.6b-4l",
     ),
 }
+
+
+def attention_mix(model: ModelConfig) -> AttentionMix:
+    """The mix of ``model``'s layers (``ModelConfig.windows``)."""
+    return AttentionMix.of_windows(model.windows)
 
 
 def resolve_model(spec: str) -> tuple[ModelConfig, str | None]:

@@ -37,7 +37,8 @@ from typing import Any
 from vertumnus.config.engine import EngineConfig
 from vertumnus.config.tables import ConfigError
 from vertumnus.policy.control.composition import layout_for
-from vertumnus.policy.lattice import Lattice, LatticeConfig, LatticeError
+from vertumnus.policy.geometry import LatticeConfig, LatticeError
+from vertumnus.policy.lattice import Lattice
 from vertumnus.policy.pool_config import PoolSpec
 
 _COMPOSITION = re.compile(r"^\s*(\d+)\s*CP\s*(\d+)\s*$", re.IGNORECASE)

@@ -40,10 +40,10 @@ from vertumnus.config.tables import ConfigError
 from vertumnus.perfmodel import Profile
 from vertumnus.policy.control.composition import layout_for
 from vertumnus.policy.control.forecast import ArrivalSample
-from vertumnus.policy.lattice import LatticeConfig, composition_name
+from vertumnus.policy.geometry import LatticeConfig, composition_name
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.policy.start import PoolState, mix_samples, replay_start, trace_samples
-from vertumnus.sim.traces import TraceError, load_trace
+from vertumnus.traces import TraceError, load_trace
 
 START_SEED = 0  # the built-in mix's arrivals and lengths
 SOURCES = ("start_workload", "state_file", "builtin_mix")

@@ -30,10 +30,11 @@ from vertumnus.decode.keys import RESOURCES, SETTINGS
 from vertumnus.decode.kv_pull import PulledKV
 from vertumnus.decode.loop import DecodeFailure, DecodeLoop, Deliver, NewSequence
 from vertumnus.decode.timings import Timings
+from vertumnus.http_json import json_response
 from vertumnus.protocol.answers import Answer
 from vertumnus.protocol.choices import Choice
+from vertumnus.protocol.errors import error_body
 from vertumnus.protocol.request import GenerateRequest, Prompt
-from vertumnus.server.http import error_body, json_response
 
 log = structlog.get_logger("vertumnus.decode")
 DONE = b"data: [DONE]\n\n"

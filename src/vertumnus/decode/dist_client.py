@@ -27,18 +27,12 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from vertumnus import kv_wire as wire
 from vertumnus.config import ModelConfig
-from vertumnus.decode.kv_client import (
-    DEFAULT_TIMEOUT_S,
-    TORCH_DTYPES,
-    HandoffError,
-    PulledKV,
-    _auth,
-    _error_of,
-    _session,
-    check_header,
-)
+from vertumnus.decode.kv_client import DEFAULT_TIMEOUT_S, _auth, _error_of, _session
+from vertumnus.decode.kv_pull import PulledKV
+from vertumnus.decode.kv_stream import TORCH_DTYPES, check_header
 from vertumnus.decode.prompt_kv import PromptKV
 from vertumnus.engine.comm import make_group
+from vertumnus.kv_wire import HandoffError
 
 
 async def pull_dist(

@@ -48,16 +48,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vertumnus.decode.prompt_kv import PromptKV
-from vertumnus.decode.sampling import (
-    LOGPROB_FLOOR,
-    Choosing,
-    SamplingParams,
-    TokenLogprobs,
-    choose_rows,
-    make_generator,
-)
+from vertumnus.decode.sampling import Choosing, choose_rows, make_generator
 from vertumnus.engine.attention import banded_attention
 from vertumnus.engine.model import CausalLM
+from vertumnus.protocol.sampling_params import LOGPROB_FLOOR, SamplingParams, TokenLogprobs
 
 # Positions a new cache holds beyond the prompt before its first growth.
 INITIAL_HEADROOM = 64

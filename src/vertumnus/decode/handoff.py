@@ -24,14 +24,8 @@ from aiohttp import web
 
 from vertumnus.decode.dist_client import pull_dist
 from vertumnus.decode.keys import RESOURCES, SETTINGS
-from vertumnus.decode.kv_client import (
-    HandoffError,
-    PulledKV,
-    TransferParams,
-    pull,
-    release,
-    request_prefill,
-)
+from vertumnus.decode.kv_client import TransferParams, release, request_prefill
+from vertumnus.decode.kv_pull import PulledKV, pull
 from vertumnus.decode.transfer import (
     FIELD,
     PromptTransfer,
@@ -39,9 +33,11 @@ from vertumnus.decode.transfer import (
     read_entry,
     transfer_list,
 )
+from vertumnus.http_json import error_response
+from vertumnus.kv_wire import HandoffError
 from vertumnus.protocol.answers import PromptLogprobs
+from vertumnus.protocol.errors import BadRequest
 from vertumnus.protocol.request import GenerateRequest
-from vertumnus.server.http import BadRequest, error_response
 
 log = structlog.get_logger("vertumnus.decode")
 T = TypeVar("T")

@@ -14,7 +14,7 @@ from vertumnus.config import ModelConfig
 from vertumnus.decode.kv_client import DEFAULT_TIMEOUT_S, PREFILL_TIMEOUT_S
 from vertumnus.decode.loop import DecodeLoop
 from vertumnus.protocol.request import Served
-from vertumnus.server.tokenizer import Tokenizer
+from vertumnus.protocol.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -18,20 +18,10 @@ from typing import Any
 import aiohttp
 import orjson
 
-from vertumnus.decode.kv_pull import PulledKV, error_message, pull
-from vertumnus.decode.kv_stream import TORCH_DTYPES, check_header
+from vertumnus.decode.kv_pull import error_message
 from vertumnus.kv_wire import HandoffError
 
-__all__ = [
-    "TORCH_DTYPES",
-    "HandoffError",
-    "PulledKV",
-    "TransferParams",
-    "check_header",
-    "pull",
-    "release",
-    "request_prefill",
-]
+__all__ = ["TransferParams", "release", "request_prefill"]
 
 DEFAULT_TIMEOUT_S = 60.0  # connect, and the longest wait for the next bytes
 # A prefill answers only when done: a long prompt behind a queue takes minutes.

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from vertumnus.decode.engine import DecodeEngine, StepOutput
 from vertumnus.decode.prompt_kv import PromptKV
-from vertumnus.decode.sampling import SamplingParams
+from vertumnus.protocol.sampling_params import SamplingParams
 
 log = structlog.get_logger("vertumnus.decode")
 

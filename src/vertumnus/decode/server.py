@@ -45,13 +45,9 @@ from vertumnus.decode.keys import (
     DecodeSettings,
     Resources,
 )
-from vertumnus.decode.kv_client import HandoffError
 from vertumnus.decode.loop import DecodeLoop
 from vertumnus.decode.timings import Timings
-from vertumnus.protocol.answers import Answer
-from vertumnus.protocol.request import Served, parse
-from vertumnus.server.http import (
-    BadRequest,
+from vertumnus.http_json import (
     bad_request,
     bearer,
     error_response,
@@ -61,7 +57,11 @@ from vertumnus.server.http import (
     model_list,
     parse_json,
 )
-from vertumnus.server.tokenizer import Tokenizer
+from vertumnus.kv_wire import HandoffError
+from vertumnus.protocol.answers import Answer
+from vertumnus.protocol.errors import BadRequest
+from vertumnus.protocol.request import Served, parse
+from vertumnus.protocol.tokenizer import Tokenizer
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 log = structlog.get_logger("vertumnus.decode")

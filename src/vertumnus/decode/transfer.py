@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
+from vertumnus.decode.first_token import prompt_entries
 from vertumnus.decode.kv_client import TransferParams
 from vertumnus.protocol.answers import PromptLogprobs
-from vertumnus.protocol.first_token import prompt_entries
+from vertumnus.protocol.errors import BadRequest
 from vertumnus.protocol.request import GenerateRequest, Prompt
-from vertumnus.server.http import BadRequest
 
 FIELD = "kv_transfer_params"
 

@@ -22,7 +22,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vertumnus.sim.traces import MOONCAKE_BLOCK_TOKENS, Trace
+from vertumnus.traces import MOONCAKE_BLOCK_TOKENS, Trace
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,10 @@ import time
 import uuid
 from typing import Any
 
-from vertumnus.decode.sampling import TokenLogprobs
 from vertumnus.protocol.choices import Choice, chat_logprobs, completion_logprobs
 from vertumnus.protocol.request import GenerateRequest
-from vertumnus.server.tokenizer import Tokenizer
+from vertumnus.protocol.sampling_params import TokenLogprobs
+from vertumnus.protocol.tokenizer import Tokenizer
 
 # Per prompt: (token id, its log-probabilities) for every prompt token; None for the
 # first, which has none.

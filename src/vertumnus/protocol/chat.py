@@ -24,7 +24,7 @@ import jinja2.ext
 import jinja2.sandbox
 from jinja2 import nodes
 
-from vertumnus.server.http import BadRequest
+from vertumnus.protocol.errors import BadRequest
 
 BUILTIN = (
     "{% for message in messages %}"

@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vertumnus.decode.sampling import TokenLogprobs
 from vertumnus.protocol.request import GenerateRequest, Prompt
-from vertumnus.server.tokenizer import Tokenizer
+from vertumnus.protocol.sampling_params import TokenLogprobs
+from vertumnus.protocol.tokenizer import Tokenizer
 
 
 class Detokenizer:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from vertumnus.server.http import BadRequest
+from vertumnus.protocol.errors import BadRequest
 
 Body = dict[str, Any]
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vertumnus.decode.sampling import SamplingParams
 from vertumnus.protocol import fields
 from vertumnus.protocol.chat import check_messages
-from vertumnus.server.http import BadRequest
-from vertumnus.server.tokenizer import Tokenizer, TokenizerError
+from vertumnus.protocol.errors import BadRequest
+from vertumnus.protocol.sampling_params import SamplingParams
+from vertumnus.protocol.tokenizer import Tokenizer, TokenizerError
 
 MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default max_logprobs)
 MAX_SEQUENCES = 128  # sequences one request may decode: prompts x best_of

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from vertumnus.http_json import Handler, bearer, error_response, matches
 from vertumnus.server import handoff_routes
-from vertumnus.server.http import Handler, bearer, error_response, matches
 from vertumnus.server.keys import COORDINATOR
 
 KEYED = frozenset({"/tokenize", "/detokenize"})  # outside /v1, behind the API key too

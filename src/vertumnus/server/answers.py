@@ -21,14 +21,14 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from vertumnus.decode.first_token import first_tokens, prompt_entries
+from vertumnus.http_json import error_response
 from vertumnus.protocol.answers import Answer
-from vertumnus.protocol.first_token import first_tokens, prompt_entries
 from vertumnus.protocol.request import GenerateRequest
-from vertumnus.runtime.coordinator import Coordinator, Overloaded, Unavailable
+from vertumnus.protocol.tokenizer import Tokenizer
+from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.ranks import RanksError
-from vertumnus.runtime.request_path import InternalError, PrefillResult
-from vertumnus.server.http import error_response
-from vertumnus.server.tokenizer import Tokenizer
+from vertumnus.runtime.request_path import InternalError, Overloaded, PrefillResult, Unavailable
 
 
 async def serve_prefill(

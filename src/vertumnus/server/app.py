@@ -27,6 +27,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from vertumnus.config.model import eos_token_ids
+from vertumnus.http_json import json_errors
+from vertumnus.protocol.tokenizer import Tokenizer
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.server import (
     completion_routes,
@@ -36,7 +38,6 @@ from vertumnus.server import (
     pool_routes,
 )
 from vertumnus.server.access import access
-from vertumnus.server.http import json_errors
 from vertumnus.server.keys import (
     ADDRESS,
     COORDINATOR,
@@ -45,7 +46,6 @@ from vertumnus.server.keys import (
     TOKENIZER,
     Completer,
 )
-from vertumnus.server.tokenizer import Tokenizer
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 

@@ -12,7 +12,7 @@ The prefill's body is read in ``request_bodies.py``, the completions' in
 ``protocol/request.py``; answers are shaped in ``answers.py``. A 400 names the field
 at fault (``param``). The pool's own answer prefills every prompt at once and
 chooses each copy's token from its prompt's last logits
-(``protocol/first_token.py``). ``kv_transfer_params`` with ``do_remote_decode``
+(``decode/first_token.py``). ``kv_transfer_params`` with ``do_remote_decode``
 there keeps the KV of its one prompt for a decode server, and the answer says
 where; a proxy's own path sets them itself.
 """
@@ -23,10 +23,11 @@ import time
 
 from aiohttp import web
 
+from vertumnus.http_json import bad_request, json_response
+from vertumnus.protocol.errors import BadRequest
 from vertumnus.protocol.request import GenerateRequest, Served, parse
 from vertumnus.server.answers import pool_answer, serve_prefill, serve_prefills
 from vertumnus.server.handoff_routes import transfer_params
-from vertumnus.server.http import BadRequest, bad_request, json_response
 from vertumnus.server.keys import COORDINATOR, EOS_TOKEN_IDS, PROXY, TOKENIZER
 from vertumnus.server.request_bodies import PrefillRequest, handoff_asked, read_body
 

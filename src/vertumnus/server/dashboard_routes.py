@@ -26,8 +26,8 @@ import structlog
 from aiohttp import web
 
 from vertumnus.dashboard import LIVE_ASSETS, asset, live_page
+from vertumnus.http_json import error_response, json_response
 from vertumnus.runtime.coordinator import Coordinator
-from vertumnus.server.http import error_response, json_response
 from vertumnus.server.keys import COORDINATOR
 
 log = structlog.get_logger("vertumnus")

@@ -9,8 +9,8 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from vertumnus.protocol.request import GenerateRequest
+from vertumnus.protocol.tokenizer import Tokenizer
 from vertumnus.runtime.coordinator import Coordinator
-from vertumnus.server.tokenizer import Tokenizer
 
 COORDINATOR = web.AppKey("coordinator", Coordinator)
 TOKENIZER = web.AppKey("tokenizer", Tokenizer)

@@ -21,18 +21,12 @@ from typing import Any
 
 from aiohttp import web
 
+from vertumnus.http_json import bad_request, json_response, model_card, model_list, parse_json
 from vertumnus.protocol import fields
+from vertumnus.protocol.errors import BadRequest
 from vertumnus.protocol.request import Served, chat_prompt, check_model
-from vertumnus.server.http import (
-    BadRequest,
-    bad_request,
-    json_response,
-    model_card,
-    model_list,
-    parse_json,
-)
+from vertumnus.protocol.tokenizer import TokenizerError
 from vertumnus.server.keys import COORDINATOR, TOKENIZER
-from vertumnus.server.tokenizer import TokenizerError
 
 TOKENIZE_TEXT = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
 TOKENIZE_CHAT = frozenset(

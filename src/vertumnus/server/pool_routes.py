@@ -15,10 +15,11 @@ import asyncio
 
 from aiohttp import web
 
-from vertumnus.policy.lattice import LatticeError
+from vertumnus.http_json import error_response, json_response
+from vertumnus.policy.geometry import LatticeError
+from vertumnus.protocol.errors import BadRequest
 from vertumnus.runtime.ranks import RanksError
 from vertumnus.runtime.reshaping import ReshapeFailed
-from vertumnus.server.http import BadRequest, error_response, json_response
 from vertumnus.server.keys import COORDINATOR, PROXY
 from vertumnus.server.openapi import served_document
 from vertumnus.server.request_bodies import read_body

@@ -39,8 +39,10 @@ import orjson
 import structlog
 from aiohttp import web
 
-from vertumnus.decode.sampling import LOGPROB_FLOOR
+from vertumnus.http_json import error_response
+from vertumnus.protocol.errors import BadRequest, error_body
 from vertumnus.protocol.request import GenerateRequest
+from vertumnus.protocol.sampling_params import LOGPROB_FLOOR
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.request_path import PrefillResult
 from vertumnus.runtime.serve_tables import DecodeConfig
@@ -54,7 +56,6 @@ from vertumnus.server.answers import (
 from vertumnus.server.decode_process import DecodeTarget, LocalDecode
 from vertumnus.server.decode_side import DecodeSide, Undelivered
 from vertumnus.server.handoff_routes import transfer_params
-from vertumnus.server.http import BadRequest, error_body, error_response
 
 log = structlog.get_logger("vertumnus.proxy")
 

@@ -12,9 +12,10 @@ from typing import Any
 from aiohttp import web
 
 from vertumnus.config.model import ModelConfig
+from vertumnus.http_json import parse_json
+from vertumnus.protocol.errors import BadRequest
+from vertumnus.protocol.tokenizer import Tokenizer, TokenizerError
 from vertumnus.server.handoff_routes import wants_handoff
-from vertumnus.server.http import BadRequest, parse_json
-from vertumnus.server.tokenizer import Tokenizer, TokenizerError
 
 PREFILL_FIELDS = frozenset({"token_ids", "prompt", "ttft_slo_s", "kv_transfer_params"})
 

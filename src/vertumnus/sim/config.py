@@ -50,10 +50,9 @@ from vertumnus.config.start import StartDecision, resolve_start
 from vertumnus.config.tables import ConfigError, build_table, read_toml
 from vertumnus.perfmodel import Profile
 from vertumnus.policy.control.composition import layout_for
-from vertumnus.policy.lattice import LatticeConfig
+from vertumnus.policy.geometry import LatticeConfig
 from vertumnus.policy.pool_config import PolicyConfig, PoolSpec
 from vertumnus.sim.time_model import SimSettings
-from vertumnus.sim.traces import load_trace
 from vertumnus.sim.workload import (
     LengthDistribution,
     Phase,
@@ -63,6 +62,7 @@ from vertumnus.sim.workload import (
     transform,
 )
 from vertumnus.slo import TtftSlo
+from vertumnus.traces import load_trace
 
 DEFAULT_POOL = PoolConfig((4, 8), tuple(layout_for(LatticeConfig(40, (4, 8)), {4: 4, 8: 3})))
 DEFAULT_PROFILE = "qwen3-30b-a3b-h100"

@@ -20,9 +20,9 @@ import dataclasses
 import itertools
 
 from vertumnus.perfmodel import Profile
-from vertumnus.policy.lattice import LatticeConfig, composition_name
+from vertumnus.policy.geometry import LatticeConfig, composition_name
 from vertumnus.sim import config as sim_config
-from vertumnus.sim import scenarios
+from vertumnus.sim import scenarios, sessions
 from vertumnus.sim.saturation import saturation
 from vertumnus.sim.simulator import Simulation
 
@@ -43,7 +43,7 @@ def realised_reuse(scenario: scenarios.Scenario, rate: float, pilot_s: float) ->
         duration_s=min(pilot_s, scenario.duration_s),
     )
     reqs = scenarios.requests(steady)
-    unbounded = sum(scenarios.unbounded_reuse(reqs))
+    unbounded = sum(sessions.unbounded_reuse(reqs))
     if not reqs or unbounded == 0:
         return 1.0
     cfg = sim_config.load(
@@ -73,7 +73,7 @@ def calibrated(
     profile = profile or Profile.load(sim_config.DEFAULT_PROFILE)
     sample = list(
         itertools.islice(
-            scenarios.mix_sample(scenario.seed, scenario.lengths, scenario.reuse),
+            sessions.mix_sample(scenario.seed, scenario.lengths, scenario.reuse),
             scenarios.MIX_REQUESTS,
         )
     )

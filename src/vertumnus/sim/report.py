@@ -42,7 +42,7 @@ from typing import Any
 import orjson
 
 from vertumnus.dashboard import report_html
-from vertumnus.policy.lattice import composition_name
+from vertumnus.policy.geometry import composition_name
 from vertumnus.policy.timeline import plain
 from vertumnus.sim.config import SimConfig
 from vertumnus.sim.plots import plot

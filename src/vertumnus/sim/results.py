@@ -72,4 +72,4 @@ class SimResult:
     devices: int
     timeline: Timeline  # the pool sampled over the run, as the dashboard shows it
     workers: list[dict[str, Any]]  # at the run's end (``timeline.worker_rows``)
-    host_tier: dict[str, Any] | None = None  # ``HostTiers.summary`` (the host tier)
+    host_tier: dict[str, Any] | None = None  # ``HostTierPolicy.summary`` (the host tier)

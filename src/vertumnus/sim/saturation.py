@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 
 from vertumnus.perfmodel import Profile
 from vertumnus.policy.costs import reuse_curves
-from vertumnus.policy.lattice import LatticeConfig, reachable_compositions
+from vertumnus.policy.geometry import LatticeConfig, reachable_compositions
 
 
 def fluid_rate(work_s: Sequence[Mapping[int, float]], composition: Mapping[int, int]) -> float:

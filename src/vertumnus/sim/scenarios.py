@@ -41,25 +41,21 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from vertumnus.perfmodel import Profile
-from vertumnus.policy.lattice import LatticeConfig, composition_name, reachable_compositions
+from vertumnus.policy.geometry import LatticeConfig, composition_name, reachable_compositions
 from vertumnus.sim.config import DEFAULT_POOL, DEFAULT_PROFILE
 from vertumnus.sim.families import (
     FAMILIES,
     LONG_TOKENS,
-    MAX_TOKENS,
     LengthMix,
     Reuse,
     draw_reuse,
     log_uniform,
 )
 from vertumnus.sim.saturation import saturation
-from vertumnus.sim.sessions import BLOCK_TOKENS, family_sessions, mix_sample, unbounded_reuse
+from vertumnus.sim.sessions import family_sessions, mix_sample, unbounded_reuse
 from vertumnus.sim.workload import SimRequest
 
 __all__ = [
-    "BLOCK_TOKENS",
-    "FAMILIES",
-    "MAX_TOKENS",
     "MIX_REQUESTS",
     "REPORT_SEEDS",
     "SHAPES",
@@ -67,10 +63,8 @@ __all__ = [
     "Scenario",
     "draw",
     "measure",
-    "mix_sample",
     "requests",
     "scaled",
-    "unbounded_reuse",
 ]
 
 SHAPES = ("steady", "step", "ramp", "burst")

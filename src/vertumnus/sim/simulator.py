@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from vertumnus.perfmodel import COEFF_NAMES, Profile
-from vertumnus.policy.placement.scheduler import PlacementRequest
+from vertumnus.policy.placement.queues import PlacementRequest
 from vertumnus.policy.pool_config import PolicyConfig, PolicyError, PoolSpec
 from vertumnus.policy.pool_policy import PoolPolicy
 from vertumnus.policy.pool_results import Actions, Switch
@@ -45,7 +45,7 @@ from vertumnus.sim.time_model import SimSettings, SimulationError, TimeModel
 from vertumnus.sim.workload import SimRequest
 from vertumnus.stats import progress
 
-__all__ = ["SimResult", "SimSettings", "Simulation", "SimulationError"]
+__all__ = ["Simulation"]
 
 
 SAMPLES = 500  # the timeline's samples over the arrivals, unless [sim] sample_s says

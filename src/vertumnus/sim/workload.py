@@ -33,7 +33,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from vertumnus.sim.traces import Trace
+from vertumnus.traces import Trace
 
 
 class WorkloadError(ValueError):

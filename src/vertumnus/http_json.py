@@ -1,9 +1,9 @@
-"""What every HTTP server of the project answers alike (the pool's REST API and the
-decode server): JSON bodies in and out with orjson, JSON errors ``{"error":
-{"message", "type", "param", "code"}}`` (``param``: the request field at fault, or
-null; ``code``: the HTTP status, as vLLM answers), bearer tokens compared in
-constant time, and a middleware that turns unknown routes, wrong methods, oversized
-bodies and bugs into JSON errors too."""
+"""What every HTTP server of the project answers alike (the pool's REST API in
+``server/`` and the reference decode server in ``decode/``, which both import it):
+JSON bodies in and out with orjson, JSON errors in OpenAI's error object
+(``protocol/errors.py``), bearer tokens compared in constant time, and a middleware
+that turns unknown routes, wrong methods, oversized bodies and bugs into JSON errors
+too. Not owned here: the dialect itself (``protocol/``)."""
 
 from __future__ import annotations
 
@@ -16,16 +16,9 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from vertumnus.protocol.errors import BadRequest, error_body
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class BadRequest(ValueError):
-    """What the client sent cannot be served: a 400 (or ``status``) naming the field
-    (``param``)."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.param, self.status = param, status
 
 
 def json_response(
@@ -58,12 +51,6 @@ def error_response(
     if retry_after_s is not None:
         extra["Retry-After"] = str(retry_after_s)
     return json_response(error_body(message, kind, status, param), status, extra or None)
-
-
-def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object: an error answer's body, or a stream's error event
-    (``code``: the HTTP status it stands for)."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def bad_request(exc: BadRequest, kind: str = "invalid_request_error") -> web.Response:

@@ -1,6 +1,9 @@
 """The one token the prefill pool answers by itself (``max_tokens`` 1, not streamed):
 chosen from the logits at the prompt's last position for each of the ``best_of``
-copies, by the same sampling model as the decode's steps (``decode/sampling.py``).
+copies, by the same sampling model as the decode's steps (``sampling.py``). The pool's
+server answers with it (``server/answers.py``); the prompt's log-probabilities of an
+echo (``prompt_entries``) serve the pool and the decode server alike
+(``transfer.py``).
 
 It ends its choice with "stop" when it is an end-of-sequence id (unless
 ``ignore_eos``) or one of ``stop_token_ids``; with "length" otherwise (``min_tokens``
@@ -12,14 +15,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from vertumnus.decode.sampling import (
-    Choosing,
-    TokenLogprobs,
-    choose_rows,
-    make_generator,
-    top_logprobs,
-)
+from vertumnus.decode.sampling import Choosing, choose_rows, make_generator, top_logprobs
 from vertumnus.protocol.request import GenerateRequest, Prompt
+from vertumnus.protocol.sampling_params import TokenLogprobs
 
 
 def end_ids(req: GenerateRequest, eos_token_ids: tuple[int, ...]) -> frozenset[int]:

@@ -8,9 +8,11 @@
   absolute wall-clock arrivals, lengths only, no prefix information.
 
 Both become a ``Trace``: requests sorted by arrival, arrivals in seconds from the
-first one. Errors name the file and line. Pure Python; the simulator, the capacity
-profiler and the load generator read traces through here. Not owned here: synthetic
-workloads and rate/time transforms (the simulator's and load generator's business).
+first one. Errors name the file and line. Pure Python, a top-level module below its
+readers: the simulator, the capacity profiler, the auto start's replay
+(``config/start.py``) and the load generator read traces through here. Not owned
+here: synthetic workloads and rate/time transforms (the simulator's and load
+generator's business).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Text <-> token ids for the API's prompts and answers, and the chat template.
 
 A Hugging Face folder with a ``tokenizer.json`` uses it, through the ``tokenizers``
-package, with its chat template (``protocol/chat.py``). A preset (``tiny``, random
+package, with its chat template (``chat.py``). A preset (``tiny``, random
 weights) gets a byte-level tokenizer: the UTF-8 bytes of the text are the token ids,
 and the built-in ChatML template. Without either, text prompts are refused with a
 message that says to send token ids.

@@ -1,4 +1,4 @@
-"""The one token the pool answers by itself (``protocol/first_token.py``): greedy picks
+"""The one token the pool answers by itself (``decode/first_token.py``): greedy picks
 the argmax; an end-of-sequence id or one of ``stop_token_ids`` finishes the choice
 with "stop" (unless ``ignore_eos``), any other with "length"; ``min_tokens`` 1 bans
 them; ``best_of`` copies each get a token (seeded copies draw apart); the chosen
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from vertumnus.protocol.first_token import end_ids, first_tokens, prompt_entries
+from vertumnus.decode.first_token import end_ids, first_tokens, prompt_entries
 from vertumnus.protocol.request import GenerateRequest, Served, parse
-from vertumnus.server.tokenizer import Tokenizer
+from vertumnus.protocol.tokenizer import Tokenizer
 
 VOCAB = 64
 SERVED = Served("tiny", Tokenizer.for_model(None, 1024), vocab_size=VOCAB, max_model_len=256)
