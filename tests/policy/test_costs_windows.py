@@ -18,9 +18,10 @@ from vertumnus.policy.cache.index import WorkerCacheIndex
 from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.cache.plans import CacheManagerConfig
 from vertumnus.policy.costs import ReuseCurve, reuse_curves
-from vertumnus.policy.lattice import LatticeConfig
+from vertumnus.policy.geometry import LatticeConfig
 from vertumnus.policy.pool_config import PRESETS, PolicyConfig, PoolSpec
-from vertumnus.sim.simulator import SimSettings, Simulation, biased
+from vertumnus.sim.simulator import Simulation, biased
+from vertumnus.sim.time_model import SimSettings
 from vertumnus.sim.workload import SimRequest
 
 HALF_128 = AttentionMix(((0.5, None), (0.5, 128)))

@@ -8,15 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vertumnus.policy.lattice import (
-    Lattice,
+from vertumnus.policy.geometry import (
     LatticeConfig,
     LatticeError,
-    Reshape,
-    WorkerState,
     reachable_compositions,
     top_blocks,
 )
+from vertumnus.policy.lattice import Lattice, Reshape, WorkerState
 
 
 def test_top_level_blocks() -> None:

@@ -14,11 +14,12 @@ from support.factories import BLOCK_SIZE, make_profile
 from support.policy import COEFFS, KAPPA_S
 from vertumnus.blocks import block_ids, max_reuse_blocks
 from vertumnus.policy.cache.plans import CacheManagerConfig
-from vertumnus.policy.control.rules import ControllerConfig
+from vertumnus.policy.control.config import ControllerConfig
 from vertumnus.policy.control.whatif import WhatIfController
-from vertumnus.policy.lattice import LatticeConfig, WorkerState
+from vertumnus.policy.geometry import LatticeConfig
+from vertumnus.policy.lattice import WorkerState
+from vertumnus.policy.placement.queues import PlacementRequest
 from vertumnus.policy.placement.routers import ROUTERS
-from vertumnus.policy.placement.scheduler import PlacementRequest
 from vertumnus.policy.pool_config import PolicyConfig, PolicyError, PoolSpec, preset
 from vertumnus.policy.pool_policy import PoolPolicy
 
@@ -103,8 +104,8 @@ def test_requests_wait_while_a_reshape_runs_and_are_counted_when_placed() -> Non
 def test_a_request_no_worker_can_ever_take_is_refused() -> None:
     policy = make_policy(layout=(1, 1))
     for w in (0, 1):
-        policy.outages.failed(w, 0.0)
-        policy.outages.abandoned(w, 0.0)  # its restart was given up
+        policy.worker_failed(w, 0.0)
+        policy.worker_abandoned(w, 0.0)  # its restart was given up
     assert policy.arrive(request(1, 10), 0.0).refused == [1]
     assert policy.open_requests == 0
 
@@ -140,10 +141,10 @@ def test_the_same_reuse_rule_in_the_policy_the_trie_and_the_engine() -> None:
     assert started is not None and started.cached_tokens == (k - 1) * BLOCK_SIZE
     tokens = [i % 997 for i in range(n)]
     index = WorkerCacheIndex(1, 16)
-    lease, _ = plan_prefill(index, tokens, BLOCK_SIZE, 0, (0,))
-    index.commit(lease)
-    lease, cmd = plan_prefill(index, tokens, BLOCK_SIZE, 1, (0,))
-    assert cmd.prefix_len == (k - 1) * BLOCK_SIZE and lease.num_reused_blocks == k - 1
+    allocation, _ = plan_prefill(index, tokens, BLOCK_SIZE, 0, (0,))
+    index.commit(allocation)
+    allocation, cmd = plan_prefill(index, tokens, BLOCK_SIZE, 1, (0,))
+    assert cmd.prefix_len == (k - 1) * BLOCK_SIZE and allocation.num_reused_blocks == k - 1
 
 
 def test_a_switch_waits_for_the_copy_under_way_then_goes_before_queued_copies() -> None:
@@ -284,7 +285,7 @@ def test_a_split_keeps_the_prefix_its_worker_cached(fetch_at_switch: bool) -> No
     prefix is whole again at one child and its next request reuses all of it; left
     to a first reuse, which placement cannot see, that request reuses the one block
     adopted in place and recomputes the rest."""
-    from vertumnus.policy.cache.ledger import RetentionConfig
+    from vertumnus.policy.cache.retention import RetentionConfig
 
     retention = RetentionConfig(fetch_at_switch=fetch_at_switch)
     policy = make_policy(layout=(2,), retention=retention)

@@ -15,8 +15,8 @@ from vertumnus.config import ConfigError
 from vertumnus.policy.cache.audit import CopyAudit
 from vertumnus.policy.cache.copy_cost import CopyTimer, EvictionValue
 from vertumnus.policy.cache.plans import CopyPlan, ReclaimPlan, ScanResult
-from vertumnus.policy.lattice import LatticeConfig
-from vertumnus.policy.placement.scheduler import PlacementRequest
+from vertumnus.policy.geometry import LatticeConfig
+from vertumnus.policy.placement.queues import PlacementRequest
 from vertumnus.policy.pool_config import PolicyConfig, PolicyError, PoolSpec, preset
 from vertumnus.policy.pool_policy import PoolPolicy
 from vertumnus.runtime import serve_config

@@ -14,12 +14,13 @@ import pytest
 from support.factories import BLOCK_SIZE, make_profile
 from support.policy import COEFFS, KAPPA_S
 from vertumnus.blocks import block_ids
-from vertumnus.policy.lattice import LatticeConfig
-from vertumnus.policy.placement.scheduler import PlacementRequest
+from vertumnus.policy.geometry import LatticeConfig
+from vertumnus.policy.placement.queues import PlacementRequest
 from vertumnus.policy.pool_config import PolicyConfig, PoolSpec, preset
 from vertumnus.policy.pool_policy import PoolPolicy
 from vertumnus.policy.timeline import MAX_CANDIDATES, Timeline, plain, worker_rows
-from vertumnus.sim.simulator import SimSettings, Simulation
+from vertumnus.sim.simulator import Simulation
+from vertumnus.sim.time_model import SimSettings
 from vertumnus.sim.workload import Phase, phased
 from vertumnus.stats import percentile
 

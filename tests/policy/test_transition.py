@@ -10,8 +10,10 @@ from support.policy import policy_stack
 from vertumnus.policy.cache.index import CacheReport
 from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.control.rules import Controller
-from vertumnus.policy.lattice import Lattice, LatticeConfig, LatticeError, WorkerState
-from vertumnus.policy.placement.scheduler import PlacementRequest, Scheduler
+from vertumnus.policy.geometry import LatticeConfig, LatticeError
+from vertumnus.policy.lattice import Lattice, WorkerState
+from vertumnus.policy.placement.queues import PlacementRequest
+from vertumnus.policy.placement.scheduler import Scheduler
 from vertumnus.policy.transition import Phase, Reconfigurer
 
 

@@ -14,11 +14,15 @@ from collections.abc import Mapping
 
 from vertumnus.perfmodel import Profile
 from vertumnus.policy.cache.manager import PrefixCacheManager
+from vertumnus.policy.control.replay import ReplayModel
 from vertumnus.policy.control.rules import Controller
 from vertumnus.policy.control.whatif import WhatIfController
 from vertumnus.policy.costs import ReuseCurve
 from vertumnus.policy.lattice import Lattice, Reshape
 from vertumnus.policy.pool_config import PolicyConfig
+
+# The controller a stack runs: the paper's rules or the what-if controller.
+StackController = Controller | WhatIfController
 
 
 def build_controller(
@@ -27,7 +31,7 @@ def build_controller(
     cache: PrefixCacheManager,
     curves: Mapping[int, ReuseCurve],
     profile: Profile,
-) -> Controller:
+) -> StackController:
     """The controller of ``config``, over ``lattice``; ``curves``: each degree's
     service-time curve (``costs.reuse_curves``)."""
     kappa = {c: float(profile.capacity.get(c, {}).get("kappa_s", 1.0)) for c in curves}
@@ -37,16 +41,9 @@ def build_controller(
 
     if config.controller.mode != "whatif":
         return Controller(config.controller, lattice, kappa, traffic)
-    trie = cache.trie
-    return WhatIfController(
-        config.controller,
-        lattice,
-        kappa,
-        curves,
-        config.weights,
-        traffic,
-        lambda op: cache.reconciliation_share(op.sources, op.target_degree, op.target_firsts),
-        lambda w: len(trie.worker_nodes.get(w, ())) + len(trie.worker_pending.get(w, ())),
-        config.max_tokens_per_rank,
-        acting=config.adaptive,
+    model = ReplayModel(
+        curves, lattice.config.degrees, config.weights, None, config.max_tokens_per_rank
     )
+    controller = WhatIfController(config.controller, lattice, kappa, model, cache)
+    controller.acting = config.adaptive
+    return controller

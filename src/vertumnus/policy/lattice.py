@@ -34,24 +34,10 @@ from dataclasses import dataclass
 from vertumnus.policy.geometry import (
     LatticeConfig,
     LatticeError,
-    composition_name,
-    reachable_compositions,
     top_blocks,
-    worker_slots,
 )
 
-__all__ = [
-    "Lattice",
-    "LatticeConfig",
-    "LatticeError",
-    "LatticeWorker",
-    "Reshape",
-    "WorkerState",
-    "composition_name",
-    "reachable_compositions",
-    "top_blocks",
-    "worker_slots",
-]
+__all__ = ["Lattice", "LatticeWorker", "Reshape", "WorkerState"]
 
 
 class WorkerState(enum.StrEnum):

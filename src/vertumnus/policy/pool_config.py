@@ -33,13 +33,13 @@ from vertumnus.policy.cache.host_tier import (
     DEFAULT_D2H_BYTES_S,
     DEFAULT_H2D_BYTES_S,
     HostLink,
-    HostTiers,
+    HostTierPolicy,
 )
 from vertumnus.policy.cache.plans import CacheManagerConfig
 from vertumnus.policy.cache.retention import RetentionConfig
-from vertumnus.policy.control.rules import ControllerConfig
+from vertumnus.policy.control.config import ControllerConfig
 from vertumnus.policy.costs import CostWeights
-from vertumnus.policy.lattice import LatticeConfig
+from vertumnus.policy.geometry import LatticeConfig
 from vertumnus.policy.placement.routers import ROUTERS
 
 
@@ -182,7 +182,7 @@ class PoolSpec:
             )
 
 
-def host_tiers(profile: Profile, pool: PoolSpec, config: PolicyConfig) -> HostTiers:
+def host_tiers(profile: Profile, pool: PoolSpec, config: PolicyConfig) -> HostTierPolicy:
     """The host tier of ``config.cache`` (``cache/host_tier.py``) on ``pool``'s hosts,
     priced by ``profile``'s host link (its documented defaults where it has none)."""
     cache = config.cache
@@ -190,7 +190,7 @@ def host_tiers(profile: Profile, pool: PoolSpec, config: PolicyConfig) -> HostTi
     link = profile.host_link
     block_bytes = pool.block_bytes or int(link.get("kv_bytes_per_token", 0)) * pool.block_tokens
     if not wanted:
-        return HostTiers(0, None)
+        return HostTierPolicy(0, None)
     if block_bytes < 1:
         raise PolicyError(
             "the host tier needs a KV block's bytes: the profile has no "
@@ -200,7 +200,7 @@ def host_tiers(profile: Profile, pool: PoolSpec, config: PolicyConfig) -> HostTi
     if config.ideal_reuse:
         raise PolicyError("the host tier and the ideal-reuse bound exclude each other", "cache")
     per_host = pool.devices_per_host or pool.lattice.devices_per_host or 0
-    return HostTiers(
+    return HostTierPolicy(
         cache.host_tier_bytes,
         HostLink(
             block_bytes,

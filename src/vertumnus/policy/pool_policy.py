@@ -2,17 +2,21 @@
 discrete-event simulator and the asyncio coordinator (one implementation, two
 drivers: docs/architecture.md, "One policy stack, two drivers").
 
-``PoolPolicy.build(profile, pool, config)`` is the one factory. The stack owns the
-lattice, the router (the cost rule or a baseline), the controller, the prefix-cache
-manager (trie), one ``WorkerCacheIndex`` per worker, the KV ledger and the
-hand-offs' holds, and builds the parts that act on them, each given what it uses:
-the open requests (``admission``), the workers' prefills (``prefills``), the
-reshapes under way (``reshapes``), rank failures (``outages``), pulls (``pulls``)
-and the copy lanes (``lanes``). A driver calls it with the time:
+``PoolPolicy.build(profile, pool, config)`` is the one factory. The stack builds
+the state its parts share once (``policy/stack/state.py``: the lattice, the router,
+the controller, the prefix-cache manager, one ``WorkerCacheIndex`` per worker, the
+KV ledger, the hand-offs' holds, the host tier) and then the parts, each given the
+state and the parts built before it: the copy lanes (``lanes``), pulls (``pulls``),
+the open requests (``admission``), rank failures (``outages``), the reshapes under
+way (``reshapes``) and the workers' prefills (``prefills``). No part calls into a
+sibling built after it or into the stack: each returns a ``Step``, the actions so
+far and typed intents (``policy/stack/intents.py``), and the stack, the
+composition root, routes each intent at once to the part that does it. A driver
+calls it with the time:
 
     arrive / replace / drop / abandon   a request placed (or waiting, or refused),
                                   placed again, answered with an error, given up
-    start(worker, now)            the worker is idle: the head of its queue, leased
+    start(worker, now)            the worker is idle: its queue's head, blocks allocated
     finish(worker, now, ok, hold) a prefill ended; ``hold``: its KV waits for a decode
     release_hold(hold, now)       server until this (``policy/cache/holds.py``)
     end_window / begin_reshape    the controller's decision; an operator's reshape
@@ -20,7 +24,7 @@ and the copy lanes (``lanes``). A driver calls it with the time:
     abort_reshape(t, now)         a reshape past the driver's bound, rolled back
     scan / copy_done / expire     the cache manager's scan, a KV copy ended, reserved
                                   slots whose time is up
-    outages.failed / reset / restored / abandoned   rank failures (``outages``)
+    worker_failed / _reset / _restored / _abandoned   rank failures (``outages``)
 
 and does what it returns, ``Actions`` (``policy/pool_results.py``): placements,
 refusals, the copies or the switch the copy lanes allow now (``policy/stack/lanes.py``),
@@ -34,17 +38,13 @@ from collections.abc import Sequence
 
 from vertumnus.perfmodel import Profile
 from vertumnus.policy.cache.copy_cost import CopyTimer
-from vertumnus.policy.cache.holds import Hold, Holds
-from vertumnus.policy.cache.index import WorkerCacheIndex
-from vertumnus.policy.cache.ledger import CopyJob, KVLedger
-from vertumnus.policy.cache.manager import PrefixCacheManager
+from vertumnus.policy.cache.holds import Hold
+from vertumnus.policy.cache.ledger import CopyJob
 from vertumnus.policy.cache.plans import CopyPlan
-from vertumnus.policy.controllers import build_controller
-from vertumnus.policy.costs import reuse_curves
-from vertumnus.policy.lattice import Lattice, Reshape, WorkerState, composition_name
-from vertumnus.policy.placement.routers import ROUTERS
-from vertumnus.policy.placement.scheduler import PlacementRequest, SchedulerConfig
-from vertumnus.policy.pool_config import PolicyConfig, PoolSpec, host_tiers
+from vertumnus.policy.geometry import composition_name
+from vertumnus.policy.lattice import Reshape, WorkerState
+from vertumnus.policy.placement.queues import PlacementRequest
+from vertumnus.policy.pool_config import PolicyConfig, PoolSpec
 from vertumnus.policy.pool_results import (
     Actions,
     Finished,
@@ -55,117 +55,46 @@ from vertumnus.policy.pool_results import (
     WindowPlan,
 )
 from vertumnus.policy.stack.admission import Admission
+from vertumnus.policy.stack.intents import (
+    Commit,
+    Intent,
+    ParkCheck,
+    Pump,
+    Requeue,
+    RetryWaiting,
+    Step,
+    Wipe,
+)
 from vertumnus.policy.stack.lanes import CopyLanes
 from vertumnus.policy.stack.outages import Outages
 from vertumnus.policy.stack.prefills import Prefills
 from vertumnus.policy.stack.pulls import Pulls
 from vertumnus.policy.stack.reshapes import Reshapes
+from vertumnus.policy.stack.state import StackState
 from vertumnus.policy.transition import Reconfigurer, Transition
 
 
 class PoolPolicy:
     def __init__(self, profile: Profile, pool: PoolSpec, config: PolicyConfig) -> None:
-        degrees = pool.lattice.degrees
-        pool.check_profile(profile, config)
-        coeffs = {c: profile.coeffs[c] for c in degrees}
+        self.state = state = StackState(profile, pool, config)  # what the parts share
         self.profile, self.pool, self.config = profile, pool, config
-        self.block_tokens = pool.block_tokens
-        self.curves = reuse_curves(coeffs)
-        self.lattice = Lattice(pool.lattice, pool.layout)
-        self.cache = PrefixCacheManager(
-            coeffs, pool.block_tokens, config.cache, config.weights, config.ideal_reuse
-        )
-        self.tiers = host_tiers(profile, pool, config)  # the host tier, if any
-        self.scheduler = ROUTERS[config.router](
-            self.lattice,
-            coeffs,
-            SchedulerConfig(
-                config.weights,
-                config.max_tokens_per_rank,
-                pool.blocks_per_rank,
-                config.coming_reuse,
-            ),
-            self.cache,
-        )
-        if self.tiers.enabled:
-            self.scheduler.tiers = self.tiers
-        self.controller = build_controller(config, self.lattice, self.cache, self.curves, profile)
-        self.holds = Holds()  # KV kept for decode servers (``policy/cache/holds.py``)
+        self.block_tokens, self.curves = state.block_tokens, state.curves
+        self.lattice, self.cache, self.tiers = state.lattice, state.cache, state.tiers
+        self.scheduler, self.controller = state.scheduler, state.controller
+        self.holds, self.indexes, self.ledger = state.holds, state.indexes, state.ledger
         self.reconf = Reconfigurer(
-            self.lattice,
-            self.scheduler,
-            self.cache,
-            self.controller,
-            pool.blocks_per_rank,
-            self.holds,
+            state.lattice, state.scheduler, state.cache, state.controller, state.holds
         )
-        self.indexes: dict[int, WorkerCacheIndex] = {}
-        self.ledger = KVLedger(
-            self.lattice, self.indexes, self.cache, pool.blocks_per_rank, config.retention
-        )
-        for w in self.lattice.workers.values():
-            self.add_worker(w.worker_id)
-        self.outages = Outages(  # rank failures: workers out, reset, back
-            self.lattice,
-            self.scheduler,
-            self.cache,
-            self.ledger,
-            self.holds,
-            self.indexes,
-            self.place,
-            self.add_worker,
-            self.retry_waiting,
-        )
-        self.lanes = CopyLanes(
-            self.ledger,
-            lambda transition, now: self.reshapes.commit(transition, now),  # (built below)
-            CopyTimer(config.cache.copy_latency_s, config.cache.copy_block_s),
-            config.cache.lanes,
-        )
-        self.pulls = Pulls(self.cache, self.indexes, pool.block_tokens, self.lanes)
+        timer = CopyTimer(config.cache.copy_latency_s, config.cache.copy_block_s)
+        self.lanes = CopyLanes(state.ledger, timer, config.cache.lanes)
+        self.pulls = Pulls(state, self.lanes)
         if config.replication and config.cache.pull and config.router == "vertumnus":
-            self.pulls.attach(self.scheduler)
-        self.admission = Admission(
-            self.scheduler,
-            self.controller,
-            self.pulls,
-            self.lanes,
-            self._someone_coming,
-            pool.block_tokens,
-            config.replication,
-        )
-        self.reshapes = Reshapes(  # from the window's decision to the new epoch
-            config,
-            self.lattice,
-            self.scheduler,
-            self.controller,
-            self.reconf,
-            self.cache,
-            self.ledger,
-            self.holds,
-            self.indexes,
-            self.lanes,
-            self.running,
-            self.add_worker,
-            self.place,
-            self.retry_waiting,
-        )
+            self.pulls.attach(state.scheduler)
+        self.admission = Admission(state, self.pulls, self.lanes)
+        self.outages = Outages(state)  # rank failures: workers out, reset, back
+        self.reshapes = Reshapes(state, self.reconf, self.lanes)  # decision to new epoch
         self.transitions = self.reshapes.transitions  # under way
-        self.prefills = Prefills(  # what the workers run
-            self.lattice,
-            self.scheduler,
-            self.admission,
-            self.pulls,
-            self.cache,
-            self.indexes,
-            self.holds,
-            self.controller,
-            self.curves,
-            pool.block_tokens,
-            config.ideal_reuse,
-            self.reshapes.parked,
-            self.tiers,
-        )
+        self.prefills = Prefills(state, self.admission, self.pulls)  # what workers run
 
     @classmethod
     def build(cls, profile: Profile, pool: PoolSpec, config: PolicyConfig) -> PoolPolicy:
@@ -173,12 +102,55 @@ class PoolPolicy:
         return cls(profile, pool, config)
 
     def add_worker(self, worker_id: int) -> None:
-        w = self.lattice.workers[worker_id]
-        self.indexes[worker_id] = WorkerCacheIndex(
-            w.cp_degree, self.pool.blocks_per_rank, worker_id
-        )
-        if worker_id not in self.cache.trie.workers:
-            self.cache.add_worker(worker_id, w.cp_degree, w.first_device)
+        """A fresh cache index for ``worker_id`` (``StackState.add_worker``)."""
+        self.state.add_worker(worker_id)
+
+    # -- routing the parts' intents (``policy/stack/intents.py``) ----------------------
+
+    def carry_out(self, step: Step, now: float) -> Actions:
+        """Carry out a part's ``step``: its intents, in order, each at once."""
+        actions = step.actions
+        for intent in step.then:
+            actions.add(self._route(intent, now))
+        return actions
+
+    def _route(self, intent: Intent, now: float) -> Actions:
+        match intent:
+            case Requeue(request_ids):
+                actions = Actions()
+                for request_id in request_ids:
+                    actions.add(self.place(request_id, now))
+                return actions
+            case RetryWaiting():
+                return self.retry_waiting(now)
+            case ParkCheck(worker_id):
+                return self.carry_out(self.reshapes.parked(worker_id, now), now)
+            case Pump():
+                return self.carry_out(self.lanes.pump(now), now)
+            case Commit(transition):
+                return Actions(switch=self.reshapes.commit(transition, now))
+            case Wipe(worker_id, devices):
+                self.outages.wipe(worker_id, devices)
+                return Actions()
+
+    # -- rank failures (``policy/stack/outages.py``; the coordinator's ``Recovery``) ----
+
+    def worker_failed(self, worker_id: int, now: float) -> Actions:
+        """A rank of the worker died or hung: its queued requests are placed again."""
+        return self.carry_out(self.outages.failed(worker_id, now), now)
+
+    def worker_reset(self, worker_id: int, now: float) -> Actions:
+        """The failed worker's ranks restart: its queue is placed again, then its
+        cache is gone."""
+        return self.carry_out(self.outages.reset(worker_id, now), now)
+
+    def worker_restored(self, worker_id: int, now: float) -> Actions:
+        """The worker's ranks are back: it serves again; waiting requests are placed."""
+        return self.carry_out(self.outages.restored(worker_id, now), now)
+
+    def worker_abandoned(self, worker_id: int, now: float) -> Actions:
+        """The worker's restart was given up: requests waiting only for it are refused."""
+        return self.carry_out(self.outages.abandoned(worker_id, now), now)
 
     # -- views -----------------------------------------------------------------------
 
@@ -195,18 +167,18 @@ class PoolPolicy:
 
     def running(self, worker_id: int) -> Running | None:
         """The worker's prefill under way, if any."""
-        return self.prefills.running.get(worker_id)
+        return self.state.running.get(worker_id)
 
     # -- requests (``policy/stack/admission.py``) ---------------------------------------------
 
     def arrive(self, request: PlacementRequest, now: float) -> Actions:
         """A new request: placed on a worker, or waiting for one (while a reshape or a
         restart is under way), or refused (no worker can take it, none is coming)."""
-        return self.admission.arrive(request, now)
+        return self.carry_out(self.admission.arrive(request, now), now)
 
     def replace(self, request_id: int, now: float) -> Actions:
         """Place an open request again (its prefill failed); its demand was counted."""
-        return self.admission.place(request_id, now)
+        return self.place(request_id, now)
 
     def drop(self, request_id: int) -> None:
         """The driver answered an open request (with an error): forget it."""
@@ -214,23 +186,14 @@ class PoolPolicy:
 
     def abandon(self, request_id: int, now: float) -> None:
         """The client gave up (``Admission.abandon``)."""
-        self.admission.abandon(
-            request_id,
-            lambda rid: any(run.request_id == rid for run in self.prefills.running.values()),
-        )
+        self.admission.abandon(request_id)
 
     def place(self, request_id: int, now: float) -> Actions:
-        return self.admission.place(request_id, now)
-
-    def _someone_coming(self) -> bool:
-        """A worker will become a candidate: a reshape or a restart is under way."""
-        return bool(self.outages.down) or any(
-            w.state in (WorkerState.DRAINING, WorkerState.SWITCHING)
-            for w in self.lattice.workers.values()
-        )
+        return self.carry_out(self.admission.place(request_id, now), now)
 
     def retry_waiting(self, now: float) -> Actions:
-        return self.admission.retry_waiting(now)
+        """Place again every request that waits (a worker came, or will not)."""
+        return self.carry_out(Step(then=(Requeue(self.admission.take_waiting()),)), now)
 
     # -- a worker's prefills (``policy/stack/prefills.py``) ------------------------------------
 
@@ -248,11 +211,13 @@ class PoolPolicy:
     ) -> Finished:
         """The worker's prefill ended: ``ok`` (its blocks are written), ``compute_s``
         (the ranks' own time), ``hold`` (its KV waits for ``release_hold``)."""
-        return self.prefills.finish(worker_id, now, ok, compute_s, hold)
+        finished, park = self.prefills.finish(worker_id, now, ok, compute_s, hold)
+        finished.actions.add(self._route(park, now))
+        return finished
 
     def release_hold(self, hold: Hold, now: float) -> Actions:
         """The decode side has the KV (or gave up, or its time is up): the pin goes."""
-        return self.prefills.release_hold(hold, now)
+        return self._route(self.prefills.release_hold(hold, now), now)
 
     # -- the controller and reshapes (``policy/stack/reshapes.py``) ------------------------------
 
@@ -269,12 +234,25 @@ class PoolPolicy:
     def finish_window(
         self, plan: WindowPlan, evaluation: object, now: float, final: bool = False
     ) -> WindowOutcome:
-        """Close the controller's period: an adaptive pool's reshapes begin."""
-        return self.reshapes.finish_window(plan, evaluation, now, final)
+        """Close the controller's period: an adaptive pool's reshapes begin.
+        ``evaluation``: what ``plan.evaluate()`` returned (a ``WindowEvaluation``;
+        checked against the plan)."""
+        decision, ops = self.reshapes.finish_window(plan, evaluation, final)
+        actions = Actions()
+        begun: list[Transition] = []
+        for op in ops:
+            transition, more = self.begin_reshape(op, now)
+            begun.append(transition)
+            actions.add(more)
+        return WindowOutcome(decision, tuple(begun), actions)
 
     def begin_reshape(self, op: Reshape, now: float) -> tuple[Transition, Actions]:
-        """Start draining ``op``'s workers (LatticeError if it cannot run now)."""
-        return self.reshapes.begin(op, now)
+        """Start draining ``op``'s workers (LatticeError if it cannot run now): their
+        queued requests are placed again; a reshape whose participants were all idle
+        queues its switch."""
+        transition, step = self.reshapes.begin(op, now)
+        actions = self.carry_out(step, now)
+        return transition, actions.add(self.carry_out(self.reshapes.ready(transition), now))
 
     def choose_reshape(self, kind: str, workers: Sequence[int] | None, now: float) -> Reshape:
         """An operator's reshape (``transition.operator_reshape``)."""
@@ -284,11 +262,11 @@ class PoolPolicy:
         self, transition: Transition, worker_id: int, cp_rank: int, now: float
     ) -> Actions:
         """Rank ``cp_rank`` of new worker ``worker_id`` adopted the epoch."""
-        return self.reshapes.acknowledge(transition, worker_id, cp_rank, now)
+        return self.carry_out(self.reshapes.acknowledge(transition, worker_id, cp_rank, now), now)
 
     def abort_reshape(self, transition: Transition, now: float) -> Actions:
         """Roll back a reshape that has not committed (the driver's bound passed)."""
-        return self.reshapes.abort(transition, now)
+        return self.carry_out(self.reshapes.abort(transition, now), now)
 
     # -- the cache manager ---------------------------------------------------------------
 
@@ -305,7 +283,7 @@ class PoolPolicy:
         result = self.cache.scan(active, loads)
         for copy in result.copies:
             self.lanes.queue_copy(copy)
-        actions = self.lanes.pump(now)
+        actions = self._route(Pump(), now)
         reclaimed = self.ledger.reclaim(result.reclaims)
         return ScanOutcome(
             result, reclaimed, actions, self.cache.audit.scanned(now, result, reclaimed)
@@ -314,7 +292,7 @@ class PoolPolicy:
     def queue_copy(self, plan: CopyPlan, now: float) -> Actions:
         """Run a copy plan made outside the scan (an operator's, a test's)."""
         self.lanes.queue_copy(plan)
-        return self.lanes.pump(now)
+        return self._route(Pump(), now)
 
     def copy_done(self, job: CopyJob, ok: bool, now: float) -> Actions:
         """The copy's bytes are in place (``ok``) or the move failed. A pull's blocks
@@ -322,7 +300,7 @@ class PoolPolicy:
         allocation would otherwise evict them first where the rest is pinned."""
         actions = self.lanes.copy_done(job, ok, job.plan.dest_worker in self.indexes, now)
         self.pulls.ended(job.plan, self.admission.requests)
-        return actions.add(self.lanes.pump(now))
+        return actions.add(self._route(Pump(), now))
 
     def expire(self, now: float) -> int:
         """Give back the reserved slots whose time is up; returns how many."""

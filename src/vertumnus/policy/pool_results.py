@@ -1,13 +1,14 @@
 """What the policy stack's calls return to its driver (``policy/pool_policy.py``).
 
-    Started        a prefill to run now, with the lease on the worker's cache
+    Started        a prefill to run now, with the allocation on the worker's cache
     Switch         a committed reshape: the epoch its new workers' ranks must adopt
     Actions        what to do after a call: wake workers, answer refusals, run the
                    copies or the switch the channel allows, note what ended
     Finished       a prefill's end, the actions it causes, its hand-off's hold
     WindowOutcome  the controller's decision, the reshapes it began, their actions
     ScanOutcome    the cache manager's scan, what it reclaimed, its actions
-    WindowPlan     a decision in the making (its replays may run off the loop)
+    WindowPlan     a decision in the making (its replays may run off the loop): the
+                   rules' (``RulesWindow``) or the what-if controller's (``WhatIfWindow``)
     Running        the stack's record of a prefill under way
 
 Plain dataclasses: the simulator reads them with its clock, the coordinator with
@@ -17,28 +18,31 @@ its ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from vertumnus.policy.cache.audit import ScanRecord
 from vertumnus.policy.cache.holds import Hold
 from vertumnus.policy.cache.host_tier import Demotion, Load
-from vertumnus.policy.cache.index import PrefillLease, WorkerCacheIndex
+from vertumnus.policy.cache.index import BlockAllocation, WorkerCacheIndex
 from vertumnus.policy.cache.ledger import CopyJob
 from vertumnus.policy.cache.plans import ScanResult
+from vertumnus.policy.control.candidates import PoolInputs
 from vertumnus.policy.control.decision import Decision
-from vertumnus.policy.control.rules import Controller
+from vertumnus.policy.control.rules import DecisionSteps
+from vertumnus.policy.control.search import Evaluation, WhatIfPlan
 from vertumnus.policy.placement.scheduler import Placement
 from vertumnus.policy.transition import Transition
 
 
 @dataclass(frozen=True)
 class Started:
-    """A prefill to run now: the worker's head request and the lease on its cache."""
+    """A prefill to run now: the worker's head request and the allocation on its cache."""
 
     request_id: int
     worker_id: int
     cp_degree: int
     first_device: int
-    lease: PrefillLease
+    allocation: BlockAllocation
     cached_tokens: int  # P: whole blocks the worker holds now or loads from its host tier
     exec_s: float  # E_C(L - P, P) from the profile, plus the load-back's seconds
     # The host tier (``cache/host_tier.py``): the blocks to write back before the
@@ -50,7 +54,9 @@ class Started:
     @property
     def loaded_tokens(self) -> int:
         """Tokens of ``cached_tokens`` loaded back from the host tier."""
-        return self.lease.loaded * (self.cached_tokens // max(1, self.lease.prefix_blocks))
+        return self.allocation.loaded * (
+            self.cached_tokens // max(1, self.allocation.prefix_blocks)
+        )
 
     @property
     def devices(self) -> range:
@@ -125,21 +131,47 @@ class Running:
     """A worker's prefill under way (the stack's own record)."""
 
     request_id: int
-    lease: PrefillLease
-    index: WorkerCacheIndex  # the index the lease is on (a reset worker gets a new one)
+    allocation: BlockAllocation
+    index: WorkerCacheIndex  # the index the allocation is on (a reset worker gets a new one)
     started_s: float
     exec_s: float  # predicted
     cp_degree: int
     input_tokens: int
 
 
+PlanT = TypeVar("PlanT")
+EvalT = TypeVar("EvalT")
+
+
 @dataclass(frozen=True)
-class WindowPlan:
+class _Window(Generic[PlanT, EvalT]):
     """A decision in the making: ``evaluate`` (the controller's replays; pure, safe
-    off the event loop), then ``PoolPolicy.finish_window``."""
+    off the event loop), then ``PoolPolicy.finish_window``, which ``conclude``s."""
 
-    controller: Controller
-    plan: object
+    controller: DecisionSteps[PlanT, EvalT]
+    plan: PlanT
 
-    def evaluate(self) -> object:
+    def evaluate(self) -> EvalT:
         return self.controller.evaluate(self.plan)
+
+
+@dataclass(frozen=True)
+class RulesWindow(_Window[PoolInputs, None]):
+    def conclude(self, evaluation: object) -> Decision:
+        """``evaluation``: what ``evaluate`` returned (the driver passes it on)."""
+        if evaluation is not None:
+            raise TypeError(f"the rules evaluate nothing, got {type(evaluation).__name__}")
+        return self.controller.conclude(self.plan, None)
+
+
+@dataclass(frozen=True)
+class WhatIfWindow(_Window[WhatIfPlan, Evaluation]):
+    def conclude(self, evaluation: object) -> Decision:
+        """``evaluation``: what ``evaluate`` returned (the driver passes it on)."""
+        if not isinstance(evaluation, Evaluation):
+            raise TypeError(f"not a what-if evaluation: {type(evaluation).__name__}")
+        return self.controller.conclude(self.plan, evaluation)
+
+
+WindowPlan = RulesWindow | WhatIfWindow
+WindowEvaluation = Evaluation | None  # what a ``WindowPlan``'s ``evaluate`` returns

@@ -25,7 +25,8 @@ from vertumnus.policy.control.candidates import StartChoice, best_start
 from vertumnus.policy.control.forecast import ArrivalSample
 from vertumnus.policy.control.replay import ReplayModel
 from vertumnus.policy.costs import reuse_curves
-from vertumnus.policy.lattice import Lattice, LatticeConfig, LatticeError, composition_name
+from vertumnus.policy.geometry import LatticeConfig, LatticeError, composition_name
+from vertumnus.policy.lattice import Lattice
 from vertumnus.policy.pool_config import PolicyConfig
 
 

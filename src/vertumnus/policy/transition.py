@@ -28,9 +28,11 @@ from dataclasses import dataclass, field
 from vertumnus.policy.cache.holds import Holds
 from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.cache.plans import CopyPlan
-from vertumnus.policy.control.rules import Controller
-from vertumnus.policy.lattice import Lattice, LatticeError, Reshape, WorkerState
-from vertumnus.policy.placement.scheduler import PlacementRequest, Scheduler
+from vertumnus.policy.control.rules import ControllerBase
+from vertumnus.policy.geometry import LatticeError
+from vertumnus.policy.lattice import Lattice, Reshape, WorkerState
+from vertumnus.policy.placement.queues import PlacementRequest
+from vertumnus.policy.placement.scheduler import Scheduler
 
 
 class Phase(enum.StrEnum):
@@ -69,15 +71,16 @@ class Reconfigurer:
         lattice: Lattice,
         scheduler: Scheduler,
         cache: PrefixCacheManager | None = None,
-        controller: Controller | None = None,
-        blocks_per_rank: int | None = None,
+        controller: ControllerBase | None = None,
         holds: Holds | None = None,
     ) -> None:
-        """``blocks_per_rank``: KV blocks of one rank, for the room each split child
-        offers to the prefixes it inherits (needed with a cache manager). ``holds``:
-        the KV kept for hand-offs; a participant that holds some does not park."""
+        """With a cache manager, the scheduler's ``kv_blocks_per_rank`` (KV blocks of
+        one rank) is the room each split child offers to the prefixes it inherits.
+        ``holds``: the KV kept for hand-offs; a participant that holds some does not
+        park."""
+        blocks_per_rank = scheduler.config.kv_blocks_per_rank
         if cache is not None and blocks_per_rank is None:
-            raise LatticeError("a cache manager needs blocks_per_rank for splits")
+            raise LatticeError("a cache manager needs kv_blocks_per_rank for splits")
         self.lattice, self.scheduler = lattice, scheduler
         self.cache, self.controller = cache, controller
         self.blocks_per_rank = blocks_per_rank

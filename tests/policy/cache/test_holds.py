@@ -11,9 +11,10 @@ from support.factories import BLOCK_SIZE, make_profile
 from support.policy import COEFFS, KAPPA_S
 from vertumnus.blocks import block_ids
 from vertumnus.policy.cache.holds import Hold, held_blocks
-from vertumnus.policy.cache.index import BlockLocation, PrefillLease
-from vertumnus.policy.lattice import LatticeConfig, LatticeError, WorkerState
-from vertumnus.policy.placement.scheduler import PlacementRequest
+from vertumnus.policy.cache.index import BlockAllocation, BlockLocation
+from vertumnus.policy.geometry import LatticeConfig, LatticeError
+from vertumnus.policy.lattice import WorkerState
+from vertumnus.policy.placement.queues import PlacementRequest
 from vertumnus.policy.pool_config import PolicyConfig, PoolSpec
 from vertumnus.policy.pool_policy import PoolPolicy
 from vertumnus.policy.transition import Phase
@@ -35,11 +36,11 @@ def pinned(policy: PoolPolicy) -> int:
 
 
 def test_held_blocks_are_the_prompts_whole_blocks_but_its_last_token() -> None:
-    def lease(reused: int, new: int) -> PrefillLease:
+    def allocation(reused: int, new: int) -> BlockAllocation:
         locs = [BlockLocation(d, d, 0, d) for d in range(reused + new)]
-        return PrefillLease(reused=locs[:reused], new=locs[reused:])
+        return BlockAllocation(reused=locs[:reused], new=locs[reused:])
 
-    # (tokens, blocks the prefill's lease holds, reused) -> blocks held
+    # (tokens, blocks the prefill's allocation holds, reused) -> blocks held
     for tokens, reused, new, expected in (
         (100, 0, 6, 6),
         (97, 2, 4, 6),
@@ -49,14 +50,14 @@ def test_held_blocks_are_the_prompts_whole_blocks_but_its_last_token() -> None:
         (2, 0, 0, 0),
         (100, 1, 2, 3),  # the cache took only 3 blocks: the rest are exported rows
     ):
-        assert held_blocks(lease(reused, new), tokens, BLOCK_SIZE) == expected
+        assert held_blocks(allocation(reused, new), tokens, BLOCK_SIZE) == expected
 
 
 def test_a_hold_pins_the_committed_blocks_until_released() -> None:
     policy = make_policy()
     policy.arrive(request(1, 100), 0.0)
     started = policy.start(0, 0.0)
-    assert started is not None and len(started.lease.new) == 6
+    assert started is not None and len(started.allocation.new) == 6
     finished = policy.finish(0, 1.0, hold=True)
     assert finished.ok and finished.hold is not None
     hold = finished.hold
@@ -108,11 +109,11 @@ def held(policy: PoolPolicy, tokens: int = 80) -> Hold:
 def test_a_reset_drops_the_holds_of_its_worker() -> None:
     policy = make_policy()
     hold = held(policy)
-    policy.outages.failed(0, 1.5)
-    policy.outages.reset(0, 1.5)
+    policy.worker_failed(0, 1.5)
+    policy.worker_reset(0, 1.5)
     assert not policy.holds.holding(0) and len(policy.holds) == 0
     assert policy.release_hold(hold, 2.0).switch is None  # its index is gone: nothing
-    policy.outages.restored(0, 3.0)
+    policy.worker_restored(0, 3.0)
     assert pinned(policy) == 0
 
 
@@ -122,8 +123,8 @@ def test_a_hold_asked_of_a_reset_worker_fails_the_prefill() -> None:
     policy = make_policy()
     policy.arrive(request(1, 80), 0.0)
     policy.start(0, 0.0)
-    policy.outages.failed(0, 0.5)
-    policy.outages.reset(0, 0.5)
+    policy.worker_failed(0, 0.5)
+    policy.worker_reset(0, 0.5)
     finished = policy.finish(0, 1.0, hold=True)
     assert not finished.ok and finished.hold is None and policy.open_requests == 1
     placed = policy.replace(1, 1.0).placed

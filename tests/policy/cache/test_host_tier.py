@@ -12,11 +12,11 @@ from support.factories import BLOCK_SIZE, make_profile
 from support.policy import CACHE_COEFFS, KAPPA_S
 from vertumnus.blocks import block_ids
 from vertumnus.perfmodel import Profile, ProfileError
-from vertumnus.policy.cache.host_tier import HostLink, HostTiers
+from vertumnus.policy.cache.host_slots import HostSlots, TierStats, sweep
+from vertumnus.policy.cache.host_tier import HostLink, HostTierPolicy
 from vertumnus.policy.cache.plans import CacheManagerConfig
-from vertumnus.policy.cache.tier_lru import HostTier, TierStats, sweep
-from vertumnus.policy.lattice import LatticeConfig
-from vertumnus.policy.placement.scheduler import PlacementRequest
+from vertumnus.policy.geometry import LatticeConfig
+from vertumnus.policy.placement.queues import PlacementRequest
 from vertumnus.policy.pool_config import PolicyConfig, PolicyError, PoolSpec
 from vertumnus.policy.pool_policy import PoolPolicy
 
@@ -69,7 +69,7 @@ def run(policy: PoolPolicy, req: PlacementRequest, now: float, worker: int | Non
 
 
 def test_a_full_tier_evicts_its_least_recently_used_block() -> None:
-    tier, stats = HostTier(capacity=2), TierStats()
+    tier, stats = HostSlots(capacity=2), TierStats()
     assert tier.insert(10, 0.0, stats) == (0, None)
     assert tier.insert(11, 0.0, stats) == (1, None)
     tier.touch([10])  # 11 is now the oldest
@@ -80,7 +80,7 @@ def test_a_full_tier_evicts_its_least_recently_used_block() -> None:
 
 def test_demotions_queue_on_the_device_to_host_lane_and_load_when_written() -> None:
     link = HostLink(BLOCK_BYTES, d2h_bytes_s=1e6, h2d_bytes_s=2e6, devices_per_host=2)
-    tiers = HostTiers(10 * BLOCK_BYTES, link)
+    tiers = HostTierPolicy(10 * BLOCK_BYTES, link)
     moves = tiers.demote(first_device=1, evicted=[(7, 0, 3), (6, 0, 2)], now=5.0)
     assert [(m.host, m.block_id, m.slot) for m in moves] == [(0, 7, 3), (0, 6, 2)]
     assert tiers.stats.d2h_busy_s == pytest.approx(2.0)  # 1 s a block at 1 MB/s
@@ -100,12 +100,12 @@ def test_demotions_queue_on_the_device_to_host_lane_and_load_when_written() -> N
 
 
 def test_no_tier_when_not_asked_or_smaller_than_a_block() -> None:
-    assert not HostTiers(0, None).enabled
-    small = HostTiers(2 * BLOCK_BYTES, HostLink(BLOCK_BYTES))
+    assert not HostTierPolicy(0, None).enabled
+    small = HostTierPolicy(2 * BLOCK_BYTES, HostLink(BLOCK_BYTES))
     small.demote(0, [(1, 0, 0), (2, 0, 1), (3, 0, 2)], now=0.0)  # 1 is evicted for 3
     assert small.holding([1], 1)[0] == 0 and small.holding([3], 1)[0] == 1
-    assert not HostTiers(BLOCK_BYTES - 1, HostLink(BLOCK_BYTES)).enabled
-    assert HostTiers(BLOCK_BYTES, HostLink(BLOCK_BYTES)).capacity_blocks == 1
+    assert not HostTierPolicy(BLOCK_BYTES - 1, HostLink(BLOCK_BYTES)).enabled
+    assert HostTierPolicy(BLOCK_BYTES, HostLink(BLOCK_BYTES)).capacity_blocks == 1
 
 
 # -- the policy stack ------------------------------------------------------------------
@@ -119,17 +119,17 @@ def test_an_evicted_prefix_is_loaded_back_from_the_host_tier() -> None:
     b = run(policy, prompt(2, 50, seed=2), 1.0)  # needs 3 of the 4 slots: evicts 2 of A's
     assert [d.block_id for d in b.demotions] == [a.block_ids[2], a.block_ids[1]]
     again = run(policy, prompt(3, 50, seed=1), 2.0)
-    assert again.lease.num_reused_blocks == 1  # block 0 stayed on the rank
+    assert again.allocation.num_reused_blocks == 1  # block 0 stayed on the rank
     assert [x.block_id for x in again.loads] == [a.block_ids[1], a.block_ids[2]]
-    assert again.lease.loaded == 2 and again.cached_tokens == 3 * BLOCK_SIZE
+    assert again.allocation.loaded == 2 and again.cached_tokens == 3 * BLOCK_SIZE
     assert again.loaded_tokens == 2 * BLOCK_SIZE
     curve = policy.curves[1]
     load_s = policy.tiers.load_s(2, 1)
     assert load_s == pytest.approx(2 * BLOCK_BYTES / 50e9)
     assert again.exec_s == pytest.approx(curve.time_s(50, 3 * BLOCK_SIZE) + load_s)
-    # The loads' targets are the lease's first new blocks, where the prefill reads them.
+    # The loads' targets are the allocation's first new blocks, where the prefill reads them.
     assert [(x.rank, x.slot) for x in again.loads] == [
-        (loc.rank, loc.slot) for loc in again.lease.new[:2]
+        (loc.rank, loc.slot) for loc in again.allocation.new[:2]
     ]
     assert policy.tiers.stats.loaded_blocks == 2
 
@@ -147,7 +147,7 @@ def test_a_load_slower_than_computing_is_not_made() -> None:
     run(policy, prompt(1, 50, seed=1), 0.0)
     run(policy, prompt(2, 50, seed=2), 1.0)
     again = run(policy, prompt(3, 50, seed=1), 2.0)
-    assert not again.loads and again.lease.loaded == 0
+    assert not again.loads and again.allocation.loaded == 0
     assert again.cached_tokens == BLOCK_SIZE
 
 

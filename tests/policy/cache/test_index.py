@@ -24,9 +24,9 @@ from hypothesis.stateful import (
 
 from vertumnus.blocks import ROOT_BLOCK_ID, block_ids
 from vertumnus.policy.cache.index import (
+    BlockAllocation,
     BlockLocation,
     CacheReport,
-    PrefillLease,
     WorkerCacheIndex,
 )
 
@@ -80,15 +80,15 @@ def test_match_returns_the_longest_committed_prefix() -> None:
 
 def test_blocks_are_matchable_only_after_commit() -> None:
     index = make_index(cp_degree=2, blocks_per_rank=4)
-    lease = index.begin([11, 12, 13], ALL)
-    assert lease.reused == []
-    assert lease.new == [loc(11, 0, 0, 0), loc(12, 1, 1, 0), loc(13, 2, 0, 1)]
-    assert lease.evicted == []
+    allocation = index.begin([11, 12, 13], ALL)
+    assert allocation.reused == []
+    assert allocation.new == [loc(11, 0, 0, 0), loc(12, 1, 1, 0), loc(13, 2, 0, 1)]
+    assert allocation.evicted == []
     assert index.match([11, 12, 13]) == []
     assert 11 not in index
     assert len(index) == 3  # allocated, being written
     index.check_invariants()
-    assert index.commit(lease) == report(inserted=[11, 12, 13])
+    assert index.commit(allocation) == report(inserted=[11, 12, 13])
     assert ids(index.match([11, 12, 13])) == [11, 12, 13]
     index.check_invariants()
 
@@ -96,11 +96,11 @@ def test_blocks_are_matchable_only_after_commit() -> None:
 def test_begin_reuses_the_matched_prefix_and_allocates_the_rest() -> None:
     index = make_index(cp_degree=2, blocks_per_rank=4)
     cache(index, [11, 12, 13])
-    lease = index.begin([11, 12, 23, 24], ALL)
-    assert lease.reused == [loc(11, 0, 0, 0), loc(12, 1, 1, 0)]
-    assert lease.num_reused_blocks == 2
-    assert lease.new == [loc(23, 2, 0, 2), loc(24, 3, 1, 1)]
-    assert index.commit(lease) == report(inserted=[23, 24], parent=12)
+    allocation = index.begin([11, 12, 23, 24], ALL)
+    assert allocation.reused == [loc(11, 0, 0, 0), loc(12, 1, 1, 0)]
+    assert allocation.num_reused_blocks == 2
+    assert allocation.new == [loc(23, 2, 0, 2), loc(24, 3, 1, 1)]
+    assert index.commit(allocation) == report(inserted=[23, 24], parent=12)
     assert ids(index.match([11, 12, 23, 24])) == [11, 12, 23, 24]
     assert ids(index.match([11, 12, 13])) == [11, 12, 13]
     index.check_invariants()
@@ -111,29 +111,29 @@ def test_reuse_cap_stops_allocation_at_a_cached_block(max_reuse: int, reused: li
     # A capped reuse never writes a second copy of a block the worker already holds.
     index = make_index(cp_degree=1, blocks_per_rank=4)
     cache(index, [11, 12, 13])
-    lease = index.begin([11, 12, 13], max_reuse)
-    assert ids(lease.reused) == reused
-    assert lease.new == []
+    allocation = index.begin([11, 12, 13], max_reuse)
+    assert ids(allocation.reused) == reused
+    assert allocation.new == []
     assert index.num_free_slots(0) == 1
-    assert index.commit(lease) == report()
+    assert index.commit(allocation) == report()
 
 
 def test_abort_frees_new_blocks_and_unpins_reused() -> None:
     index = make_index(cp_degree=2, blocks_per_rank=2)
     cache(index, [11])
-    lease = index.begin([11, 12, 13], ALL)
-    assert ids(lease.reused) == [11]
-    assert lease.new == [loc(12, 1, 1, 0), loc(13, 2, 0, 1)]
+    allocation = index.begin([11, 12, 13], ALL)
+    assert ids(allocation.reused) == [11]
+    assert allocation.new == [loc(12, 1, 1, 0), loc(13, 2, 0, 1)]
     assert (index.num_free_slots(0), index.num_free_slots(1)) == (0, 1)
-    assert index.abort(lease) == report()
+    assert index.abort(allocation) == report()
     index.check_invariants()
     assert (index.num_free_slots(0), index.num_free_slots(1)) == (1, 2)
     assert len(index) == 1
     assert ids(index.match([11, 12, 13])) == [11]
     # 11 is unpinned again: a new chain that needs both rank-0 slots evicts it.
-    lease = index.begin([21, 22, 23], ALL)
-    assert ids(lease.new) == [21, 22, 23]
-    assert index.commit(lease) == report(inserted=[21, 22, 23], evicted=[11])
+    allocation = index.begin([21, 22, 23], ALL)
+    assert ids(allocation.new) == [21, 22, 23]
+    assert index.commit(allocation) == report(inserted=[21, 22, 23], evicted=[11])
     assert index.match([11]) == []
     index.check_invariants()
 
@@ -141,11 +141,11 @@ def test_abort_frees_new_blocks_and_unpins_reused() -> None:
 def test_abort_reports_evictions_made_by_begin() -> None:
     index = make_index(cp_degree=1, blocks_per_rank=1)
     cache(index, [11])
-    lease = index.begin([21], ALL)
-    assert lease.evicted == [11]
+    allocation = index.begin([21], ALL)
+    assert allocation.evicted == [11]
     # The eviction happened (its slot now holds 21's unwritten KV) even though the
     # prefill fails: the trie must learn of it.
-    assert index.abort(lease) == report(evicted=[11])
+    assert index.abort(allocation) == report(evicted=[11])
     assert len(index) == 0
     assert index.num_free_slots(0) == 1
     index.check_invariants()
@@ -169,13 +169,18 @@ def test_allocation_stops_at_the_first_block_that_cannot_be_placed() -> None:
     index = make_index(cp_degree=2, blocks_per_rank=3)
     other = index.begin([21], ALL)  # takes rank 0's slot 0 until it ends
     # Rank 0 has room for two more blocks (depths 0 and 2); depth 4 cannot be placed,
-    # so the lease ends at depth 3 although rank 1 has room: a prefix stays whole.
-    lease = index.begin([11, 12, 13, 14, 15, 16], ALL)
-    assert lease.new == [loc(11, 0, 0, 1), loc(12, 1, 1, 0), loc(13, 2, 0, 2), loc(14, 3, 1, 1)]
+    # so the allocation ends at depth 3 although rank 1 has room: a prefix stays whole.
+    allocation = index.begin([11, 12, 13, 14, 15, 16], ALL)
+    assert allocation.new == [
+        loc(11, 0, 0, 1),
+        loc(12, 1, 1, 0),
+        loc(13, 2, 0, 2),
+        loc(14, 3, 1, 1),
+    ]
     assert index.num_free_slots(1) == 1
     blocked = index.begin([31], ALL)
-    assert blocked == PrefillLease(reused=[], new=[])  # rank 0 full, nothing evictable
-    assert index.commit(lease) == report(inserted=[11, 12, 13, 14])
+    assert blocked == BlockAllocation(reused=[], new=[])  # rank 0 full, nothing evictable
+    assert index.commit(allocation) == report(inserted=[11, 12, 13, 14])
     assert index.commit(blocked) == report()
     assert index.abort(other) == report()
     assert ids(index.match([11, 12, 13, 14, 15, 16])) == [11, 12, 13, 14]
@@ -185,9 +190,9 @@ def test_allocation_stops_at_the_first_block_that_cannot_be_placed() -> None:
 def test_zero_capacity_caches_nothing() -> None:
     index = make_index(cp_degree=2, blocks_per_rank=0)
     for chain in ([11, 12, 13], [11, 12, 13], [21]):
-        lease = index.begin(chain, ALL)
-        assert lease == PrefillLease(reused=[], new=[])
-        assert index.commit(lease) == report()
+        allocation = index.begin(chain, ALL)
+        assert allocation == BlockAllocation(reused=[], new=[])
+        assert index.commit(allocation) == report()
         index.check_invariants()
     assert len(index) == 0
     assert index.match([11, 12, 13]) == []
@@ -209,7 +214,7 @@ def test_blocks_being_written_are_not_allocated_twice() -> None:
     # Same prefix, longer: 11 is being written, so this prefill computes everything
     # and writes nothing (no second copy of 11..13, and 14 would lack its parent).
     second = index.begin([11, 12, 13, 14], ALL)
-    assert second == PrefillLease(reused=[], new=[])
+    assert second == BlockAllocation(reused=[], new=[])
     # An unrelated chain gets fresh slots, not the ones being written.
     third = index.begin([21, 22], ALL)
     assert third.new == [loc(21, 0, 0, 2), loc(22, 1, 1, 1)]
@@ -245,14 +250,14 @@ def test_pinned_blocks_are_never_evicted() -> None:
     cache(index, [11])
     running = index.begin([11, 12], ALL)  # pins 11, writes 12: the rank is full
     blocked = index.begin([21], ALL)
-    assert blocked == PrefillLease(reused=[], new=[])  # nothing evictable
+    assert blocked == BlockAllocation(reused=[], new=[])  # nothing evictable
     assert index.commit(blocked) == report()
     assert index.commit(running) == report(inserted=[12], parent=11)
     # Unpinned now: 12 is the only leaf, then 11 is.
-    lease = index.begin([21, 22], ALL)
-    assert ids(lease.new) == [21, 22]
-    assert lease.evicted == [12, 11]
-    index.commit(lease)
+    allocation = index.begin([21, 22], ALL)
+    assert ids(allocation.new) == [21, 22]
+    assert allocation.evicted == [12, 11]
+    index.commit(allocation)
     index.check_invariants()
 
 
@@ -294,9 +299,9 @@ def test_lru_evicts_least_recently_used_leaf_first() -> None:
 def test_eviction_takes_leaves_so_a_chain_goes_from_its_tail() -> None:
     index = make_index(cp_degree=1, blocks_per_rank=3)
     cache(index, [11, 12, 13])
-    lease = index.begin([21, 22], ALL)
-    assert lease.new == [loc(21, 0, 0, 2), loc(22, 1, 0, 1)]  # 13's slot, then 12's
-    assert index.commit(lease) == report(inserted=[21, 22], evicted=[13, 12])
+    allocation = index.begin([21, 22], ALL)
+    assert allocation.new == [loc(21, 0, 0, 2), loc(22, 1, 0, 1)]  # 13's slot, then 12's
+    assert index.commit(allocation) == report(inserted=[21, 22], evicted=[13, 12])
     assert ids(index.match([11, 12, 13])) == [11]
     index.check_invariants()
 
@@ -316,10 +321,10 @@ def test_eviction_prefers_the_older_of_two_branches() -> None:
 def test_eviction_keeps_the_reused_parent_of_the_new_block() -> None:
     index = make_index(cp_degree=1, blocks_per_rank=3)
     cache(index, [11, 12, 13])
-    lease = index.begin([11, 12, 24], ALL)
-    assert ids(lease.reused) == [11, 12]
-    assert lease.new == [loc(24, 2, 0, 2)]
-    assert index.commit(lease) == report(inserted=[24], evicted=[13], parent=12)
+    allocation = index.begin([11, 12, 24], ALL)
+    assert ids(allocation.reused) == [11, 12]
+    assert allocation.new == [loc(24, 2, 0, 2)]
+    assert index.commit(allocation) == report(inserted=[24], evicted=[13], parent=12)
     index.check_invariants()
 
 
@@ -328,10 +333,10 @@ def test_eviction_crosses_ranks_to_expose_a_leaf_on_the_full_rank() -> None:
     # rank 0, whose only block has a child: evict 12 on rank 1, then 11.
     index = make_index(cp_degree=2, blocks_per_rank=1)
     cache(index, [11, 12])
-    lease = index.begin([21, 22], ALL)
-    assert lease.new == [loc(21, 0, 0, 0), loc(22, 1, 1, 0)]
-    assert lease.evicted == [12, 11]
-    assert index.commit(lease) == report(inserted=[21, 22], evicted=[12, 11])
+    allocation = index.begin([21, 22], ALL)
+    assert allocation.new == [loc(21, 0, 0, 0), loc(22, 1, 1, 0)]
+    assert allocation.evicted == [12, 11]
+    assert index.commit(allocation) == report(inserted=[21, 22], evicted=[12, 11])
     index.check_invariants()
 
 
@@ -339,10 +344,10 @@ def test_eviction_on_the_full_rank_comes_before_older_leaves_elsewhere() -> None
     index = make_index(cp_degree=2, blocks_per_rank=2)
     cache(index, [11, 12])  # 11: rank 0, 12: rank 1 (older leaf)
     cache(index, [21])  # 21: rank 0, a newer leaf, but the only one on rank 0
-    lease = index.begin([31], ALL)
-    assert lease.evicted == [21]
-    assert lease.new == [loc(31, 0, 0, 1)]
-    index.commit(lease)
+    allocation = index.begin([31], ALL)
+    assert allocation.evicted == [21]
+    assert allocation.new == [loc(31, 0, 0, 1)]
+    index.commit(allocation)
     index.check_invariants()
 
 
@@ -396,7 +401,7 @@ class CheckedIndex:
 
     def __init__(self, cp_degree: int, blocks_per_rank: int) -> None:
         self.index = WorkerCacheIndex(cp_degree, blocks_per_rank, worker_id=WORKER)
-        self.running: list[PrefillLease] = []
+        self.running: list[BlockAllocation] = []
         self.trie: set[int] = set()
         self.seen: set[int] = set()
 
@@ -407,45 +412,45 @@ class CheckedIndex:
         chain = block_ids(tokens, BLOCK)
         self.seen.update(chain)
         held_before = self.held()
-        writing = {x.block_id for lease in self.running for x in lease.new}
+        writing = {x.block_id for allocation in self.running for x in allocation.new}
         matched = self.index.match(chain)
-        lease = self.index.begin(chain, max_reuse)
-        assert lease.reused == matched[: max(0, max_reuse)]
-        k, n = len(lease.reused), len(lease.new)
-        assert ids(lease.new) == chain[k : k + n]
+        allocation = self.index.begin(chain, max_reuse)
+        assert allocation.reused == matched[: max(0, max_reuse)]
+        k, n = len(allocation.reused), len(allocation.new)
+        assert ids(allocation.new) == chain[k : k + n]
         c = self.index.cp_degree
-        for depth, x in enumerate(lease.new, start=k):
+        for depth, x in enumerate(allocation.new, start=k):
             assert (x.depth, x.rank) == (depth, depth % c)
             assert x.block_id not in held_before and x.block_id not in writing
         if k + n < len(chain):  # stopped early: a held or written block, or no room
             nxt = chain[k + n]
             full = self.index.num_free_slots((k + n) % c) == 0
             assert nxt in held_before or nxt in writing or full
-        assert len(set(lease.evicted)) == len(lease.evicted)
-        for bid in lease.evicted:
+        assert len(set(allocation.evicted)) == len(allocation.evicted)
+        for bid in allocation.evicted:
             assert bid in held_before and bid not in self.index
-        self.running.append(lease)
+        self.running.append(allocation)
 
     def commit(self, pick: int) -> None:
-        lease = self.running.pop(pick % len(self.running))
-        rep = self.index.commit(lease)
+        allocation = self.running.pop(pick % len(self.running))
+        rep = self.index.commit(allocation)
         assert rep.worker_id == WORKER
-        assert rep.inserted == tuple(ids(lease.new))
-        assert set(rep.evicted) <= set(lease.evicted)
+        assert rep.inserted == tuple(ids(allocation.new))
+        assert set(rep.evicted) <= set(allocation.evicted)
         assert not set(rep.inserted) & set(rep.evicted)
         self.trie -= set(rep.evicted)
         self.trie |= set(rep.inserted)
-        for x in lease.new:
+        for x in allocation.new:
             assert x.block_id in self.index
 
     def abort(self, pick: int) -> None:
-        lease = self.running.pop(pick % len(self.running))
-        rep = self.index.abort(lease)
+        allocation = self.running.pop(pick % len(self.running))
+        rep = self.index.abort(allocation)
         assert rep.worker_id == WORKER
         assert rep.inserted == ()
-        assert set(rep.evicted) <= set(lease.evicted)
+        assert set(rep.evicted) <= set(allocation.evicted)
         self.trie -= set(rep.evicted)
-        for x in lease.new:
+        for x in allocation.new:
             assert x.block_id not in self.index
 
     def check(self) -> None:
@@ -453,15 +458,15 @@ class CheckedIndex:
         index.check_invariants()
         held = self.held()
         assert held <= self.trie, f"held but unknown to the trie: {held - self.trie}"
-        pending = {b for lease in self.running for b in lease.evicted}
+        pending = {b for allocation in self.running for b in allocation.evicted}
         assert self.trie - held <= pending, "the trie knows blocks the worker dropped"
         if not self.running:
             assert self.trie == held
         assert len(index) <= index.cp_degree * index.blocks_per_rank
-        new_blocks = [x.block_id for lease in self.running for x in lease.new]
+        new_blocks = [x.block_id for allocation in self.running for x in allocation.new]
         assert len(new_blocks) == len(set(new_blocks)), "a block written by two prefills"
-        for lease in self.running:
-            chain = ids(lease.reused)
+        for allocation in self.running:
+            chain = ids(allocation.reused)
             assert ids(index.match(chain)) == chain, "a pinned block went missing"
 
 
@@ -530,9 +535,9 @@ def test_adopt_takes_blocks_at_their_slots_and_stops_at_a_misplaced_one() -> Non
     report = index.adopt([(11, 0, 3), (12, 1, 2), (14, 0, 1)])
     assert report == CacheReport(WORKER, inserted=(14,), inserted_parent=12)
     # New prefills never take an adopted slot; the LRU may evict adopted leaves.
-    lease = index.begin([11, 12, 14, 15], 4)
-    assert lease.num_reused_blocks == 3 and lease.new[0].slot != 2
-    index.commit(lease)
+    allocation = index.begin([11, 12, 14, 15], 4)
+    assert allocation.num_reused_blocks == 3 and allocation.new[0].slot != 2
+    index.commit(allocation)
     index.check_invariants()
     assert index.locations()[14].slot == 1
 
@@ -541,9 +546,9 @@ def test_reserved_slots_are_never_allocated_until_released() -> None:
     index = WorkerCacheIndex(cp_degree=1, blocks_per_rank=2, worker_id=WORKER)
     assert index.reserve(0, 1) and not index.reserve(0, 1)
     index.check_invariants()
-    lease = index.begin([11, 12], 2)
-    assert [loc.slot for loc in lease.new] == [0]  # the reserved slot is skipped
-    index.commit(lease)
+    allocation = index.begin([11, 12], 2)
+    assert [loc.slot for loc in allocation.new] == [0]  # the reserved slot is skipped
+    index.commit(allocation)
     index.release(0, 1)
     index.release(0, 1)  # twice: no effect
     index.check_invariants()

@@ -11,8 +11,10 @@ import pytest
 
 from support.policy import policy_stack
 from vertumnus.policy.cache.index import WorkerCacheIndex
-from vertumnus.policy.cache.ledger import KVLedger, RetentionConfig
-from vertumnus.policy.lattice import Lattice, LatticeConfig
+from vertumnus.policy.cache.ledger import KVLedger
+from vertumnus.policy.cache.retention import RetentionConfig
+from vertumnus.policy.geometry import LatticeConfig
+from vertumnus.policy.lattice import Lattice
 
 B = 16  # tokens per block
 SLOTS = 8  # per rank

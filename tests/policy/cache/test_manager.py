@@ -47,8 +47,8 @@ class Pool:
     def execute(self, plan: CopyPlan, ok: bool = True) -> None:
         cache = self.caches[plan.dest_worker]
         if ok:
-            lease = cache.begin(plan.prefix_ids, len(plan.prefix_ids))
-            self.manager.apply_report(cache.commit(lease))
+            allocation = cache.begin(plan.prefix_ids, len(plan.prefix_ids))
+            self.manager.apply_report(cache.commit(allocation))
         self.manager.finish_copy(plan.plan_id, ok)
 
     def check(self) -> None:
@@ -167,7 +167,7 @@ def test_reclamation_keeps_one_replica_and_never_touches_blocks_in_use() -> None
     pool = Pool()
     pool.prefill(10, [1, 2])
     pool.prefill(11, [1, 2])  # two degree-1 replicas, never reused
-    lease = pool.caches[11].begin([1, 2, 3], 3)  # 11 is prefilling on top of them
+    allocation = pool.caches[11].begin([1, 2, 3], 3)  # 11 is prefilling on top of them
     result = pool.manager.scan(pool.caches, {10: 5.0, 11: 0.0})
     assert result.candidates["reclaim"] == 2
     # Block 2 is the leaf at both, but in use at 11: reclaim it at 10 only, and never
@@ -182,7 +182,7 @@ def test_reclamation_keeps_one_replica_and_never_touches_blocks_in_use() -> None
     pool.manager.apply_report(report)
     assert pool.manager.finish_reclaim(plan.plan_id, ok=True)
     assert pool.manager.reusable_tokens([1, 2], 33) == {10: 16, 11: 32}
-    pool.manager.apply_report(pool.caches[11].commit(lease))
+    pool.manager.apply_report(pool.caches[11].commit(allocation))
     assert pool.caches[11].reclaim(1) is None  # has a child: refused
     pool.check()
 

@@ -56,8 +56,8 @@ class CacheManagerMachine(RuleBasedStateMachine):
             m.src_worker is None or m.block_id in self.caches[m.src_worker] for m in plan.moves
         )
         if ok and sources_ok:
-            lease = dest.begin(plan.prefix_ids, len(plan.prefix_ids))
-            self.manager.apply_report(dest.commit(lease))
+            allocation = dest.begin(plan.prefix_ids, len(plan.prefix_ids))
+            self.manager.apply_report(dest.commit(allocation))
             event(f"{plan.kind} copy done")
         else:
             event(f"{plan.kind} copy failed")
@@ -89,8 +89,8 @@ class CacheManagerMachine(RuleBasedStateMachine):
             assert update.fetch.kind == "fetch" and update.fetch.dest_worker == worker_id
             self._copy(update.fetch, fetch_ok)
         cache = self.caches[worker_id]
-        lease = cache.begin(blocks, (input_tokens - 1) // B)
-        report = cache.abort(lease) if fails else cache.commit(lease)
+        allocation = cache.begin(blocks, (input_tokens - 1) // B)
+        report = cache.abort(allocation) if fails else cache.commit(allocation)
         self.manager.apply_report(report)
 
     @rule(

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from vertumnus.blocks import ROOT_BLOCK_ID
-from vertumnus.policy.cache.trie import PrefixTrie, TrieError
+from vertumnus.policy.cache.nodes import TrieError
+from vertumnus.policy.cache.trie import PrefixTrie
 
 
 def make_trie() -> PrefixTrie:

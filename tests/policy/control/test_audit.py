@@ -9,7 +9,7 @@ import pytest
 from vertumnus.policy.control.audit import MoveAudits, OpenAudit, band_of
 from vertumnus.policy.control.candidates import Candidate
 from vertumnus.policy.control.forecast import ArrivalSample
-from vertumnus.policy.control.replay import ReplayWorker
+from vertumnus.policy.control.replay_types import ReplayWorker
 from vertumnus.policy.lattice import LatticeWorker, Reshape, WorkerState
 
 SPLIT = Reshape("split", (7,), 2, (0, 2))

@@ -21,7 +21,8 @@ from vertumnus import native
 from vertumnus.perfmodel import DegreeCoeffs
 from vertumnus.policy.control import replay_loop
 from vertumnus.policy.control.forecast import ArrivalSample
-from vertumnus.policy.control.replay import PreparedForecast, ReplayModel, ReplayWorker
+from vertumnus.policy.control.replay import Calibrated, ReplayModel
+from vertumnus.policy.control.replay_types import PreparedForecast, ReplayMoves, ReplayWorker
 from vertumnus.policy.costs import CostWeights, reuse_curves
 
 CURVES = reuse_curves(
@@ -54,8 +55,7 @@ def scenario(rng: random.Random) -> tuple[ReplayModel, dict[str, object], list[i
         CURVES,
         degrees,
         weights,
-        scale if rng.random() < 0.7 else None,
-        rng.choice([0.0, 0.003]),
+        Calibrated(scale if rng.random() < 0.7 else {}, rng.choice([0.0, 0.003])),
         rng.choice([None, 20_000, 60_000]),
     )
     pool = [
@@ -93,7 +93,14 @@ def scenario(rng: random.Random) -> tuple[ReplayModel, dict[str, object], list[i
                              (ReplayWorker(200, w.cp_degree, 0.5),)),
                             (1.0, 999, (ReplayWorker(201, w.cp_degree, 0.0),))]  # fmt: skip
         # (999 is no worker of the replay's: its retirement is ignored)
-    return model, {"forecast": forecast, "workers": pool, **kwargs}, [1, 2, 5]
+    moves = ReplayMoves(
+        kwargs.get("remap"),  # type: ignore[arg-type]
+        kwargs.get("lost"),  # type: ignore[arg-type]
+        kwargs.get("head"),  # type: ignore[arg-type]
+        kwargs.get("retire", ()),  # type: ignore[arg-type]
+    )
+    args = {"forecast": forecast, "workers": pool, "moves": moves, "batches": kwargs["batches"]}
+    return model, args, [1, 2, 5]
 
 
 def test_the_compiled_replay_gives_the_pure_replays_results_bit_for_bit() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from vertumnus.policy.control.forecast import ArrivalSample
 from vertumnus.policy.control.periods import Period, Periods
-from vertumnus.policy.control.replay import ReplayWorker
+from vertumnus.policy.control.replay_types import ReplayWorker
 
 WORKERS = (ReplayWorker(0, 1, 0.0),)
 

@@ -19,17 +19,13 @@ import pytest
 
 from vertumnus.perfmodel import DegreeCoeffs
 from vertumnus.policy.control.forecast import ArrivalSample
-from vertumnus.policy.control.replay import (
-    BUCKET_EDGES,
-    Replay,
-    ReplayModel,
-    ReplayResult,
-    ReplayWorker,
-    bucket_of,
-)
+from vertumnus.policy.control.replay import BUCKET_EDGES, Calibrated, Replay, ReplayModel, bucket_of
+from vertumnus.policy.control.replay_types import ReplayMoves, ReplayResult, ReplayWorker
 from vertumnus.policy.costs import CostWeights, reuse_curves
-from vertumnus.policy.lattice import Lattice, LatticeConfig
-from vertumnus.policy.placement.scheduler import PlacementRequest, Scheduler, SchedulerConfig
+from vertumnus.policy.geometry import LatticeConfig
+from vertumnus.policy.lattice import Lattice
+from vertumnus.policy.placement.queues import PlacementRequest
+from vertumnus.policy.placement.scheduler import Scheduler, SchedulerConfig
 
 COEFFS = {
     1: DegreeCoeffs(c=2**-10),
@@ -49,7 +45,8 @@ def model(
     overhead_s: float = 0.0,
     degrees: Sequence[int] = (1, 2),
 ) -> ReplayModel:
-    return ReplayModel(CURVES, degrees, weights or CostWeights(), scale, overhead_s)
+    calibrated = Calibrated(scale or {}, overhead_s)
+    return ReplayModel(CURVES, degrees, weights or CostWeights(), calibrated)
 
 
 def req(
@@ -585,7 +582,8 @@ def test_an_extended_replay_is_the_replay_of_that_many_cycles(seed: int) -> None
     pool = workers((2, 0.5), (1, 0.0), (1, 2.0))
     retire = [(3.0, 0, (ReplayWorker(5, 1, 0.25), ReplayWorker(6, 1, 0.25)))]
     args = {"remap": {7: (1, 2)}, "lost": {7: 0.5}, "head": head, "batches": 4}
-    grown = Replay(replay, forecast, pool, retire=retire, **args)  # type: ignore[arg-type]
+    moves = ReplayMoves(args["remap"], args["lost"], head, retire)  # type: ignore[arg-type]
+    grown = Replay(replay, forecast, pool, moves, batches=4)
     for cycles in (1, 2, 5, 3):
         fresh = replay.run(forecast, pool, cycles=cycles, retire=retire, **args)  # type: ignore[arg-type]
         assert grown.extend(cycles) == fresh

@@ -9,8 +9,11 @@ import pytest
 
 from vertumnus.perfmodel import Profile
 from vertumnus.policy.control.composition import initial_composition, layout_for
-from vertumnus.policy.control.rules import Controller, ControllerConfig, Decision
-from vertumnus.policy.lattice import Lattice, LatticeConfig, LatticeError
+from vertumnus.policy.control.config import ControllerConfig
+from vertumnus.policy.control.decision import Decision
+from vertumnus.policy.control.rules import Controller
+from vertumnus.policy.geometry import LatticeConfig, LatticeError
+from vertumnus.policy.lattice import Lattice
 
 KAPPA = {4: 10.0, 8: 12.0}  # seconds of demand per window
 

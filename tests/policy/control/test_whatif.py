@@ -33,14 +33,16 @@ from vertumnus.policy.control.candidates import (
     candidates,
     ladder,
 )
+from vertumnus.policy.control.config import ControllerConfig
+from vertumnus.policy.control.decision import Decision
 from vertumnus.policy.control.forecast import ArrivalSample, Forecast, ForecastConfig
 from vertumnus.policy.control.replay import ReplayModel
-from vertumnus.policy.control.rules import ControllerConfig, Decision
 from vertumnus.policy.control.search import evaluate
 from vertumnus.policy.control.whatif import WhatIfController
 from vertumnus.policy.costs import CostWeights, reuse_curves
-from vertumnus.policy.lattice import Lattice, LatticeConfig, Reshape, WorkerState
-from vertumnus.policy.placement.scheduler import PlacementRequest
+from vertumnus.policy.geometry import LatticeConfig
+from vertumnus.policy.lattice import Lattice, Reshape, WorkerState
+from vertumnus.policy.placement.queues import PlacementRequest
 from vertumnus.policy.pool_config import PolicyConfig, PoolSpec
 from vertumnus.policy.pool_policy import PoolPolicy
 
@@ -1006,3 +1008,20 @@ def test_every_candidate_keeps_the_bounds_and_the_ladder(pool: tuple[Lattice, in
         groups.setdefault((cand.kind, cand.level), []).append(len(cand.ops))
     for sizes in groups.values():
         assert sizes == ladder(sizes[-1]) and sizes[-1] <= max_moves
+
+
+def test_a_pool_with_no_worker_serving_holds() -> None:
+    # Every worker's rank failed after a second of traffic: the replay has no worker
+    # to run the forecast on (it raised "a replay needs at least one worker" in the
+    # decision task, found by test_interleavings): the controller holds.
+    policy = make_policy(layout=(2, 2))
+    driver = Driver(policy)
+    driver.steady(0.0, 20)
+    driver.until(1.0)
+    for w in list(policy.lattice.workers):
+        policy.worker_failed(w, 1.0)
+    prepared = policy.prepare_window(1.0)
+    evaluation = prepared.evaluate()
+    assert evaluation.scores == (None,) * len(evaluation.scores)
+    decision = policy.finish_window(prepared, evaluation, 1.0).decision
+    assert decision.rule == "hold" and decision.ops == ()

@@ -9,14 +9,16 @@ from pathlib import Path
 from support.policy import COEFFS, cache_manager_for
 from vertumnus.policy.cache.index import CacheReport
 from vertumnus.policy.cache.manager import PrefixCacheManager
-from vertumnus.policy.lattice import Lattice, LatticeConfig
+from vertumnus.policy.geometry import LatticeConfig
+from vertumnus.policy.lattice import Lattice
 from vertumnus.policy.placement.peers import (
     DynamoKVScheduler,
     LLMDScheduler,
     SGLangCacheAwareScheduler,
 )
+from vertumnus.policy.placement.queues import PlacementRequest
 from vertumnus.policy.placement.routers import ROUTERS
-from vertumnus.policy.placement.scheduler import PlacementRequest, Scheduler, SchedulerConfig
+from vertumnus.policy.placement.scheduler import Scheduler, SchedulerConfig
 from vertumnus.policy.pool_config import PRESETS, PolicyConfig
 
 B = 16

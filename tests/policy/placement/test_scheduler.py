@@ -10,14 +10,11 @@ from support.policy import COEFFS, cache_manager_for
 from vertumnus.policy.cache.index import CacheReport
 from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.costs import CostWeights
-from vertumnus.policy.lattice import Lattice, LatticeConfig, Reshape
+from vertumnus.policy.geometry import LatticeConfig
+from vertumnus.policy.lattice import Lattice, Reshape
 from vertumnus.policy.placement.baselines import LeastLoadScheduler
-from vertumnus.policy.placement.scheduler import (
-    PlacementRequest,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerError,
-)
+from vertumnus.policy.placement.queues import PlacementRequest, SchedulerError
+from vertumnus.policy.placement.scheduler import Scheduler, SchedulerConfig
 
 # COEFFS: E_1(L, P) = 0.01 + 1 ms per uncached token; E_2 = 0.02 + 0.5 ms per uncached token.
 B = 16

@@ -22,8 +22,9 @@ from collections.abc import Callable, Sequence
 
 from vertumnus.policy.cache import handover
 from vertumnus.policy.cache.inflight import PlansInFlight
+from vertumnus.policy.cache.nodes import Node, TrieError, WorkerInfo
 from vertumnus.policy.cache.plans import BlockMove, CopyPlan
-from vertumnus.policy.cache.trie import Node, PrefixTrie, TrieError, WorkerInfo
+from vertumnus.policy.cache.trie import PrefixTrie
 
 
 def pull(

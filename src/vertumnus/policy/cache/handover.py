@@ -18,8 +18,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vertumnus.policy.cache.inflight import PlansInFlight
+from vertumnus.policy.cache.nodes import Node, WorkerInfo
 from vertumnus.policy.cache.plans import BlockMove, CopyPlan
-from vertumnus.policy.cache.trie import Node, PrefixTrie, WorkerInfo
+from vertumnus.policy.cache.trie import PrefixTrie
 
 
 def merge(

@@ -24,18 +24,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vertumnus.policy.cache.index import (
+    BlockAllocation,
     BlockLocation,
     CacheReport,
-    PrefillLease,
     WorkerCacheIndex,
 )
 
 
-def held_blocks(lease: PrefillLease, prompt_tokens: int, block_tokens: int) -> int:
+def held_blocks(allocation: BlockAllocation, prompt_tokens: int, block_tokens: int) -> int:
     """The whole blocks a hand-off of a prompt keeps pinned: those of the prompt but
-    its last token (the decode side computes that one) that the prefill's lease holds,
+    its last token (the decode side computes that one) that the prefill's allocation holds,
     reused or newly written. The other rows of the prompt come back with the prefill."""
-    return min(lease.num_reused_blocks + len(lease.new), (prompt_tokens - 1) // block_tokens)
+    return min(
+        allocation.num_reused_blocks + len(allocation.new), (prompt_tokens - 1) // block_tokens
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,7 +48,7 @@ class Hold:
     request_id: int
     worker_id: int
     index: WorkerCacheIndex  # the index the pin is on
-    pin: PrefillLease  # ``reused``: the held blocks, in sequence order; nothing new
+    pin: BlockAllocation  # ``reused``: the held blocks, in sequence order; nothing new
 
     @property
     def blocks(self) -> list[BlockLocation]:

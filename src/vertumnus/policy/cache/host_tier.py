@@ -28,7 +28,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from vertumnus.policy.cache.tier_lru import HostTier, TierStats
+from vertumnus.policy.cache.host_slots import HostSlots, TierStats
 from vertumnus.policy.costs import ReuseCurve
 
 # Documented defaults where a profile has no measured host link: H100 SXM on PCIe
@@ -81,8 +81,10 @@ class Load:
     slot: int
 
 
-class HostTiers:
-    """Every host's tier, the link's prices, and the statistics."""
+class HostTierPolicy:
+    """What the host tier does, pure: every host's ``HostSlots`` (which blocks it
+    holds), the link's prices, and the statistics; the bytes are
+    ``runtime/kv/host_memory.py``'s ``HostTierMemory``."""
 
     def __init__(self, bytes_per_host: int, link: HostLink | None, bound: bool = False) -> None:
         if bytes_per_host < 0:
@@ -93,7 +95,7 @@ class HostTiers:
         self.capacity_blocks: int | None = (
             None if bound or link is None else bytes_per_host // link.block_bytes
         )
-        self.tiers: dict[int, HostTier] = {}
+        self.tiers: dict[int, HostSlots] = {}
         self.stats = TierStats()
         self._where: dict[int, int] = {}  # block id -> bit set of the hosts holding it
 
@@ -104,10 +106,10 @@ class HostTiers:
         per = self.link.devices_per_host if self.link is not None else 0
         return 0 if self.bound or per <= 0 else device // per
 
-    def tier(self, host: int) -> HostTier:
+    def tier(self, host: int) -> HostSlots:
         tier = self.tiers.get(host)
         if tier is None:
-            tier = self.tiers[host] = HostTier(self.capacity_blocks)
+            tier = self.tiers[host] = HostSlots(self.capacity_blocks)
         return tier
 
     @property
@@ -285,7 +287,7 @@ class HostTiers:
             for bid in block_ids:
                 self._insert(0, tier, bid, now)
 
-    def _insert(self, host: int, tier: HostTier, block_id: int, ready_s: float) -> int | None:
+    def _insert(self, host: int, tier: HostSlots, block_id: int, ready_s: float) -> int | None:
         slot, evicted = tier.insert(block_id, ready_s, self.stats)
         bit, where = 1 << host, self._where
         if evicted is not None:

@@ -50,7 +50,7 @@ class CacheReport:
 
 
 @dataclass
-class PrefillLease:
+class BlockAllocation:
     """Blocks held by one running prefill: the reused prefix and the new blocks it writes."""
 
     reused: list[BlockLocation]
@@ -124,7 +124,7 @@ class WorkerCacheIndex:
 
     # -- a prefill's life: begin -> commit | abort -------------------------------------
 
-    def begin(self, block_ids: Sequence[int], max_reuse_blocks: int) -> PrefillLease:
+    def begin(self, block_ids: Sequence[int], max_reuse_blocks: int) -> BlockAllocation:
         """Pin the reusable prefix and allocate slots for the blocks to be written.
 
         Reuses at most ``max_reuse_blocks`` matched blocks. New blocks are allocated in
@@ -133,7 +133,7 @@ class WorkerCacheIndex:
         writing (so a prefix is never held twice and always whole).
         """
         reused = self.match(block_ids)[: max(0, max_reuse_blocks)]
-        lease = PrefillLease(reused=reused, new=[])
+        allocation = BlockAllocation(reused=reused, new=[])
         for loc in reused:
             self._acquire(self._entries[loc.block_id])
         parent_id = reused[-1].block_id if reused else ROOT_BLOCK_ID
@@ -142,47 +142,49 @@ class WorkerCacheIndex:
             if bid in self._entries:  # being written by another prefill (or reuse capped)
                 break
             rank = depth % self.cp_degree
-            slot = self._allocate_slot(rank, lease.evicted, lease.evicted_at)
+            slot = self._allocate_slot(rank, allocation.evicted, allocation.evicted_at)
             if slot is None:
                 break
             loc = BlockLocation(block_id=bid, depth=depth, rank=rank, slot=slot)
             self._entries[bid] = _Entry(loc=loc, parent_id=parent_id, refcount=1)
             if parent_id != ROOT_BLOCK_ID:
                 self._entries[parent_id].num_children += 1
-            lease.new.append(loc)
+            allocation.new.append(loc)
             parent_id = bid
-        return lease
+        return allocation
 
-    def evictions(self, lease: PrefillLease) -> CacheReport:
-        """The blocks ``begin`` evicted for ``lease``, reported now rather than when
-        the lease ends, so that the global view stops offering them at once (their
-        slots are the lease's). They leave the lease: its end reports only later
+    def evictions(self, allocation: BlockAllocation) -> CacheReport:
+        """The blocks ``begin`` evicted for ``allocation``, reported now rather than when
+        the allocation ends, so that the global view stops offering them at once (their
+        slots are the allocation's). They leave the allocation: its end reports only later
         ones."""
-        evicted, lease.evicted = tuple(lease.evicted), []
+        evicted, allocation.evicted = tuple(allocation.evicted), []
         return CacheReport(self.worker_id, evicted=evicted)
 
-    def commit(self, lease: PrefillLease) -> CacheReport:
+    def commit(self, allocation: BlockAllocation) -> CacheReport:
         """The prefill wrote its new blocks: make them matchable and unpin everything."""
-        for loc in lease.new:
+        for loc in allocation.new:
             self._entries[loc.block_id].ready = True
-        for loc in (*lease.reused, *lease.new):
+        for loc in (*allocation.reused, *allocation.new):
             self._release(self._entries[loc.block_id])
         return CacheReport(
             self.worker_id,
-            inserted=tuple(loc.block_id for loc in lease.new),
-            evicted=self._still_evicted(lease),
+            inserted=tuple(loc.block_id for loc in allocation.new),
+            evicted=self._still_evicted(allocation),
             inserted_parent=(
-                lease.reused[-1].block_id if lease.reused and lease.new else ROOT_BLOCK_ID
+                allocation.reused[-1].block_id
+                if allocation.reused and allocation.new
+                else ROOT_BLOCK_ID
             ),
         )
 
-    def abort(self, lease: PrefillLease) -> CacheReport:
+    def abort(self, allocation: BlockAllocation) -> CacheReport:
         """The prefill failed: free its new blocks (children first) and unpin the rest."""
-        for loc in reversed(lease.new):
+        for loc in reversed(allocation.new):
             self._remove(self._entries[loc.block_id])
-        for loc in lease.reused:
+        for loc in allocation.reused:
             self._release(self._entries[loc.block_id])
-        return CacheReport(self.worker_id, evicted=self._still_evicted(lease))
+        return CacheReport(self.worker_id, evicted=self._still_evicted(allocation))
 
     # -- adoption (after a split or merge) --------------------------------------------
 
@@ -269,12 +271,12 @@ class WorkerCacheIndex:
 
     # -- internals -------------------------------------------------------------------
 
-    def _still_evicted(self, lease: PrefillLease) -> tuple[int, ...]:
-        """The blocks ``lease`` evicted that are not held now. Its report comes when it
+    def _still_evicted(self, allocation: BlockAllocation) -> tuple[int, ...]:
+        """The blocks ``allocation`` evicted that are not held now. Its report comes when it
         ends; a block it evicted may have been cached again, and reported inserted, by
         a prefill that ended first: reporting that block evicted after the insertion
         would make the trie forget a block this worker holds."""
-        return tuple(bid for bid in lease.evicted if bid not in self)
+        return tuple(bid for bid in allocation.evicted if bid not in self)
 
     def _acquire(self, entry: _Entry) -> None:
         entry.refcount += 1

@@ -22,8 +22,9 @@ the pending marks of its blocks.
 
 from __future__ import annotations
 
+from vertumnus.policy.cache.nodes import WorkerInfo
 from vertumnus.policy.cache.plans import BlockMove, CopyPlan, ReclaimPlan
-from vertumnus.policy.cache.trie import PrefixTrie, WorkerInfo
+from vertumnus.policy.cache.trie import PrefixTrie
 
 
 class PlansInFlight:

@@ -23,24 +23,24 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from vertumnus.policy.cache.index import PrefillLease, WorkerCacheIndex
+from vertumnus.policy.cache.index import BlockAllocation, WorkerCacheIndex
 from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.cache.plans import CopyPlan, ReclaimPlan
 from vertumnus.policy.cache.retention import Retained, Retention, RetentionConfig, SlotMove
 from vertumnus.policy.lattice import Lattice
 
-__all__ = ["CopyJob", "KVLedger", "Retained", "RetentionConfig", "SlotMove"]
+__all__ = ["CopyJob", "KVLedger"]
 
 
 @dataclass
 class CopyJob:
-    """A copy under way: its slot moves, and the leases that hold its slots."""
+    """A copy under way: its slot moves, and the allocations that hold its slots."""
 
     plan: CopyPlan
     moves: list[SlotMove]
-    dst_lease: PrefillLease
+    dst_allocation: BlockAllocation
     src_worker: int | None = None
-    src_lease: PrefillLease | None = None
+    src_allocation: BlockAllocation | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -73,7 +73,7 @@ class KVLedger:
             return None  # cancelled: a worker it involved left
         job = self._begin(plan)
         if job is not None and not job.moves:  # the destination holds it all by now
-            self._release_leases(job)
+            self._release_allocations(job)
             job = None
         if job is None:
             self.cache.finish_copy(plan.plan_id, ok=False)
@@ -83,14 +83,14 @@ class KVLedger:
         """The bytes are in place: the copies become visible. Returns the blocks
         installed."""
         dst = self.indexes[job.plan.dest_worker]
-        self.cache.apply_report(dst.commit(job.dst_lease))
-        self.cache.audit.installed(job.plan, (loc.block_id for loc in job.dst_lease.new))
-        if job.src_lease is not None and job.src_worker is not None:
-            self.cache.apply_report(self.indexes[job.src_worker].commit(job.src_lease))
+        self.cache.apply_report(dst.commit(job.dst_allocation))
+        self.cache.audit.installed(job.plan, (loc.block_id for loc in job.dst_allocation.new))
+        if job.src_allocation is not None and job.src_worker is not None:
+            self.cache.apply_report(self.indexes[job.src_worker].commit(job.src_allocation))
         if job.src_worker is None:
             # A fetch: the copies live at the destination now; the retained slots go back.
             self.retention.end_fetch(job.moves, fetched=True)
-        installed = len(job.dst_lease.new)
+        installed = len(job.dst_allocation.new)
         self.cache.finish_copy(job.plan.plan_id, ok=installed > 0)
         return installed
 
@@ -108,17 +108,17 @@ class KVLedger:
 
     def abort_copy(self, job: CopyJob) -> None:
         """The move failed, or a worker involved left: nothing becomes visible."""
-        self._release_leases(job)
+        self._release_allocations(job)
         self.cache.finish_copy(job.plan.plan_id, ok=False)
 
-    def _release_leases(self, job: CopyJob) -> None:
+    def _release_allocations(self, job: CopyJob) -> None:
         dst = self.indexes.get(job.plan.dest_worker)
         if dst is not None:
-            self.cache.apply_report(dst.abort(job.dst_lease))
-        if job.src_lease is not None and job.src_worker is not None:
+            self.cache.apply_report(dst.abort(job.dst_allocation))
+        if job.src_allocation is not None and job.src_worker is not None:
             src = self.indexes.get(job.src_worker)
             if src is not None:
-                self.cache.apply_report(src.commit(job.src_lease))
+                self.cache.apply_report(src.commit(job.src_allocation))
         if job.src_worker is None:
             self.retention.end_fetch(job.moves, fetched=False)
 
@@ -137,24 +137,24 @@ class KVLedger:
         prefix = list(plan.prefix_ids)
         if len(src_index.match(prefix)) < len(prefix):
             return None  # the source no longer holds the whole prefix
-        src_lease = src_index.begin(prefix, len(prefix))  # pins the source's blocks
-        if src_lease.new or src_lease.num_reused_blocks < len(prefix):
-            self.cache.apply_report(src_index.abort(src_lease))
+        src_allocation = src_index.begin(prefix, len(prefix))  # pins the source's blocks
+        if src_allocation.new or src_allocation.num_reused_blocks < len(prefix):
+            self.cache.apply_report(src_index.abort(src_allocation))
             return None
-        dst_lease = self._begin_dest(dst_index, prefix)
+        dst_allocation = self._begin_dest(dst_index, prefix)
         moves = []
-        for loc in dst_lease.new:
-            src = src_lease.reused[loc.depth]
+        for loc in dst_allocation.new:
+            src = src_allocation.reused[loc.depth]
             moves.append(
                 (src_w.first_device + src.rank, src.slot, dst_w.first_device + loc.rank, loc.slot)
             )
-        return CopyJob(plan, moves, dst_lease, src_id, src_lease)
+        return CopyJob(plan, moves, dst_allocation, src_id, src_allocation)
 
-    def _begin_dest(self, index: WorkerCacheIndex, prefix: list[int]) -> PrefillLease:
+    def _begin_dest(self, index: WorkerCacheIndex, prefix: list[int]) -> BlockAllocation:
         """The destination's slots for ``prefix``; what they evicted is reported now."""
-        lease = index.begin(prefix, len(prefix))
-        self.cache.apply_report(index.evictions(lease))
-        return lease
+        allocation = index.begin(prefix, len(prefix))
+        self.cache.apply_report(index.evictions(allocation))
+        return allocation
 
     def _begin_fetch(self, plan: CopyPlan) -> CopyJob | None:
         """A pending prefix's missing blocks, from the slots that kept them after a
@@ -175,16 +175,16 @@ class KVLedger:
                 break
         if not prefix:
             return None
-        dst_lease = self._begin_dest(dst_index, prefix)
+        dst_allocation = self._begin_dest(dst_index, prefix)
         moves = []
-        for loc in dst_lease.new:
+        for loc in dst_allocation.new:
             grank, slot = source.get(loc.block_id, (None, None))
             if grank is None or slot is None:  # not a fetched block: cannot fill it
-                self.cache.apply_report(dst_index.abort(dst_lease))
+                self.cache.apply_report(dst_index.abort(dst_allocation))
                 return None
             moves.append((grank, slot, dst_w.first_device + loc.rank, loc.slot))
         self.retention.reading(moves)  # no expiry frees a slot while it is read
-        return CopyJob(plan, moves, dst_lease)
+        return CopyJob(plan, moves, dst_allocation)
 
     # -- reshapes (``retention``) ------------------------------------------------------
 

@@ -36,6 +36,7 @@ from vertumnus.policy.cache.audit import CopyAudit
 from vertumnus.policy.cache.copy_cost import EvictionValue
 from vertumnus.policy.cache.index import CacheReport
 from vertumnus.policy.cache.inflight import PlansInFlight
+from vertumnus.policy.cache.nodes import Node, WorkerInfo
 from vertumnus.policy.cache.plans import (
     CacheManagerConfig,
     CopyPlan,
@@ -46,7 +47,7 @@ from vertumnus.policy.cache.plans import (
     WorkerCacheView,
 )
 from vertumnus.policy.cache.scan import PeriodicScan, ScanPricing
-from vertumnus.policy.cache.trie import Node, PrefixTrie, WorkerInfo
+from vertumnus.policy.cache.trie import PrefixTrie
 from vertumnus.policy.costs import CostWeights, prefer_degree, reuse_curves
 
 

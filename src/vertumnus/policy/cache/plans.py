@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from vertumnus.policy.cache.trie import Node
+from vertumnus.policy.cache.nodes import Node
 
 
 @dataclass(frozen=True)

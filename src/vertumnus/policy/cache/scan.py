@@ -44,6 +44,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from vertumnus.policy.cache.inflight import PlansInFlight
+from vertumnus.policy.cache.nodes import Node, WorkerInfo, bits
 from vertumnus.policy.cache.plans import (
     BlockMove,
     CacheManagerConfig,
@@ -52,7 +53,7 @@ from vertumnus.policy.cache.plans import (
     ScanResult,
     WorkerCacheView,
 )
-from vertumnus.policy.cache.trie import Node, PrefixTrie, WorkerInfo, bits
+from vertumnus.policy.cache.trie import PrefixTrie
 from vertumnus.policy.costs import ReuseCurve
 
 

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from vertumnus.blocks import ROOT_BLOCK_ID
 from vertumnus.policy.cache.nodes import Node, TrieError, WorkerInfo, bits
 
-__all__ = ["Node", "PrefixTrie", "TrieError", "WorkerInfo", "bits"]
+__all__ = ["PrefixTrie"]
 
 
 class PrefixTrie:

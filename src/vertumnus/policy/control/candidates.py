@@ -32,15 +32,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vertumnus.policy.control.forecast import ArrivalSample
-from vertumnus.policy.control.replay import ReplayModel, ReplayWorker
-from vertumnus.policy.lattice import (
-    Lattice,
-    LatticeConfig,
-    Reshape,
-    WorkerState,
-    composition_name,
-    reachable_compositions,
-)
+from vertumnus.policy.control.replay import ReplayModel
+from vertumnus.policy.control.replay_types import ReplayWorker
+from vertumnus.policy.geometry import LatticeConfig, composition_name, reachable_compositions
+from vertumnus.policy.lattice import Lattice, Reshape, WorkerState
 
 if TYPE_CHECKING:
     from vertumnus.policy.placement.scheduler import Scheduler

@@ -22,7 +22,12 @@ from dataclasses import dataclass
 
 from vertumnus.perfmodel import DegreeCoeffs
 from vertumnus.policy.costs import CostWeights, prefer_degree, reuse_curves
-from vertumnus.policy.lattice import LatticeConfig, LatticeError, reachable_compositions, top_blocks
+from vertumnus.policy.geometry import (
+    LatticeConfig,
+    LatticeError,
+    reachable_compositions,
+    top_blocks,
+)
 
 
 @dataclass(frozen=True)

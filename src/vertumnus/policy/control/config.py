@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vertumnus.policy.lattice import LatticeError
+from vertumnus.policy.geometry import LatticeError
 
 CONTROLLER_MODES = ("whatif", "rules")
 

@@ -26,10 +26,12 @@ from vertumnus.policy.control.candidates import Candidate
 from vertumnus.policy.control.config import ControllerConfig
 from vertumnus.policy.control.forecast import Forecast, ForecastConfig, make_sample
 from vertumnus.policy.control.periods import Period, Periods
-from vertumnus.policy.control.replay import PreparedForecast, ReplayModel, ReplayWorker, Times
+from vertumnus.policy.control.replay import ReplayModel, Times
+from vertumnus.policy.control.replay_types import PreparedForecast, ReplayWorker
 from vertumnus.policy.control.search import Evaluation, MoveAuditInput, WhatIfPlan
 from vertumnus.policy.lattice import Lattice
-from vertumnus.policy.placement.scheduler import Placement, PlacementRequest
+from vertumnus.policy.placement.queues import PlacementRequest
+from vertumnus.policy.placement.scheduler import Placement
 
 PeriodAudit = tuple[int, PreparedForecast, tuple[ReplayWorker, ...], float]
 

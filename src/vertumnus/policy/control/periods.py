@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vertumnus.policy.control.forecast import ArrivalSample
-from vertumnus.policy.control.replay import ReplayWorker
+from vertumnus.policy.control.replay_types import ReplayWorker
 
 
 @dataclass

@@ -38,6 +38,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vertumnus import native
@@ -45,6 +46,7 @@ from vertumnus.policy.control import replay_loop
 from vertumnus.policy.control.forecast import ArrivalSample
 from vertumnus.policy.control.replay_types import (
     PreparedForecast,
+    ReplayMoves,
     ReplayResult,
     ReplayWorker,
     Retirement,
@@ -58,14 +60,7 @@ if TYPE_CHECKING:
 else:
     Replay, mean_best_e = _loop.Replay, _loop.mean_best_e
 
-__all__ = [
-    "PreparedForecast",
-    "Replay",
-    "ReplayModel",
-    "ReplayResult",
-    "ReplayWorker",
-    "Retirement",
-]
+__all__ = ["Calibrated", "Replay", "ReplayModel"]
 
 # Input-length buckets of the calibration: [0, 2K), [2K, 8K), [8K, 32K), [32K, inf).
 BUCKET_EDGES: tuple[int, ...] = (2048, 8192, 32768)
@@ -80,6 +75,15 @@ def bucket_of(input_tokens: int) -> int:
 Times = tuple[int, tuple[float, ...], tuple[tuple[int, tuple[float, ...]], ...]]
 
 
+@dataclass(frozen=True)
+class Calibrated:
+    """What the calibration measured: per degree, per input bucket, measured over
+    predicted service (none: 1); and the seconds every prefill adds."""
+
+    scale: Mapping[int, Sequence[float]] = field(default_factory=dict)
+    overhead_s: float = 0.0
+
+
 class ReplayModel:
     """The service-time model of one decision: the profile's curves, calibrated."""
 
@@ -88,17 +92,17 @@ class ReplayModel:
         curves: Mapping[int, ReuseCurve],
         degrees: Sequence[int],
         weights: CostWeights,
-        scale: Mapping[int, Sequence[float]] | None = None,
-        overhead_s: float = 0.0,
+        calibrated: Calibrated | None = None,
         max_tokens_per_rank: int | None = None,
     ) -> None:
+        cal = calibrated or Calibrated()
         self.degrees = tuple(sorted(degrees))
         self.curves = {c: curves[c] for c in self.degrees}
         nb = len(BUCKET_EDGES) + 1
-        self.scale = {c: tuple((scale or {}).get(c, (1.0,) * nb)) for c in self.degrees}
+        self.scale = {c: tuple(cal.scale.get(c, (1.0,) * nb)) for c in self.degrees}
         self.weights = weights
         self.max_tokens_per_rank = max_tokens_per_rank
-        self.overhead_s = overhead_s
+        self.overhead_s = cal.overhead_s
 
     def prepare(
         self,
@@ -190,7 +194,7 @@ class ReplayModel:
         builds is priced until it drains. ``batches``: see ``ReplayResult``.
         ``retire``: workers that take no work arriving from a time on; once each
         drains, its replacements serve (a reshape back, priced as it runs)."""
-        replay = Replay(self, forecast, workers, remap, lost, head, batches, retire)
+        replay = Replay(self, forecast, workers, ReplayMoves(remap, lost, head, retire), batches)
         return replay.extend(cycles)
 
 

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from vertumnus.policy.control.forecast import unit
 from vertumnus.policy.control.replay_types import (
     PreparedForecast,
+    ReplayMoves,
     ReplayResult,
     ReplayWorker,
-    Retirement,
 )
 
 if TYPE_CHECKING:
@@ -41,12 +41,12 @@ class Replay:
         model: ReplayModel,
         forecast: PreparedForecast,
         workers: Sequence[ReplayWorker],
-        remap: Mapping[int, tuple[int, ...]] | None = None,
-        lost: Mapping[int, float] | None = None,
-        head: PreparedForecast | None = None,
+        moves: ReplayMoves | None = None,
         batches: int = 0,
-        retire: Sequence[Retirement] = (),
     ) -> None:
+        """``moves``: what a candidate's reshape changes (none: nothing)."""
+        moves = moves if moves is not None else ReplayMoves()
+        remap, lost, head, retire = moves.remap, moves.lost, moves.head, moves.retire
         m = self.m = forecast.dilation
         self.model, self.forecast = model, forecast
         degrees = model.degrees

@@ -1,11 +1,13 @@
 """The replay's input and result: the workers a candidate offers, a forecast prepared
-for replaying, and what a replay measured (see ``replay`` and ``replay_loop``).
+for replaying, what a candidate's reshape changes in a replay (``ReplayMoves``), and
+what a replay measured (see ``replay`` and ``replay_loop``).
 
 Pure Python, plain data.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -52,3 +54,17 @@ class PreparedForecast:
     # per degree index: the mean predicted E of a request at its best reuse (the
     # cost rule's backlog depth is a queue's work in these units)
     mean_e: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReplayMoves:
+    """What a candidate's reshape changes in a replay (``ReplayModel.run``): ``remap``
+    (a holder that stands for the workers it maps to), ``lost`` (per remapped holder,
+    the share of its prefixes left out of place), ``head`` (requests placed once at
+    t = 0, before the forecast) and ``retire`` (workers that take no work from a
+    time on, and their replacements)."""
+
+    remap: Mapping[int, tuple[int, ...]] | None = None
+    lost: Mapping[int, float] | None = None
+    head: PreparedForecast | None = None
+    retire: Sequence[Retirement] = ()

@@ -34,27 +34,55 @@ time (the most outstanding work among the participants), then the least expected
 reconciliation traffic (from the trie), then the lowest device (``options``).
 
 Every ``Decision`` (``decision``) carries the rule that fired and its inputs, for
-logs and the timeline. ``Controller`` is also the interface every controller
-extends (the what-if controller's hooks and three steps). Pure Python, clock-free.
-Not owned here: executing a reshape (``transition``).
+logs and the timeline. ``ControllerBase`` is what every controller shares (the
+pool's capacity, the reshapes in flight, the hooks the stack calls); a controller's
+decision is three typed steps, ``DecisionSteps[plan, evaluation]``: the rules'
+are ``[PoolInputs, None]``, the what-if controller's ``[WhatIfPlan, Evaluation]``.
+Pure Python, clock-free. Not owned here: executing a reshape (``transition``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
-from vertumnus.policy.control.config import CONTROLLER_MODES, ControllerConfig
+from vertumnus.policy.control.candidates import PoolInputs
+from vertumnus.policy.control.config import ControllerConfig
 from vertumnus.policy.control.decision import Decision, TrafficFn
 from vertumnus.policy.control.options import pick_merge, pick_splits
-from vertumnus.policy.lattice import Lattice, LatticeError, Reshape, WorkerState
-from vertumnus.policy.placement.scheduler import Placement, PlacementRequest
+from vertumnus.policy.geometry import LatticeError
+from vertumnus.policy.lattice import Lattice, Reshape, WorkerState
+from vertumnus.policy.placement.queues import PlacementRequest
+from vertumnus.policy.placement.scheduler import Placement
 
-__all__ = ["CONTROLLER_MODES", "Controller", "ControllerConfig", "Decision", "TrafficFn"]
+__all__ = ["Controller", "ControllerBase", "DecisionSteps"]
+
+PlanT = TypeVar("PlanT")
+EvalT = TypeVar("EvalT")
 
 
-class Controller:
+class DecisionSteps(Protocol[PlanT, EvalT]):
+    """A controller's decision in three steps, so that a server computes the costly
+    middle one off its event loop."""
+
+    def prepare(self, inputs: PoolInputs) -> PlanT:
+        """Read the pool (on the driver's loop): the plan of this decision."""
+        ...
+
+    def evaluate(self, plan: PlanT) -> EvalT:
+        """The plan's replays: pure, touches nothing shared, safe in a thread."""
+        ...
+
+    def conclude(self, plan: PlanT, evaluation: EvalT) -> Decision:
+        """The decision and its bookkeeping (on the driver's loop)."""
+        ...
+
+
+class ControllerBase:
+    """What every controller keeps: the window's demand, the reshapes in flight, the
+    decisions made; and the hooks the stack calls."""
+
     def __init__(
         self,
         config: ControllerConfig,
@@ -74,10 +102,6 @@ class Controller:
         self._demand_s = 0.0
         self._requests = 0
         self._long = 0
-        self._over = self._under = 0
-        self._history: list[tuple[float, float]] = []  # (demand, long fraction) per window
-        self._long_reference: float | None = None
-        self._since_long_action = 0
         self.history: list[Decision] = []
 
     # -- inputs ----------------------------------------------------------------------
@@ -151,16 +175,40 @@ class Controller:
     def switch_done(self, switch_s: float) -> None:
         """A reshape's switch took ``switch_s``."""
 
-    # -- the decision: three steps (the what-if ``evaluate`` may run off the loop) -----
+    def _record(self, decision: Decision) -> Decision:
+        """Keep ``decision`` and start the next window's demand from zero."""
+        self.history.append(decision)
+        self.window += 1
+        self._demand_s, self._requests, self._long = 0.0, 0, 0
+        return decision
 
-    def prepare(self, inputs: Any) -> Any:
+
+class Controller(ControllerBase):
+    """The paper's rules (the module docstring); ``DecisionSteps[PoolInputs, None]``."""
+
+    def __init__(
+        self,
+        config: ControllerConfig,
+        lattice: Lattice,
+        kappa_s: Mapping[int, float],
+        traffic: TrafficFn | None = None,
+    ) -> None:
+        super().__init__(config, lattice, kappa_s, traffic)
+        self._over = self._under = 0
+        self._history: list[tuple[float, float]] = []  # (demand, long fraction) per window
+        self._long_reference: float | None = None
+        self._since_long_action = 0
+
+    # -- the decision: three steps (nothing to compute off the loop) -----------------
+
+    def prepare(self, inputs: PoolInputs) -> PoolInputs:
         return inputs
 
     @staticmethod
-    def evaluate(plan: Any) -> Any:
+    def evaluate(plan: PoolInputs) -> None:
         return None
 
-    def conclude(self, plan: Any, evaluation: Any) -> Decision:
+    def conclude(self, plan: PoolInputs, evaluation: None) -> Decision:
         return self.end_window(plan.loads)
 
     def end_window(self, loads: Mapping[int, float]) -> Decision:
@@ -225,13 +273,6 @@ class Controller:
         return self._record(
             Decision(self.window, rule, tuple(ops), demand, capacity, long_fraction, inputs)
         )
-
-    def _record(self, decision: Decision) -> Decision:
-        """Keep ``decision`` and start the next window's demand from zero."""
-        self.history.append(decision)
-        self.window += 1
-        self._demand_s, self._requests, self._long = 0.0, 0, 0
-        return decision
 
     def _rule(
         self,

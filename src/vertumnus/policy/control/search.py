@@ -61,10 +61,10 @@ from dataclasses import dataclass, field, replace
 
 from vertumnus.policy.control.candidates import Candidate
 from vertumnus.policy.control.forecast import ArrivalSample
-from vertumnus.policy.control.replay import (
+from vertumnus.policy.control.replay import Replay, ReplayModel
+from vertumnus.policy.control.replay_types import (
     PreparedForecast,
-    Replay,
-    ReplayModel,
+    ReplayMoves,
     ReplayResult,
     ReplayWorker,
 )
@@ -153,7 +153,9 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
     holds: list[float | None] = [None] * n
     zs: list[float | None] = [None] * n
     move_audits = tuple(_move_audit(plan, entry) for entry in plan.move_audits)
-    if not forecast.offsets:
+    if not forecast.offsets or not plan.candidates[0].steady_workers:
+        # Nothing to replay: no arrivals, or no worker serves (every one failed or
+        # draining): the decision holds.
         return Evaluation(tuple(lives), tuple(steadies), tuple(scores), (), tuple(holds),
                           tuple(zs), 0.0, move_audits)  # fmt: skip
     op_cost = plan.op_cost
@@ -166,8 +168,8 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
         the cycles it adds."""
         if k not in replays:
             cand = plan.candidates[k]
-            replays[k] = Replay(model, forecast, cand.next_workers, cand.remap, cand.lost,
-                                heads[k], plan.batches)  # fmt: skip
+            moves = ReplayMoves(cand.remap, cand.lost, heads[k])
+            replays[k] = Replay(model, forecast, cand.next_workers, moves, plan.batches)
         return replays[k].extend(cycles)
 
     holding = plan.candidates[0]

@@ -52,11 +52,13 @@ Pure Python, clock-free. Not owned here: executing reshapes (``transition``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.control.audit import band_of
 from vertumnus.policy.control.candidates import Candidate, DisturbedShares, PoolInputs, candidates
+from vertumnus.policy.control.config import ControllerConfig
 from vertumnus.policy.control.decision import Decision, TrafficFn
 from vertumnus.policy.control.guards import (
     Streak,
@@ -66,41 +68,40 @@ from vertumnus.policy.control.guards import (
     pessimistic_gains,
 )
 from vertumnus.policy.control.observations import Observations
-from vertumnus.policy.control.replay import ReplayModel
-from vertumnus.policy.control.rules import Controller, ControllerConfig
+from vertumnus.policy.control.replay import Calibrated, ReplayModel
+from vertumnus.policy.control.rules import ControllerBase
 from vertumnus.policy.control.search import Evaluation, WayBack, WhatIfPlan, evaluate, faster
-from vertumnus.policy.costs import CostWeights, ReuseCurve
 from vertumnus.policy.lattice import Lattice, Reshape, WorkerState
-from vertumnus.policy.placement.scheduler import Placement, PlacementRequest
+from vertumnus.policy.placement.queues import PlacementRequest
+from vertumnus.policy.placement.scheduler import Placement
 
 
-class WhatIfController(Controller):
+class WhatIfController(ControllerBase):
+    """``DecisionSteps[WhatIfPlan, Evaluation]`` (``rules``)."""
+
+    # The pool carries out its moves (false: a fixed pool, whose decisions are only
+    # noted: no move is audited and every period stays undisturbed).
+    acting = True
+
     def __init__(
         self,
         config: ControllerConfig,
         lattice: Lattice,
         kappa_s: Mapping[int, float],
-        curves: Mapping[int, ReuseCurve],
-        weights: CostWeights,
-        traffic: TrafficFn | None = None,
-        disturbed: TrafficFn | None = None,
-        held_blocks: Callable[[int], int] | None = None,
-        max_tokens_per_rank: int | None = None,
-        acting: bool = True,
+        model: ReplayModel,
+        cache: PrefixCacheManager | None = None,
     ) -> None:
-        """``disturbed``: the share of a reshape's cache it leaves out of place (the
-        trie's reconciliation, ``cache.manager.reconciliation_share``);
-        ``held_blocks``: the blocks a worker caches (the cheap stand-in for the
-        reconciliation traffic when ordering many options); ``acting``: the pool
-        carries out its moves (false: a fixed pool, whose decisions are only noted:
-        no move is audited and every period stays undisturbed)."""
-        super().__init__(config, lattice, kappa_s, traffic)
-        self.acting = acting
+        """``model``: the profile's curves, the cost weights and the scheduler's KV
+        limit (each decision calibrates it). ``cache``: the trie, for a reshape's
+        reconciliation traffic, the share of its cache it leaves out of place
+        (``cache.manager.reconciliation_share``) and the blocks a worker caches (the
+        cheap stand-in for the traffic when ordering many options); None: none."""
+        super().__init__(config, lattice, kappa_s, _traffic(cache))
         self.start = dict(lattice.composition())  # the composition it started in
-        self.held_blocks = held_blocks or (lambda worker_id: 0)
-        self.max_tokens_per_rank = max_tokens_per_rank  # the scheduler's KV limit
-        self.curves = curves
-        self.weights = weights
+        self.cache = cache
+        self.max_tokens_per_rank = model.max_tokens_per_rank  # the scheduler's KV limit
+        self.curves = model.curves
+        self.weights = model.weights
         # what it has seen of the pool, and how its replays fared (``observations``)
         self.observations = Observations(config, lattice, self.settled)
         self.forecast = self.observations.forecast
@@ -108,7 +109,16 @@ class WhatIfController(Controller):
         self.move_audits = self.observations.move_audits
         # consecutive decisions whose best is the same kind of move
         self._streak = Streak(config.z_confirm, config.confirm_limit)
-        self._shares = DisturbedShares(disturbed or (lambda op: 0.0))
+        self._shares = DisturbedShares(_disturbed(cache))
+
+    def held_blocks(self, worker_id: int) -> int:
+        """The blocks the worker caches (0 without a cache manager)."""
+        if self.cache is None:
+            return 0
+        trie = self.cache.trie
+        return len(trie.worker_nodes.get(worker_id, ())) + len(
+            trie.worker_pending.get(worker_id, ())
+        )
 
     # -- inputs (``observations``) ----------------------------------------------------
 
@@ -141,8 +151,7 @@ class WhatIfController(Controller):
             self.curves,
             self.lattice.config.degrees,
             self.weights,
-            scales,
-            cal.overhead_s,
+            Calibrated(scales, cal.overhead_s),
             self.max_tokens_per_rank,
         )
         seen = self.observations
@@ -299,3 +308,17 @@ class WhatIfController(Controller):
                 self.window, rule, tuple(ops), demand, self.capacity_s(), long_fraction, inputs
             )
         )
+
+
+def _traffic(cache: PrefixCacheManager | None) -> TrafficFn | None:
+    """The trie's expected reconciliation traffic of a reshape."""
+    if cache is None:
+        return None
+    return lambda op: cache.reconciliation_traffic(op.sources, op.target_degree, op.target_firsts)
+
+
+def _disturbed(cache: PrefixCacheManager | None) -> TrafficFn:
+    """The share of a reshape's cache it leaves out of place."""
+    if cache is None:
+        return lambda op: 0.0
+    return lambda op: cache.reconciliation_share(op.sources, op.target_degree, op.target_firsts)

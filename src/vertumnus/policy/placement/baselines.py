@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from vertumnus.policy.cache.trie import Node
+from vertumnus.policy.cache.nodes import Node
 from vertumnus.policy.lattice import LatticeWorker
-from vertumnus.policy.placement.scheduler import Choice, PlacementRequest, Scheduler
+from vertumnus.policy.placement.queues import PlacementRequest
+from vertumnus.policy.placement.scheduler import Choice, Scheduler
 
 
 class _Baseline(Scheduler):  # (placement/peers.py builds on it too)

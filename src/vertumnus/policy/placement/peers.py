@@ -70,7 +70,7 @@ from typing import Any
 
 from vertumnus.policy.lattice import LatticeWorker
 from vertumnus.policy.placement.baselines import _Baseline
-from vertumnus.policy.placement.scheduler import PlacementRequest
+from vertumnus.policy.placement.queues import PlacementRequest
 
 
 class _Peer(_Baseline):

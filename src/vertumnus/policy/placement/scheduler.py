@@ -56,23 +56,16 @@ from dataclasses import dataclass, field
 from vertumnus.blocks import max_reuse_blocks
 from vertumnus.perfmodel import DegreeCoeffs
 from vertumnus.policy.cache.coming import coming_run
-from vertumnus.policy.cache.host_tier import HostTiers
+from vertumnus.policy.cache.host_slots import sweep
+from vertumnus.policy.cache.host_tier import HostTierPolicy
 from vertumnus.policy.cache.manager import PrefixCacheManager
+from vertumnus.policy.cache.nodes import Node
 from vertumnus.policy.cache.plans import RequestUpdate
-from vertumnus.policy.cache.tier_lru import sweep
-from vertumnus.policy.cache.trie import Node
 from vertumnus.policy.costs import CostWeights, reuse_curves
 from vertumnus.policy.lattice import Lattice, LatticeWorker, WorkerState
 from vertumnus.policy.placement.queues import PlacementRequest, SchedulerError, WorkerQueues
 
-__all__ = [
-    "Choice",
-    "Placement",
-    "PlacementRequest",
-    "Scheduler",
-    "SchedulerConfig",
-    "SchedulerError",
-]
+__all__ = ["Choice", "Placement", "Scheduler", "SchedulerConfig"]
 
 # (worker id, its degree, P_iw, E_iw, q_w, cost, the part of P_iw the worker holds
 # or pulls: the rest is coming there)
@@ -137,7 +130,7 @@ class Scheduler(WorkerQueues):
         # The host tier (set by the policy stack when it has one): a run of the
         # request's blocks in the worker's host tier, after what the worker holds, is
         # priced at its load-back time (``tier_blocks``).
-        self.tiers: HostTiers | None = None
+        self.tiers: HostTierPolicy | None = None
         self._tier_reuse: dict[int, int] = {}  # worker -> P with its tier run, this request
 
     # -- placement -------------------------------------------------------------------
@@ -316,7 +309,7 @@ class Scheduler(WorkerQueues):
         loaded_e: dict[tuple[int, int, int, int], tuple[int, float]],
     ) -> tuple[int, float]:
         """The blocks after the worker's ``p`` tokens that the tiers hold, and E of the
-        longer prefix plus their load: its host's run, or (``HostTiers.remote``) the
+        longer prefix plus their load: its host's run, or (``HostTierPolicy.remote``) the
         run with other hosts' blocks read over the network, whichever costs less
         (0 blocks: none). ``masks``: per block, the hosts holding it; ``from_0`` (every
         host's run from depth 0, one sweep) and ``loaded_e``: this request's memos."""

@@ -7,45 +7,37 @@ reshape or a restart under way) and is refused otherwise. Its placement may star
 pull of its prefix (``policy/stack/pulls.py``) on the copy lanes. A request leaves when
 its prefill commits, when the driver answers it with an error (``drop``), or when its
 client gives up (``abandon``: a queued or waiting one at once; a running one when it
-ends). Pure Python, clock-free. Not owned here: what runs on the workers
-(``prefills``).
+ends). A placement that queues a copy asks for the copy lanes to run (the ``Pump``
+intent of its ``Step``); ``take_waiting`` hands the root the waiting requests to
+place again. Pure Python, clock-free. Not owned here: what runs on the workers
+(``prefills``), running the copy lanes (the root routes ``Pump``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from vertumnus.policy.control.rules import Controller
-from vertumnus.policy.placement.scheduler import PlacementRequest, Scheduler
+from vertumnus.policy.placement.queues import PlacementRequest
 from vertumnus.policy.pool_config import PolicyError
 from vertumnus.policy.pool_results import Actions
+from vertumnus.policy.stack.intents import Pump, Step
 from vertumnus.policy.stack.lanes import CopyLanes
 from vertumnus.policy.stack.pulls import Pulls
+from vertumnus.policy.stack.state import StackState
 
 
 class Admission:
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        controller: Controller,
-        pulls: Pulls,
-        lanes: CopyLanes,
-        someone_coming: Callable[[], bool],
-        block_tokens: int,
-        replication: bool,
-    ) -> None:
-        """``someone_coming()``: a worker will become a candidate (a reshape or a
-        restart is under way): then a request with no candidate waits."""
-        self.scheduler, self.controller = scheduler, controller
+    def __init__(self, state: StackState, pulls: Pulls, lanes: CopyLanes) -> None:
+        """A request with no candidate waits while ``state.someone_coming()`` (a
+        reshape or a restart is under way)."""
+        self.state = state
+        self.scheduler, self.controller = state.scheduler, state.controller
         self.pulls, self.lanes = pulls, lanes
-        self._someone_coming = someone_coming
-        self.block_tokens, self.replication = block_tokens, replication
+        self.block_tokens, self.replication = state.block_tokens, state.config.replication
         self.requests: dict[int, PlacementRequest] = {}  # open: arrived, not answered
         self.arrived_s: dict[int, float] = {}  # open requests' arrival times
         self.waiting: list[int] = []  # no candidate when placed
         self._recorded: set[int] = set()  # requests whose demand the controller counted
 
-    def arrive(self, request: PlacementRequest, now: float) -> Actions:
+    def arrive(self, request: PlacementRequest, now: float) -> Step:
         if request.request_id in self.requests:
             raise PolicyError(f"request {request.request_id} arrived twice")
         self.requests[request.request_id] = request
@@ -59,28 +51,29 @@ class Admission:
         self._recorded.discard(request_id)
         self.arrived_s.pop(request_id, None)
 
-    def abandon(self, request_id: int, running: Callable[[int], bool]) -> None:
+    def abandon(self, request_id: int) -> None:
         """The client gave up: a waiting or queued request leaves (its reservation is
-        released); a ``running`` one finishes and is forgotten then."""
+        released); a running one finishes and is forgotten then."""
         if request_id not in self.requests:
             return
         if request_id in self.waiting:
             self.waiting.remove(request_id)
         elif self.scheduler.is_queued(request_id):
             self.scheduler.cancel(request_id)
-        elif running(request_id):
+        elif any(run.request_id == request_id for run in self.state.running.values()):
             return  # ``finish`` forgets it
         self.drop(request_id)
 
-    def place(self, request_id: int, now: float) -> Actions:
+    def place(self, request_id: int, now: float) -> Step:
+        """Place an open request (again); a copy it queues asks for ``Pump``."""
         request = self.requests[request_id]
         placed = self.scheduler.place(request, now)
         if placed is None:
-            if self._someone_coming():
+            if self.state.someone_coming():
                 self.waiting.append(request_id)
-                return Actions()
+                return Step()
             self.drop(request_id)
-            return Actions(refused=[request_id])
+            return Step(Actions(refused=[request_id]))
         if request_id not in self._recorded:
             self._recorded.add(request_id)
             self.controller.record(placed.exec_s, request.input_tokens)
@@ -98,13 +91,10 @@ class Admission:
             if update.fetch.kind == "pull":
                 self.pulls.queued(update.fetch)
             self.lanes.queue_copy(update.fetch)
-            actions.add(self.lanes.pump(now))
-        return actions
+            return Step(actions, (Pump(),))
+        return Step(actions)
 
-    def retry_waiting(self, now: float) -> Actions:
-        """Place again every request that waits (a worker came)."""
-        actions = Actions()
+    def take_waiting(self) -> tuple[int, ...]:
+        """The requests that wait, to place again (a worker came): none waits now."""
         waiting, self.waiting = self.waiting, []
-        for request_id in waiting:
-            actions.add(self.place(request_id, now))
-        return actions
+        return tuple(waiting)

@@ -27,19 +27,20 @@ copies under way and queued, each at the copy timer's prediction): the price of
 a pull's wait. The simulator times each copy; the coordinator sends its commands
 to the ranks. Pure bookkeeping, clock-free. Not owned here: what to copy (the
 cache manager) or when to reshape (the controller), nor what a commit does
-(``reshapes``).
+(``reshapes``: the lanes' ``pump`` returns the ``Commit`` intent, the root routes it).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from vertumnus.policy.cache.copy_cost import CopyTimer
 from vertumnus.policy.cache.ledger import CopyJob, KVLedger
 from vertumnus.policy.cache.plans import CopyPlan
-from vertumnus.policy.pool_results import Actions, Switch
+from vertumnus.policy.pool_results import Actions
+from vertumnus.policy.stack.intents import Commit, Step
 from vertumnus.policy.transition import Transition
 
 LANES = ("device", "serial")
@@ -57,16 +58,13 @@ class CopyLanes:
     def __init__(
         self,
         ledger: KVLedger,
-        commit: Callable[[Transition, float], Switch],
         timer: CopyTimer,
         lanes: str = "device",
     ) -> None:
-        """``commit(transition, now)``: the reshape's epoch, once the ranks are its.
-        ``timer``: the copy time model, which every copy measured teaches."""
+        """``timer``: the copy time model, which every copy measured teaches."""
         if lanes not in LANES:
             raise ValueError(f"lanes must be one of {', '.join(LANES)}, got {lanes!r}")
         self.ledger = ledger
-        self._commit = commit
         self.timer = timer
         self.serial = lanes == "serial"
         self._copies: deque[CopyPlan] = deque()
@@ -171,19 +169,20 @@ class CopyLanes:
 
     # -- granting the ranks ---------------------------------------------------------------
 
-    def pump(self, now: float) -> Actions:
-        """Give the ranks to the next switch once the copies under way are done, else
-        start every queued copy whose devices are free (in queue order per device)."""
+    def pump(self, now: float) -> Step:
+        """Give the ranks to the next switch once the copies under way are done (the
+        step's ``Commit``), else start every queued copy whose devices are free (in
+        queue order per device)."""
         actions = Actions()
         if not self._dirty or self.switching is not None:
-            return actions
+            return Step(actions)
         self._dirty = False
         if self._switches:
             if not self.running:
                 self.switching = self._switches.popleft()
                 self._changed()
-                actions.switch = self._commit(self.switching, now)
-            return actions
+                return Step(actions, (Commit(self.switching),))
+            return Step(actions)
         held = set(self._busy)  # lanes taken, or promised to an earlier queued copy
         waiting: deque[CopyPlan] = deque()
         while self._copies:
@@ -203,7 +202,7 @@ class CopyLanes:
             actions.copies.append(job)
         self._copies = waiting
         self._version += 1
-        return actions
+        return Step(actions)
 
 
 def _ended(actions: Actions, plan: CopyPlan, installed: int) -> Actions:

@@ -5,45 +5,37 @@ again); while its ranks restart, requests that find no worker wait for it rather
 than being refused (``down``: the devices of failed workers that are coming back).
 A reset worker's cache is gone: the trie forgets what it held, the KV ledger what
 was retained on its ranks. The driver (the coordinator's ``Recovery``) decides
-when each step happens. Pure Python, clock-free.
+when each step happens. Each step returns what the root must do next (a ``Step``:
+the drained queue to place again, the waiting requests to retry); a reset's
+cache is forgotten (``Wipe``) only once its queue is placed elsewhere. Pure
+Python, clock-free. Not owned here: placing requests (``admission``, through the
+root).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 
-from vertumnus.policy.cache.holds import Holds
-from vertumnus.policy.cache.index import WorkerCacheIndex
-from vertumnus.policy.cache.ledger import KVLedger
-from vertumnus.policy.cache.manager import PrefixCacheManager
-from vertumnus.policy.lattice import Lattice, WorkerState
-from vertumnus.policy.placement.scheduler import Scheduler
-from vertumnus.policy.pool_results import Actions
+from vertumnus.policy.lattice import WorkerState
+from vertumnus.policy.stack.intents import Requeue, RetryWaiting, Step, Wipe
+from vertumnus.policy.stack.state import StackState
 
 
 class Outages:
-    """Given the stack's parts it changes, and the three acts of the stack it needs:
-    ``place`` a request again, ``add_worker`` (a fresh cache index), and
-    ``retry_waiting`` (the requests that wait for a worker)."""
+    """Given the stack's state: the failed workers' devices that are coming back
+    (``down``) live there, where ``Admission`` asks whether someone is coming."""
 
-    def __init__(
-        self,
-        lattice: Lattice,
-        scheduler: Scheduler,
-        cache: PrefixCacheManager,
-        ledger: KVLedger,
-        holds: Holds,
-        indexes: dict[int, WorkerCacheIndex],
-        place: Callable[[int, float], Actions],
-        add_worker: Callable[[int], None],
-        retry_waiting: Callable[[float], Actions],
-    ) -> None:
-        self.lattice, self.scheduler, self.cache = lattice, scheduler, cache
-        self.ledger, self.holds, self.indexes = ledger, holds, indexes
-        self.place, self.add_worker, self.retry_waiting = place, add_worker, retry_waiting
-        self.down: set[int] = set()  # devices of failed workers that are coming back
+    def __init__(self, state: StackState) -> None:
+        self.state = state
+        self.lattice, self.scheduler, self.cache = state.lattice, state.scheduler, state.cache
+        self.ledger, self.holds = state.ledger, state.holds
 
-    def failed(self, worker_id: int, now: float) -> Actions:
+    @property
+    def down(self) -> set[int]:
+        """Devices of failed workers that are coming back."""
+        return self.state.down
+
+    def failed(self, worker_id: int, now: float) -> Step:
         """A rank of the worker died or hung. An active worker leaves the candidate
         set now and its queued requests are placed again; one in a reshape finishes
         the reshape first (the driver resets it after). Requests that find no worker
@@ -51,44 +43,47 @@ class Outages:
         w = self.lattice.workers[worker_id]
         self.down.update(w.devices)
         if w.state is not WorkerState.ACTIVE:
-            return Actions()
+            return Step()
         self.lattice.fail(worker_id)
-        return self._requeue(worker_id, now)
+        return self._requeue(worker_id)
 
-    def reset(self, worker_id: int, now: float) -> Actions:
-        """The failed worker's ranks restart: its cache is gone, its queue is placed
-        again. Its running prefill, if any, still ends with ``finish``."""
+    def reset(self, worker_id: int, now: float) -> Step:
+        """The failed worker's ranks restart: its queue is placed again, then its
+        cache is gone (``Wipe``). Its running prefill, if any, still ends with
+        ``finish``."""
         w = self.lattice.workers[worker_id]
         self.down.update(w.devices)
         if w.state is not WorkerState.UNAVAILABLE:
             self.lattice.fail(worker_id)
-        actions = self._requeue(worker_id, now)
+        requeue = self._requeue(worker_id).then
+        return Step(then=(*requeue, Wipe(worker_id, tuple(w.devices))))
+
+    def wipe(self, worker_id: int, devices: Sequence[int]) -> None:
+        """The reset worker's cache is gone: the trie, the ledger and the hand-offs
+        forget it, and its cache index goes."""
         if worker_id in self.cache.trie.workers:
             self.cache.remove_worker(worker_id)
-        self.ledger.drop_ranks(w.devices)
+        self.ledger.drop_ranks(devices)
         self.holds.drop_worker(worker_id)  # its KV is gone: the hand-offs' pulls are moved
-        self.indexes.pop(worker_id, None)
-        return actions
+        self.state.indexes.pop(worker_id, None)
 
-    def restored(self, worker_id: int, now: float) -> Actions:
+    def restored(self, worker_id: int, now: float) -> Step:
         """The worker's ranks are back, its cache empty: it serves again."""
         w = self.lattice.workers[worker_id]
-        if worker_id not in self.indexes:
-            self.add_worker(worker_id)
+        if worker_id not in self.state.indexes:
+            self.state.add_worker(worker_id)
         self.lattice.restore(worker_id)
         self.down.difference_update(w.devices)
-        return self.retry_waiting(now)
+        return Step(then=(RetryWaiting(),))
 
-    def abandoned(self, worker_id: int, now: float) -> Actions:
+    def abandoned(self, worker_id: int, now: float) -> Step:
         """The driver gave up restarting the worker: it stays out, and requests
         waiting only for it are refused."""
         w = self.lattice.workers.get(worker_id)
         if w is not None:
             self.down.difference_update(w.devices)
-        return self.retry_waiting(now)
+        return Step(then=(RetryWaiting(),))
 
-    def _requeue(self, worker_id: int, now: float) -> Actions:
-        actions = Actions()
-        for request in self.scheduler.drain(worker_id):
-            actions.add(self.place(request.request_id, now))
-        return actions
+    def _requeue(self, worker_id: int) -> Step:
+        drained = self.scheduler.drain(worker_id)
+        return Step(then=(Requeue(tuple(r.request_id for r in drained)),))

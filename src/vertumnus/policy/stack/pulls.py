@@ -19,8 +19,9 @@ prefix is pinned from the moment the pull is planned until it ended (``queued``,
 ``sweep``): while the pull waits for the copy lanes, the source's own prefills would
 otherwise evict it, and the request would compute what it was promised.
 
-Pure bookkeeping for ``PoolPolicy``; the trie learns nothing from a pin (the blocks
-stay held either way). Not owned here: whether to pull (the scheduler's cost rule),
+Pure bookkeeping for the stack (``admission`` and ``prefills`` call it, the root
+when a copy ended); the trie learns nothing from a pin (the blocks stay held
+either way). Not owned here: whether to pull (the scheduler's cost rule),
 the copy itself (the copy lanes and the KV ledger).
 """
 
@@ -29,27 +30,25 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from vertumnus.blocks import max_reuse_blocks
-from vertumnus.policy.cache.index import PrefillLease, WorkerCacheIndex
-from vertumnus.policy.cache.manager import PrefixCacheManager
+from vertumnus.policy.cache.index import BlockAllocation, WorkerCacheIndex
+from vertumnus.policy.cache.nodes import Node, WorkerInfo
 from vertumnus.policy.cache.plans import CopyPlan
-from vertumnus.policy.cache.trie import Node, WorkerInfo
-from vertumnus.policy.placement.scheduler import PlacementRequest, Scheduler
+from vertumnus.policy.placement.queues import PlacementRequest
+from vertumnus.policy.placement.scheduler import Scheduler
 from vertumnus.policy.stack.lanes import CopyLanes
+from vertumnus.policy.stack.state import StackState
 
 
 class Pulls:
-    def __init__(
-        self,
-        cache: PrefixCacheManager,
-        indexes: Mapping[int, WorkerCacheIndex],
-        block_tokens: int,
-        lanes: CopyLanes,
-    ) -> None:
-        self.cache, self.indexes, self.block_tokens = cache, indexes, block_tokens
+    def __init__(self, state: StackState, lanes: CopyLanes) -> None:
+        """The state's cache manager and per-worker cache indexes; ``lanes``: the
+        copy lanes, whose backlog prices a pull's wait."""
+        self.cache, self.indexes = state.cache, state.indexes
+        self.block_tokens = state.block_tokens
         self.lanes = lanes
         self.awaiting: dict[int, tuple[int, int]] = {}  # request -> (worker, pull plan)
-        self._pins: dict[int, tuple[WorkerCacheIndex, PrefillLease]] = {}
-        self._sources: dict[int, tuple[WorkerCacheIndex, PrefillLease]] = {}  # by plan
+        self._pins: dict[int, tuple[WorkerCacheIndex, BlockAllocation]] = {}
+        self._sources: dict[int, tuple[WorkerCacheIndex, BlockAllocation]] = {}  # by plan
         # (path end, its holders, the lanes' version, now) last priced
         self._source_key: tuple[int, int, int, float] | None = None
         self._source_wait = 0.0  # then: seconds until its first holder is free
@@ -61,9 +60,9 @@ class Pulls:
         prefix = list(plan.prefix_ids)
         if index is None or len(index.match(prefix)) < len(prefix):
             return
-        lease = index.begin(prefix, len(prefix))
-        assert not lease.new, "a pin allocates nothing"
-        self._sources[plan.plan_id] = (index, lease)
+        allocation = index.begin(prefix, len(prefix))
+        assert not allocation.new, "a pin allocates nothing"
+        self._sources[plan.plan_id] = (index, allocation)
 
     def sweep(self) -> None:
         """Unpin the sources of the pulls that ended."""
@@ -144,18 +143,18 @@ class Pulls:
         if index is not None:
             held = len(index.match(request.block_ids[:blocks]))
             if held:
-                lease = index.begin(request.block_ids[:held], held)
-                assert not lease.new, "a pin allocates nothing"
-                self._pins[request.request_id] = (index, lease)
+                allocation = index.begin(request.block_ids[:held], held)
+                assert not allocation.new, "a pin allocates nothing"
+                self._pins[request.request_id] = (index, allocation)
         if pinned is not None:
             self._unpin(*pinned)
 
-    def started(self, request_id: int, worker_id: int, lease: PrefillLease) -> None:
-        """The request began on ``worker_id``: its own ``lease`` now pins what it
+    def started(self, request_id: int, worker_id: int, allocation: BlockAllocation) -> None:
+        """The request began on ``worker_id``: its own ``allocation`` now pins what it
         reuses (unpin), and those reuses are hits for the copies that brought them
         (``cache.audit``)."""
         self.forget(request_id)
-        self.cache.audit.reused(worker_id, (loc.block_id for loc in lease.reused))
+        self.cache.audit.reused(worker_id, (loc.block_id for loc in allocation.reused))
 
     def forget(self, request_id: int) -> None:
         """The request left its worker (started, placed again, answered): unpin."""
@@ -164,9 +163,9 @@ class Pulls:
         if pinned is not None:
             self._unpin(*pinned)
 
-    def _unpin(self, index: WorkerCacheIndex, lease: PrefillLease) -> None:
+    def _unpin(self, index: WorkerCacheIndex, allocation: BlockAllocation) -> None:
         if self.indexes.get(index.worker_id) is index:  # (a reset worker's is gone)
-            self.cache.apply_report(index.commit(lease))
+            self.cache.apply_report(index.commit(allocation))
 
     @property
     def pinned(self) -> int:

@@ -1,7 +1,9 @@
-"""One host's KV tier: its slots, their LRU order and when each block is loadable, the
-tiers' statistics, and the sweep that gives every host's run of a request's blocks
-(``host_tier.py`` owns the tiers together and their prices; docs/cache.md, "The host
-tier"). Pure Python, clock-free."""
+"""One host's KV tier as slots (``HostSlots``): which block is in which slot, their
+LRU order and when each block is loadable; the tiers' statistics, and the sweep that
+gives every host's run of a request's blocks. ``HostTierPolicy`` (``host_tier.py``)
+decides over every host's ``HostSlots`` and prices them; ``HostTierMemory``
+(``runtime/kv/host_memory.py``) holds the bytes (docs/cache.md, "The host tier").
+Pure Python, clock-free."""
 
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ class _Entry:
 
 
 @dataclass
-class HostTier:
+class HostSlots:
     """One host's tier: ``capacity`` slots (None: unbounded), LRU order."""
 
     capacity: int | None
@@ -92,7 +94,7 @@ def sweep(masks: Sequence[int], start: int, hosts: int) -> dict[int, int]:
     bit set ``hosts``, where ``masks[d]`` is the bit set of the hosts holding block d:
     one pass, ended when no host's run goes on. Placement's price: a block still being
     written back counts (it is written before a prefill placed now starts, but on an
-    idle worker, whose start checks it: ``HostTiers.sources``)."""
+    idle worker, whose start checks it: ``HostTierPolicy.sources``)."""
     alive, runs, d, end = hosts, {}, start, len(masks)
     while alive and d < end:
         holding = masks[d]
