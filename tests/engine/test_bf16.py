@@ -55,7 +55,7 @@ def engine_bf16(
     stores = [PagedKVStore(cfg, 64, BLOCK_SIZE, torch.bfloat16, CPU) for _ in range(C)]
     logits: Tensor | None = None
     for tokens in prompts:
-        lease, cmd = plan_prefill(
+        allocation, cmd = plan_prefill(
             index, tokens, BLOCK_SIZE, request_id=0, worker_ranks=tuple(range(C)), logits="all"
         )
         outs, _ = run_ranks(
@@ -64,7 +64,7 @@ def engine_bf16(
                 model, comm, stores[r], cmd.for_rank(r), logits="all"
             ),
         )
-        index.commit(lease)
+        index.commit(allocation)
         logits = outs[0]
     assert logits is not None and logits.dtype == torch.float32
     return logits, len(prompts[-1]) - logits.shape[0]

@@ -130,12 +130,12 @@ def test_cp_logits_match_reference_with_cached_prefix(tiny_model: CausalLM, c: i
     tokens = make_tokens(PREFIX_LEN + r, seed=2000 + r)
     worker = ThreadWorker.make(c)
     first = cp_prefill(tiny_model, worker, tokens[:PREFIX_LEN])
-    assert [loc.depth for loc in first.lease.new] == list(range(PREFIX_LEN // BLOCK_SIZE))
+    assert [loc.depth for loc in first.allocation.new] == list(range(PREFIX_LEN // BLOCK_SIZE))
     assert first.calls == [expected_calls()] * c
 
     res = cp_prefill(tiny_model, worker, tokens)
     assert res.cmd.prefix_len == PREFIX_LEN
-    assert res.lease.reused == first.lease.new
+    assert res.allocation.reused == first.allocation.new
     assert res.cmd.token_ids.tolist() == tokens[PREFIX_LEN:]
     ref, _ = reference(tiny_model, tokens)
     assert res.logits.shape == (r, TINY.vocab_size)
@@ -184,13 +184,13 @@ def test_conversation_reuses_and_extends_the_cache(tiny_model: CausalLM, c: int)
     for length, prefix_len in ((40, 0), (100, 32), (150, 96)):
         res = cp_prefill(tiny_model, worker, tokens[:length])
         assert res.cmd.prefix_len == prefix_len
-        assert res.lease.reused == cached
-        assert [loc.depth for loc in res.lease.new] == list(
+        assert res.allocation.reused == cached
+        assert [loc.depth for loc in res.allocation.new] == list(
             range(prefix_len // BLOCK_SIZE, length // BLOCK_SIZE)
         )
         torch.testing.assert_close(res.logits, ref[prefix_len:length], rtol=0, atol=LOGITS_ATOL)
         assert res.calls == [expected_calls()] * c
-        cached = cached + res.lease.new
+        cached = cached + res.allocation.new
     # Every block of the conversation (9 full blocks), each where the index put it.
     assert [loc.depth for loc in cached] == list(range(150 // BLOCK_SIZE))
     assert_blocks_match(worker, cached, rec)
@@ -205,7 +205,7 @@ def test_fully_cached_sequence_recomputes_its_last_block(tiny_model: CausalLM) -
     cp_prefill(tiny_model, worker, tokens)
     res = cp_prefill(tiny_model, worker, tokens)
     assert res.cmd.prefix_len == 48
-    assert res.lease.new == []
+    assert res.allocation.new == []
     ref, _ = reference(tiny_model, tokens)
     torch.testing.assert_close(res.logits, ref[48:], rtol=0, atol=LOGITS_ATOL)
 
@@ -233,20 +233,20 @@ def test_stored_prefix_blocks_equal_reference_kv(tiny_model: CausalLM, c: int) -
     res = cp_prefill(tiny_model, worker, tokens)
     num_blocks = PREFIX_LEN // BLOCK_SIZE
     ids = block_ids(tokens, BLOCK_SIZE)
-    assert [loc.block_id for loc in res.lease.new] == ids
-    assert [loc.depth for loc in res.lease.new] == list(range(num_blocks))
+    assert [loc.block_id for loc in res.allocation.new] == ids
+    assert [loc.depth for loc in res.allocation.new] == list(range(num_blocks))
     # Spread over ranks as depth % C, in slots 0, 1, ... of each rank.
-    assert [loc.rank for loc in res.lease.new] == [d % c for d in range(num_blocks)]
-    assert [loc.slot for loc in res.lease.new] == [d // c for d in range(num_blocks)]
+    assert [loc.rank for loc in res.allocation.new] == [d % c for d in range(num_blocks)]
+    assert [loc.slot for loc in res.allocation.new] == [d // c for d in range(num_blocks)]
     assert res.cmd.write == tuple(
         tuple((d, d // c) for d in range(num_blocks) if d % c == r) for r in range(c)
     )
     _, rec = reference(tiny_model, tokens)
     assert sorted(rec.kv) == list(range(TINY.num_hidden_layers))
-    assert_blocks_match(worker, res.lease.new, rec)
+    assert_blocks_match(worker, res.allocation.new, rec)
     # Each rank wrote its own blocks and nothing else.
     for rank, store in enumerate(worker.stores):
-        assert written_slots(store) == {loc.slot for loc in res.lease.new if loc.rank == rank}
+        assert written_slots(store) == {loc.slot for loc in res.allocation.new if loc.rank == rank}
 
 
 # -- attention alone, on random q/k/v -----------------------------------------------

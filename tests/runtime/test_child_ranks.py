@@ -29,7 +29,8 @@ from support.reference import (
 )
 from vertumnus.blocks import block_ids
 from vertumnus.engine.messages import PrefillCommand, PrefillDone, RankFailed
-from vertumnus.policy.lattice import Lattice, LatticeConfig, LatticeError
+from vertumnus.policy.geometry import LatticeConfig, LatticeError
+from vertumnus.policy.lattice import Lattice
 from vertumnus.runtime import prefill as prefill_module
 from vertumnus.runtime.prefill import PrefillClient
 from vertumnus.runtime.ranks import ChildRanks, RanksError, worker_groups
@@ -40,16 +41,16 @@ KV_BLOCKS = 32  # per rank
 
 
 @pytest.fixture(scope="module")
-def pool4(checkpoint: Checkpoint) -> Iterator[ChildRanks]:
-    pool = ChildRanks(
+def ranks4(checkpoint: Checkpoint) -> Iterator[ChildRanks]:
+    ranks = ChildRanks(
         checkpoint.config,
         str(checkpoint.model_dir),
         engine_config(kv_blocks_per_rank=KV_BLOCKS),
         world_size=4,
         degrees=[1, 2, 4],
     )
-    with pool:
-        yield pool
+    with ranks:
+        yield ranks
 
 
 def test_worker_groups() -> None:
@@ -88,13 +89,13 @@ def test_worker_groups_are_the_lattices_workers() -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(90)
-def test_every_rank_ready(pool4: ChildRanks, checkpoint: Checkpoint) -> None:
+def test_every_rank_ready(ranks4: ChildRanks, checkpoint: Checkpoint) -> None:
     cfg = checkpoint.config
     kv_bytes = 2 * KV_BLOCKS * NUM_LAYERS * BLOCK_SIZE * cfg.num_key_value_heads * cfg.head_dim * 4
-    assert sorted(pool4.ready) == [0, 1, 2, 3]
-    for rank, ready in pool4.ready.items():
+    assert sorted(ranks4.ready) == [0, 1, 2, 3]
+    for rank, ready in ranks4.ready.items():
         assert (ready.rank, ready.device, ready.kv_bytes) == (rank, "cpu", kv_bytes)
-    assert pool4.groups == ((0, 1), (2, 3), (0, 1, 2, 3))
+    assert ranks4.groups == ((0, 1), (2, 3), (0, 1, 2, 3))
     ranks = [p for p in multiprocessing.active_children() if p.name.startswith("vertumnus-rank")]
     assert sorted(p.name for p in ranks) == [f"vertumnus-rank{r}" for r in range(4)]
     assert all(p.daemon for p in ranks)
@@ -108,12 +109,12 @@ def test_every_rank_ready(pool4: ChildRanks, checkpoint: Checkpoint) -> None:
     ids=["0-1", "2-3", "0-1-2-3", "3", "0-1-again"],
 )
 def test_prefill_on_any_worker(
-    pool4: ChildRanks, checkpoint: Checkpoint, ranks: tuple[int, ...]
+    ranks4: ChildRanks, checkpoint: Checkpoint, ranks: tuple[int, ...]
 ) -> None:
     """Workers overlap on ranks here, one after another; each starts with an empty
     cache index, so none reads KV slots that another one wrote."""
     tokens = make_tokens(77, seed=sum(ranks) + len(ranks), vocab=VOCAB)
-    worker = PrefillClient(pool4, ranks)
+    worker = PrefillClient(ranks4, ranks)
     out = worker.prefill(tokens[:40], logits="all")
     assert_exact(out, checkpoint, tokens[:40], cached_tokens=0)
     out = worker.prefill(tokens, logits="all")
@@ -122,10 +123,10 @@ def test_prefill_on_any_worker(
     assert len(out.rank_compute_s) == len(ranks)
 
 
-def _recv_answers(pool: ChildRanks, ranks: tuple[int, ...]) -> dict[int, object]:
+def _recv_answers(ranks: ChildRanks, members: tuple[int, ...]) -> dict[int, object]:
     answers: dict[int, object] = {}
-    while len(answers) < len(ranks):
-        msg = pool.recv(30.0)
+    while len(answers) < len(members):
+        msg = ranks.recv(30.0)
         assert isinstance(msg, (PrefillDone, RankFailed)), msg
         answers[msg.rank] = msg
     return answers
@@ -133,7 +134,7 @@ def _recv_answers(pool: ChildRanks, ranks: tuple[int, ...]) -> dict[int, object]
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(90)
-def test_bad_command_rejected_by_every_rank(pool4: ChildRanks, checkpoint: Checkpoint) -> None:
+def test_bad_command_rejected_by_every_rank(ranks4: ChildRanks, checkpoint: Checkpoint) -> None:
     """A command with a slot out of range on one rank only is rejected by all of the
     worker's ranks before any collective, so none waits on a peer that gave up."""
     ranks = (0, 1, 2, 3)
@@ -148,8 +149,8 @@ def test_bad_command_rejected_by_every_rank(pool4: ChildRanks, checkpoint: Check
         logits="all",
     )
     for r in ranks:
-        pool4.send(r, cmd)
-    answers = _recv_answers(pool4, ranks)
+        ranks4.send(r, cmd)
+    answers = _recv_answers(ranks4, ranks)
     for rank, msg in answers.items():
         assert isinstance(msg, RankFailed), msg
         assert (msg.rank, msg.request_id) == (rank, 10_000)
@@ -159,7 +160,7 @@ def test_bad_command_rejected_by_every_rank(pool4: ChildRanks, checkpoint: Check
     # The worker's group is in step: the next prefill on it is exact.
     tokens = make_tokens(70, seed=4, vocab=VOCAB)
     assert_exact(
-        PrefillClient(pool4, ranks).prefill(tokens, logits="all"),
+        PrefillClient(ranks4, ranks).prefill(tokens, logits="all"),
         checkpoint,
         tokens,
         cached_tokens=0,
@@ -186,7 +187,7 @@ def _corrupt_prefix(cmd: PrefillCommand) -> PrefillCommand:
 @pytest.mark.parametrize("corrupt", [_corrupt_write, _corrupt_prefix], ids=["write", "prefix"])
 @pytest.mark.parametrize("ranks", [(0, 1), (0, 1, 2, 3)], ids=["0-1", "0-1-2-3"])
 def test_prefill_error_surfaces_and_pool_serves_on(
-    pool4: ChildRanks,
+    ranks4: ChildRanks,
     checkpoint: Checkpoint,
     monkeypatch: pytest.MonkeyPatch,
     ranks: tuple[int, ...],
@@ -194,15 +195,15 @@ def test_prefill_error_surfaces_and_pool_serves_on(
 ) -> None:
     # Blocks 0-3 cached first, then 4-7 new: some on every rank.
     tokens = make_tokens(130, seed=5, vocab=VOCAB)
-    worker = PrefillClient(pool4, ranks)
+    worker = PrefillClient(ranks4, ranks)
     assert_exact(
         worker.prefill(tokens[:64], logits="all"), checkpoint, tokens[:64], cached_tokens=0
     )
     plan = prefill_module.plan_prefill
 
     def corrupted_plan(*args: object, **kwargs: object) -> tuple[object, PrefillCommand]:
-        lease, cmd = plan(*args, **kwargs)  # type: ignore[arg-type]
-        return lease, corrupt(cmd)
+        allocation, cmd = plan(*args, **kwargs)  # type: ignore[arg-type]
+        return allocation, corrupt(cmd)
 
     monkeypatch.setattr(prefill_module, "plan_prefill", corrupted_plan)
     with pytest.raises(
@@ -224,11 +225,11 @@ def test_prefill_error_surfaces_and_pool_serves_on(
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(90)
-def test_token_outside_vocabulary_fails_cleanly(pool4: ChildRanks, checkpoint: Checkpoint) -> None:
+def test_token_outside_vocabulary_fails_cleanly(ranks4: ChildRanks, checkpoint: Checkpoint) -> None:
     """Only one rank's chunk holds the bad id; every rank rejects the prefill."""
     tokens = make_tokens(90, seed=6, vocab=VOCAB)
     bad = [*tokens[:50], VOCAB, *tokens[51:]]
-    worker = PrefillClient(pool4, (0, 1, 2, 3))
+    worker = PrefillClient(ranks4, (0, 1, 2, 3))
     with pytest.raises(RanksError, match=rf"token ids outside the vocabulary \[0, {VOCAB}\)"):
         worker.prefill(bad)
     assert len(worker.index) == 0
@@ -241,7 +242,7 @@ def test_rank_start_failure_raises_and_leaves_no_process(tmp_path: Path) -> None
     broken = make_checkpoint(tmp_path, tie_word_embeddings=False)
     drop_tensor(tmp_path, "model.layers.1.mlp.up_proj.weight")
     before = live_child_pids()
-    pool = ChildRanks(broken.config, str(tmp_path), engine_config(), world_size=2, degrees=[2])
+    ranks = ChildRanks(broken.config, str(tmp_path), engine_config(), world_size=2, degrees=[2])
     with pytest.raises(
         RanksError,
         match=(
@@ -249,9 +250,9 @@ def test_rank_start_failure_raises_and_leaves_no_process(tmp_path: Path) -> None
             r"model\.layers\.1\.mlp\.up_proj\.weight"
         ),
     ):
-        pool.start()
+        ranks.start()
     assert live_child_pids() - before == set()
-    pool.close()  # still fine after a failed start
+    ranks.close()  # still fine after a failed start
     assert live_child_pids() - before == set()
 
 
@@ -260,21 +261,21 @@ def test_rank_start_failure_raises_and_leaves_no_process(tmp_path: Path) -> None
 def test_close_is_idempotent_and_stops_a_stuck_rank(checkpoint: Checkpoint) -> None:
     ChildRanks(checkpoint.config, None, engine_config(), 2, [2]).close()  # never started
     before = live_child_pids()
-    pool = ChildRanks(
+    ranks = ChildRanks(
         checkpoint.config, str(checkpoint.model_dir), engine_config(), world_size=2, degrees=[2]
     )
-    with pool:
+    with ranks:
         started = live_child_pids() - before
         assert len(started) == 2
         tokens = make_tokens(30, seed=7, vocab=VOCAB)
         assert_exact(
-            PrefillClient(pool, (0, 1)).prefill(tokens, logits="all"),
+            PrefillClient(ranks, (0, 1)).prefill(tokens, logits="all"),
             checkpoint,
             tokens,
             cached_tokens=0,
         )
         # Rank 0 alone enters the worker's all-gather and waits for rank 1 there.
-        pool.send(
+        ranks.send(
             0,
             PrefillCommand(
                 request_id=99,
@@ -286,8 +287,8 @@ def test_close_is_idempotent_and_stops_a_stuck_rank(checkpoint: Checkpoint) -> N
                 block_size=BLOCK_SIZE,
             ),
         )
-        pool.close(timeout_s=2.0)  # Shutdown waits behind the stuck command: terminate
+        ranks.close(timeout_s=2.0)  # Shutdown waits behind the stuck command: terminate
         assert live_child_pids() & started == set()
-        pool.close()
-    pool.close()
+        ranks.close()
+    ranks.close()
     assert live_child_pids() - before == set()

@@ -16,7 +16,7 @@ from vertumnus.config import EngineConfig
 from vertumnus.config.pool import PoolConfig
 from vertumnus.perfmodel import DegreeCoeffs, Profile
 from vertumnus.policy.control import whatif
-from vertumnus.policy.control.rules import ControllerConfig
+from vertumnus.policy.control.config import ControllerConfig
 from vertumnus.policy.costs import reuse_curves
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.runtime.coordinator import Coordinator

@@ -29,12 +29,12 @@ from vertumnus.decode.dist_client import pull_dist
 from vertumnus.engine.messages import KVRead
 from vertumnus.engine.model import CausalLM, causal_attention
 from vertumnus.policy.pool_config import PolicyConfig
+from vertumnus.protocol.tokenizer import Tokenizer
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.kv import segments
 from vertumnus.runtime.serve_config import DecodeConfig, HandoffConfig, ServeConfig
 from vertumnus.server.app import build_app
 from vertumnus.server.proxy import DecodeProxy
-from vertumnus.server.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("no_leftover_ranks")]
 ATOL = 1e-4

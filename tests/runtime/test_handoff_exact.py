@@ -20,16 +20,16 @@ from support.reference import VOCAB, hf_greedy, make_hf_model, make_hf_moe
 from vertumnus.config import ModelConfig
 from vertumnus.config.pool import PoolConfig
 from vertumnus.decode.engine import DecodeEngine
-from vertumnus.decode.kv_client import pull
-from vertumnus.decode.sampling import SamplingParams
+from vertumnus.decode.kv_pull import pull
 from vertumnus.engine.weights import load_model
 from vertumnus.perfmodel import DegreeCoeffs
 from vertumnus.policy.pool_config import PolicyConfig
+from vertumnus.protocol.sampling_params import SamplingParams
+from vertumnus.protocol.tokenizer import Tokenizer
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.serve_config import ServeConfig
 from vertumnus.server.app import build_app
 from vertumnus.server.keys import ADDRESS
-from vertumnus.server.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("no_leftover_ranks")]
 NEW_TOKENS = 10

@@ -4,7 +4,7 @@ prompt sharing them has them loaded back, with the logits of a fresh prefill and
 transformers (CP 1, 2 and 3); the tier outlives a merge, a split and a rank's
 restart (blocks demoted by one worker load into another, on other CP ranks);
 ``/metrics`` counts the copies; and a pool whose ranks cannot keep their KV in this
-host's shared memory is refused (``runtime/kv/host_tier.py``)."""
+host's shared memory is refused (``runtime/kv/host_memory.py``)."""
 
 from __future__ import annotations
 
@@ -30,13 +30,13 @@ from vertumnus.policy.cache.plans import CacheManagerConfig
 from vertumnus.policy.cache.retention import RetentionConfig
 from vertumnus.policy.lattice import WorkerState
 from vertumnus.policy.pool_config import PolicyConfig
+from vertumnus.protocol.tokenizer import Tokenizer
 from vertumnus.runtime import serve_config
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.kv import segments
 from vertumnus.runtime.request_path import PrefillResult
 from vertumnus.runtime.serve_config import ServeConfig
 from vertumnus.server.app import build_app
-from vertumnus.server.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("no_leftover_ranks")]
 ATOL = 1e-4

@@ -32,10 +32,11 @@ from vertumnus.config import EngineConfig
 from vertumnus.config.pool import PoolConfig
 from vertumnus.kv_wire import HandoffError
 from vertumnus.perfmodel import DegreeCoeffs
-from vertumnus.policy.lattice import LatticeError, WorkerState
+from vertumnus.policy.geometry import LatticeError
+from vertumnus.policy.lattice import WorkerState
 from vertumnus.policy.pool_config import PolicyConfig
-from vertumnus.runtime.coordinator import Coordinator, PrefillResult
-from vertumnus.runtime.request_path import Overloaded, Unavailable
+from vertumnus.runtime.coordinator import Coordinator
+from vertumnus.runtime.request_path import Overloaded, PrefillResult, Unavailable
 from vertumnus.runtime.reshaping import ReshapeFailed
 from vertumnus.runtime.serve_config import HandoffConfig, ServeConfig
 from vertumnus.sim.time_model import SimSettings

@@ -18,8 +18,8 @@ from support.coordinator import only
 from support.factories import cpu_profile, engine_config, make_tokens
 from vertumnus.blocks import block_ids
 from vertumnus.config.pool import PoolConfig
-from vertumnus.policy.cache.ledger import RetentionConfig
 from vertumnus.policy.cache.plans import CacheManagerConfig
+from vertumnus.policy.cache.retention import RetentionConfig
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.serve_config import ServeConfig

@@ -15,7 +15,8 @@ from support.factories import TINY, engine_config
 from vertumnus.engine.messages import KVData, KVRead, RankFailed
 from vertumnus.policy.cache.index import BlockLocation
 from vertumnus.runtime.kv.reads import KVReads
-from vertumnus.runtime.ranks import ChildRanks, RanksError
+from vertumnus.runtime.kv.segments import KVSegments
+from vertumnus.runtime.ranks import ChildRanks, CurrentRanks, RanksError
 
 
 class SentRanks(ChildRanks):
@@ -23,6 +24,7 @@ class SentRanks(ChildRanks):
 
     def __init__(self) -> None:  # (no processes)
         self.commands: list[tuple[int, Any]] = []
+        self.kv_segments = KVSegments(TINY, engine_config())  # (none made: no start)
 
     def send(self, rank: int, msg: object) -> None:
         self.commands.append((rank, msg))
@@ -41,7 +43,7 @@ def segment_of(ranks: SentRanks) -> str:
 def test_a_failed_read_never_reuses_its_segment() -> None:
     async def main() -> None:
         ranks = SentRanks()
-        reads = KVReads(engine_config(), TINY, lambda: ranks)
+        reads = KVReads(engine_config(), TINY, CurrentRanks(ranks))
         try:
             done = reads.read(0, GROUP)
             first = segment_of(ranks)

@@ -33,7 +33,8 @@ from vertumnus.policy.cache.plans import CacheManagerConfig
 from vertumnus.policy.lattice import WorkerState
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.runtime.cluster.ranks import ClusterRanks
-from vertumnus.runtime.coordinator import Coordinator, PrefillResult
+from vertumnus.runtime.coordinator import Coordinator
+from vertumnus.runtime.request_path import PrefillResult
 from vertumnus.runtime.serve_config import ClusterConfig, ServeConfig
 
 pytestmark = pytest.mark.multiproc

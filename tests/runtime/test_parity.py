@@ -28,16 +28,18 @@ from vertumnus.config import EngineConfig
 from vertumnus.config.pool import PoolConfig
 from vertumnus.perfmodel import DegreeCoeffs, Profile
 from vertumnus.policy.cache.plans import CacheManagerConfig
-from vertumnus.policy.control.rules import ControllerConfig, Decision
+from vertumnus.policy.control.config import ControllerConfig
+from vertumnus.policy.control.decision import Decision
 from vertumnus.policy.costs import reuse_curves
 from vertumnus.policy.pool_config import PolicyConfig
 from vertumnus.policy.timeline import Timeline
-from vertumnus.runtime.coordinator import Coordinator, PrefillResult
+from vertumnus.runtime.coordinator import Coordinator
+from vertumnus.runtime.request_path import PrefillResult
 from vertumnus.runtime.serve_config import ServeConfig
 from vertumnus.sim.simulator import Simulation
 from vertumnus.sim.time_model import SimSettings, TimeModel
-from vertumnus.sim.traces import load_trace
 from vertumnus.sim.workload import SimRequest
+from vertumnus.traces import load_trace
 
 BLOCK = 16
 LENGTH_SCALE = 0.5  # a 512-token trace block is 256 tokens, 16 engine blocks

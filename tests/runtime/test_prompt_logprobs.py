@@ -18,7 +18,8 @@ from support.factories import cpu_profile, engine_config, make_tokens
 from support.reference import ATOL, VOCAB, Checkpoint, hf_logits, max_abs_diff
 from vertumnus.config.pool import PoolConfig
 from vertumnus.policy.pool_config import PolicyConfig
-from vertumnus.runtime.coordinator import Coordinator, PrefillResult
+from vertumnus.runtime.coordinator import Coordinator
+from vertumnus.runtime.request_path import PrefillResult
 from vertumnus.runtime.serve_config import ServeConfig
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("no_leftover_ranks")]

@@ -17,7 +17,7 @@ from support.server import running_server, write_serve_config
 from support.virtual_time import run_virtual
 from vertumnus.config import ConfigError
 from vertumnus.config.start import write_state
-from vertumnus.policy.lattice import LatticeConfig
+from vertumnus.policy.geometry import LatticeConfig
 from vertumnus.runtime import serve_config
 from vertumnus.sim.time_model import SimSettings
 

@@ -1,75 +1,18 @@
-"""Headless Chromium for the browser tests (Debian's ``chromium`` and
-``chromium-driver``, driven with selenium): found on the path or in /usr/bin, or a
-failure that says what to install. Started as this machine needs it: no sandbox
-(tests run as root here), no GPU, and none of Chromium's own network traffic (the
-network is closed; its background connections would only be refused)."""
+"""What the browser tests share: headless Chromium (``chromium``, from
+``tools/browser.py``, which the dashboard benchmark uses too), a wait that fails naming
+what it waited for, and the scripts that read what a page drew and loaded."""
 
 from __future__ import annotations
 
-import shutil
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-FLAGS = (
-    "--headless=new",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--window-size=1440,2000",
-)
-INSTALL = (
-    "install Debian's chromium and chromium-driver (`bash tools/browser.sh`, or "
-    "`apt-get install chromium chromium-driver`), or leave these tests out with "
-    "-m 'not browser'"
-)
+from tools.browser import chromium
 
-
-def _find(names: tuple[str, ...]) -> str | None:
-    for name in names:
-        found = shutil.which(name) or (
-            f"/usr/bin/{name}" if Path(f"/usr/bin/{name}").exists() else None
-        )
-        if found:
-            return found
-    return None
-
-
-@contextmanager
-def chromium(folder: Path) -> Iterator[Any]:
-    """A selenium driver of headless Chromium; its profile and log under ``folder``."""
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.options import Options
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        pytest.fail(f"the browser tests need selenium (pip install -e '.[test]'); {INSTALL}")
-    browser = _find(("chromium", "chromium-browser", "google-chrome"))
-    driver_path = _find(("chromedriver",))
-    missing = [n for n, p in (("chromium", browser), ("chromedriver", driver_path)) if p is None]
-    if missing:
-        pytest.fail(f"no {' or '.join(missing)} on this machine: {INSTALL}")
-    options = Options()
-    options.binary_location = browser
-    for flag in FLAGS:
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={folder / 'chromium-profile'}")
-    service = Service(driver_path, log_output=str(folder / "chromedriver.log"))
-    driver = webdriver.Chrome(service=service, options=options)
-    driver.set_page_load_timeout(60)
-    try:
-        yield driver
-    finally:
-        driver.quit()
+__all__ = ["CHARTS_JS", "RESOURCES_JS", "chromium", "wait_for"]
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 30.0) -> Any:

@@ -21,11 +21,11 @@ from aiohttp.test_utils import TestClient, TestServer
 from vertumnus import kv_wire as wire
 from vertumnus.decode.engine import DecodeEngine
 from vertumnus.decode.keys import DecodeSettings
-from vertumnus.decode.sampling import SamplingParams
 from vertumnus.decode.server import build_app
 from vertumnus.engine.logprobs import prompt_logprobs
 from vertumnus.engine.model import CausalLM, causal_attention
-from vertumnus.server.tokenizer import Tokenizer
+from vertumnus.protocol.sampling_params import SamplingParams
+from vertumnus.protocol.tokenizer import Tokenizer
 
 POOL_KEY = "pool-key-0123456789abcdef"
 TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -40,6 +40,7 @@ from vertumnus.sim.time_model import TimeModel
 
 class FakeRanks:
     holds_kv = False  # (no KV bytes: a host tier runs its policy, moves nothing)
+    local_stores = None  # (no stores on this host to stream from)
 
     def __init__(
         self,
@@ -55,7 +56,8 @@ class FakeRanks:
         self.kv_shape, self.block_size = kv_shape, block_size
         self.curves, self.time = curves, time_model
         self.deliver: Callable[[object], None] | None = None  # the coordinator's link
-        self.on_rejoin: Callable[[list[int]], None] | None = None
+        self.ready: dict[int, RankReady] = {}  # (no start: no readiness to report)
+        self.attention_ms: dict[str, dict[str, float]] = {}
         self.sent: list[tuple[int, object]] = []
         self.killed: list[int] = []
         self.hung_on_switch: set[int] = set()  # ranks that never acknowledge an epoch
@@ -64,6 +66,9 @@ class FakeRanks:
         self._prefill_s: dict[int, float] = {}  # request id -> its time, once per worker
         self._incarnation = dict.fromkeys(range(world_size), 0)
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    def report_to(self, loop: asyncio.AbstractEventLoop, switchboard: Any) -> None:
+        pass  # (no hosts: nothing to report)
 
     def start(self) -> None:
         pass

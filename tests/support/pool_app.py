@@ -24,12 +24,12 @@ from support.fake_ranks import start_coordinator
 from vertumnus.config import EngineConfig
 from vertumnus.config.pool import PoolConfig
 from vertumnus.policy.pool_config import PolicyConfig
+from vertumnus.protocol.tokenizer import Tokenizer
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.serve_config import DecodeConfig, HandoffConfig, ServeConfig
 from vertumnus.server.app import build_app
 from vertumnus.server.decode_process import LocalDecode
 from vertumnus.server.proxy import DecodeProxy
-from vertumnus.server.tokenizer import Tokenizer
 from vertumnus.sim.time_model import SimSettings
 
 Client = TestClient[web.Request, web.Application]

@@ -21,7 +21,7 @@ from vertumnus.engine.kv_store import PagedKVStore
 from vertumnus.engine.messages import PrefillCommand
 from vertumnus.engine.model import CausalLM
 from vertumnus.engine.zigzag import prefill_rank
-from vertumnus.policy.cache.index import PrefillLease, WorkerCacheIndex
+from vertumnus.policy.cache.index import BlockAllocation, WorkerCacheIndex
 from vertumnus.runtime.prefill import plan_prefill
 
 BLOCKS_PER_RANK = 16
@@ -81,7 +81,7 @@ class ThreadWorker:
 @dataclass
 class CPResult:
     logits: Tensor  # [computed tokens, vocab], fp32
-    lease: PrefillLease
+    allocation: BlockAllocation
     cmd: PrefillCommand
     calls: list[Counter[str]]  # collectives per rank, by tag
     received: list[Counter[str]]  # elements each rank received from its peers, by tag
@@ -90,7 +90,7 @@ class CPResult:
 def cp_prefill(model: CausalLM, worker: ThreadWorker, tokens: Sequence[int]) -> CPResult:
     """Plan, run on C threads, commit: what ``PrefillClient.prefill`` does over processes."""
     c = worker.index.cp_degree
-    lease, cmd = plan_prefill(
+    allocation, cmd = plan_prefill(
         worker.index, tokens, BLOCK_SIZE, request_id=0, worker_ranks=tuple(range(c)), logits="all"
     )
 
@@ -100,11 +100,11 @@ def cp_prefill(model: CausalLM, worker: ThreadWorker, tokens: Sequence[int]) -> 
     try:
         outs, comms = run_ranks(c, body)
     except BaseException:
-        worker.index.abort(lease)
+        worker.index.abort(allocation)
         raise
-    worker.index.commit(lease)
+    worker.index.commit(allocation)
     assert all(out is None for out in outs[1:]), "only CP rank 0 returns logits"
     assert outs[0] is not None, "CP rank 0 returned no logits"
     return CPResult(
-        outs[0], lease, cmd, [comm.calls for comm in comms], [comm.received for comm in comms]
+        outs[0], allocation, cmd, [comm.calls for comm in comms], [comm.received for comm in comms]
     )

@@ -23,8 +23,8 @@ from vertumnus.capacity import CapacityError
 from vertumnus.cli import agent, capacity, decode, fit, loadgen, prefill, profile, serve, simulate
 from vertumnus.config import ConfigError
 from vertumnus.perfmodel import ProfileError
-from vertumnus.sim.traces import TraceError
 from vertumnus.slo import SloError
+from vertumnus.traces import TraceError
 
 # (name, one-line help, module with add_arguments(parser) and run(args) -> exit code)
 COMMANDS = (

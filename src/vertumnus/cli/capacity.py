@@ -21,8 +21,8 @@ from vertumnus.capacity import CapacityError, CapacitySettings, LengthMix, measu
 from vertumnus.cli.args import int_list
 from vertumnus.config import ConfigError
 from vertumnus.perfmodel import Profile
-from vertumnus.sim.traces import TraceError, load_trace
 from vertumnus.slo import SloError, TtftSlo
+from vertumnus.traces import TraceError, load_trace
 
 DEFAULTS = CapacitySettings()
 

@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     from vertumnus.decode.engine import DecodeEngine
     from vertumnus.decode.keys import DecodeSettings
     from vertumnus.engine.weights import build_model, resolve_dtype
-    from vertumnus.server.tokenizer import Tokenizer
+    from vertumnus.protocol.tokenizer import Tokenizer
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available")

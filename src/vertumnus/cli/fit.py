@@ -4,7 +4,7 @@
 malformed rows are rejected with their line number. Writes a profile JSON and prints
 the per-degree fit error (MAPE) on the samples. When ``--model`` is a preset or a model
 folder, alpha is fitted against its attention mix (sliding-window layers,
-``perfmodel.attention_mix``) and the profile stores the mix; any other name: every
+``config.model.attention_mix``) and the profile stores the mix; any other name: every
 layer full causal attention.
 """
 
@@ -17,14 +17,8 @@ import sys
 from pathlib import Path
 
 from vertumnus.config import PRESETS, ConfigError, EngineConfig, resolve_model
-from vertumnus.perfmodel import (
-    FULL,
-    AttentionMix,
-    ProfileError,
-    attention_mix,
-    fit_profile,
-    read_samples_csv,
-)
+from vertumnus.config.model import attention_mix
+from vertumnus.perfmodel import FULL, AttentionMix, ProfileError, fit_profile, read_samples_csv
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -56,8 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from vertumnus import loadgen
     from vertumnus.perfmodel import Profile, ProfileError
-    from vertumnus.sim.traces import TraceError, load_trace
     from vertumnus.slo import SloError, TtftSlo
+    from vertumnus.traces import TraceError, load_trace
 
     try:
         if args.trace is not None:

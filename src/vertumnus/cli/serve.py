@@ -65,20 +65,20 @@ async def serve(args: argparse.Namespace, cluster: Any, cfg: Any) -> int:
     from aiohttp import web
 
     from vertumnus import native
+    from vertumnus.protocol.tokenizer import Tokenizer
     from vertumnus.runtime.coordinator import Coordinator
     from vertumnus.server.app import build_app
     from vertumnus.server.keys import ADDRESS
     from vertumnus.server.proxy import DecodeProxy
-    from vertumnus.server.tokenizer import Tokenizer
 
-    pool = None
+    ranks = None
     if cfg is None:
-        pool, cfg = await gather_cluster(args, cluster)
+        ranks, cfg = await gather_cluster(args, cluster)
     try:
-        coordinator = Coordinator(cfg, pool)
+        coordinator = Coordinator(cfg, ranks)
     except BaseException:
-        if pool is not None:
-            pool.close()
+        if ranks is not None:
+            ranks.close()
         raise
     tokenizer = Tokenizer.for_model(coordinator.model_dir, coordinator.model_cfg.vocab_size)
     stop = asyncio.Event()
@@ -134,20 +134,20 @@ async def gather_cluster(args: argparse.Namespace, cluster: Any) -> tuple[Any, A
 
     model, engine = load_rank_setup(args.config, args.model)
     model_cfg, model_dir = resolve_model(model)
-    pool = ClusterRanks(cluster, model_cfg, model_dir, engine)
+    ranks = ClusterRanks(cluster, model_cfg, model_dir, engine)
     try:
         host = cluster.listen.rpartition(":")[0]
-        print(f"vertumnus waiting for {cluster.hosts} agent(s) on {host}:{pool.port}", flush=True)
+        print(f"vertumnus waiting for {cluster.hosts} agent(s) on {host}:{ranks.port}", flush=True)
         structlog.get_logger("vertumnus").info(
-            "waiting_for_agents", hosts=cluster.hosts, port=pool.port
+            "waiting_for_agents", hosts=cluster.hosts, port=ranks.port
         )
-        topology = await asyncio.get_running_loop().run_in_executor(None, pool.gather)
+        topology = await asyncio.get_running_loop().run_in_executor(None, ranks.gather)
         cfg = load(args.config, args.model, topology=topology, preset=args.preset)
-        pool.configure(cfg.degrees)
+        ranks.configure(cfg.degrees)
     except BaseException:
-        pool.close()
+        ranks.close()
         raise
-    return pool, cfg
+    return ranks, cfg
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,10 +23,11 @@ from vertumnus.config.start import write_state
 from vertumnus.perfmodel import ProfileError
 from vertumnus.policy.placement.routers import ROUTERS
 from vertumnus.policy.pool_config import PRESETS
-from vertumnus.sim.simulator import Simulation, SimulationError, terminal_progress
-from vertumnus.sim.traces import TraceError
+from vertumnus.sim.simulator import Simulation, terminal_progress
+from vertumnus.sim.time_model import SimulationError
 from vertumnus.sim.workload import WorkloadError
 from vertumnus.slo import SloError
+from vertumnus.traces import TraceError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

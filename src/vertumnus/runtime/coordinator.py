@@ -3,29 +3,37 @@
 The policy is ``PoolPolicy`` (``policy/pool_policy.py``), built by the same factory
 and driven the same way as in the simulator; a parity test runs one trace through
 both. The coordinator adds asyncio, the ranks and the views, in parts of one job
-each, which it builds and wires: each part is given the collaborators it uses, and
-``apply`` where it acts on what the policy returns; none is given the coordinator.
+each. It is their composition root: it builds what they share (``Shared``,
+``state.py``: the configuration, the policy, metrics, health, the clock, the ranks
+as they are now, the background tasks, the switchboard), then the parts in this order,
+each given the parts above it that it uses and never one below it, the coordinator,
+or a callback:
 
-    request_path.py   an HTTP request's life: placement, its prefill, its answer
-    worker_loops.py   one task per worker, running its queue
-    rank_link.py      the rank pipes: every answer a rank owes and who waits for it
-    reshaping.py      a committed switch carried out on the ranks (SwitchEpoch, acks)
-    recovery.py       a failed rank: its worker out, restarted, back
-    periodic.py       the one timer: controller windows, cache scans, expiry
-    background.py     the background tasks, none lost in silence
     kv/copies.py      the cache manager's scans and copies; a copy job's blocks moved
                       rank to rank (KVTransfer, KVWritten)
     kv/handoffs.py    KV kept for a decode server under leases, and its pull (KVRead)
-    kv/host_tier.py   the host tier's bytes: blocks the ranks evict, and loaded back
-    health.py         whether the pool serves (ready, its failure, stopping)
-    readiness.py      whether the pool can dispatch now, and if not, why (``/ready``)
-    views.py          workers, composition and cache for the REST API
+    rank_link.py      the rank pipes: every answer a rank owes and who waits for it
+    recovery.py       a failed rank: its worker out, restarted, back
+    request_path.py   an HTTP request's life: placement, its prefill, its answer
+    worker_loops.py   one task per worker, running its queue
+    reshaping.py      a committed switch carried out on the ranks (SwitchEpoch, acks)
+    periodic.py       the one timer: controller windows, cache scans, expiry
 
-and here: life (start, drain, close; the composition kept in ``[pool] state_file``),
-``apply`` (doing what the policy returns: wake workers, refuse requests, run the
-copies or the switch the lanes allow), and the API's entry points. Time is ``clock``
-(``time.monotonic`` unless given; the parity test gives the event loop's own,
-simulated, clock, and then deadlines are exact).
+beside what they share (background.py: the background tasks, none lost in silence;
+health.py: whether the pool serves; kv/host_memory.py: the host tier's bytes) and
+what reads them (readiness.py: ``/ready``; views.py: the REST API's views).
+
+What a part wants another part to do is a typed intent (``intents.py``): handed to
+the switchboard, built here before the parts and connected to them once built, or
+returned to the switchboard by a method it calls. ``Switchboard.route`` (``switchboard.py``) is
+every route between the parts, in one ``match``, carried out at once (the order and
+the loop iteration of a direct call); ``Apply`` is the policy's ``Actions``: wake
+workers, refuse requests, run the copies or the switch the lanes allow.
+
+And here: life (start, drain, close; the composition kept in ``[pool] state_file``)
+and the API's entry points. Time is ``clock`` (``time.monotonic`` unless given; the
+parity test gives the event loop's own, simulated, clock, and then deadlines are
+exact).
 """
 
 from __future__ import annotations
@@ -38,39 +46,41 @@ from typing import Any
 import structlog
 
 from vertumnus.config import ConfigError, resolve_model
-from vertumnus.config.start import write_state
-from vertumnus.perfmodel import Profile, ProfileError, attention_mix
+from vertumnus.config.model import attention_mix
+from vertumnus.perfmodel import Profile, ProfileError
 from vertumnus.policy.cache.index import WorkerCacheIndex
 from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.cache.plans import CopyPlan
-from vertumnus.policy.lattice import Lattice, LatticeError, Reshape, WorkerState
+from vertumnus.policy.geometry import LatticeError
+from vertumnus.policy.lattice import Lattice, Reshape, WorkerState
 from vertumnus.policy.placement.scheduler import Scheduler
 from vertumnus.policy.pool_config import PolicyError
 from vertumnus.policy.pool_policy import PoolPolicy
-from vertumnus.policy.pool_results import Actions
 from vertumnus.policy.transition import Transition
 from vertumnus.runtime import readiness, views
 from vertumnus.runtime.background import Background
 from vertumnus.runtime.health import Health
-from vertumnus.runtime.kv import host_tier
+from vertumnus.runtime.kv import host_memory
 from vertumnus.runtime.kv.copies import CopyRuns, KVCopier
 from vertumnus.runtime.kv.handoffs import Handoffs
-from vertumnus.runtime.kv.host_tier import HostTierStore
+from vertumnus.runtime.kv.host_memory import HostTierMemory
 from vertumnus.runtime.kv.segments import served_block_bytes
 from vertumnus.runtime.metrics import Metrics
 from vertumnus.runtime.periodic import Periodic
 from vertumnus.runtime.prompt_logprobs import check_top_k
 from vertumnus.runtime.rank_link import RankLink
-from vertumnus.runtime.ranks import ChildRanks, Ranks
+from vertumnus.runtime.ranks import ChildRanks, CurrentRanks, Ranks
 from vertumnus.runtime.recovery import Recovery
-from vertumnus.runtime.request_path import Overloaded, PrefillResult, RequestPath, Unavailable
+from vertumnus.runtime.request_path import PrefillResult, RequestPath, Unavailable
 from vertumnus.runtime.reshaping import Reshaping
 from vertumnus.runtime.serve_config import ServeConfig
+from vertumnus.runtime.state import Shared
+from vertumnus.runtime.switchboard import Parts, Switchboard, save_composition
 from vertumnus.runtime.worker_loops import WorkerLoops
 
 log = structlog.get_logger("vertumnus")
 
-__all__ = ["Coordinator", "Overloaded", "PrefillResult", "Unavailable"]
+__all__ = ["Coordinator"]
 
 
 class Coordinator:
@@ -103,88 +113,44 @@ class Coordinator:
         except (PolicyError, LatticeError, ProfileError) as exc:
             raise ConfigError(f"{exc}") from exc
         tiers = self.policy.tiers
-        # The host tier's bytes (``runtime/kv/host_tier.py``), made at ``start``;
-        # ranks that hold no KV (``holds_kv`` False: the parity test's fakes) run the
-        # tier's policy with no bytes to move.
-        holds_kv = getattr(ranks, "holds_kv", True)
+        # The host tier's bytes (``runtime/kv/host_memory.py``), made at ``start``;
+        # ranks that hold no KV (the parity test's fakes) run the tier's policy with no
+        # bytes to move.
+        holds_kv = ranks is None or ranks.holds_kv
         if holds_kv:
-            host_tier.check(tiers, cfg.policy.cache.host_tier_bytes, cfg.engine, cfg.ranks, ranks)
-        self.tier = HostTierStore(tiers, cfg.ranks) if tiers.enabled and holds_kv else None
+            host_memory.check(tiers, cfg.policy.cache.host_tier_bytes, cfg.engine, cfg.ranks, ranks)
+        self.tier = HostTierMemory(tiers, cfg.ranks) if tiers.enabled and holds_kv else None
         period_s = cfg.policy.controller.period_s
         self.metrics = Metrics(
             cfg.timeline_s, cfg.timeline_samples, clock(), period_s, model_name=cfg.model
         )
-        self.spawn = Background(self.metrics).spawn
-        self.ranks: Ranks | None = None
-        self.copier = KVCopier(
-            lambda: self.ranks, cfg.engine.rank_timeout_s, lambda r: self.recovery.copy_hung(r)
-        )
-        self.copies = CopyRuns(self.policy, self.copier, self.metrics, clock, self.apply)
-        self.handoffs = Handoffs(
-            cfg, self.model_cfg, self.policy, self.metrics, clock, self.apply, lambda: self.ranks
-        )
-        self.link = RankLink(
-            self.copier,
-            lambda rank: self.recovery.rank_exited(rank),
-            lambda error: self.recovery.pool_failed(error),
-            lambda rank, error: self.recovery.rank_down(rank, error),
-            self.handoffs.reads,
-        )
         self.health = Health()
-        self.recovery = Recovery(
+        self.background = Background(self.metrics)
+        self.switchboard = Switchboard(cfg, self.policy, self.health, self.background)
+        self.shared = shared = Shared(
             cfg=cfg,
+            model=self.model_cfg,
+            profile=self.profile,
             policy=self.policy,
             metrics=self.metrics,
-            link=self.link,
-            handoffs=self.handoffs,
-            health=self.health,
-            ranks=lambda: self.ranks,
-            clock=clock,
-            apply=self.apply,
-            spawn=self.spawn,
-            rejoined=lambda worker_id: self.loops.wake(worker_id),
-        )
-        self.requests = RequestPath(
-            cfg=cfg,
-            policy=self.policy,
-            metrics=self.metrics,
-            link=self.link,
-            handoffs=self.handoffs,
-            recovery=self.recovery,
-            health=self.health,
-            tier=self.tier,
-            predict=self.profile.predict,
-            ranks=lambda: self.ranks,
-            clock=clock,
-            apply=self.apply,
-        )
-        self.loops = WorkerLoops(
-            self.policy, clock, self.requests.run_one, self.requests.contain, self.requests.start
-        )
-        self.reshaping = Reshaping(
-            cfg=cfg,
-            policy=self.policy,
-            metrics=self.metrics,
-            link=self.link,
-            handoffs=self.handoffs,
-            recovery=self.recovery,
-            health=self.health,
-            ranks=lambda: self.ranks,
-            clock=clock,
-            apply=self.apply,
-            save=self.save_composition,
-        )
-        self.periodic = Periodic(
-            cfg=cfg,
-            policy=self.policy,
-            metrics=self.metrics,
-            copies=self.copies,
             health=self.health,
             clock=clock,
-            apply=self.apply,
-            spawn=self.spawn,
-            begun=self.reshaping.begun,
-            offload=offload_decisions,
+            ranks=CurrentRanks(),
+            background=self.background,
+            switchboard=self.switchboard,
+        )
+        # The parts, each after those it uses (the module docstring's order).
+        self.copier = KVCopier(shared)
+        self.copies = CopyRuns(shared, self.copier)
+        self.handoffs = Handoffs(shared)
+        self.link = RankLink(shared, self.copier, self.handoffs.reads)
+        self.recovery = Recovery(shared, self.link, self.handoffs)
+        self.requests = RequestPath(shared, self.link, self.handoffs, self.recovery, self.tier)
+        self.loops = WorkerLoops(shared, self.requests)
+        self.reshaping = Reshaping(shared, self.link, self.handoffs, self.recovery)
+        self.periodic = Periodic(shared, self.copies, self.reshaping, offload_decisions)
+        self.switchboard.connect(
+            Parts(self.link, self.recovery, self.requests, self.loops, self.reshaping, self.copies)
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self.started_s = time.monotonic()
@@ -206,6 +172,11 @@ class Coordinator:
     @property
     def indexes(self) -> dict[int, WorkerCacheIndex]:
         return self.policy.indexes
+
+    @property
+    def ranks(self) -> Ranks | None:
+        """The ranks once started (None before the start and after the close)."""
+        return self.shared.ranks.now
 
     @property
     def ready(self) -> bool:
@@ -234,21 +205,18 @@ class Coordinator:
             self.model_cfg, self.model_dir, self.cfg.engine, self.cfg.ranks, self.cfg.degrees
         )
         try:
-            if self.tier is not None:  # (ranks of this host: ``host_tier.check``)
-                assert isinstance(ranks, ChildRanks)
-                self.tier.open(ranks)  # before the ranks start: their stores must fit too
+            if self.tier is not None:  # (ranks of this host: ``host_memory.check``)
+                stores = ranks.local_stores
+                assert stores is not None
+                self.tier.open(stores)  # before the ranks start: their stores must fit too
             await loop.run_in_executor(None, ranks.start)
         except BaseException:
             if self.tier is not None:
                 self.tier.close()
                 ranks.close()  # (the stores' segments, made for the tier before the start)
             raise
-        self.ranks = ranks
-
-        def rejoin(back: list[int]) -> None:  # a host's agent came back (another thread)
-            loop.call_soon_threadsafe(self.recovery.hosts_back, back)
-
-        ranks.on_rejoin = rejoin
+        self.shared.ranks.now = ranks
+        ranks.report_to(loop, self.switchboard)  # (a host's agent back: ``HostsBack``)
         for w in self.policy.lattice.workers.values():
             self.loops.add_worker(w.worker_id)
         # The event loop itself watches the ranks' answer pipes and their process
@@ -257,14 +225,14 @@ class Coordinator:
         self.link.watch(range(self.cfg.ranks))
         self.periodic.start(loop)
         self.health.ready = True
-        answers = getattr(ranks, "ready", {}).values()  # each rank's RankReady
+        answers = ranks.ready.values()  # each rank's RankReady
         for answer in answers:
             if answer.eager_because is not None:
                 log.warning("rank_layers_eager", rank=answer.rank, because=answer.eager_because)
         layers = ",".join(sorted({answer.layers for answer in answers})) or None
         attention = ",".join(sorted({answer.attention for answer in answers})) or None
         name, count = self.composition_name(), self.cfg.ranks
-        timed = getattr(ranks, "attention_ms", None) or None  # how "auto" chose, if it did
+        timed = ranks.attention_ms or None  # how "auto" chose, if it did
         log.info(
             "ready",
             ranks=count,
@@ -297,25 +265,16 @@ class Coordinator:
         self.requests.fail_all(Unavailable("the server is shutting down"))
         self.handoffs.close()
         self.reshaping.close()
-        self.save_composition()
+        save_composition(self.cfg, self.lattice)
         self.link.unwatch()
         if self.tier is not None:
             self.tier.close()  # (its views of the ranks' stores go before the stores)
-        if self.ranks is not None:
+        ranks = self.shared.ranks.now
+        if ranks is not None:
             assert self._loop is not None
             await self.recovery.settle()  # (a restart's thread first: never two at once)
-            await self._loop.run_in_executor(None, self.ranks.close)
-            self.ranks = None
-
-    def save_composition(self) -> None:
-        """The composition the pool has, into ``[pool] state_file`` (if one is
-        configured) for the next start: on every completed reshape and at shutdown."""
-        path = self.cfg.pool.start.state_file
-        if path is not None:
-            try:
-                write_state(path, self.lattice.config, self.lattice.layout())
-            except OSError as exc:
-                log.warning("state_file_not_written", path=path, error=str(exc))
+            await self._loop.run_in_executor(None, ranks.close)
+            self.shared.ranks.now = None
 
     def unready_reason(self) -> str | None:
         """Why the pool cannot dispatch a request now (None: it can): ``/ready``."""
@@ -327,30 +286,6 @@ class Coordinator:
             self.reshaping.overdue,
             self.cfg.reshape_timeout_s,
         )
-
-    # -- doing what the policy returns ----------------------------------------------------
-
-    def apply(self, actions: Actions) -> None:
-        if self.health.stopping:
-            return  # (what the stack asks for now would only outlive the ranks)
-        for placement in actions.placed:
-            self.loops.wake(placement.worker_id)
-        for worker_id in actions.woken:
-            self.loops.wake(worker_id)
-        for request_id in actions.refused:
-            self.requests.refuse(request_id, Unavailable("no worker can take the request now"))
-        self.copies.ended(actions.copies_ended)
-        for transition in actions.activated:
-            self.reshaping.activated(transition)
-        if actions.switch is not None:
-            transition = actions.switch.transition
-            for s in transition.op.sources:
-                self.loops.remove_worker(s)
-            for w in transition.new_workers:
-                self.loops.add_worker(w)
-            self.spawn(self.reshaping.run_switch(actions.switch))
-        for job in actions.copies:
-            self.spawn(self.copies.run(job))
 
     # -- the prefix-cache manager: scans and copies (``runtime/kv/copies.py``) ----------
 

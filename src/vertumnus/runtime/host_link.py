@@ -12,7 +12,8 @@ copied in this process (as the coordinator copies), timed by the wall clock. CUD
 the store on the device, the tier a pinned host tensor, ``non_blocking`` copies
 timed by CUDA events.
 
-``python -m vertumnus profile`` calls it once its ranks are closed; ``python -m
+``python -m vertumnus profile`` calls it once its ranks are closed (and names the
+hardware it measured with ``hardware_name``, as the host link does); ``python -m
 vertumnus.runtime.host_link`` prints it (``--into F.json``: sets F's host_link).
 """
 
@@ -23,6 +24,7 @@ import contextlib
 import datetime as dt
 import json
 import math
+import platform
 import random
 import statistics
 import time
@@ -46,6 +48,13 @@ REPEATS = 5
 Shape = tuple[int, ...]
 Move = Callable[[], None]
 Times = tuple[list[float], list[float]]  # seconds per pass: (device to host, host to device)
+
+
+def hardware_name(device: str) -> str:
+    """What a profile and a host link record as the hardware of ``device``."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"cpu-{platform.machine()}-{platform.processor() or 'unknown'}"
 
 
 def measure_host_link(
@@ -73,8 +82,6 @@ def measure_host_link(
         d2h, h2d = _cuda_passes(shape, dtype, dev, order, repeats)
     else:
         d2h, h2d = _cpu_passes(shape, dtype, order, repeats)
-    from vertumnus.runtime.profiling import hardware_name
-
     moved = blocks * block_bytes
     when = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     return {

@@ -30,7 +30,7 @@ vertumnus_internal_errors_total      bugs contained (logged with their traceback
 vertumnus_reshapes_rolled_back_total reshapes past [server] reshape_timeout_s, by how
                                      they ended (rolled_back, forced)
 vertumnus_host_tier_demoted_blocks_total KV blocks copied from the ranks into the host
-                                     tier (``runtime/kv/host_tier.py``)
+                                     tier (``runtime/kv/host_memory.py``)
 vertumnus_host_tier_loaded_blocks_total  KV blocks loaded back from it into the ranks
 vertumnus_host_tier_copy_seconds_total   the time of those copies (memcpy)
 vertumnus_host_tier_used_bytes       gauge: the tier's blocks held, every host

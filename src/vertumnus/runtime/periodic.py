@@ -8,7 +8,8 @@ applied when they are done; a period whose decision is still being computed when
 the next is due is skipped. The scan runs after the workers this tick's decision
 woke have started their prefills. A bug in one piece is logged with its traceback
 and counted, and the next tick is set whatever happens. With the event loop's own
-(simulated) clock as ``clock``, deadlines are exact.
+(simulated) clock as ``clock``, deadlines are exact. A decision's actions go to the
+switchboard (``Apply``); the reshapes it began to ``Reshaping.begun`` first.
 """
 
 from __future__ import annotations
@@ -17,45 +18,29 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
 
-from vertumnus.policy.pool_policy import PoolPolicy
-from vertumnus.policy.pool_results import Actions, WindowPlan
-from vertumnus.policy.transition import Transition
-from vertumnus.runtime.health import Health
+from vertumnus.policy.pool_results import WindowPlan
+from vertumnus.runtime.intents import Apply
 from vertumnus.runtime.kv.copies import CopyRuns
-from vertumnus.runtime.metrics import Metrics
-from vertumnus.runtime.serve_config import ServeConfig
+from vertumnus.runtime.reshaping import Reshaping
+from vertumnus.runtime.state import Shared
 
 log = structlog.get_logger("vertumnus")
 
 
 class Periodic:
     def __init__(
-        self,
-        *,
-        cfg: ServeConfig,
-        policy: PoolPolicy,
-        metrics: Metrics,
-        copies: CopyRuns,
-        health: Health,
-        clock: Callable[[], float],
-        apply: Callable[[Actions], None],
-        spawn: Callable[[Coroutine[Any, Any, Any]], None],
-        begun: Callable[[Transition, dict[str, Any], int], None],
-        offload: bool = True,
+        self, shared: Shared, copies: CopyRuns, reshaping: Reshaping, offload: bool = True
     ) -> None:
-        """``copies``: runs the scans; ``apply``: does what the policy returns;
-        ``spawn``: runs a background task; ``begun``: a reshape the controller
-        began (``Reshaping.begun``); ``offload``: the replays run on their own
-        thread."""
-        self.cfg, self.policy, self.metrics, self.copies = cfg, policy, metrics, copies
-        self.health, self.clock, self.apply, self.spawn = health, clock, apply, spawn
-        self.begun = begun
+        """``copies``: runs the scans; ``reshaping``: a reshape the controller began
+        (``Reshaping.begun``); ``offload``: the replays run on their own thread."""
+        self.cfg, self.policy, self.metrics = shared.cfg, shared.policy, shared.metrics
+        self.health, self.clock, self.switchboard = shared.health, shared.clock, shared.switchboard
+        self.background, self.copies, self.reshaping = shared.background, copies, reshaping
         self.offload = offload
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tick: asyncio.TimerHandle | None = None
@@ -134,7 +119,7 @@ class Periodic:
             self._conclude(plan, plan.evaluate(), now)
             return
         self._deciding = True
-        self.spawn(self._decide(plan))
+        self.background.spawn(self._decide(plan))
 
     async def _decide(self, plan: WindowPlan) -> None:
         assert self._loop is not None
@@ -158,8 +143,8 @@ class Periodic:
             log.info("decision", **decision.to_json())
         self.metrics.timeline.decided(now, decision.inputs)
         for transition in outcome.begun:
-            self.begun(transition, decision.to_json(), len(outcome.actions.placed))
-        self.apply(outcome.actions)
+            self.reshaping.begun(transition, decision.to_json(), len(outcome.actions.placed))
+        self.switchboard.route(Apply(outcome.actions))
 
     def close(self) -> None:
         """The server stops: no tick fires any more, no decision is computed."""

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from vertumnus.blocks import block_ids, max_reuse_blocks
 from vertumnus.engine.messages import PrefillCommand, PrefillDone, RankFailed
-from vertumnus.policy.cache.index import CacheReport, PrefillLease, WorkerCacheIndex
+from vertumnus.policy.cache.index import BlockAllocation, CacheReport, WorkerCacheIndex
 from vertumnus.runtime.ranks import ChildRanks, RanksError
 
 
@@ -32,7 +32,7 @@ def plan_prefill(
     worker_ranks: tuple[int, ...],
     logits: str = "last",
     ids: Sequence[int] | None = None,
-) -> tuple[PrefillLease, PrefillCommand]:
+) -> tuple[BlockAllocation, PrefillCommand]:
     """Pin the reusable prefix, allocate the new blocks, and build the command
     (``ids``: the tokens' block ids, when the caller has them already)."""
     if not tokens:
@@ -45,12 +45,14 @@ def plan_prefill(
         )
     if ids is None:
         ids = block_ids(tokens, block_size)
-    lease = index.begin(ids, max_reuse_blocks(len(tokens), block_size))
-    return lease, prefill_command(lease, tokens, block_size, request_id, worker_ranks, logits)
+    allocation = index.begin(ids, max_reuse_blocks(len(tokens), block_size))
+    return allocation, prefill_command(
+        allocation, tokens, block_size, request_id, worker_ranks, logits
+    )
 
 
 def prefill_command(
-    lease: PrefillLease,
+    allocation: BlockAllocation,
     tokens: Sequence[int],
     block_size: int,
     request_id: int,
@@ -59,18 +61,18 @@ def prefill_command(
     export: tuple[int, int] | None = None,
     prompt_logprobs: int | None = None,
 ) -> PrefillCommand:
-    """The command every rank of the worker gets for a prefill whose cache lease is
-    ``lease``: the uncached suffix, which rank holds which prefix block (block j on
+    """The command every rank of the worker gets for a prefill whose block allocation is
+    ``allocation``: the uncached suffix, which rank holds which prefix block (block j on
     CP rank j % C) and where each new full block goes (``export``: suffix rows whose
     K and V come back, for a hand-off; ``prompt_logprobs``: the top k of the suffix's
     log-probabilities come back, ``engine/logprobs.py``)."""
     if logits not in ("last", "all"):
         raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
     c = len(worker_ranks)
-    prefix_len = lease.prefix_blocks * block_size
+    prefix_len = allocation.prefix_blocks * block_size
     # Blocks loaded back from the host tier are part of the prefix (already written).
-    prefix = (*lease.reused, *lease.new[: lease.loaded])
-    written = lease.new[lease.loaded :]
+    prefix = (*allocation.reused, *allocation.new[: allocation.loaded])
+    written = allocation.new[allocation.loaded :]
     return PrefillCommand(
         request_id=request_id,
         worker_ranks=worker_ranks,
@@ -106,37 +108,37 @@ class PrefillOutcome:
 
 
 class PrefillClient:
-    """Prefills on ``len(ranks)`` ranks of ``pool``, one at a time and blocking, with
+    """Prefills on ``devices``, ranks of ``ranks``, one at a time and blocking, with
     their own cache index (not a worker of the pool's lattice)."""
 
-    def __init__(self, pool: ChildRanks, ranks: tuple[int, ...], worker_id: int = 0) -> None:
-        self.pool, self.ranks = pool, ranks
-        self.block_size = pool.engine.block_size
-        self.index = WorkerCacheIndex(len(ranks), pool.engine.kv_blocks_per_rank, worker_id)
+    def __init__(self, ranks: ChildRanks, devices: tuple[int, ...], worker_id: int = 0) -> None:
+        self.ranks, self.devices = ranks, devices
+        self.block_size = ranks.engine.block_size
+        self.index = WorkerCacheIndex(len(devices), ranks.engine.kv_blocks_per_rank, worker_id)
         self._next_id = 0
 
     def prefill(self, tokens: Sequence[int], logits: str = "last") -> PrefillOutcome:
         request_id = self._next_id
         self._next_id += 1
-        lease, cmd = plan_prefill(
-            self.index, tokens, self.block_size, request_id, self.ranks, logits
+        allocation, cmd = plan_prefill(
+            self.index, tokens, self.block_size, request_id, self.devices, logits
         )
         start = time.perf_counter()
-        for r in self.ranks:
-            self.pool.send(r, cmd)
+        for r in self.devices:
+            self.ranks.send(r, cmd)
         # Wait for every rank's answer, failures included, so that none is left in the
         # queue to be mistaken for an answer to a later prefill.
         done: dict[int, PrefillDone] = {}
         failed: dict[int, RankFailed] = {}
         try:
-            while len(done) + len(failed) < len(self.ranks):
-                msg = self.pool.recv(self.pool.engine.rank_timeout_s)
+            while len(done) + len(failed) < len(self.devices):
+                msg = self.ranks.recv(self.ranks.engine.rank_timeout_s)
                 match msg:
                     case RankFailed(request_id=None):
                         raise RanksError(f"rank {msg.rank} failed: {msg.error}\n{msg.traceback}")
-                    case RankFailed() if msg.request_id == request_id and msg.rank in self.ranks:
+                    case RankFailed() if msg.request_id == request_id and msg.rank in self.devices:
                         failed[msg.rank] = msg
-                    case PrefillDone() if msg.request_id == request_id and msg.rank in self.ranks:
+                    case PrefillDone() if msg.request_id == request_id and msg.rank in self.devices:
                         done[msg.rank] = msg
             if failed:
                 first = failed[min(failed)]
@@ -145,11 +147,11 @@ class PrefillClient:
                     f"{first.error}\n{first.traceback}"
                 )
         except BaseException:
-            self.index.abort(lease)
+            self.index.abort(allocation)
             raise
         elapsed = time.perf_counter() - start
-        report = self.index.commit(lease)
-        lead = done[self.ranks[0]]
+        report = self.index.commit(allocation)
+        lead = done[self.devices[0]]
         assert lead.logits is not None, "CP rank 0 returns the logits"
         return PrefillOutcome(
             request_id=request_id,
@@ -157,10 +159,10 @@ class PrefillClient:
             computed_tokens=int(cmd.token_ids.numel()),
             logits=lead.logits,
             prefill_s=elapsed,
-            rank_compute_s=tuple(done[r].compute_s for r in self.ranks),
+            rank_compute_s=tuple(done[r].compute_s for r in self.devices),
             collectives=lead.collectives,
             report=report,
-            expert_tokens=_sum_expert_tokens([done[r].expert_tokens for r in self.ranks]),
+            expert_tokens=_sum_expert_tokens([done[r].expert_tokens for r in self.devices]),
         )
 
 

@@ -10,7 +10,8 @@ machine spreads over many points, where the median drops it), and the median of 
 point's repeats is its sample. The fit uses a checkerboard half of the grid (every
 length and every hit ratio in both halves); the profile records the MAPE on the
 held-out half and on all points. Once the ranks are closed, the host link of rank 0's
-device is measured (``runtime/host_link.py``) into the profile's ``host_link``. The
+device is measured (``runtime/host_link.py``, which also names the hardware: this
+module imports it, never the other way) into the profile's ``host_link``. The
 model's attention mix (its sliding-window layers, ``perfmodel.attention_mix``) is what
 alpha is fitted against, and the profile stores it.
 
@@ -20,7 +21,6 @@ arguments and prints. The model itself is ``perfmodel.py``.
 
 from __future__ import annotations
 
-import platform
 import random
 import statistics
 from collections.abc import Callable, Mapping, Sequence
@@ -29,15 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from vertumnus.config import EngineConfig, ModelConfig
-from vertumnus.perfmodel import (
-    FULL,
-    AttentionMix,
-    Profile,
-    Sample,
-    attention_mix,
-    fit_profile,
-    mape,
-)
+from vertumnus.config.model import attention_mix
+from vertumnus.perfmodel import FULL, AttentionMix, Profile, Sample, fit_profile, mape
 
 
 @dataclass(frozen=True)
@@ -76,7 +69,7 @@ def measure(
     measure the host link of the ranks' device."""
     from dataclasses import replace
 
-    from vertumnus.runtime.host_link import measure_host_link
+    from vertumnus.runtime.host_link import hardware_name, measure_host_link
     from vertumnus.runtime.prefill import PrefillClient
     from vertumnus.runtime.ranks import ChildRanks
 
@@ -89,15 +82,15 @@ def measure(
     hardware: str | None = None
     device, layers, attention = "cpu", "eager", "flash"
     for degree in grid.degrees:
-        with ChildRanks(model, model_dir, engine, world_size=degree, degrees=[degree]) as pool:
+        with ChildRanks(model, model_dir, engine, world_size=degree, degrees=[degree]) as ranks:
             if hardware is None:
-                first = pool.ready[0]
+                first = ranks.ready[0]
                 device, layers, attention = first.device, first.layers, first.attention
                 hardware = hardware_name(device)
 
             def one(length: int, hit: float) -> tuple[int, int, float]:
                 # A fresh worker index per run: nothing but the prefix is ever reused.
-                worker = PrefillClient(pool, tuple(range(degree)))  # noqa: B023
+                worker = PrefillClient(ranks, tuple(range(degree)))  # noqa: B023
                 tokens = [rng.randrange(model.vocab_size) for _ in range(length)]
                 prefix = int(length * hit) // engine.block_size * engine.block_size
                 if prefix:
@@ -186,14 +179,6 @@ def write_samples(samples: Sequence[Sample], path: Path) -> None:
     """The samples in the CSV format ``python -m vertumnus fit`` reads."""
     rows = [f"{s.cp_degree},{s.uncached_tokens},{s.cached_tokens},{s.seconds!r}" for s in samples]
     path.write_text("degree,uncached_tokens,cached_tokens,seconds\n" + "\n".join(rows) + "\n")
-
-
-def hardware_name(device: str) -> str:
-    if device.startswith("cuda"):
-        import torch
-
-        return torch.cuda.get_device_name(torch.device(device))
-    return f"cpu-{platform.machine()}-{platform.processor() or 'unknown'}"
 
 
 def plot_fit(profile: Profile, fitted: list[Sample], held_out: list[Sample], path: Path) -> None:

@@ -20,7 +20,7 @@ from vertumnus.blocks import block_ids
 from vertumnus.engine.logprobs import PromptLogprobs
 from vertumnus.engine.messages import PrefillCommand, PrefillDone
 
-__all__ = ["PromptLogprobs", "check_top_k", "placement_ids", "prompt_answer"]
+__all__ = ["check_top_k", "placement_ids", "prompt_answer"]
 
 
 def check_top_k(top_k: int | None, vocab_size: int) -> None:

@@ -2,20 +2,22 @@
 
 Owns the futures that wait on the ranks: a prefill's ``PrefillDone`` from every rank
 of its worker, a rank's ``EpochAck`` of a switch, a restarted rank's ``RankReady``,
-a live peer's ``GroupsReady``. ``on_message`` (fed by ``RankWatch`` from the event
-loop, or directly by an in-process fake of the ranks) routes each answer to its
-waiter; KV copy answers go to the ``KVCopier``. ``mark_dead`` releases what waits on
-ranks that died or hung: their prefills fail, their acknowledgements are skipped
-(the switch goes on; the worker restarts after it), their copies fail. It does not
-decide anything about requests or workers: the request path and recovery do.
+a live peer's ``GroupsReady``. ``on_message`` (a ``RankAnswer`` that ``RankWatch``
+read from the event loop, or an in-process fake of the ranks directly) routes each
+answer to its waiter; KV copy answers go to the ``KVCopier``, KV reads' to the
+hand-offs' ``KVReads``. A failure that no waiter takes is handed to the switchboard:
+``RankDown`` (a prefill whose attempt had ended failed on one rank) or
+``PoolFailed``. ``mark_dead`` releases what waits on ranks that died or hung: their
+prefills fail, their acknowledgements are skipped (the switch goes on; the worker
+restarts after it), their copies fail. It does not decide anything about requests
+or workers: the request path and recovery do.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import structlog
 
@@ -28,12 +30,12 @@ from vertumnus.engine.messages import (
     RankFailed,
     RankReady,
 )
+from vertumnus.runtime.intents import PoolFailed, RankDown
 from vertumnus.runtime.kv.copies import KVCopier
+from vertumnus.runtime.kv.reads import KVReads
 from vertumnus.runtime.rank_watch import RankWatch
 from vertumnus.runtime.ranks import Ranks, RanksError
-
-if TYPE_CHECKING:
-    from vertumnus.runtime.kv.reads import KVReads
+from vertumnus.runtime.state import Shared
 
 log = structlog.get_logger("vertumnus")
 
@@ -51,45 +53,38 @@ class _InFlight:
 
 
 class RankLink:
-    def __init__(
-        self,
-        copier: KVCopier,
-        on_exit: Callable[[int], None],
-        on_pool_failed: Callable[[str], None],
-        on_rank_failed: Callable[[int, str], None],
-        reads: KVReads | None = None,
-    ) -> None:
-        """``on_exit(rank)``: a rank process ended; ``on_pool_failed(error)``: a rank
-        failed outside anything that waits (the pool is unusable); ``on_rank_failed(
-        rank, error)``: a rank failed a prefill after its attempt had ended (the
-        live peer of a rank that died mid-prefill reports its broken collective
-        after the request left: only that rank is suspect). ``reads``: where the
-        answers to KV reads of hand-offs go."""
+    def __init__(self, shared: Shared, copier: KVCopier, reads: KVReads | None = None) -> None:
+        """``shared.switchboard`` takes the failures no waiter takes: ``PoolFailed`` (a rank
+        failed outside anything that waits: the pool is unusable), ``RankDown`` (a
+        rank failed a prefill after its attempt had ended: the live peer of a rank
+        that died mid-prefill reports its broken collective after the request left,
+        so only that rank is suspect). ``copier``: where KV copies' answers go;
+        ``reads``: where the answers to KV reads of hand-offs go."""
         self.copier = copier
         self.reads = reads
-        self._on_exit, self._on_pool_failed = on_exit, on_pool_failed
-        self._on_rank_failed = on_rank_failed
+        self.switchboard = shared.switchboard
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pool: Ranks | None = None
+        self._ranks: Ranks | None = None
         self._watcher: RankWatch | None = None
         self._inflight: dict[int, _InFlight] = {}  # request id -> its prefill
         self._acks: dict[tuple[int, int], asyncio.Future[None]] = {}  # (rank, epoch)
         self._ready: dict[int, asyncio.Future[None]] = {}  # rank -> its RankReady
         self._groups: dict[tuple[int, int], asyncio.Future[None]] = {}  # (rank, token)
 
-    def attach(self, loop: asyncio.AbstractEventLoop, pool: Ranks) -> None:
-        self._loop, self._pool = loop, pool
-        self._watcher = RankWatch(loop, self.on_message, self._on_exit)
+    def attach(self, loop: asyncio.AbstractEventLoop, ranks: Ranks) -> None:
+        """Watch ``ranks``'s pipes from ``loop``: what they read goes to the switchboard."""
+        self._loop, self._ranks = loop, ranks
+        self._watcher = RankWatch(loop, self.switchboard)
 
     def watch(self, ranks: Iterable[int]) -> None:
-        assert self._pool is not None and self._watcher is not None
+        assert self._ranks is not None and self._watcher is not None
         wanted = set(ranks)
-        self._watcher.watch(c for c in self._pool.channels() if c[0] in wanted)
+        self._watcher.watch(c for c in self._ranks.channels() if c[0] in wanted)
 
     def unwatch(self, ranks: Sequence[int] | None = None) -> None:
-        if self._pool is None or self._watcher is None:
+        if self._ranks is None or self._watcher is None:
             return
-        channels = self._pool.channels()
+        channels = self._ranks.channels()
         self._watcher.unwatch(c for c in channels if ranks is None or c[0] in ranks)
 
     # -- waiting -----------------------------------------------------------------------
@@ -168,9 +163,10 @@ class RankLink:
                         inflight.future.set_exception(RanksError(msg.error))
                 else:  # late: its attempt ended (a peer died; the request may run elsewhere)
                     log.warning("rank_failed_late", rank=msg.rank, request_id=msg.request_id)
-                    self._on_rank_failed(msg.rank, f"a prefill that had ended failed: {msg.error}")
+                    why = f"a prefill that had ended failed: {msg.error}"
+                    self.switchboard.route(RankDown(msg.rank, why))
             case RankFailed():
-                self._on_pool_failed(f"rank {msg.rank}: {msg.error}")
+                self.switchboard.route(PoolFailed(f"rank {msg.rank}: {msg.error}"))
             case RankReady():
                 # a restarted rank
                 log.info("rank_back", rank=msg.rank, layers=msg.layers, attention=msg.attention)

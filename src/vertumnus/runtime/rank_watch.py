@@ -3,10 +3,10 @@
 Owns reading the ranks' answers without blocking and without a thread: the loop's
 poller wakes on a pipe, the bytes are buffered and framed as
 ``multiprocessing.connection`` frames them (a 4-byte big-endian length, or -1 then
-an 8-byte one), and each whole message is unpickled and handed to ``on_message``.
-A sentinel that becomes readable (a local rank process ended, or a remote rank's
-agent reported it gone) is handed to ``on_exit`` once. It does not interpret any
-message: the coordinator does.
+an 8-byte one), and each whole message is unpickled and handed to the switchboard as
+``RankAnswer`` (the rank link takes it). A sentinel that becomes readable (a local
+rank process ended, or a remote rank's agent reported it gone) is handed on once,
+as ``RankExited`` (recovery takes it). It does not interpret any message.
 
 The pipes come only from this pool's own rank processes, or from the I/O thread of
 a ``ClusterRanks``, which passes on only what the signature of a holder of the
@@ -19,20 +19,17 @@ import asyncio
 import os
 import pickle
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
+
+from vertumnus.runtime.intents import RankAnswer, RankExited, Routes
 
 _CHUNK = 1 << 20
 
 
 class RankWatch:
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        on_message: Callable[[object], None],
-        on_exit: Callable[[int], None],
-    ) -> None:
-        self._loop, self._on_message, self._on_exit = loop, on_message, on_exit
+    def __init__(self, loop: asyncio.AbstractEventLoop, switchboard: Routes) -> None:
+        self._loop, self._switchboard = loop, switchboard
         self._buffers: dict[int, bytearray] = {}  # rank -> bytes read, not yet a message
 
     def watch(self, channels: Iterable[tuple[int, Any, int]]) -> None:
@@ -50,7 +47,7 @@ class RankWatch:
 
     def _exited(self, rank: int, sentinel: int) -> None:
         self._loop.remove_reader(sentinel)
-        self._on_exit(rank)
+        self._switchboard.route(RankExited(rank))
 
     def _readable(self, rank: int, conn: Any) -> None:
         """Read what ``rank`` wrote: the poller made the pipe non-blocking, so a large
@@ -82,4 +79,4 @@ class RankWatch:
                 break
             payload = bytes(buf[header : header + size])
             del buf[: header + size]
-            self._on_message(pickle.loads(payload))
+            self._switchboard.route(RankAnswer(pickle.loads(payload)))

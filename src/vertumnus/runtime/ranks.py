@@ -13,14 +13,16 @@ Commands go through this host's rank processes (``processes.py``: a sender threa
 per rank, so a send never blocks). Answers come back on one one-way pipe per rank.
 ``recv`` waits on every answer pipe and every rank process's sentinel together, so
 a rank that dies is noticed at once; the serving coordinator watches the same
-pipes from its event loop.
+pipes from its event loop. What the coordinator may ask of any ranks is the
+``Ranks`` protocol, typed: no caller looks at which class it has.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from multiprocessing import connection
 from typing import Any, Protocol
@@ -30,7 +32,8 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from vertumnus.config import EngineConfig, ModelConfig
 from vertumnus.engine.messages import RankFailed, RankReady
 from vertumnus.engine.rank import RankSpec, settle_cpu_attention
-from vertumnus.policy.lattice import LatticeConfig, worker_slots
+from vertumnus.policy.geometry import LatticeConfig, worker_slots
+from vertumnus.runtime.intents import Routes
 from vertumnus.runtime.kv.segments import KVSegments
 from vertumnus.runtime.processes import LocalRanks
 
@@ -56,10 +59,28 @@ class Ranks(Protocol):
     a sentinel that becomes readable when the rank is gone, per rank), which change
     for the ranks that ``restart`` starts again. ``restart`` returns the groups the
     live members must form anew (``RebuildGroups``); ``incarnation`` counts a rank's
-    restarts (pair groups of KV copies are named by it)."""
+    restarts (pair groups of KV copies are named by it).
 
-    on_rejoin: Callable[[list[int]], None] | None  # a host's ranks can start again
+    What the ranks are, for those who need to know: ``holds_kv`` (False: ranks that
+    keep no KV bytes, the parity test's fakes; a host tier then runs its policy and
+    moves nothing), ``ready`` (each rank's ``RankReady``, once started),
+    ``attention_ms`` (what ``cpu_attention = "auto"`` timed, if it did) and
+    ``local_stores`` (the KV stores of ranks on this host, in shared memory this
+    process maps: a pull streams from them, KV reads are written into this
+    process's memory, the host tier copies to and from them; None: the ranks run
+    elsewhere). ``report_to`` names where their own reports go: a host whose agent
+    came back (``HostsBack``), from whatever thread noticed it."""
 
+    @property
+    def holds_kv(self) -> bool: ...
+    @property
+    def ready(self) -> Mapping[int, RankReady]: ...
+    @property
+    def attention_ms(self) -> Mapping[str, Mapping[str, float]]: ...
+    @property
+    def local_stores(self) -> KVSegments | None: ...
+
+    def report_to(self, loop: asyncio.AbstractEventLoop, switchboard: Routes) -> None: ...
     def start(self) -> None: ...
     def send(self, rank: int, msg: object) -> None: ...
     def channels(self) -> list[tuple[int, Any, int]]: ...
@@ -69,6 +90,14 @@ class Ranks(Protocol):
     def pid(self, rank: int) -> int | None: ...
     def host_of(self, rank: int) -> str: ...
     def close(self, timeout_s: float = 10.0) -> None: ...
+
+
+class CurrentRanks:
+    """The pool's ranks as they are now: ``now`` is None before the coordinator has
+    started them and after it closed them (a part reads it at the time it acts)."""
+
+    def __init__(self, ranks: Ranks | None = None) -> None:
+        self.now = ranks
 
 
 def poll_channels(
@@ -98,15 +127,15 @@ def poll_channels(
     return None
 
 
-def wait_ready(pool: Any, ranks: Sequence[int], timeout_s: float) -> None:
-    """Collect a ``RankReady`` from each of ``ranks`` into ``pool.ready``; a
+def wait_ready(ranks: RanksCore, members: Sequence[int], timeout_s: float) -> None:
+    """Collect a ``RankReady`` from each of ``members`` into ``ranks.ready``; a
     ``RankFailed`` raises RanksError naming the rank."""
-    while not set(ranks) <= set(pool.ready):
-        msg = pool.recv(timeout_s)
+    while not set(members) <= set(ranks.ready):
+        msg = ranks.recv(timeout_s)
         if isinstance(msg, RankFailed):
             raise RanksError(f"rank {msg.rank} failed to start: {msg.error}\n{msg.traceback}")
         if isinstance(msg, RankReady):
-            pool.ready[msg.rank] = msg
+            ranks.ready[msg.rank] = msg
 
 
 class RanksCore:
@@ -116,6 +145,7 @@ class RanksCore:
     pool's own ``_spawn`` (start these ranks) and ``poll``."""
 
     _store_bind = "127.0.0.1"  # where the TCP store listens
+    holds_kv = True
 
     def __init__(
         self,
@@ -130,9 +160,15 @@ class RanksCore:
         self.groups = worker_groups(world_size, degrees) if world_size else ()
         self.generations: dict[tuple[int, ...], int] = {}  # of each group; absent: 0
         self.ready: dict[int, RankReady] = {}
-        self.on_rejoin: Callable[[list[int]], None] | None = None  # ranks back (a host)
+        # What ``settle_cpu_attention`` timed, in ms by length and kernel (the ready log)
+        self.attention_ms: dict[str, dict[str, float]] = {}
+        self._reports: tuple[asyncio.AbstractEventLoop, Routes] | None = None
         self._pending: list[object] = []  # read, not yet handed out
         self._store: TCPStore | None = None
+
+    def report_to(self, loop: asyncio.AbstractEventLoop, switchboard: Routes) -> None:
+        """The ranks' own reports go to ``switchboard`` on ``loop`` from now on."""
+        self._reports = (loop, switchboard)
 
     def configure(self, degrees: Sequence[int]) -> None:
         """The worker groups the lattice can form (before ``start``)."""
@@ -205,8 +241,11 @@ class ChildRanks(RanksCore):
         self._ranks = LocalRanks()
         self._incarnations: dict[int, int] = {}  # restarts of each rank; absent: 0
         self.kv_segments = KVSegments(model, engine)  # the CPU ranks' KV stores
-        # What ``settle_cpu_attention`` timed, in ms by length and kernel (the ready log)
-        self.attention_ms: dict[str, dict[str, float]] = {}
+
+    @property
+    def local_stores(self) -> KVSegments:
+        """This host's ranks: their stores are here (in shared memory where made)."""
+        return self.kv_segments
 
     def __enter__(self) -> ChildRanks:
         self.start()

@@ -12,9 +12,12 @@ rejoin with an empty cache. A restart that fails is tried again after 2, 4, 8, .
 s, up to ``[server] max_restart_attempts``; meanwhile the worker stays out and the
 failed processes are not watched (no crash loop).
 Requests wait while a worker is coming back and are refused once nothing is.
-The ranks' own reports come here too: a process that exited (``rank_exited``), a KV
-copy that hung (``copy_hung``), and a failure that leaves the pool unusable
-(``pool_failed``).
+The ranks' own reports come here too, routed by the coordinator's switchboard: a
+process that exited (``rank_exited``), a KV copy that hung (``copy_hung``), a
+failure that leaves the pool unusable (``pool_failed``), a host whose agent is back
+(``hosts_back``). What recovery wants of others it hands to the switchboard: the
+policy's actions (``Apply``) and a worker's recovery ended (``WorkerRejoined``:
+its task looks at its queue).
 """
 
 from __future__ import annotations
@@ -22,48 +25,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
 
 from vertumnus.engine.messages import RebuildGroups
 from vertumnus.policy.lattice import LatticeWorker, WorkerState
-from vertumnus.policy.pool_policy import PoolPolicy
-from vertumnus.policy.pool_results import Actions
-from vertumnus.runtime.health import Health
+from vertumnus.runtime.intents import Apply, WorkerRejoined
 from vertumnus.runtime.kv.handoffs import Handoffs
-from vertumnus.runtime.metrics import Metrics
 from vertumnus.runtime.rank_link import RankLink, WorkerLost
 from vertumnus.runtime.ranks import Ranks, RanksError
-from vertumnus.runtime.serve_config import ServeConfig
+from vertumnus.runtime.state import Shared
 
 log = structlog.get_logger("vertumnus")
 
 
 class Recovery:
-    def __init__(
-        self,
-        *,
-        cfg: ServeConfig,
-        policy: PoolPolicy,
-        metrics: Metrics,
-        link: RankLink,
-        handoffs: Handoffs,
-        health: Health,
-        ranks: Callable[[], Ranks | None],
-        clock: Callable[[], float],
-        apply: Callable[[Actions], None],
-        spawn: Callable[[Coroutine[Any, Any, Any]], None],
-        rejoined: Callable[[int], None],
-    ) -> None:
-        """``ranks``: the ranks once started; ``apply``: does what the policy returns;
-        ``spawn``: runs a background task; ``rejoined``: a worker's recovery ended
-        (it serves again, or was given up): its task looks at its queue."""
-        self.cfg, self.policy, self.metrics = cfg, policy, metrics
-        self.link, self.handoffs, self.health = link, handoffs, health
-        self.ranks, self.clock, self.apply, self.spawn = ranks, clock, apply, spawn
-        self.rejoined = rejoined
+    def __init__(self, shared: Shared, link: RankLink, handoffs: Handoffs) -> None:
+        """``link``: releases what waits on failed ranks and watches restarted ones;
+        ``handoffs``: the leases a failed worker held end."""
+        self.cfg, self.policy, self.metrics = shared.cfg, shared.policy, shared.metrics
+        self.health, self.ranks, self.clock = shared.health, shared.ranks, shared.clock
+        self.switchboard, self.background = shared.switchboard, shared.background
+        self.link, self.handoffs = link, handoffs
         self.dead_ranks: set[int] = set()  # failed ranks, until their worker rejoins
         self._recovering: set[int] = set()  # workers being restarted
         self._lock = asyncio.Lock()
@@ -83,7 +68,7 @@ class Recovery:
         that waits on it fails or, for a reshape's acknowledgement, is skipped; its
         worker leaves the candidate set and is restarted in the background, after any
         reshape it takes part in has finished."""
-        if self.health.stopping or self.ranks() is None:
+        if self.health.stopping or self.ranks.now is None:
             return
         worker = self.worker_of_rank(rank)
         if worker is None:
@@ -95,7 +80,7 @@ class Recovery:
             return
         first_failure = not (set(worker.devices) & self.dead_ranks)
         self._mark_dead(fresh, WorkerLost(f"worker {worker.worker_id} failed: {reason}"))
-        self.apply(self.policy.outages.failed(worker.worker_id, self.clock()))
+        self.switchboard.route(Apply(self.policy.worker_failed(worker.worker_id, self.clock())))
         # Its KV is going: the hand-offs it holds end (a pull answers 410, moved), and
         # a reshape it drains for no longer waits for them.
         self.handoffs.cut(worker.worker_id, "moved")
@@ -104,7 +89,7 @@ class Recovery:
             return
         log.error("worker_failed", worker=worker.worker_id, ranks=sorted(fresh), reason=reason)
         if first_failure:
-            self.spawn(self._recover(rank, reason))
+            self.background.spawn(self._recover(rank, reason))
 
     def rank_exited(self, rank: int) -> None:
         """A rank's process exited (nothing at shutdown)."""
@@ -131,7 +116,7 @@ class Recovery:
             if back & set(w.devices) and (
                 set(w.devices) & self.dead_ranks or w.state is WorkerState.UNAVAILABLE
             ):
-                self.spawn(self._recover(w.devices[0], "its host is back"))
+                self.background.spawn(self._recover(w.devices[0], "its host is back"))
 
     def new_workers_up(self, workers: Sequence[int]) -> None:
         """A reshape's new workers serve: one with a dead rank leaves at once, and is
@@ -141,22 +126,23 @@ class Recovery:
             lw = self.policy.lattice.workers.get(w)
             dead = set(lw.devices) & self.dead_ranks if lw is not None else set()
             if lw is not None and dead:
-                self.apply(self.policy.outages.failed(w, self.clock()))
-                self.spawn(self._recover(min(dead), f"worker {w} has failed ranks {sorted(dead)}"))
+                self.switchboard.route(Apply(self.policy.worker_failed(w, self.clock())))
+                why = f"worker {w} has failed ranks {sorted(dead)}"
+                self.background.spawn(self._recover(min(dead), why))
 
     def _mark_dead(self, ranks: set[int], lost: WorkerLost) -> None:
         """Kill ``ranks`` (a hung rank is dead from now on) and release what waits on
         them."""
-        pool = self.ranks()
-        assert pool is not None
+        current = self.ranks.now
+        assert current is not None
         self.dead_ranks |= ranks
         for r in ranks:
-            pool.kill(r)
+            current.kill(r)
         self.link.mark_dead(ranks, lost)
 
-    def _shut(self, pool: Ranks) -> bool:
-        """The shutdown began, or the ranks ``pool`` are no longer the pool's."""
-        return self.health.draining or self.ranks() is not pool
+    def _shut(self, ranks: Ranks) -> bool:
+        """The shutdown began, or ``ranks`` are no longer the pool's."""
+        return self.health.draining or self.ranks.now is not ranks
 
     async def settle(self) -> None:
         """Wait for a restart under way in a thread (the shutdown: the ranks then
@@ -179,13 +165,13 @@ class Recovery:
         """Take the failed worker of ``rank`` out, hand its work on, restart its ranks
         and let it rejoin with an empty cache (see the module docstring); nothing
         once the shutdown has begun."""
-        policy, pool, link = self.policy, self.ranks(), self.link
-        if self.health.draining or pool is None:
+        policy, ranks, link = self.policy, self.ranks.now, self.link
+        if self.health.draining or ranks is None:
             return
         loop = asyncio.get_running_loop()
         started = self.clock()
         worker_id: int | None = None
-        ranks: tuple[int, ...] = (rank,)
+        devices: tuple[int, ...] = (rank,)
         retrying = False
         try:
             async with self._lock:
@@ -197,10 +183,10 @@ class Recovery:
                 bound_s = self.cfg.reshape_timeout_s + self.cfg.engine.rank_timeout_s
                 deadline = self.clock() + bound_s
                 while self._in_reshape(rank) and self.clock() < deadline:
-                    if self._shut(pool):
+                    if self._shut(ranks):
                         return
                     await asyncio.sleep(0.02)
-                if self._shut(pool):
+                if self._shut(ranks):
                     return
                 if self._in_reshape(rank):
                     log.error("recovery_past_reshape", rank=rank, waited_s=bound_s)
@@ -208,31 +194,31 @@ class Recovery:
                 assert w is not None
                 if not set(w.devices) & self.dead_ranks and w.state is not WorkerState.UNAVAILABLE:
                     return  # recovered already (a retry after its host came back)
-                worker_id, ranks = w.worker_id, tuple(w.devices)
+                worker_id, devices = w.worker_id, tuple(w.devices)
                 self._recovering.add(worker_id)
                 # The whole worker restarts: its other ranks too; its cache is gone.
-                self._mark_dead(set(ranks), WorkerLost(f"worker {worker_id} failed: {reason}"))
-                self.apply(policy.outages.reset(worker_id, self.clock()))
-                link.unwatch(ranks)
-                self._restarting = loop.run_in_executor(None, pool.restart, ranks)
+                self._mark_dead(set(devices), WorkerLost(f"worker {worker_id} failed: {reason}"))
+                self.switchboard.route(Apply(policy.worker_reset(worker_id, self.clock())))
+                link.unwatch(devices)
+                self._restarting = loop.run_in_executor(None, ranks.restart, devices)
                 try:
                     rebuild = await self._restarting
                 finally:
                     self._restarting = None
-                if self._shut(pool):  # (``close`` stops the processes just started)
+                if self._shut(ranks):  # (``close`` stops the processes just started)
                     return
                 token = next(self._tokens)
-                waits = [link.expect_ready(r) for r in ranks]
-                link.watch(ranks)
+                waits = [link.expect_ready(r) for r in devices]
+                link.watch(devices)
                 peers = {r for group, _ in rebuild for r in group}
-                live = sorted(peers - set(ranks) - self.dead_ranks)  # (dead: restarted after)
+                live = sorted(peers - set(devices) - self.dead_ranks)  # (dead: restarted after)
                 for r in live:
                     mine = tuple((g, gen) for g, gen in rebuild if r in g)
                     waits.append(link.expect_groups(r, token))
-                    pool.send(r, RebuildGroups(token, mine))
+                    ranks.send(r, RebuildGroups(token, mine))
                 await asyncio.wait_for(asyncio.gather(*waits), self.cfg.engine.rank_timeout_s)
-                self.dead_ranks -= set(ranks)
-                self.apply(policy.outages.restored(worker_id, self.clock()))
+                self.dead_ranks -= set(devices)
+                self.switchboard.route(Apply(policy.worker_restored(worker_id, self.clock())))
                 if self.health.failure and self.health.failure.startswith(
                     f"worker {worker_id} could not"
                 ):
@@ -241,12 +227,12 @@ class Recovery:
                 log.info(
                     "worker_rejoined",
                     worker=worker_id,
-                    ranks=list(ranks),
+                    ranks=list(devices),
                     attempt=attempt,
                     seconds=round(self.clock() - started, 3),
                 )
         except Exception as exc:
-            link.unwatch(ranks)  # the processes that failed to start: no crash loop
+            link.unwatch(devices)  # the processes that failed to start: no crash loop
             retrying = attempt < self.cfg.max_restart_attempts and not self.health.stopping
             delay = min(30.0, 2.0**attempt)
             log.error(
@@ -257,16 +243,19 @@ class Recovery:
                 retry_in_s=delay if retrying else None,
             )
             if retrying:
-                loop.call_later(delay, lambda: self.spawn(self._recover(rank, reason, attempt + 1)))
+                again = attempt + 1
+                loop.call_later(
+                    delay, lambda: self.background.spawn(self._recover(rank, reason, again))
+                )
             else:
                 self.health.failure = (
                     f"worker {worker_id} could not be restarted in {attempt} attempts: {exc}"
                 )
-                self.dead_ranks -= set(ranks)
+                self.dead_ranks -= set(devices)
                 if worker_id is not None:
-                    self.apply(policy.outages.abandoned(worker_id, self.clock()))
+                    self.switchboard.route(Apply(policy.worker_abandoned(worker_id, self.clock())))
         finally:
             if worker_id is not None:
                 self._recovering.discard(worker_id)
-                self.rejoined(worker_id)
-            link.forget_restart(ranks)
+                self.switchboard.route(WorkerRejoined(worker_id))
+            link.forget_restart(devices)

@@ -13,35 +13,35 @@ because its worker failed is placed again, up to ``MAX_ATTEMPTS``; a client that
 gives up (time-out) leaves the policy's queues at once. Every request is answered
 exactly once: with its result, or with an error that says why (``Unavailable``,
 ``Overloaded``, or ``InternalError`` for a bug, which is logged with its traceback
-and counted while the worker goes on serving). It does not choose workers (the
-policy) nor restart them (``recovery``).
+and counted while the worker goes on serving). What the policy returns is handed
+to the switchboard (``Apply``). It does not choose workers (the policy) nor restart them
+(``recovery``, a collaborator: a failed worker is taken down there).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
+from vertumnus.engine.logprobs import PromptLogprobs
 from vertumnus.engine.messages import PrefillCommand, PrefillDone
-from vertumnus.policy.placement.scheduler import PlacementRequest
-from vertumnus.policy.pool_policy import PoolPolicy
-from vertumnus.policy.pool_results import Actions, Finished, Started
-from vertumnus.runtime.health import Health
+from vertumnus.policy.placement.queues import PlacementRequest
+from vertumnus.policy.pool_results import Finished, Started
+from vertumnus.runtime.intents import Apply
 from vertumnus.runtime.kv.handoffs import Handoffs
-from vertumnus.runtime.kv.host_tier import HostTierStore
+from vertumnus.runtime.kv.host_memory import HostTierMemory
 from vertumnus.runtime.kv.leases import Lease, export_range
-from vertumnus.runtime.metrics import Metrics
 from vertumnus.runtime.prefill import prefill_command
-from vertumnus.runtime.prompt_logprobs import PromptLogprobs, placement_ids, prompt_answer
+from vertumnus.runtime.prompt_logprobs import placement_ids, prompt_answer
 from vertumnus.runtime.rank_link import RankLink, WorkerLost
-from vertumnus.runtime.ranks import Ranks, RanksError
+from vertumnus.runtime.ranks import RanksError
 from vertumnus.runtime.recovery import Recovery
-from vertumnus.runtime.serve_config import ServeConfig
+from vertumnus.runtime.state import Shared
 
 log = structlog.get_logger("vertumnus")
 
@@ -91,28 +91,21 @@ class _Request:
 class RequestPath:
     def __init__(
         self,
-        *,
-        cfg: ServeConfig,
-        policy: PoolPolicy,
-        metrics: Metrics,
+        shared: Shared,
         link: RankLink,
         handoffs: Handoffs,
         recovery: Recovery,
-        health: Health,
-        tier: HostTierStore | None,
-        predict: Callable[[int, int, int], float],
-        ranks: Callable[[], Ranks | None],
-        clock: Callable[[], float],
-        apply: Callable[[Actions], None],
+        tier: HostTierMemory | None,
     ) -> None:
-        """``tier``: the host tier's bytes (None: no tier); ``predict``: the profile's
-        ``E_C(R, P)`` (for the SLO of an answer); ``ranks``: the ranks once started;
-        ``apply``: does what the policy returns."""
-        self.cfg, self.policy, self.metrics = cfg, policy, metrics
-        self.link, self.handoffs, self.recovery, self.health = link, handoffs, recovery, health
+        """``link``: the answers a prefill waits for; ``handoffs``: the leases of its
+        KV; ``recovery``: takes a failed worker down; ``tier``: the host tier's bytes
+        (None: no tier). The profile's ``E_C(R, P)`` gives an answer's SLO."""
+        self.cfg, self.policy, self.metrics = shared.cfg, shared.policy, shared.metrics
+        self.health, self.ranks, self.clock = shared.health, shared.ranks, shared.clock
+        self.switchboard, self.predict = shared.switchboard, shared.profile.predict
+        self.link, self.handoffs, self.recovery = link, handoffs, recovery
         self.tier = tier
         self._unmoved: dict[int, Exception] = {}  # request -> its tier copies' failure
-        self.predict, self.ranks, self.clock, self.apply = predict, ranks, clock, apply
         self.open: dict[int, _Request] = {}
         self._ids = itertools.count(1)
 
@@ -141,7 +134,9 @@ class RequestPath:
         result: PrefillResult | None = None
         try:
             self.metrics.timeline.arrived(now)
-            self.apply(self.policy.arrive(PlacementRequest(rid, len(tokens), ids), now))
+            self.switchboard.route(
+                Apply(self.policy.arrive(PlacementRequest(rid, len(tokens), ids), now))
+            )
             result = await asyncio.wait_for(asyncio.shield(req.future), timeout_s)
             return result
         except TimeoutError:
@@ -205,15 +200,17 @@ class RequestPath:
             return
         running = self.policy.running(worker_id)
         if running is not None and running.request_id == rid:
-            self.apply(self.policy.finish(worker_id, self.clock(), ok=False).actions)
+            self.switchboard.route(
+                Apply(self.policy.finish(worker_id, self.clock(), ok=False).actions)
+            )
         self.policy.drop(started.request_id)
         req = self.open.get(started.request_id)
         if req is not None and not req.future.done():
             req.future.set_exception(InternalError(f"request {rid} failed: {exc!r}"))
 
     async def run_one(self, started: Started) -> None:
-        policy, pool = self.policy, self.ranks()
-        assert pool is not None
+        policy, ranks = self.policy, self.ranks.now
+        assert ranks is not None
         rid, worker_id = started.request_id, started.worker_id
         unmoved = self._unmoved.pop(rid, None)
         if unmoved is not None:  # (``contain`` answers it)
@@ -221,22 +218,24 @@ class RequestPath:
         start = self.clock()
         req = self.open.get(rid)
         if req is None:  # (answered already: nothing to compute)
-            self.apply(policy.finish(worker_id, start, ok=False).actions)
+            self.switchboard.route(Apply(policy.finish(worker_id, start, ok=False).actions))
             policy.drop(rid)
             return
         req.attempts += 1
-        ranks = tuple(started.devices)
+        devices = tuple(started.devices)
         block = self.cfg.engine.block_size
-        export = export_range(started.lease, len(req.tokens), block) if req.handoff else None
+        export = export_range(started.allocation, len(req.tokens), block) if req.handoff else None
         k = req.prompt_logprobs
-        cmd = prefill_command(started.lease, req.tokens, block, rid, ranks, "last", export, k)
-        answers = self.link.expect_prefill(rid, ranks)
-        dead = sorted(set(ranks) & self.recovery.dead_ranks)
+        cmd = prefill_command(
+            started.allocation, req.tokens, block, rid, devices, "last", export, k
+        )
+        answers = self.link.expect_prefill(rid, devices)
+        dead = sorted(set(devices) & self.recovery.dead_ranks)
         if dead:  # (failed since the start: no answer will come)
             answers.set_exception(WorkerLost(f"worker {worker_id} failed: ranks {dead} are down"))
         else:
-            for r in ranks:
-                pool.send(r, cmd)
+            for r in devices:
+                ranks.send(r, cmd)
         failure: Exception | None = None
         done: dict[int, PrefillDone] = {}
         try:
@@ -245,7 +244,7 @@ class RequestPath:
             # A hung rank: take the worker down (its ranks are killed and restarted)
             # and place the request again.
             self.recovery.rank_down(
-                ranks[0],
+                devices[0],
                 f"no answer within step_timeout_s = {self.cfg.step_timeout_s} s",
                 whole_worker=True,
             )
@@ -269,7 +268,7 @@ class RequestPath:
                 return
             self._answer(started, req, cmd, done, finished, start, end)
         finally:
-            self.apply(finished.actions)
+            self.switchboard.route(Apply(finished.actions))
 
     def _answer(
         self,
@@ -294,7 +293,7 @@ class RequestPath:
                 lease = self.handoffs.open(finished.hold, ranks[0], len(req.tokens), rows)
         except Exception as exc:
             if finished.hold is not None:
-                self.apply(self.policy.release_hold(finished.hold, end))
+                self.switchboard.route(Apply(self.policy.release_hold(finished.hold, end)))
             raise InternalError(f"request {rid}: its answer could not be made: {exc!r}") from exc
         compute_s = max(d.compute_s for d in done.values())
         result = PrefillResult(
@@ -346,12 +345,12 @@ class RequestPath:
                 started.first_device, f"prefill failed: {error}", whole_worker=True
             )
         if finish:
-            self.apply(policy.finish(worker_id, now, ok=False).actions)
+            self.switchboard.route(Apply(policy.finish(worker_id, now, ok=False).actions))
         lost = isinstance(error, WorkerLost | RanksError) or self.recovery.recovering(worker_id)
         wanted = req.request_id in self.open and not req.future.done()  # (not timed out)
         if lost and req.attempts < MAX_ATTEMPTS and wanted:
             log.warning("replaced", request_id=req.request_id, worker=worker_id, error=str(error))
-            self.apply(policy.replace(req.request_id, now))
+            self.switchboard.route(Apply(policy.replace(req.request_id, now)))
             return
         policy.drop(req.request_id)
         if wanted:

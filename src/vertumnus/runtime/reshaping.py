@@ -20,28 +20,30 @@ began is rolled back if it has not committed (its participants serve again as th
 were; ``PoolPolicy.abort_reshape``), or finished by taking down the ranks that have
 not acknowledged. Either is logged and counted
 (``vertumnus_reshapes_rolled_back_total``).
+
+What the policy returns is handed to the switchboard (``Apply``); a reshape that
+finished returns ``CompositionChanged`` to the switchboard that reported it
+(``activated``), which keeps the composition for the next start. A rank to take
+down goes to recovery, a collaborator built before this part.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
 
 from vertumnus.engine.messages import SwitchEpoch
 from vertumnus.policy.lattice import Reshape, WorkerState
-from vertumnus.policy.pool_policy import PoolPolicy
-from vertumnus.policy.pool_results import Actions, Switch
+from vertumnus.policy.pool_results import Switch
 from vertumnus.policy.transition import Phase, Transition
-from vertumnus.runtime.health import Health
+from vertumnus.runtime.intents import Apply, CompositionChanged
 from vertumnus.runtime.kv.handoffs import Handoffs
-from vertumnus.runtime.metrics import Metrics
 from vertumnus.runtime.rank_link import RankLink
-from vertumnus.runtime.ranks import Ranks
 from vertumnus.runtime.recovery import Recovery
-from vertumnus.runtime.serve_config import ServeConfig
+from vertumnus.runtime.state import Shared
 
 log = structlog.get_logger("vertumnus")
 
@@ -52,25 +54,15 @@ class ReshapeFailed(RuntimeError):
 
 class Reshaping:
     def __init__(
-        self,
-        *,
-        cfg: ServeConfig,
-        policy: PoolPolicy,
-        metrics: Metrics,
-        link: RankLink,
-        handoffs: Handoffs,
-        recovery: Recovery,
-        health: Health,
-        ranks: Callable[[], Ranks | None],
-        clock: Callable[[], float],
-        apply: Callable[[Actions], None],
-        save: Callable[[], None],
+        self, shared: Shared, link: RankLink, handoffs: Handoffs, recovery: Recovery
     ) -> None:
-        """``ranks``: the ranks once started; ``apply``: does what the policy returns;
-        ``save``: keeps the composition for the next start (``[pool] state_file``)."""
-        self.cfg, self.policy, self.metrics = cfg, policy, metrics
-        self.link, self.handoffs, self.recovery, self.health = link, handoffs, recovery, health
-        self.ranks, self.clock, self.apply, self.save = ranks, clock, apply, save
+        """``link``: the ranks' acknowledgements; ``handoffs``: the pulls a switch
+        waits for, and the leases a reshape gives their wait; ``recovery``: takes
+        down a rank that does not acknowledge."""
+        self.cfg, self.policy, self.metrics = shared.cfg, shared.policy, shared.metrics
+        self.health, self.ranks, self.clock = shared.health, shared.ranks, shared.clock
+        self.switchboard = shared.switchboard
+        self.link, self.handoffs, self.recovery = link, handoffs, recovery
         self._waits: dict[int, asyncio.Future[Transition]] = {}  # id(transition) -> done
         self._bounds: dict[int, asyncio.TimerHandle] = {}  # id(transition) -> its bound
 
@@ -83,7 +75,7 @@ class Reshaping:
         self._waits[id(transition)] = done
         ops = [{"kind": op.kind, "sources": list(op.sources), "degree": op.target_degree}]
         self.begun(transition, {"rule": "operator", "ops": ops}, len(actions.placed))
-        self.apply(actions)
+        self.switchboard.route(Apply(actions))
         return done
 
     def begun(self, transition: Transition, decision: dict[str, Any], requeued: int) -> None:
@@ -122,8 +114,8 @@ class Reshaping:
             # A hand-off pull may be streaming blocks straight from these ranks' stores:
             # once switched, their slots may be written for the new workers.
             await self.handoffs.settle({r for _, _, r in owed})
-            pool = self.ranks()  # (read after the wait: the shutdown may have closed them)
-            if pool is None or self.health.stopping:
+            ranks = self.ranks.now  # (read after the wait: the shutdown may have closed them)
+            if ranks is None or self.health.stopping:
                 return
             acks = []
             for worker_id, _, r in owed:
@@ -131,7 +123,7 @@ class Reshaping:
                 if r in self.recovery.dead_ranks:
                     ack.set_result(None)  # restarted after this switch, all groups new
                 else:
-                    pool.send(r, SwitchEpoch(epoch, devices[worker_id]))
+                    ranks.send(r, SwitchEpoch(epoch, devices[worker_id]))
                 acks.append(ack)
             for (worker_id, cp_rank, r), ack in zip(list(owed), acks, strict=True):
                 try:
@@ -139,7 +131,9 @@ class Reshaping:
                 except TimeoutError:
                     self.recovery.rank_down(r, f"no EpochAck for epoch {epoch}")
                 owed.remove((worker_id, cp_rank, r))
-                self.apply(self.policy.acknowledge(transition, worker_id, cp_rank, self.clock()))
+                self.switchboard.route(
+                    Apply(self.policy.acknowledge(transition, worker_id, cp_rank, self.clock()))
+                )
             log.info(
                 "reshape_done",
                 kind=transition.op.kind,
@@ -170,7 +164,9 @@ class Reshaping:
         for worker_id, cp_rank, r in list(owed):
             owed.remove((worker_id, cp_rank, r))
             if transition.phase is Phase.ACTIVATING:
-                self.apply(self.policy.acknowledge(transition, worker_id, cp_rank, self.clock()))
+                self.switchboard.route(
+                    Apply(self.policy.acknowledge(transition, worker_id, cp_rank, self.clock()))
+                )
 
     def _overdue(self, transition: Transition) -> None:
         """The bound of a reshape passed: roll it back before its commit, or finish it
@@ -203,7 +199,7 @@ class Reshaping:
                 participants=busy,
             )
             self.metrics.reshape_overdue("rolled_back")
-            self.apply(self.policy.abort_reshape(transition, now))
+            self.switchboard.route(Apply(self.policy.abort_reshape(transition, now)))
             done = self._waits.pop(id(transition), None)
             if done is not None and not done.done():
                 done.set_exception(
@@ -233,15 +229,15 @@ class Reshaping:
             bound.cancel()
         self._bounds.clear()
 
-    def activated(self, transition: Transition) -> None:
-        """Every rank acknowledged: the new workers serve, and the composition is
-        kept for the next start (``[pool] state_file``)."""
+    def activated(self, transition: Transition) -> CompositionChanged:
+        """Every rank acknowledged: the new workers serve; the composition changed
+        (returned: the switchboard keeps it for the next start, ``[pool] state_file``)."""
         bound = self._bounds.pop(id(transition), None)
         if bound is not None:
             bound.cancel()
         self.metrics.reshape(transition)
         self.recovery.new_workers_up(transition.new_workers)
-        self.save()
         done = self._waits.pop(id(transition), None)
         if done is not None and not done.done():
             done.set_result(transition)
+        return CompositionChanged()

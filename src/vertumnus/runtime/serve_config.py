@@ -55,7 +55,7 @@ from vertumnus.config.dialect import (
 from vertumnus.config.pool import PoolConfig
 from vertumnus.config.start import StartDecision, resolve_start
 from vertumnus.perfmodel import Profile, ProfileError
-from vertumnus.policy.control.rules import ControllerConfig
+from vertumnus.policy.control.config import ControllerConfig
 from vertumnus.policy.pool_config import PolicyConfig, PoolSpec
 
 # The tables are ServeConfig's fields, and importable from here with it.

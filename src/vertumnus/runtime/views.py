@@ -10,7 +10,7 @@ from typing import Any
 
 from vertumnus.policy.pool_policy import PoolPolicy
 from vertumnus.policy.timeline import worker_rows
-from vertumnus.runtime.kv.host_tier import HostTierStore
+from vertumnus.runtime.kv.host_memory import HostTierMemory
 from vertumnus.runtime.metrics import Metrics
 from vertumnus.runtime.ranks import Ranks
 from vertumnus.runtime.serve_config import ServeConfig
@@ -59,7 +59,7 @@ def composition_view(
 
 
 def cache_view(
-    policy: PoolPolicy, metrics: Metrics, tier: HostTierStore | None = None
+    policy: PoolPolicy, metrics: Metrics, tier: HostTierMemory | None = None
 ) -> dict[str, Any]:
     trie = policy.cache.trie
     return {
@@ -77,8 +77,8 @@ def cache_view(
     }
 
 
-def tier_view(policy: PoolPolicy, tier: HostTierStore | None) -> dict[str, Any] | None:
-    """The host tier (None: none): the policy's figures (``HostTiers.summary``: what it
+def tier_view(policy: PoolPolicy, tier: HostTierMemory | None) -> dict[str, Any] | None:
+    """The host tier (None: none): the policy's figures (``HostTierPolicy.summary``: what it
     holds, demoted, loaded back, evicted), its size, and the copies this process made
     and their time."""
     if tier is None:

@@ -2,40 +2,31 @@
 at a time while the worker exists.
 
 A worker's task sleeps until woken (``wake``: a placement on it, a worker back from
-recovery, a switch's new worker), then takes the head of its queue from the policy
-(``start``: ``PoolPolicy.start`` and the host-tier copies it asks for) and runs it
-(``run``, the request path's step) until the queue is empty. A bug in one step is
-contained (``contain``: the request path answers it) and the loop goes on. What a
-step does is ``request_path.py``'s; which request a worker runs is the policy's.
+recovery, a switch's new worker; the switchboard calls it), then takes the head of its
+queue from the policy (the request path's ``start``: ``PoolPolicy.start`` and the
+host-tier copies it asks for) and runs it (the request path's ``run_one``) until
+the queue is empty. A bug in one step is contained (the request path's
+``contain`` answers it) and the loop goes on. What a step does is
+``request_path.py``'s; which request a worker runs is the policy's.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
-from typing import Any
 
-from vertumnus.policy.pool_policy import PoolPolicy
 from vertumnus.policy.pool_results import Started
+from vertumnus.runtime.request_path import RequestPath
+from vertumnus.runtime.state import Shared
 
 BUG_PAUSE_S = 0.05  # a worker's loop waits this long after a step that failed with a bug
 
 
 class WorkerLoops:
-    """Given the policy stack (its queues and workers), the clock, ``run`` (one
-    started prefill, to its answer), ``contain`` (a bug in a worker's step) and
-    ``start`` (a worker's next prefill; None: ``policy.start``)."""
+    """Given what the parts share (the policy stack: its queues and workers; the
+    clock) and the request path, whose steps the tasks run."""
 
-    def __init__(
-        self,
-        policy: PoolPolicy,
-        clock: Callable[[], float],
-        run: Callable[[Started], Coroutine[Any, Any, None]],
-        contain: Callable[[int, Started | None, Exception], None],
-        start: Callable[[int, float], Started | None] | None = None,
-    ) -> None:
-        self.policy, self.clock, self.run, self.contain = policy, clock, run, contain
-        self.start = start or policy.start
+    def __init__(self, shared: Shared, requests: RequestPath) -> None:
+        self.policy, self.clock, self.requests = shared.policy, shared.clock, requests
         self._wake: dict[int, asyncio.Event] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._idle: set[int] = set()  # workers whose task waits to be woken
@@ -62,7 +53,7 @@ class WorkerLoops:
             # An idle worker starts now, as in the simulator: what a start does to the
             # caches (the evictions its slots cause, reported at once) must come before
             # the placement of a request that arrives at the same moment.
-            started = self.start(worker_id, self.clock())
+            started = self.requests.start(worker_id, self.clock())
             if started is not None:
                 self._next[worker_id] = started
         wake.set()
@@ -73,7 +64,7 @@ class WorkerLoops:
 
     async def _worker_loop(self, worker_id: int) -> None:
         """Runs the worker's queue, one prefill at a time, while the worker exists.
-        A bug in one step is contained (``contain``): that request is answered with
+        A bug in one step is contained (``RequestPath.contain``): that request is answered with
         an error, the policy's record of the step is closed, and the loop goes on."""
         wake = self._wake[worker_id]
         policy = self.policy
@@ -88,13 +79,13 @@ class WorkerLoops:
             try:
                 while True:
                     if started is None:
-                        started = self.start(worker_id, self.clock())
+                        started = self.requests.start(worker_id, self.clock())
                         if started is None:
                             break
-                    await self.run(started)
+                    await self.requests.run_one(started)
                     started = None
             except Exception as exc:  # a bug: say so loudly, keep the worker serving
-                self.contain(worker_id, started, exc)
+                self.requests.contain(worker_id, started, exc)
                 await asyncio.sleep(BUG_PAUSE_S)  # (no tight loop if it fails again)
                 wake.set()
             if worker_id not in policy.lattice.workers:

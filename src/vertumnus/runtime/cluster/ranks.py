@@ -3,12 +3,14 @@
 Owns the ranks' side of a multi-host pool: the topology once the agents have
 gathered (``runtime/cluster/hub.py``), the rank specs, starting and restarting ranks
 through their agents, and one local channel per remote rank. It has ``ChildRanks``'s
-interface (``start``, ``send``, ``channels``, ``restart``, ``kill``, ``pid``,
-``close``), so the coordinator drives both alike: each rank's answers are written
-into a local pipe, framed as the rank wrote them, and a local "sentinel" pipe
-closes when the rank exits or its host is lost, so the coordinator's event loop
-watches file descriptors exactly as it watches local rank processes. It decides
-nothing about a lost host: the coordinator's rank-failure path does.
+interface (the ``Ranks`` protocol: ``start``, ``send``, ``channels``, ``restart``,
+``kill``, ``pid``, ``close``; no local stores), so the coordinator drives both
+alike: each rank's answers are written into a local pipe, framed as the rank wrote
+them, and a local "sentinel" pipe closes when the rank exits or its host is lost, so
+the coordinator's event loop watches file descriptors exactly as it watches local
+rank processes. It decides nothing about a lost host: the coordinator's rank-failure
+path does; a host whose agent is back is reported (``HostsBack``) where
+``report_to`` said.
 
 Collectives and KV copies between hosts do not pass here: the ranks rendezvous on
 this process's TCP store (it listens on every interface) and then talk over
@@ -29,6 +31,8 @@ from typing import Any
 from vertumnus.config import EngineConfig, ModelConfig
 from vertumnus.runtime.cluster.channel import Kill, Spawn, ToRank
 from vertumnus.runtime.cluster.hub import AgentHub
+from vertumnus.runtime.intents import HostsBack
+from vertumnus.runtime.kv.segments import KVSegments
 from vertumnus.runtime.ranks import RanksCore, RanksError, poll_channels
 from vertumnus.runtime.serve_config import ClusterConfig
 
@@ -86,6 +90,11 @@ class ClusterRanks(RanksCore):
     def host_of(self, rank: int) -> str:
         return self.hub.host_of(rank)
 
+    @property
+    def local_stores(self) -> KVSegments | None:
+        """None: the ranks' stores are on their own hosts."""
+        return None
+
     def start(self) -> None:
         """Start every rank through its agent and wait for all to be ready."""
         if self.world_size == 0:
@@ -115,7 +124,7 @@ class ClusterRanks(RanksCore):
 
     def restart(self, ranks: Sequence[int]) -> list[tuple[tuple[int, ...], int]]:
         """As ``ChildRanks.restart``; RanksError while a host of ``ranks`` has no agent
-        (its workers restart when it is back: ``on_rejoin``)."""
+        (its workers restart when it is back: ``HostsBack``)."""
         gone = self.hub.disconnected(ranks)
         if gone:
             raise RanksError(f"host(s) {gone} have no agent connected")
@@ -195,5 +204,6 @@ class ClusterRanks(RanksCore):
                     ch.fire()
 
     def host_back(self, ranks: range) -> None:
-        if self.on_rejoin is not None:
-            self.on_rejoin(list(ranks))
+        if self._reports is not None:  # (to the event loop's thread)
+            loop, switchboard = self._reports
+            loop.call_soon_threadsafe(switchboard.route, HostsBack(tuple(ranks)))

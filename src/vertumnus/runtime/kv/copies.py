@@ -11,15 +11,15 @@ the plan into slot moves by then. ``KVCopier`` carries them out: one ``KVTransfe
 to every rank involved in one loop (so every rank sees the multi-rank commands in
 one order), the blocks travel rank to rank over torch.distributed
 (``engine/kv_transfer.py``), and the copy succeeds when every rank has answered
-``KVWritten``. It restarts nothing: a copy that times out is reported to
-``on_hung`` with its ranks, whose pair groups may be out of step.
+``KVWritten``. It restarts nothing: a copy that times out is handed to the switchboard
+as ``CopyHung`` with its ranks, whose pair groups may be out of step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
@@ -27,22 +27,20 @@ import structlog
 from vertumnus.engine.messages import KVTransfer, KVWritten, RankFailed
 from vertumnus.policy.cache.ledger import CopyJob
 from vertumnus.policy.cache.plans import CopyPlan
-from vertumnus.policy.pool_policy import PoolPolicy
-from vertumnus.policy.pool_results import Actions, ScanOutcome
-from vertumnus.runtime.metrics import Metrics
-from vertumnus.runtime.ranks import Ranks, RanksError
+from vertumnus.policy.pool_results import ScanOutcome
+from vertumnus.runtime.intents import Apply, CopyHung
+from vertumnus.runtime.ranks import RanksError
+from vertumnus.runtime.state import Shared
 
 log = structlog.get_logger("vertumnus")
 
 
 class KVCopier:
-    def __init__(
-        self,
-        ranks: Callable[[], Ranks | None],
-        timeout_s: float,
-        on_hung: Callable[[list[int]], None],
-    ) -> None:
-        self._ranks, self.timeout_s, self._on_hung = ranks, timeout_s, on_hung
+    """Given what the parts share: the ranks, ``rank_timeout_s``, the switchboard."""
+
+    def __init__(self, shared: Shared) -> None:
+        self.ranks, self.switchboard = shared.ranks, shared.switchboard
+        self.timeout_s = shared.cfg.engine.rank_timeout_s
         self._ids = itertools.count(1)
         self._waits: dict[tuple[int, int], asyncio.Future[Any]] = {}  # (copy, rank)
 
@@ -54,37 +52,39 @@ class KVCopier:
         except (RanksError, TimeoutError) as exc:
             log.error("copy_failed", plan=job.plan.plan_id, error=repr(exc))
             if isinstance(exc, TimeoutError):
-                self._on_hung(sorted({r for m in job.moves for r in (m[0], m[2])}))
+                self.switchboard.route(
+                    CopyHung(tuple(sorted({r for m in job.moves for r in (m[0], m[2])})))
+                )
             return False
         return True
 
     async def _transfer(self, moves: Sequence[tuple[int, int, int, int]]) -> None:
         """Copy KV blocks (src rank, src slot, dst rank, dst slot) rank to rank: one
         ``KVTransfer`` to every rank involved, then a ``KVWritten`` from each."""
-        pool = self._ranks()
-        assert pool is not None
+        ranks_now = self.ranks.now
+        assert ranks_now is not None
         if not moves:
             return
         loop = asyncio.get_running_loop()
         copy_id = next(self._ids)
-        ranks = sorted({r for src, _, dst, _ in moves for r in (src, dst)})
+        involved = sorted({r for src, _, dst, _ in moves for r in (src, dst)})
         cmd = KVTransfer(
             copy_id,
             tuple((s, ss, d, ds) for s, ss, d, ds in moves),
-            tuple((r, pool.incarnation(r)) for r in ranks),
+            tuple((r, ranks_now.incarnation(r)) for r in involved),
         )
         waits: list[asyncio.Future[Any]] = []
-        for r in ranks:
+        for r in involved:
             waits.append(loop.create_future())
             self._waits[(copy_id, r)] = waits[-1]
         try:
             # One loop, no await: every rank sees the multi-rank commands (prefills,
             # copies) in one order, so their pairs cannot wait on each other.
-            for r in ranks:
-                pool.send(r, cmd)
+            for r in involved:
+                ranks_now.send(r, cmd)
             await asyncio.wait_for(asyncio.gather(*waits), self.timeout_s)
         finally:
-            for r in ranks:
+            for r in involved:
                 self._waits.pop((copy_id, r), None)
 
     def answer(self, msg: KVWritten | RankFailed) -> None:
@@ -106,19 +106,13 @@ class KVCopier:
 
 
 class CopyRuns:
-    """The scans and copies of the policy's cache manager, carried out: given the
-    stack, the copier, the metrics, the clock and the coordinator's ``apply``."""
+    """The scans and copies of the policy's cache manager, carried out: given what
+    the parts share (the stack, the metrics, the clock, the switchboard: what the stack
+    returns is handed on as ``Apply``) and the copier."""
 
-    def __init__(
-        self,
-        policy: PoolPolicy,
-        copier: KVCopier,
-        metrics: Metrics,
-        clock: Callable[[], float],
-        apply: Callable[[Actions], None],
-    ) -> None:
-        self.policy, self.copier, self.metrics = policy, copier, metrics
-        self.clock, self.apply = clock, apply
+    def __init__(self, shared: Shared, copier: KVCopier) -> None:
+        self.policy, self.metrics, self.clock = shared.policy, shared.metrics, shared.clock
+        self.switchboard, self.copier = shared.switchboard, copier
         self._waits: dict[int, asyncio.Future[int]] = {}  # plan id -> blocks installed
 
     def scan(self, now: float) -> tuple[ScanOutcome, list[asyncio.Future[int]]]:
@@ -128,7 +122,7 @@ class CopyRuns:
         for _ in range(outcome.reclaimed):
             self.metrics.reclaimed()
         waits = [self._wait(plan) for plan in outcome.result.copies]
-        self.apply(outcome.actions)
+        self.switchboard.route(Apply(outcome.actions))
         if outcome.result.copies or outcome.result.reclaims:
             log.info(
                 "scan",
@@ -153,7 +147,7 @@ class CopyRuns:
         """Run a copy plan made outside a scan; the blocks installed (0: it ended as
         a miss, or failed)."""
         wait = self._wait(plan)
-        self.apply(self.policy.queue_copy(plan, self.clock()))
+        self.switchboard.route(Apply(self.policy.queue_copy(plan, self.clock())))
         return await wait
 
     def ended(self, plans: Sequence[tuple[int, int]]) -> None:
@@ -190,4 +184,4 @@ class CopyRuns:
                     reshard=job.plan.reshard,
                     seconds=round(seconds, 6),
                 )
-            self.apply(actions)
+            self.switchboard.route(Apply(actions))

@@ -33,24 +33,20 @@ import asyncio
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
 from torch import Tensor
 
-from vertumnus.config import ModelConfig
 from vertumnus.kv_wire import HandoffError, KVHeader
 from vertumnus.policy.cache.holds import Hold
 from vertumnus.policy.lattice import WorkerState
-from vertumnus.policy.pool_policy import PoolPolicy
-from vertumnus.policy.pool_results import Actions
+from vertumnus.runtime.intents import Apply
 from vertumnus.runtime.kv.leases import Lease, Sink
 from vertumnus.runtime.kv.reads import KVReads, bytes_of
 from vertumnus.runtime.kv.stream import KVStream
-from vertumnus.runtime.metrics import Metrics
-from vertumnus.runtime.ranks import Ranks
-from vertumnus.runtime.serve_config import ServeConfig
+from vertumnus.runtime.state import Shared
 
 log = structlog.get_logger("vertumnus")
 
@@ -58,22 +54,18 @@ REMEMBERED = 4096  # ended handles kept for a 410
 
 
 class Handoffs:
-    """Given the serving configuration, the model's shape, the policy stack (its holds
-    and indexes), the metrics, the clock, ``apply`` (the stack's actions, carried out)
-    and the ranks (``ranks()``: None before they start or after they close)."""
+    """Given what the parts share: the serving configuration, the model's shape, the
+    policy stack (its holds and indexes), the metrics, the clock, the ranks and the
+    switchboard (a hold released hands the stack's actions on as ``Apply``)."""
 
-    def __init__(
-        self,
-        serve: ServeConfig,
-        model: ModelConfig,
-        policy: PoolPolicy,
-        metrics: Metrics,
-        clock: Callable[[], float],
-        apply: Callable[[Actions], None],
-        ranks: Callable[[], Ranks | None],
-    ) -> None:
-        self.serve, self.model, self.policy, self.metrics = serve, model, policy, metrics
-        self.clock, self.apply, self.ranks = clock, apply, ranks
+    def __init__(self, shared: Shared) -> None:
+        serve, model = shared.cfg, shared.model
+        self.serve, self.model, self.policy = serve, model, shared.policy
+        self.metrics, self.clock, self.switchboard = (
+            shared.metrics,
+            shared.clock,
+            shared.switchboard,
+        )
         self.cfg = serve.handoff
         # A pull needs the API key, the cluster secret or this (never nothing).
         self.secret = self.cfg.secret or secrets.token_urlsafe(24)
@@ -83,8 +75,8 @@ class Handoffs:
         self.pulled_bytes = 0
         self.pull_s = 0.0
         self._timer: asyncio.TimerHandle | None = None
-        self.reads = KVReads(serve.engine, model, ranks)  # the blocks fetched from the ranks
-        self.wire = KVStream(serve, model, self.reads, ranks)
+        self.reads = KVReads(serve.engine, model, shared.ranks)  # the blocks read from ranks
+        self.wire = KVStream(serve, model, self.reads, shared.ranks)
         # pulls under way: handle -> (devices read, sink, done)
         self._pulls: dict[str, tuple[set[int], Sink, asyncio.Future[None]]] = {}
 
@@ -137,7 +129,7 @@ class Handoffs:
         self.ended[handle] = why
         while len(self.ended) > REMEMBERED:
             self.ended.popitem(last=False)
-        self.apply(self.policy.release_hold(lease.hold, self.clock()))
+        self.switchboard.route(Apply(self.policy.release_hold(lease.hold, self.clock())))
         return True
 
     def cut(self, worker_id: int, why: str, only_draining: bool = False) -> int:

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from vertumnus.policy.cache.holds import Hold, held_blocks
-from vertumnus.policy.cache.index import BlockLocation, PrefillLease, WorkerCacheIndex
+from vertumnus.policy.cache.index import BlockAllocation, BlockLocation, WorkerCacheIndex
 
 
 class Sink(Protocol):
@@ -59,9 +59,9 @@ class Lease:
         return self.hold.blocks
 
 
-def export_range(lease: PrefillLease, prompt_tokens: int, block: int) -> tuple[int, int]:
+def export_range(allocation: BlockAllocation, prompt_tokens: int, block: int) -> tuple[int, int]:
     """The suffix rows [a, b) a hand-off prefill must return: the tokens of the
     prompt but its last that the hold's blocks (``held_blocks``) do not hold."""
-    held = held_blocks(lease, prompt_tokens, block)
-    prefix = lease.prefix_blocks * block  # (reused, or loaded back from the host tier)
+    held = held_blocks(allocation, prompt_tokens, block)
+    prefix = allocation.prefix_blocks * block  # (reused, or loaded back from the host tier)
     return held * block - prefix, prompt_tokens - 1 - prefix

@@ -2,13 +2,13 @@
 sequence order, as the wire format wants them (``kv_wire.py``).
 
 One ``KVRead`` per rank involved, sent at once; ranks on the coordinator's host
-(``ChildRanks``) write their blocks straight into a shared-memory segment of this
-process (``engine/shared_rows.py``), at their rows, so the reads of a CP worker
-come back already interleaved; ranks under a node agent send their rows as bytes,
-put back in order here. A few segments are reused (``SEGMENTS``): a read hands
-its segment to the caller, who gives it back once the bytes have left
-(``give_back_segment``, or ``give_back`` for a read nobody will write). Rank
-answers come through the rank link (``answer``, ``fail``).
+(those with ``local_stores``: ``ChildRanks``) write their blocks straight into a
+shared-memory segment of this process (``engine/shared_rows.py``), at their rows, so
+the reads of a CP worker come back already interleaved; ranks under a node agent
+send their rows as bytes, put back in order here. A few segments are reused
+(``SEGMENTS``): a read hands its segment to the caller, who gives it back once the
+bytes have left (``give_back_segment``, or ``give_back`` for a read nobody will
+write). Rank answers come through the rank link (``answer``, ``fail``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Callable
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -27,19 +26,17 @@ from vertumnus.config import EngineConfig, ModelConfig
 from vertumnus.engine.messages import KVData, KVRead, KVSend, RankFailed
 from vertumnus.policy.cache.index import BlockLocation
 from vertumnus.runtime.kv.segments import kv_dtype, served_block_bytes
-from vertumnus.runtime.ranks import ChildRanks, Ranks, RanksError
+from vertumnus.runtime.ranks import CurrentRanks, RanksError
 
 CHUNK_BYTES = 8 << 20  # KV read from the ranks per chunk of the stream (at least a block)
 SEGMENTS = 6  # shared-memory segments kept for reads (three per pull under way)
 
 
 class KVReads:
-    """Given the engine's settings, the model's shape and the ranks (``ranks()``: None
-    before they start or after they close)."""
+    """Given the engine's settings, the model's shape and the ranks (``ranks.now``:
+    None before they start or after they close)."""
 
-    def __init__(
-        self, engine: EngineConfig, model: ModelConfig, ranks: Callable[[], Ranks | None]
-    ) -> None:
+    def __init__(self, engine: EngineConfig, model: ModelConfig, ranks: CurrentRanks) -> None:
         self.engine, self.model, self.ranks = engine, model, ranks
         self._reads: dict[tuple[int, int], asyncio.Future[KVData]] = {}  # (read, rank)
         self._ids = itertools.count(1)
@@ -82,8 +79,8 @@ class KVReads:
         """Send ``command(read_id, cp_rank, locs)`` to each rank holding some of
         ``blocks`` (one read id for all), each answer awaited: the read id, and per
         rank in CP order its blocks and the future of its answer."""
-        pool = self.ranks()
-        if pool is None:
+        ranks = self.ranks.now
+        if ranks is None:
             raise RanksError("the pool is stopped")
         loop = asyncio.get_running_loop()
         by_rank: dict[int, list[BlockLocation]] = {}
@@ -96,7 +93,7 @@ class KVReads:
             wait: asyncio.Future[KVData] = loop.create_future()
             self._reads[(read_id, device)] = wait
             sent.append((cp_rank, locs, wait))
-            pool.send(device, command(read_id, cp_rank, locs))
+            ranks.send(device, command(read_id, cp_rank, locs))
         return read_id, sent
 
     async def _answers(
@@ -140,7 +137,8 @@ class KVReads:
         block, first = self.engine.block_size, group[0].depth
         rows = len(group) * block
         size = len(group) * self.block_bytes()
-        shm = self._segment(size) if isinstance(self.ranks(), ChildRanks) else None
+        on_this_host = self.ranks.now is not None and self.ranks.now.local_stores is not None
+        shm = self._segment(size) if on_this_host else None
 
         def command(read_id: int, cp_rank: int, locs: list[BlockLocation]) -> KVRead:
             slots = tuple(loc.slot for loc in locs)

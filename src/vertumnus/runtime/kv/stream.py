@@ -24,7 +24,7 @@ from vertumnus.policy.cache.index import BlockLocation
 from vertumnus.runtime.kv.leases import Lease, Sink
 from vertumnus.runtime.kv.reads import CHUNK_BYTES, KVReads, bytes_of
 from vertumnus.runtime.kv.segments import store_runs
-from vertumnus.runtime.ranks import ChildRanks, Ranks
+from vertumnus.runtime.ranks import CurrentRanks
 from vertumnus.runtime.serve_config import ServeConfig
 
 READ_AHEAD = 2  # chunks read from the ranks ahead of the one written
@@ -32,14 +32,10 @@ READ_AHEAD = 2  # chunks read from the ranks ahead of the one written
 
 class KVStream:
     """Given the serving configuration, the model's shape, the KV reads and the ranks
-    (``ranks()``: None before they start or after they close)."""
+    (``ranks.now``: None before they start or after they close)."""
 
     def __init__(
-        self,
-        serve: ServeConfig,
-        model: ModelConfig,
-        reads: KVReads,
-        ranks: Callable[[], Ranks | None],
+        self, serve: ServeConfig, model: ModelConfig, reads: KVReads, ranks: CurrentRanks
     ) -> None:
         self.serve, self.model, self.reads, self.ranks = serve, model, reads, ranks
 
@@ -123,12 +119,13 @@ class KVStream:
     def _stores(self, devices: set[int]) -> dict[int, tuple[memoryview, memoryview]] | None:
         """The K and V bytes of the store of each of ``devices``, mapped here; None if
         one is not (GPU ranks, ranks under a node agent)."""
-        pool = self.ranks()
-        if not isinstance(pool, ChildRanks):
+        ranks = self.ranks.now
+        local = None if ranks is None else ranks.local_stores
+        if local is None:
             return None
         stores = {}
         for device in devices:
-            store = pool.kv_segments.store_bytes(device)
+            store = local.store_bytes(device)
             if store is None:
                 return None
             stores[device] = store

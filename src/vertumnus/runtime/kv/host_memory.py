@@ -34,9 +34,9 @@ from torch import Tensor
 
 from vertumnus.config import ConfigError, EngineConfig
 from vertumnus.engine.rank import resolve_device
-from vertumnus.policy.cache.host_tier import Demotion, HostTiers, Load
+from vertumnus.policy.cache.host_tier import Demotion, HostTierPolicy, Load
 from vertumnus.runtime.kv import segments
-from vertumnus.runtime.ranks import ChildRanks, Ranks
+from vertumnus.runtime.ranks import Ranks
 
 log = structlog.get_logger("vertumnus")
 
@@ -44,15 +44,16 @@ KEY = "[cache] host_tier_bytes"
 
 
 def check(
-    tiers: HostTiers,
+    tiers: HostTierPolicy,
     host_tier_bytes: int,
     engine: EngineConfig,
     num_devices: int,
     ranks: Ranks | None,
 ) -> None:
     """ConfigError unless the served pool can keep a host tier: its ``num_devices``
-    ranks are this process's children (``ranks`` None: a ``ChildRanks`` to come), on
-    the CPU, with KV blocks; nothing to check when the tier is off."""
+    ranks keep their stores on this host (``local_stores``; ``ranks`` None: a
+    ``ChildRanks`` to come), on the CPU, with KV blocks; nothing to check when the
+    tier is off."""
     if host_tier_bytes <= 0 and not tiers.bound:
         return
     if tiers.bound:
@@ -64,7 +65,7 @@ def check(
         block = "" if tiers.link is None else f" of {tiers.link.block_bytes} bytes"
         raise ConfigError(f"{KEY} = {host_tier_bytes} holds no KV block{block}")
     needs = "needs CPU ranks that keep their KV store in this host's shared memory"
-    if ranks is not None and not isinstance(ranks, ChildRanks):
+    if ranks is not None and ranks.local_stores is None:
         raise ConfigError(f"{KEY} {needs}: these ranks run elsewhere (under node agents)")
     try:
         devices = {resolve_device(engine, rank).type for rank in range(num_devices)}
@@ -79,15 +80,17 @@ def check(
         raise ConfigError(f"{KEY} {needs}: [engine] kv_blocks_per_rank = 0 keeps none")
 
 
-class HostTierStore:
-    """The tier of every host of the pool as the policy numbers them (``hosts``: one,
-    unless ``[pool] devices_per_host`` cuts this host's ranks into several), made by
-    ``open`` once the ranks' stores exist, closed (unlinked) by ``close``."""
+class HostTierMemory:
+    """The host tier's bytes (what ``HostTierPolicy`` decides they hold): the tier of
+    every host of the pool as the policy numbers them (``hosts``: one, unless ``[pool]
+    devices_per_host`` cuts this host's ranks into several), made by ``open`` once the
+    ranks' stores exist, closed (unlinked) by ``close``."""
 
-    def __init__(self, tiers: HostTiers, num_devices: int) -> None:
+    def __init__(self, tiers: HostTierPolicy, num_devices: int) -> None:
         assert tiers.link is not None and tiers.capacity_blocks is not None
         self.block_bytes = tiers.link.block_bytes
         self.slots = tiers.capacity_blocks
+        self.num_devices = num_devices
         self.hosts = 1 + max(tiers.host_of(d) for d in range(num_devices))
         self.capacity_bytes = self.hosts * self.slots * self.block_bytes
         self._shm: shared_memory.SharedMemory | None = None
@@ -96,12 +99,11 @@ class HostTierStore:
         self.demoted = self.loaded = 0  # blocks copied, each way
         self.copy_s = 0.0  # the copies' time
 
-    def open(self, ranks: ChildRanks) -> None:
-        """Map the ranks' stores (their segments made now if they are not yet) and make
-        the tier; ConfigError where shared memory lacks room for either (the tier is
-        then not made; closing ``ranks`` unlinks the stores)."""
-        kv = ranks.kv_segments
-        names = kv.names(range(ranks.world_size))
+    def open(self, kv: segments.KVSegments) -> None:
+        """Map the ranks' stores ``kv`` (their segments made now if they are not yet)
+        and make the tier; ConfigError where shared memory lacks room for either (the
+        tier is then not made; closing the ranks unlinks the stores)."""
+        names = kv.names(range(self.num_devices))
         missing = [rank for rank, name in enumerate(names) if name is None]
         if missing:
             raise ConfigError(
@@ -130,7 +132,7 @@ class HostTierStore:
             tier = torch.frombuffer(shm.buf[:], dtype=torch.uint8)
             tier.zero_()  # the pages exist now: no fault (nor SIGBUS) at the first copy
             self._tier = tier.view(self.hosts, self.slots, 2, self.block_bytes // 2)
-            for device in range(ranks.world_size):
+            for device in range(self.num_devices):
                 k, v = kv.store_bytes(device) or (None, None)
                 assert k is not None and v is not None
                 self._stores[device] = (_blocks(k, kv.shape[0]), _blocks(v, kv.shape[0]))
