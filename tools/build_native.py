@@ -1,6 +1,6 @@
 """Compile the hot policy modules with mypyc into this environment (``vertumnus.native``).
 
-    .venv/bin/python tools/build_native.py [--force] [--check]
+    .venv/bin/python -m tools.build_native [--force] [--check]
 
 For each module in ``vertumnus.native.MODULES``: its source, with the SHA-256 of
 that source appended as ``SOURCE_SHA256``, is compiled by mypyc (from mypy, in the
@@ -25,11 +25,9 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SRC = ROOT / "src"
-sys.path.insert(0, str(SRC))
+from vertumnus import native
 
-from vertumnus import native  # noqa: E402
+SRC = Path(native.__file__).resolve().parents[1]
 
 
 def installed_hash(twin: str) -> str | None:

@@ -112,6 +112,6 @@ fi
 say "python: $NOTE"
 MODE=""
 [ "$DRY" = 1 ] && MODE="--dry-run"
-exec "$PY" tools/device/check.py $MODE --out "$OUT" --env-note "$NOTE" \
+exec "$PY" -m tools.device.check $MODE --out "$OUT" --env-note "$NOTE" \
   --command "tools/device_check.sh${MODE:+ $MODE} --out $OUT${PASS[*]:+ ${PASS[*]}}" \
   ${PASS[@]+"${PASS[@]}"}

@@ -54,11 +54,11 @@ def compiled(module: ModuleType) -> ModuleType:
     try:
         twin = importlib.import_module(twin_name(name))
     except ImportError:
-        _status[name] = "pure (not built: run tools/build_native.py)"
+        _status[name] = "pure (not built: run python -m tools.build_native)"
         return module
     path = module.__file__
     if path is None or getattr(twin, "SOURCE_SHA256", None) != source_hash(Path(path)):
-        _status[name] = "pure (the build is of another source: run tools/build_native.py)"
+        _status[name] = "pure (the build is of another source: run python -m tools.build_native)"
         return module
     _status[name] = "compiled"
     return twin

@@ -41,9 +41,9 @@ def lane(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The lane's ``lane.json``, with its exit status as ``exit_code``."""
     out = tmp_path_factory.mktemp("clients-lane")
     done = subprocess.run(
-        [sys.executable, str(REPO / "tools/clients/run_lane.py"), "--out", str(out),
+        [sys.executable, "-m", "tools.clients.run_lane", "--out", str(out),
          "--runs", ",".join(RUNS), "--requests", str(REQUESTS)],
-        capture_output=True, text=True, timeout=LANE_TIMEOUT_S,
+        capture_output=True, text=True, timeout=LANE_TIMEOUT_S, cwd=REPO,
     )  # fmt: skip
     report_file = out / "lane.json"
     assert report_file.is_file(), (done.returncode, done.stdout[-3000:], done.stderr[-3000:])

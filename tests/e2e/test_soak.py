@@ -20,7 +20,7 @@ from support.processes import wait_gone
 
 pytestmark = pytest.mark.multiproc
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench" / "soak.py"
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(240)
@@ -29,7 +29,8 @@ def test_short_soak_loses_nothing(tmp_path: Path) -> None:
     run = subprocess.run(
         [
             sys.executable,
-            str(TOOL),
+            "-m",
+            "tools.bench.soak",
             "--duration-s",
             "30",
             "--rate",
@@ -44,6 +45,7 @@ def test_short_soak_loses_nothing(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=200,
+        cwd=REPO,
     )
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     s = orjson.loads(out.read_bytes())

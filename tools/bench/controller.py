@@ -2,7 +2,7 @@
 1,024 GPUs (the controller: ``docs/scheduling.md``, "The what-if controller";
 targets: under 20 ms median at 40 GPUs, under 50 ms at 1,024).
 
-    .venv/bin/python tools/bench/controller.py [--seconds 90]
+    .venv/bin/python -m tools.bench.controller [--seconds 90]
 
 (The server computes ``evaluate`` on its decision thread, off the event loop.)
 
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import harness
+from tools.bench import harness
 from vertumnus import native
 from vertumnus.config import read_toml
 from vertumnus.policy.control import replay, replay_loop, search

@@ -1,7 +1,7 @@
 """The live dashboard's cost to the server, and its responsiveness, at 64 workers and
 1,000 samples.
 
-    .venv/bin/python tools/bench/dashboard.py [--workers 64] [--samples 1000]
+    .venv/bin/python -m tools.bench.dashboard [--workers 64] [--samples 1000]
         [--seconds 60] [--polls 2000]
 
 Serves the REST app in this process (the coordinator's event loop, as ``serve`` runs
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import sys
 import threading
 import time
 from pathlib import Path
@@ -37,14 +36,13 @@ from typing import Any
 
 from aiohttp import ClientSession, web
 
-import harness
+from tools.bench import harness
+from tools.browser import chromium
 from vertumnus.config.pool import PoolConfig
+from vertumnus.protocol.tokenizer import Tokenizer
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.serve_config import DecodeConfig, ServeConfig
 from vertumnus.server.app import build_app
-from vertumnus.server.tokenizer import Tokenizer
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 
 def filled(workers: int, samples: int) -> Coordinator:
@@ -80,8 +78,6 @@ def cpu_percent(seconds: float) -> float:
 
 def browse(url: str, seconds: float, folder: Path) -> dict[str, Any]:
     """Idle, then the page open: CPU of this process in each, and the page's times."""
-    from support.browser import chromium
-
     out: dict[str, Any] = {}
     with chromium(folder) as browser:
         browser.get("about:blank")

@@ -1,6 +1,6 @@
 """End-to-end benchmark on the real server, and the simulator's fidelity against it.
 
-    .venv/bin/python tools/bench/e2e.py [--requests 600] [--rate-scale 10]
+    .venv/bin/python -m tools.bench.e2e [--requests 600] [--rate-scale 10]
         [--length-scale 0.03125] [--output-tokens 1] [--out results/e2e]
 
 It replays the first ``--requests`` requests of
@@ -64,16 +64,17 @@ from typing import Any
 
 import orjson
 
-import harness
-from _serving import start_server
+from tools.bench import harness
+from tools.bench._serving import start_server
 from vertumnus import loadgen
 from vertumnus.config import resolve_model
 from vertumnus.perfmodel import Profile
 from vertumnus.runtime import serve_config
-from vertumnus.sim.simulator import SimSettings, Simulation, biased
-from vertumnus.sim.traces import load_trace
+from vertumnus.sim.simulator import Simulation, biased
+from vertumnus.sim.time_model import SimSettings
 from vertumnus.sim.workload import SimRequest
 from vertumnus.stats import percentile
+from vertumnus.traces import load_trace
 
 TRACE = Path("../shared/traces/conversation_trace.jsonl")
 PERIOD_S = 5.0

@@ -16,8 +16,8 @@ Qwen3's in the same run (the Qwen3 path's standing against transformers today).
 
 Run::
 
-    .venv/bin/python tools/bench/families.py                 # 512, 2048 tokens, fp32
-    .venv/bin/python tools/bench/families.py --dtype bfloat16 --families qwen3,gpt-oss
+    .venv/bin/python -m tools.bench.families                 # 512, 2048 tokens, fp32
+    .venv/bin/python -m tools.bench.families --dtype bfloat16 --families qwen3,gpt-oss
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The KV hand-off's bandwidth against a plain socket copy of the same bytes.
 
-    .venv/bin/python tools/bench/handoff.py [--model tiny] [--layout 1,1]
+    .venv/bin/python -m tools.bench.handoff [--model tiny] [--layout 1,1]
         [--tokens 8192,16384,32768] [--repeat 3]
 
 Starts a coordinator with its rank processes (CPU, fp32) and the REST app on
@@ -39,18 +39,18 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-import harness
+from tools.bench import harness
 from vertumnus.config import EngineConfig, resolve_model
 from vertumnus.config.pool import PoolConfig
-from vertumnus.decode import kv_client
+from vertumnus.decode import kv_pull
 from vertumnus.decode.dist_client import pull_dist
 from vertumnus.perfmodel import DegreeCoeffs, Profile
 from vertumnus.policy.pool_config import PolicyConfig
+from vertumnus.protocol.tokenizer import Tokenizer
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.serve_config import ServeConfig
 from vertumnus.server.app import build_app
 from vertumnus.server.keys import ADDRESS
-from vertumnus.server.tokenizer import Tokenizer
 
 
 def socket_copy_s(num_bytes: int) -> float:
@@ -126,7 +126,7 @@ def copy_receive(port: int, size: int) -> tuple[float, float]:
 
 def pull_in_process(url: str, secret: str, mode: str) -> tuple[int, float, float | None]:
     """In the puller's own process (as a decode server is): the KV of one hand-off.
-    ``mode``: "tensors", with the decode server's own client (``decode/kv_client.py``:
+    ``mode``: "tensors", with the decode server's own client (``decode/kv_pull.py``:
     the stream parsed, and put into per-layer K and V tensors); "read", the stream
     only read; "dist", the ranks send it over torch.distributed (gloo here) into
     tensors (``decode/dist_client.py``)."""
@@ -137,7 +137,7 @@ def pull_in_process(url: str, secret: str, mode: str) -> tuple[int, float, float
             start = time.perf_counter()
             base, _, handle = url.rpartition("/v1/kv/")
             if mode == "tensors":
-                pulled = await kv_client.pull(base, handle, secret)
+                pulled = await kv_pull.pull(base, handle, secret)
                 seconds = time.perf_counter() - start
                 pulled.release()  # as the decode server does once the KV is in its cache
                 return pulled.num_bytes, seconds, pulled.stream_s

@@ -126,6 +126,14 @@ def fingerprint() -> dict[str, Any]:
 PR_SET_CHILD_SUBREAPER = 36
 
 
+def command_line() -> str:
+    """This process's command: ``python -m tools.bench.NAME ARGS`` for a tool run as a
+    module (``sys.argv[0]`` is then the module's file), else the script and its args."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    head = ["-m", spec.name] if spec is not None else sys.argv[:1]
+    return " ".join([os.path.basename(sys.executable), *head, *sys.argv[1:]])
+
+
 def adopt_orphans() -> bool:
     """Make this process the reaper of its orphaned descendants (Linux), so that they
     stay in its tree, and their CPU time its own, until it ends. Their zombies are
@@ -371,7 +379,7 @@ class Session:
             print("WARNING: the package's source changed during the run: figures may mix versions")
         run = {
             "benchmark": self.name,
-            "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+            "command": command_line(),
             "started": self.started,
             "wall_s": end[0] - self.began[0],
             "others_cores": others,

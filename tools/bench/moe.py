@@ -1,6 +1,6 @@
 """Prefill throughput of the Qwen3-MoE engine against transformers, same weights.
 
-    .venv/bin/python tools/bench/moe.py [--lengths 512,2048] [--repeats 3] [--threads 2]
+    .venv/bin/python -m tools.bench.moe [--lengths 512,2048] [--repeats 3] [--threads 2]
         [--kernels auto|loop,grouped_mm] [--dtype float32|bfloat16]
 
 The model is Qwen3-30B-A3B's layer shape cut to 2 layers (the ``qwen3-30b-a3b-2l``
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import transformers
 
-import harness
+from tools.bench import harness
 from vertumnus.config import PRESETS
 from vertumnus.engine.comm import SoloComm
 from vertumnus.engine.kv_store import PagedKVStore

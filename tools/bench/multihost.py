@@ -1,7 +1,7 @@
 """Figures of a two-host pool on one machine: what the agent hop costs, how fast a
 lost host is seen, and how long its worker takes to rejoin.
 
-    .venv/bin/python tools/bench/multihost.py [--requests 100] [--prompt-tokens 64]
+    .venv/bin/python -m tools.bench.multihost [--requests 100] [--prompt-tokens 64]
 
 Runs the ``tiny`` model on 4 CPU ranks as one degree-4 worker (seeded weights),
 twice, with the coordinator in this process:
@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import harness
+from tools.bench import harness
 from vertumnus.config import EngineConfig
 from vertumnus.config.pool import PoolConfig
 from vertumnus.perfmodel import DegreeCoeffs, Profile

@@ -33,9 +33,9 @@ source they were measured on (``harness.py``).
 
 Run (from the repository root)::
 
-    .venv/bin/python tools/bench/prefill.py                      # 512, 2048, 8192 tokens
-    .venv/bin/python tools/bench/prefill.py --lengths 512,2048 --repeats 5 --json out.json
-    .venv/bin/python tools/bench/prefill.py --parts b            # CP scaling only
+    .venv/bin/python -m tools.bench.prefill                      # 512, 2048, 8192 tokens
+    .venv/bin/python -m tools.bench.prefill --lengths 512,2048 --repeats 5 --json out.json
+    .venv/bin/python -m tools.bench.prefill --parts b            # CP scaling only
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-import harness
+from tools.bench import harness
 from vertumnus.config import PRESETS, EngineConfig, ModelConfig
 from vertumnus.engine.transformers_config import hf_config
 from vertumnus.engine.weights import random_model

@@ -21,7 +21,7 @@ is reported with the ratio Vertumnus / vLLM (below 1: Vertumnus is faster) and
 Vertumnus's rank compute time from its answer's ``timings``.
 
     bash tools/vllm/setup.sh
-    .venv/bin/python tools/bench/prefill_vs_vllm.py --json out/prefill_vs_vllm.json
+    .venv/bin/python -m tools.bench.prefill_vs_vllm --json out/prefill_vs_vllm.json
 """
 
 from __future__ import annotations
@@ -37,15 +37,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import harness
-from _serving import start_server
+from tools.bench import harness
+from tools.bench._serving import start_server
+from tools.clients import model_folder
+from tools.vllm import vllm_server
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools" / "clients"))
-sys.path.insert(0, str(REPO / "tools" / "vllm"))
-import vllm_server  # noqa: E402
-
-import model_folder  # noqa: E402
 
 MAX_POSITIONS = 16384
 

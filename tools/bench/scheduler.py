@@ -1,6 +1,6 @@
 """Benchmark of one placement over 64 workers, trie lookups included.
 
-    .venv/bin/python tools/bench/scheduler.py [--nodes 200000] [--requests 3000]
+    .venv/bin/python -m tools.bench.scheduler [--nodes 200000] [--requests 3000]
 
 A pool of 384 devices as 32 degree-4 and 32 degree-8 workers, the derived H100
 profile, and a prefix trie of about ``--nodes`` blocks built from cache reports
@@ -28,14 +28,15 @@ import statistics
 import time
 from typing import Any
 
-import harness
-import trie_workload
+from tools.bench import harness, trie_workload
 from vertumnus.perfmodel import Profile
-from vertumnus.policy.cache.host_tier import HostLink, HostTiers
+from vertumnus.policy.cache.host_tier import HostLink, HostTierPolicy
 from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.costs import CostWeights
-from vertumnus.policy.lattice import Lattice, LatticeConfig
-from vertumnus.policy.placement.scheduler import PlacementRequest, Scheduler, SchedulerConfig
+from vertumnus.policy.geometry import LatticeConfig
+from vertumnus.policy.lattice import Lattice
+from vertumnus.policy.placement.queues import PlacementRequest
+from vertumnus.policy.placement.scheduler import Scheduler, SchedulerConfig
 from vertumnus.stats import percentile
 
 PROFILE = "qwen3-30b-a3b-h100"  # shipped with the package
@@ -66,7 +67,9 @@ def setup(
     weights = CostWeights(backlog_weight=backlog_weight)
     sched = Scheduler(lattice, coeffs, SchedulerConfig(weights, coming_reuse=coming), cache)
     if tier:  # 1 TB a host of 8 devices, each holding TIER_CHAINS conversations
-        tiers = HostTiers(10**12, HostLink(BLOCK_TOKENS * KV_BYTES_PER_TOKEN, devices_per_host=8))
+        tiers = HostTierPolicy(
+            10**12, HostLink(BLOCK_TOKENS * KV_BYTES_PER_TOKEN, devices_per_host=8)
+        )
         for host in range(384 // 8):
             for chain in rng.sample(chains, TIER_CHAINS):
                 evicted = [(bid, 0, 0) for bid in reversed(chain)]

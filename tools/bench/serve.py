@@ -1,6 +1,6 @@
 """Figures of the serving runtime: coordinator overhead, switch and drain times.
 
-    .venv/bin/python tools/bench/serve.py [--requests 200] [--reshapes 10]
+    .venv/bin/python -m tools.bench.serve [--requests 200] [--reshapes 10]
 
 Starts ``python -m vertumnus serve`` (the embedded default, the controller off) on a
 free port and measures:
@@ -33,8 +33,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import harness
-from _serving import start_server
+from tools.bench import harness
+from tools.bench._serving import start_server
 from vertumnus.stats import percentile
 
 ADMIN_TOKEN = "bench-serve-admin-token-0123"

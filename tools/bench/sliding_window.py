@@ -24,8 +24,8 @@ one prompt of ``--tokens`` tokens, measured in one run:
 
 Run::
 
-    .venv/bin/python tools/bench/sliding_window.py                 # 8192 tokens, window 1024
-    .venv/bin/python tools/bench/sliding_window.py --tokens 4096 --dtype bfloat16
+    .venv/bin/python -m tools.bench.sliding_window                 # 8192 tokens, window 1024
+    .venv/bin/python -m tools.bench.sliding_window --tokens 4096 --dtype bfloat16
 """
 
 from __future__ import annotations

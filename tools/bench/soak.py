@@ -2,7 +2,7 @@
 under steady load with periodic splits and merges, one rank killed and one decode
 process killed, checked for lost requests, wrong answers, leaks and memory growth.
 
-    .venv/bin/python tools/bench/soak.py [--duration-s 600] [--rate 8] [--reshape-every-s 20]
+    .venv/bin/python -m tools.bench.soak [--duration-s 600] [--rate 8] [--reshape-every-s 20]
         [--kill-at-s DURATION/2] [--decode-kill-at-s DURATION*0.7] [--hosts 1|2]
         [--agent-down-s 10] [--out results/soak.json]
 
@@ -59,8 +59,8 @@ from typing import Any
 
 import orjson
 
-import harness
-from _serving import start_server
+from tools.bench import harness
+from tools.bench._serving import start_server
 from vertumnus.stats import percentile
 
 ADMIN_TOKEN = "soak-admin-token-0123456789"

@@ -1,6 +1,6 @@
 """Benchmark of the global prefix trie and cache manager at cluster scale.
 
-    .venv/bin/python tools/bench/trie.py [--nodes 1000000] [--requests 2000]
+    .venv/bin/python -m tools.bench.trie [--nodes 1000000] [--requests 2000]
 
 A trie of about ``--nodes`` blocks held across 40 workers (20 of degree 4, 20 of
 degree 8; 240 devices), built from cache reports as the coordinator would get them.
@@ -27,8 +27,7 @@ import statistics
 import time
 import tracemalloc
 
-import harness
-import trie_workload
+from tools.bench import harness, trie_workload
 from vertumnus.perfmodel import Profile
 from vertumnus.policy.cache.manager import PrefixCacheManager
 from vertumnus.policy.cache.plans import CacheManagerConfig

@@ -22,7 +22,7 @@ stream: ``--num-prompts`` requests at ``--request-rate`` per second,
 Prints TTFT mean, P50 and P99, request throughput, failures, and each system's ratio
 to vLLM alone; ``--json`` writes them with the harness's machine and source.
 
-    bash tools/vllm/setup.sh && .venv/bin/python tools/bench/vs_vllm.py --json out/vs_vllm.json
+    bash tools/vllm/setup.sh && .venv/bin/python -m tools.bench.vs_vllm --json out/vs_vllm.json
 """
 
 from __future__ import annotations
@@ -39,15 +39,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import harness
-from _serving import start_server
+from tools.bench import harness
+from tools.bench._serving import start_server
+from tools.clients import model_folder
+from tools.vllm import vllm_server
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools" / "clients"))
-sys.path.insert(0, str(REPO / "tools" / "vllm"))
-import vllm_server  # noqa: E402
-
-import model_folder  # noqa: E402
 
 SYSTEMS = ("vllm", "fixed", "adaptive", "vllm-decode")
 SECRET = "bench-handoff-secret-0123456789"

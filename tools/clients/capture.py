@@ -1,6 +1,6 @@
 """A stand-in OpenAI server that records what a benchmark client sends.
 
-    python tools/clients/capture.py --out requests.jsonl [--port 0] [--model NAME]
+    python -m tools.clients.capture --out requests.jsonl [--port 0] [--model NAME]
 
 Answers ``/health``, ``/ready``, ``/metrics``, ``/v1/models`` and both
 ``/v1/completions`` and ``/v1/chat/completions`` (whole, or streamed as server-sent

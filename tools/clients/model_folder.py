@@ -4,7 +4,7 @@ weights written by ``transformers``, a byte-level BPE ``tokenizer.json`` trained
 carries Vertumnus's built-in ChatML template, so that ``serve`` and the benchmark
 clients (``AutoTokenizer`` on the folder) read the same tokenizer.
 
-    python tools/clients/model_folder.py FOLDER [HEAD_DIM]
+    python -m tools.clients.model_folder FOLDER [HEAD_DIM]
 """
 
 from __future__ import annotations

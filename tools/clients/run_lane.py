@@ -1,6 +1,6 @@
 """The client lane: benchmark clients nobody here wrote, run against ``serve``.
 
-    python tools/clients/run_lane.py [--out out/clients-lane] [--runs aiperf-chat,...]
+    python -m tools.clients.run_lane [--out out/clients-lane] [--runs aiperf-chat,...]
         [--requests 20] [--concurrency 2] [--capture]
 
 Builds a small random Qwen3 folder with a tokenizer and chat template
@@ -33,9 +33,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from clients import RUNS, Load, Outcome, Run, read_outcome
-from model_folder import write_model_folder
-from server import REPO, capture_command, serve_command, start, wait_session
+from tools.clients.clients import RUNS, Load, Outcome, Run, read_outcome
+from tools.clients.model_folder import write_model_folder
+from tools.clients.server import REPO, capture_command, serve_command, start, wait_session
 
 RUN_TIMEOUT_S = 600
 TEXT_FIELDS = ("prompt", "messages")  # their text is left out of the field lists

@@ -37,4 +37,4 @@ install guidellm "$TORCH" "$GUIDELLM"
 if "$VENVS/guidellm/bin/python" -c "import torch, sys; sys.exit(torch.version.cuda is None)"; then
   echo "warning: guidellm's venv has a CUDA build of torch" >&2
 fi
-echo "clients ready under $VENVS/: run python tools/clients/run_lane.py"
+echo "clients ready under $VENVS/: run python -m tools.clients.run_lane"

@@ -40,13 +40,8 @@ from typing import Any
 import torch
 import transformers
 
-import exactness
-import host
-import profile_fit
-import rank_path
-import speed
-import table
-from common import device_name, peak_flops, run_step
+from tools.device import exactness, host, profile_fit, rank_path, speed, table
+from tools.device.common import device_name, peak_flops, run_step
 from vertumnus.config import PRESETS, ModelConfig
 
 JSON_NAME = "device_check.json"

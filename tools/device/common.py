@@ -26,7 +26,7 @@ from vertumnus.engine.comm import SoloComm
 from vertumnus.engine.kv_store import PagedKVStore
 from vertumnus.engine.model import CausalLM
 from vertumnus.engine.zigzag import RankPrefill, prefill_rank
-from vertumnus.policy.cache.index import PrefillLease, WorkerCacheIndex
+from vertumnus.policy.cache.index import BlockAllocation, WorkerCacheIndex
 from vertumnus.runtime.prefill import plan_prefill
 
 # Dense (no sparsity) bf16 tensor-core peaks, FLOP/s, from NVIDIA's datasheets; the
@@ -45,7 +45,7 @@ NOMINAL_PEAK = 1e12
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from vertumnus.runtime.profiling import hardware_name
+    from vertumnus.runtime.host_link import hardware_name
 
     return hardware_name("cpu")
 
@@ -131,10 +131,10 @@ class EngineRunner:
 
     def plan(
         self, index: WorkerCacheIndex, tokens: Sequence[int], logits: str
-    ) -> tuple[PrefillLease, RankPrefill]:
-        lease, cmd = plan_prefill(index, list(tokens), self.block_size, 0, (0,), logits=logits)
+    ) -> tuple[BlockAllocation, RankPrefill]:
+        allocation, cmd = plan_prefill(index, list(tokens), self.block_size, 0, (0,), logits=logits)
         step = cmd.for_rank(0)
-        return lease, replace(step, token_ids=step.token_ids.to(self.model.device))
+        return allocation, replace(step, token_ids=step.token_ids.to(self.model.device))
 
     def run(self, step: RankPrefill, logits: str) -> Tensor:
         out = prefill_rank(self.model, SoloComm(), self.store, step, logits=logits)
@@ -145,11 +145,11 @@ class EngineRunner:
         self, index: WorkerCacheIndex, tokens: Sequence[int], logits: str = "all"
     ) -> tuple[Tensor, int]:
         """Plan, run, commit: (logits of the computed rows, cached prefix tokens)."""
-        lease, step = self.plan(index, tokens, logits)
+        allocation, step = self.plan(index, tokens, logits)
         try:
             out = self.run(step, logits)
         except BaseException:
-            index.abort(lease)
+            index.abort(allocation)
             raise
-        index.commit(lease)
+        index.commit(allocation)
         return out, step.prefix_len

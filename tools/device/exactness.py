@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-import hf_twin
-from common import EngineRunner
+from tools.device import hf_twin
+from tools.device.common import EngineRunner
 from vertumnus.config import PRESETS
 from vertumnus.engine.model import CausalLM
 from vertumnus.engine.weights import random_model

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from vertumnus.config import ModelConfig
+from vertumnus.config.model import attention_mix
 from vertumnus.engine.kv_store import store_shape
 from vertumnus.engine.model import CausalLM
-from vertumnus.perfmodel import attention_mix
 
 ACTIVATION_MARGIN = 1.5  # transformers' forward and the caching allocator's slack
 RESERVE_BYTES = 2 << 30  # cuBLAS workspaces, kernels' scratch, fragmentation

@@ -27,9 +27,8 @@ from typing import Any
 
 import torch
 
-import hf_twin
-import model_math
-from common import EngineRunner, error_text, is_oom, release, timed
+from tools.device import hf_twin, model_math
+from tools.device.common import EngineRunner, error_text, is_oom, release, timed
 from vertumnus.config import ModelConfig
 from vertumnus.engine.weights import random_model
 from vertumnus.perfmodel import Profile

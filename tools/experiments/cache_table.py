@@ -2,7 +2,7 @@
 (``tools/experiments/sim_experiment.py`` with the presets ``fixed``, ``no-replication`` and
 ``ideal-replication`` at the same compositions):
 
-    .venv/bin/python tools/experiments/cache_table.py results/sim/cache-ablation \\
+    .venv/bin/python -m tools.experiments.cache_table results/sim/cache-ablation \\
         results/sim/cache-ablation-conversation
 
 One row per experiment, rate and starting composition: mean / P90 TTFT with the

@@ -2,7 +2,7 @@
 the tier, with it, and the unbounded-cache bound, at each experiment's composition and
 rates (docs/cache.md, "The host tier")::
 
-    .venv/bin/python tools/experiments/host_tier.py [CONFIG ...] [--tier-bytes 1e12]
+    .venv/bin/python -m tools.experiments.host_tier [CONFIG ...] [--tier-bytes 1e12]
         [--out results/sim/host-tier] [--jobs 2] [--table-only]
 
 CONFIG defaults to every ``configs/sim/*.toml``. For each, the three variants run at
@@ -33,9 +33,7 @@ from typing import Any
 
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from sim_experiment import run_experiment
+from tools.experiments.sim_experiment import run_experiment
 from vertumnus.config.tables import read_toml
 
 ROLES = ("no tier", "tier", "bound")

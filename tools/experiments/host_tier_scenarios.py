@@ -1,6 +1,6 @@
 """The host KV tier on the robustness suite's generated workloads, worst cases first:
 
-    .venv/bin/python tools/experiments/host_tier_scenarios.py [--seeds report|tune|100-129]
+    .venv/bin/python -m tools.experiments.host_tier_scenarios [--seeds report|tune|100-129]
         [--tier-bytes 1e12] [--duration-scale 0.5] [--jobs 2] [--out results/host-tier-scenarios]
 
 Per seed (``vertumnus.sim.scenarios``: conversations, agents, system prompts, none;
@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import sys
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import robustness
-from host_tier import ROLES, trio
+from tools.experiments import robustness
+from tools.experiments.host_tier import ROLES, trio
 from vertumnus.sim import scenarios
 
 

@@ -2,7 +2,7 @@
 experiments' ``comparison.json`` (``tools/experiments/sim_experiment.py`` with
 ``sweep_routers``):
 
-    .venv/bin/python tools/experiments/peers_table.py results/sim/time-varying \\
+    .venv/bin/python -m tools.experiments.peers_table results/sim/time-varying \\
         results/sim/all-policies results/sim/cache-ablation
 
 One row per experiment, rate and phase: Vertumnus's mean / P90 TTFT and token SLO

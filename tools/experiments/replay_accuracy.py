@@ -1,6 +1,6 @@
 """Does the what-if replay rank the compositions as the fixed pools do?
 
-    .venv/bin/python tools/experiments/replay_accuracy.py [--out results/robustness-tune]
+    .venv/bin/python -m tools.experiments.replay_accuracy [--out results/robustness-tune]
         [--seeds 0,10] [--window-s 60] [--ideal]
 
 For each robustness scenario (``tools/experiments/robustness.py``; its cached fixed
@@ -22,18 +22,16 @@ A model check, not a benchmark: no timing.
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import robustness as rb
+from tools.experiments import robustness as rb
 from vertumnus.config.pool import parse_composition
 from vertumnus.policy.control import whatif
 from vertumnus.policy.control.forecast import ArrivalSample
-from vertumnus.policy.control.replay import ReplayModel, ReplayWorker
+from vertumnus.policy.control.replay import ReplayModel
+from vertumnus.policy.control.replay_types import ReplayWorker
 from vertumnus.policy.costs import reuse_curves
 from vertumnus.sim import scenarios
 from vertumnus.sim.simulator import Simulation
@@ -117,7 +115,7 @@ def main() -> None:
         pool, policy = cfg.spec, cfg.policy
         coeffs = {c: cfg.profile.coeffs[c] for c in pool.lattice.degrees}
         model = ReplayModel(
-            reuse_curves(coeffs), pool.lattice.degrees, policy.weights, None, 0.0,
+            reuse_curves(coeffs), pool.lattice.degrees, policy.weights, None,
             policy.max_tokens_per_rank,
         )  # fmt: skip
         predicted = {comp: replayed(model, samples, comp, args.window_s) for comp in fixed}

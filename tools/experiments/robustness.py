@@ -1,6 +1,6 @@
 """The robustness suite: randomized scenarios, the adaptive pool against every baseline.
 
-    .venv/bin/python tools/experiments/robustness.py [--seeds report|tune|all|100,103,110-119]
+    .venv/bin/python -m tools.experiments.robustness [--seeds report|tune|all|100,103,110-119]
         [--jobs N] [--out results/robustness] [--duration-scale X] [--only vertumnus]
         [--set controller.KEY=VALUE ...] [--tag NAME]
 
@@ -52,7 +52,7 @@ from typing import Any
 
 import orjson
 
-from vertumnus.policy.lattice import composition_name, reachable_compositions
+from vertumnus.policy.geometry import composition_name, reachable_compositions
 from vertumnus.policy.pool_config import PRESETS
 from vertumnus.sim import config as sim_config
 from vertumnus.sim import scenarios
@@ -71,7 +71,6 @@ PEERS = ("sglang-cache-aware", "dynamo-kv", "llm-d")
 # little which composition the workload needs).
 PEER_COMPOSITIONS = 2
 TINY_WORKLOAD = {"seed": 0, "phases": [{"duration_s": 10.0, "rate": 10.0}]}  # (not run)
-TOOLS = Path(__file__).resolve().parent
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -275,10 +274,10 @@ def run_all(todo: list[Job], jobs: int, echo: bool, done_fn: Done) -> None:
         for job in todo:
             note(_task(job))
         return
-    # The children import this module by name: put its folder on their path.
-    setup = f"import sys; sys.path.insert(0, {str(TOOLS)!r})"
+    # The children import this module as tools.experiments.robustness: spawn gives them
+    # this process's sys.path, on which the repository root is.
     context = multiprocessing.get_context("spawn")
-    with context.Pool(min(jobs, len(todo)), initializer=exec, initargs=(setup,)) as pool:
+    with context.Pool(min(jobs, len(todo))) as pool:
         # The largest scenarios first (fewer idle processes at the end).
         ordered = sorted(todo, key=lambda job: -job[1].mean_rate * job[1].duration_s)
         for item in pool.imap_unordered(_task, ordered):

@@ -1,6 +1,6 @@
 """Run one simulator experiment: every variant (and rate) of a ``configs/sim`` file.
 
-    .venv/bin/python tools/experiments/sim_experiment.py configs/sim/time-varying.toml [--out DIR]
+    .venv/bin/python -m tools.experiments.sim_experiment configs/sim/time-varying.toml [--out DIR]
 
 The file is a ``simulate`` configuration (see ``vertumnus.sim.config``) plus an
 ``[experiment]`` table::
@@ -62,7 +62,7 @@ from vertumnus.config import ConfigError, read_toml
 from vertumnus.config.dialect import check_keys
 from vertumnus.config.pool import PoolConfig, parse_composition
 from vertumnus.dashboard import comparison_html
-from vertumnus.policy.lattice import LatticeConfig, composition_name, reachable_compositions
+from vertumnus.policy.geometry import LatticeConfig, composition_name, reachable_compositions
 from vertumnus.sim import config as sim_config
 from vertumnus.sim import plots, report
 from vertumnus.sim.simulator import Simulation

@@ -1,7 +1,7 @@
 """Tables for the what-if controller, from an experiment's run folders
 (``tools/experiments/sim_experiment.py`` output):
 
-    .venv/bin/python tools/experiments/whatif_report.py results/sim/time-varying [--after-s 60]
+    .venv/bin/python -m tools.experiments.whatif_report results/sim/time-varying [--after-s 60]
 
 1. predicted against measured, per phase (or rate) and candidate composition: the
    mean of the adaptive run's ``steady`` predictions of that composition over the

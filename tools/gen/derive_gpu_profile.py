@@ -1,6 +1,6 @@
 """Derive the Qwen3-30B-A3B / H100 execution-time profile from the model's shape.
 
-    .venv/bin/python tools/gen/derive_gpu_profile.py \
+    .venv/bin/python -m tools.gen.derive_gpu_profile \
         [--out src/vertumnus/data/profiles/qwen3-30b-a3b-h100.json]
 
 No GPU measurement behind it: each coefficient of E_C(R, P) comes from the model's

@@ -1,6 +1,6 @@
 """Write the Grafana dashboard over the pool's Prometheus metrics.
 
-    .venv/bin/python tools/gen/grafana_dashboard.py [--out configs/grafana/vertumnus.json]
+    .venv/bin/python -m tools.gen.grafana_dashboard [--out configs/grafana/vertumnus.json]
 
 The dashboard (Grafana's JSON model, schema 39) asks for its Prometheus data source
 on import (``__inputs``: ``DS_PROMETHEUS``) and has a ``job`` variable. Rows: the

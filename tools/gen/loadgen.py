@@ -1,6 +1,6 @@
 """The load generator as a script: the same as ``python -m vertumnus loadgen``.
 
-    .venv/bin/python tools/gen/loadgen.py --url http://127.0.0.1:8000 \\
+    .venv/bin/python -m tools.gen.loadgen --url http://127.0.0.1:8000 \\
         --trace ../shared/traces/conversation_trace.jsonl --length-scale 0.03125 \\
         --num-requests 500 --rate-scale 10 --out result.json
 """

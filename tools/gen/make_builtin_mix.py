@@ -1,6 +1,6 @@
 """Write the built-in length mix of ``vertumnus capacity`` from a Mooncake trace.
 
-    .venv/bin/python tools/gen/make_builtin_mix.py ../shared/traces/conversation_trace.jsonl
+    .venv/bin/python -m tools.gen.make_builtin_mix ../shared/traces/conversation_trace.jsonl
 
 A systematic sample (every ``--every``-th request) of the trace, each with the prefix
 an unbounded cache would hold when it arrives (whole 512-token blocks seen in earlier
@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from vertumnus.capacity import BUILTIN_MIX
-from vertumnus.sim.traces import load_trace
+from vertumnus.traces import load_trace
 
 OUT = Path(__file__).resolve().parents[2] / "src/vertumnus/data" / f"mix-{BUILTIN_MIX}.csv"
 

@@ -281,11 +281,11 @@ def window_flash(
         x0, b = start + lo, hi - lo
         qb = q[:, :, lo:hi]
         own = slice(x0 - key_start, x0 - key_start + b)
-        o, lse = _flash_cpu(qb, k[:, :, own], v[:, :, own], 0.0, True)
+        o, lse = _flash_lse(qb, k[:, :, own], v[:, :, own], causal=True)
         if window is None:
             if x0 > key_start:  # every earlier key, unmasked
                 before = slice(0, x0 - key_start)
-                o2, lse2 = _flash_cpu(qb, k[:, :, before], v[:, :, before], 0.0, False)
+                o2, lse2 = _flash_lse(qb, k[:, :, before], v[:, :, before], causal=False)
                 o, lse = merge_with_lse(o, lse, o2, lse2)
         elif window > 1 and (reach := max(key_start, x0 - window + 1)) < x0:
             _merge_reach(o, lse, qb, k, v, x0 - key_start, reach - key_start, window)
@@ -293,6 +293,14 @@ def window_flash(
             o = o * torch.sigmoid(lse - sinks.float().view(1, hq, 1)).unsqueeze(-1)
         out[:, :, lo:hi] = o.to(q.dtype)
     return out
+
+
+def _flash_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+    """torch's fused CPU flash attention: the output and its log-sum-exp."""
+    if _flash_cpu is None:
+        raise RuntimeError("this torch has no fused CPU flash attention")
+    o, lse = _flash_cpu(q, k, v, 0.0, causal)
+    return o, lse
 
 
 def _merge_reach(
@@ -308,7 +316,7 @@ def _merge_reach(
     if pad:
         qf = torch.cat((qf.new_zeros(*qf.shape[:2], pad, qf.shape[3]), qf), dim=2)
     kf, vf = k[:, :, reach:x0].flip(2), v[:, :, reach:x0].flip(2)
-    o2, lse2 = _flash_cpu(qf, kf, vf, 0.0, True)
+    o2, lse2 = _flash_lse(qf, kf, vf, causal=True)
     o2, lse2 = o2[:, :, pad:].flip(2), lse2[:, :, pad:].flip(2)
     o[:, :, :nq], lse[:, :, :nq] = merge_with_lse(o[:, :, :nq], lse[:, :, :nq], o2, lse2)
 

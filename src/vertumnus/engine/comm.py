@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.distributed_c10d import PrefixStore
 
 # torch >= 2.13 names it all_gather_single; older releases all_gather_into_tensor.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -44,7 +45,7 @@ class Communicator(Protocol):
 
 
 def _split_rows(flat: Tensor, rows: list[int]) -> list[Tensor]:
-    return list(flat.split(rows)) if flat.shape[0] else [flat[:0] for _ in rows]
+    return list(torch.split(flat, rows)) if flat.shape[0] else [flat[:0] for _ in rows]
 
 
 class SoloComm:
@@ -115,7 +116,7 @@ def make_group(
 ) -> Any:
     """The backend of the group of ``ranks`` over the store prefix ``name``, unique to
     this group's life (every member calls this; it returns when all have)."""
-    prefix = dist.PrefixStore(name, store)
+    prefix = PrefixStore(name, store)
     index = ranks.index(rank)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()

@@ -43,7 +43,9 @@ class PagedKVStore:
             if device.type != "cpu":
                 raise ValueError(f"a shared-memory KV store is on the CPU, not {device}")
             self._shm = shared_memory.SharedMemory(name=segment)
-            self.k, self.v = store_tensors(self._shm.buf, shape, dtype)
+            buf = self._shm.buf
+            assert buf is not None  # None only once the segment is closed
+            self.k, self.v = store_tensors(buf, shape, dtype)
         else:
             self.k = torch.zeros(shape, dtype=dtype, device=device)
             self.v = torch.zeros(shape, dtype=dtype, device=device)

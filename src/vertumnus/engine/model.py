@@ -104,7 +104,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        self.mlp: nn.Module = SparseMoeBlock(cfg) if cfg.is_sparse_layer(layer) else MLP(cfg)
+        self.mlp: SparseMoeBlock | MLP = (
+            SparseMoeBlock(cfg) if cfg.is_sparse_layer(layer) else MLP(cfg)
+        )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -127,7 +129,8 @@ class DecoderLayer(nn.Module):
             # rounding (tests/engine/test_bf16.py: bf16 mean error 0.0104 compiled
             # against transformers-bf16's 0.0071, past the stated bound).
             x, h = attention_out(x, out, o.weight, o.bias, norm.weight, norm.eps)
-            return x + self.mlp(h, counted)
+            moe: Tensor = self.mlp(h, counted)
+            return x + moe
         m = self.mlp
         return fns.dense_out(
             x, out, o.weight, o.bias, norm.weight,
@@ -186,11 +189,13 @@ class CausalLM(nn.Module):
         cos, sin = rope_cos_sin(positions, self._rope[0], self._rope[1], x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(i, x, cos, sin, attention, counted, self.layer_fns)
-        return self.model.norm(x)
+        hidden: Tensor = self.model.norm(x)
+        return hidden
 
     def logits(self, hidden: Tensor) -> Tensor:
         """[N, hidden] -> [N, vocab] in fp32."""
-        return self.lm_head(hidden).float()
+        logits: Tensor = self.lm_head(hidden)
+        return logits.float()
 
     def reset_expert_tokens(self) -> None:
         for layer in self.model.layers:

@@ -87,8 +87,8 @@ def expert_kernel(
       of idle experts, so ``"loop"``. ROCm (CK kernel on gfx942/950 only): ``"loop"``;
     * CPU: torch (>= 2.9; 2.8 has no CPU kernel) runs that same fallback, and is not
       faster. Measured on a 2-core Xeon (AMX), 1 and 2 threads, fp32 and bf16, whole
-      prefills of 512 and 2048 tokens (``tools/bench/moe.py --kernels
-      loop,grouped_mm``), as a multiple of the loop's time: Qwen3-30B-A3B's layer
+      prefills of 512 and 2048 tokens (``python -m tools.bench.moe
+      --kernels loop,grouped_mm``), as a multiple of the loop's time: Qwen3-30B-A3B's layer
       shape 0.93 to 1.13, slower in 6 of 8 cases (bf16 at 2048 tokens: 1.04 and
       1.13; a quieter rerun of fp32, 2 threads: 1.03 and 1.05); ``tiny-moe`` 0.96 to
       1.09; the experts alone at 2048 tokens 1.06 to

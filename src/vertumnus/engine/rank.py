@@ -28,7 +28,9 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+# torch.distributed re-exports TCPStore from torch._C without listing it in __all__.
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from vertumnus.config import EngineConfig, ModelConfig
 from vertumnus.engine.attention import pick_cpu_kernel
@@ -137,7 +139,7 @@ def rank_main(rank: int, spec: RankSpec, commands: Any, results: Any) -> None:
             torch.set_num_threads(cpu_threads(spec.engine, spec.local_ranks or spec.world_size))
             keep_freed_host_memory()
         timeout = timedelta(seconds=spec.engine.rank_timeout_s)
-        store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
+        store = TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
         generation = dict(spec.group_generations)
         # Every rank forms its groups in the same order: rendezvous cannot deadlock.
         groups: dict[tuple[int, ...], Any] = {}
@@ -232,7 +234,7 @@ def _serve(
 
                 def send(m: KVSend = msg) -> KVData:
                     wait = timedelta(seconds=m.timeout_s)
-                    peer = dist.TCPStore(m.store_host, m.store_port, is_master=False, timeout=wait)
+                    peer = TCPStore(m.store_host, m.store_port, is_master=False, timeout=wait)
                     group = make_group(peer, m.name, (0, 1), 1, device, wait)
                     group.send([kv.rows(m.slots).contiguous()], 0, 0).wait()
                     return KVData(m.read_id, rank, None)

@@ -37,6 +37,7 @@ def hf_config(cfg: ModelConfig) -> Any:
         attention_bias=cfg.attention_bias,
         **_rope(cfg.rope_theta),
     )
+    out: transformers.PretrainedConfig
     if cfg.is_moe:
         out = transformers.Qwen3MoeConfig(
             **common,

@@ -60,7 +60,8 @@ def cpu_computes_bf16() -> bool:
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
             flags.update(value.split())
-    return bool(flags & _BF16_FLAGS) and torch.backends.mkldnn.is_available()
+    # torch leaves mkldnn.is_available unannotated.
+    return bool(flags & _BF16_FLAGS) and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
 
 
 def random_model(

@@ -65,6 +65,7 @@ def check_version(version: str = vllm.__version__) -> None:
         )
 
 
+# vLLM's classes are Any to mypy (pyproject.toml: vLLM is not in its environment).
 @dataclass
 class VertumnusMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[Load] = field(default_factory=list)

@@ -1,0 +1,1 @@
+"""The simulator's experiments and their reports: ``python -m tools.experiments.NAME``."""

@@ -1,0 +1,1 @@
+"""Generated files: ``python -m tools.gen.NAME`` writes what it names."""

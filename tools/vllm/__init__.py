@@ -1,0 +1,1 @@
+"""vLLM beside the pool (``setup.sh`` installs its CPU build in .venv-vllm)."""
