@@ -1,11 +1,13 @@
 """Fixtures for every test folder. Factories and helpers are plain functions in the
 ``support`` package; here only what pytest must manage: the test process's thread
-count, models and checkpoints built once, and the check that no rank process
-outlives the module that started it."""
+count, models and checkpoints built once, the check that no rank process outlives
+the module that started it; and at collection, the ``slow`` mark on the lanes of
+whole servers and, in a pytest-xdist worker, the order its modules are handed out."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,39 @@ from vertumnus.engine.model import CausalLM
 from vertumnus.engine.weights import random_model
 
 TINY_SEED = 0  # EngineConfig.seed's default: the weights the rank processes build
+# The lanes of whole servers, benchmark clients, vLLM and a browser: minutes, not
+# seconds. Marked ``slow`` so that ``-m "not slow"`` leaves them out of a quick local
+# run; tools/test.sh (and so CI) runs them.
+SLOW_FOLDERS = ("e2e", "clients", "interop", "browser")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+    for item in items:
+        if (
+            item.path.is_relative_to(tests)
+            and item.path.relative_to(tests).parts[0] in SLOW_FOLDERS
+        ):
+            item.add_marker(pytest.mark.slow)
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker (tools/test.sh)
+        items[:] = longest_first(items)
+
+
+def longest_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """``items`` module by module, the slow lanes' modules first, then the other
+    modules that start processes, then the rest; in each module its own order. Run
+    with ``--dist loadscope --no-loadscope-reorder``, whose workers take modules in
+    this order: the long ones start early, the short ones fill in at the end."""
+    modules: dict[Path, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.path, []).append(item)
+
+    def rank(module: list[pytest.Item]) -> int:
+        if any(item.get_closest_marker("slow") for item in module):
+            return 0
+        return 1 if any(item.get_closest_marker("multiproc") for item in module) else 2
+
+    return [item for module in sorted(modules.values(), key=rank) for item in module]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -22,6 +22,6 @@ fi
 "${PIP[@]}" install -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
 # The replay loop compiled by mypyc (src/vertumnus/native.py); without a C compiler
 # the pure module runs, slower, with the same results.
-.venv/bin/python tools/build_native.py \
+.venv/bin/python -m tools.build_native \
   || echo "warning: the compiled replay loop was not built; the pure Python one runs" >&2
 .venv/bin/python -c "import vertumnus, torch; print(f'vertumnus ready: torch {torch.__version__}')"

@@ -24,4 +24,8 @@ fi
 if command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1; then
   export VERTUMNUS_REQUIRE_NATIVE=1
 fi
-.venv/bin/python -m pytest -q "$@"
+# Two pytest-xdist workers (VERTUMNUS_TEST_WORKERS; 0: one process), each running a
+# module at a time (its module-scoped servers and rank pools start once), the slow
+# lanes' modules first (tests/conftest.py): about 10 minutes on 2 cores, not 17.
+.venv/bin/python -m pytest -q -n "${VERTUMNUS_TEST_WORKERS:-2}" \
+  --dist loadscope --no-loadscope-reorder "$@"

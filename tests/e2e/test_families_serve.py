@@ -63,12 +63,15 @@ def family(
     hf = write_family_folder(case, folder)
     config = tmp_path_factory.mktemp(f"{case}-serve") / "serve.toml"
     # serve's defaults but fp32 on CPU (write_folder_config): the adaptive pool, its
-    # own decode process and compiled layers (SERVE_DEFAULTS turns them off).
+    # own decode process and compiled layers (SERVE_DEFAULTS turns them off). Its
+    # what-if controller decides only past the test's time-out, so that the operator's
+    # merge holds while the test reads CP 2's answers (deciding every 10 s, it could
+    # split the merged worker back on a loaded machine: an answer came from CP 1).
     write_folder_config(
         config,
         folder,
         server={"admin_token": ADMIN_TOKEN},
-        controller={"enabled": True},
+        controller={"enabled": True, "decision_s": 600.0},
         decode={"local": True},
         engine={"compile": "auto"},
     )
