@@ -6,7 +6,7 @@ router, the top-k experts' SwiGLU, or a dense layer's MLP; the embedding lookup
 excluded), 2 x hidden x vocabulary for the LM head of the last token only, and
 4 x query heads x head dim x layers per query-key pair for attention (QK^T and PV),
 over the pairs a causal prefill computes, W(R, P) = R*P + R(R+1)/2 per full layer
-(bounded by the window on a sliding-window layer: ``perfmodel.attention_mix``).
+(bounded by the window on a sliding-window layer: ``config.model.attention_mix``).
 
 Memory: the weights (the parameters of the model as built, counted on the meta
 device), the paged KV store and the peak activations of one layer at the longest

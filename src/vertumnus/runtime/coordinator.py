@@ -318,7 +318,7 @@ class Coordinator:
         return self.policy.composition_name(self.ACTIVE)
 
     def workers_view(self) -> list[dict[str, Any]]:
-        return views.workers_view(self.policy, self.ranks, self.clock(), self.recovery.recovering)
+        return views.workers_view(self.policy, self.ranks, self.clock(), self.recovery.restarting)
 
     def composition_view(self) -> dict[str, Any]:
         return views.composition_view(

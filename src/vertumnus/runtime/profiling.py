@@ -12,8 +12,8 @@ length and every hit ratio in both halves); the profile records the MAPE on the
 held-out half and on all points. Once the ranks are closed, the host link of rank 0's
 device is measured (``runtime/host_link.py``, which also names the hardware: this
 module imports it, never the other way) into the profile's ``host_link``. The
-model's attention mix (its sliding-window layers, ``perfmodel.attention_mix``) is what
-alpha is fitted against, and the profile stores it.
+model's attention mix (its sliding-window layers, ``config.model.attention_mix``) is
+what alpha is fitted against, and the profile stores it.
 
 Owns the measurement and the fit's bookkeeping; ``cli/profile.py`` only parses
 arguments and prints. The model itself is ``perfmodel.py``.

@@ -58,6 +58,11 @@ class Recovery:
     def recovering(self, worker_id: int) -> bool:
         return worker_id in self._recovering
 
+    @property
+    def restarting(self) -> frozenset[int]:
+        """The workers being restarted now."""
+        return frozenset(self._recovering)
+
     def worker_of_rank(self, rank: int) -> LatticeWorker | None:
         workers = self.policy.lattice.workers.values()
         return next((w for w in workers if rank in w.devices), None)

@@ -5,7 +5,7 @@ Read-only snapshots as plain JSON-ready dicts; nothing here changes state.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from vertumnus.policy.pool_policy import PoolPolicy
@@ -17,10 +17,11 @@ from vertumnus.runtime.serve_config import ServeConfig
 
 
 def workers_view(
-    policy: PoolPolicy, ranks: Ranks | None, now: float, restarting: Callable[[int], bool]
+    policy: PoolPolicy, ranks: Ranks | None, now: float, restarting: Collection[int]
 ) -> list[dict[str, Any]]:
     """``timeline.worker_rows`` (what a simulation's report shows too), plus where
-    the ranks run: host names, process ids, and whether the worker is restarting."""
+    the ranks run: host names, process ids, and whether the worker is restarting (in
+    ``restarting``)."""
     rows = worker_rows(policy, now)
     for row in rows:
         members = row["ranks"]
@@ -28,7 +29,7 @@ def workers_view(
             dict.fromkeys(ranks.host_of(r) for r in members) if ranks is not None else ()
         )
         row["pids"] = [ranks.pid(r) if ranks is not None else None for r in members]
-        row["restarting"] = restarting(row["worker"])
+        row["restarting"] = row["worker"] in restarting
     return rows
 
 

@@ -43,7 +43,7 @@ from vertumnus.kv_wire import HandoffError, KVHeader
 from vertumnus.policy.cache.holds import Hold
 from vertumnus.policy.lattice import WorkerState
 from vertumnus.runtime.intents import Apply
-from vertumnus.runtime.kv.leases import Lease, Sink
+from vertumnus.runtime.kv.leases import Lease, Sink, check_current
 from vertumnus.runtime.kv.reads import KVReads, bytes_of
 from vertumnus.runtime.kv.stream import KVStream
 from vertumnus.runtime.state import Shared
@@ -76,7 +76,7 @@ class Handoffs:
         self.pull_s = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self.reads = KVReads(serve.engine, model, shared.ranks)  # the blocks read from ranks
-        self.wire = KVStream(serve, model, self.reads, shared.ranks)
+        self.wire = KVStream(serve, model, self.reads, shared.ranks, shared.policy.indexes)
         # pulls under way: handle -> (devices read, sink, done)
         self._pulls: dict[str, tuple[set[int], Sink, asyncio.Future[None]]] = {}
 
@@ -123,7 +123,7 @@ class Handoffs:
         pull = self._pulls.get(handle)
         if pull is not None and why != "pulled":  # (its KV may be overwritten from now on)
             pull[1].abort()  # the pull's writes fail: it stops reading the store
-        lease.rows = None
+        lease.rows, lease.ended = None, why
         self.counts[why] += 1
         self.metrics.lease_ended(why)
         self.ended[handle] = why
@@ -247,14 +247,14 @@ class Handoffs:
         lease ends (pulled) once every byte left this process; a failure leaves it
         open. A lease that ended since the caller looked it up (``claim``, then the
         route's ``await``) is not written: ``HandoffError``, 410 with why."""
-        self._check_current(lease)
+        check_current(lease, self.policy.indexes)
         started = time.perf_counter()
         lease.pulling = True
         done = asyncio.get_running_loop().create_future()
         devices = {lease.first_device + loc.rank for loc in lease.blocks}
         self._pulls[lease.handle] = (devices, sink, done)
         try:
-            sent = await self.wire.write(lease, sink, devices, self._check_current)
+            sent = await self.wire.write(lease, sink, devices)
         finally:
             lease.pulling = False
             del self._pulls[lease.handle]
@@ -265,15 +265,6 @@ class Handoffs:
         self.pull_s += seconds
         self.metrics.pulled(sent, seconds)
         return sent
-
-    def _check_current(self, lease: Lease) -> None:
-        """A pull under way stops if its lease ended, or its worker's index went (a
-        restart)."""
-        why = self.why_ended(lease)
-        if why is not None:
-            raise HandoffError(f"the KV hand-off {lease.handle!r} ended: {why}", "ended", 410)
-        if self.policy.indexes.get(lease.worker_id) is not lease.index:
-            raise HandoffError(f"the KV hand-off {lease.handle!r} ended: moved", "ended", 410)
 
     async def settle(self, devices: set[int], timeout_s: float | None = None) -> None:
         """Wait for the pulls reading from ``devices`` (a switch is about to give

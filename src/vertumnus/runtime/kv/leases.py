@@ -5,12 +5,13 @@ leases themselves, their ends and their pulls are ``runtime/kv/handoffs.py``'s."
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from torch import Tensor
 
+from vertumnus.kv_wire import HandoffError
 from vertumnus.policy.cache.holds import Hold, held_blocks
 from vertumnus.policy.cache.index import BlockAllocation, BlockLocation, WorkerCacheIndex
 
@@ -41,6 +42,7 @@ class Lease:
     expires_s: float  # on the coordinator's clock
     expires_unix: float
     pulling: bool = False
+    ended: str | None = None  # why it ended (``Handoffs.end``); None while open
 
     @property
     def request_id(self) -> int:
@@ -65,3 +67,12 @@ def export_range(allocation: BlockAllocation, prompt_tokens: int, block: int) ->
     held = held_blocks(allocation, prompt_tokens, block)
     prefix = allocation.prefix_blocks * block  # (reused, or loaded back from the host tier)
     return held * block - prefix, prompt_tokens - 1 - prefix
+
+
+def check_current(lease: Lease, indexes: Mapping[int, WorkerCacheIndex]) -> None:
+    """A pull under way stops (``HandoffError``, 410) if its lease ended, or its
+    worker's cache index is not the one it was taken from (a restart, a reshape)."""
+    if lease.ended is not None:
+        raise HandoffError(f"the KV hand-off {lease.handle!r} ended: {lease.ended}", "ended", 410)
+    if indexes.get(lease.worker_id) is not lease.index:
+        raise HandoffError(f"the KV hand-off {lease.handle!r} ended: moved", "ended", 410)

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from vertumnus.config import ModelConfig
 from vertumnus.kv_wire import CHUNK_BLOCKS, END, KVHeader, chunk_header
-from vertumnus.policy.cache.index import BlockLocation
-from vertumnus.runtime.kv.leases import Lease, Sink
+from vertumnus.policy.cache.index import BlockLocation, WorkerCacheIndex
+from vertumnus.runtime.kv.leases import Lease, Sink, check_current
 from vertumnus.runtime.kv.reads import CHUNK_BYTES, KVReads, bytes_of
 from vertumnus.runtime.kv.segments import store_runs
 from vertumnus.runtime.ranks import CurrentRanks
@@ -35,9 +35,15 @@ class KVStream:
     (``ranks.now``: None before they start or after they close)."""
 
     def __init__(
-        self, serve: ServeConfig, model: ModelConfig, reads: KVReads, ranks: CurrentRanks
+        self,
+        serve: ServeConfig,
+        model: ModelConfig,
+        reads: KVReads,
+        ranks: CurrentRanks,
+        indexes: Mapping[int, WorkerCacheIndex],
     ) -> None:
         self.serve, self.model, self.reads, self.ranks = serve, model, reads, ranks
+        self.indexes = indexes  # the policy's, read to see a pull's worker still there
 
     def header(self, lease: Lease, dtype: torch.dtype) -> KVHeader:
         cfg, engine = self.model, self.serve.engine
@@ -66,12 +72,11 @@ class KVStream:
         chunks = len(groups) + (1 if rows else 0)
         return len(header.encode()) + 8 * (chunks + 1) + header.total_bytes
 
-    async def write(
-        self, lease: Lease, sink: Sink, devices: set[int], check: Callable[[Lease], None]
-    ) -> int:
+    async def write(self, lease: Lease, sink: Sink, devices: set[int]) -> int:
         """Write the lease's KV, from the stores of ``devices``, to ``sink``; the bytes
-        written, every one of them out of this process. ``check`` raises if the pull
-        must stop (before each chunk and before the last flush)."""
+        written, every one of them out of this process. The pull stops
+        (``leases.check_current``) when its lease ended or its worker's index went,
+        checked before each chunk and before the last flush."""
         sent = 0
         ahead: deque[asyncio.Future[tuple[int, Any, Any]]] = deque()
         try:
@@ -84,7 +89,7 @@ class KVStream:
                 for group in groups[:READ_AHEAD]:
                     ahead.append(self.reads.read(lease.first_device, group))
             for n, group in enumerate(groups):
-                check(lease)
+                check_current(lease, self.indexes)
                 if stores is not None:
                     size = self.reads.block_bytes() // 2
                     views = store_runs(stores, lease.first_device, group, size)
@@ -109,7 +114,7 @@ class KVStream:
                 sent += len(payload) + 8
             sink.writev([END])
             sent += len(END)
-            check(lease)
+            check_current(lease, self.indexes)
             await sink.flush()  # nothing of the store left in a buffer: the pin may go
         finally:
             for read in ahead:  # cut short: the reads ahead give their memory back
