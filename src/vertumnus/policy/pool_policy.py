@@ -101,10 +101,6 @@ class PoolPolicy:
         """The one factory of the stack (the simulator's and the coordinator's)."""
         return cls(profile, pool, config)
 
-    def add_worker(self, worker_id: int) -> None:
-        """A fresh cache index for ``worker_id`` (``StackState.add_worker``)."""
-        self.state.add_worker(worker_id)
-
     # -- routing the parts' intents (``policy/stack/intents.py``) ----------------------
 
     def carry_out(self, step: Step, now: float) -> Actions:
