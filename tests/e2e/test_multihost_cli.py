@@ -1,8 +1,11 @@
-"""The multi-host pool from the command line: ``serve`` with a ``[cluster]`` table
-waits for its agents, two ``agent`` processes join it as two hosts, prefills are
-served over HTTP, a third agent is refused with the reason, and SIGTERM to the
-server ends the agents too (exit 0) with no process left. Plus the agent's
-errors for bad input."""
+"""The multi-host pool from the command line, on Ray: ``serve`` with a ``[cluster]``
+table joins a Ray cluster of two nodes (on this machine, with token authentication),
+says it waits for them, serves prefills over HTTP on ranks of both, and SIGTERM ends
+it (exit 0) with no rank actor and no process of its session left. A cluster started
+without authentication is refused (a client without a token got in) unless
+``private_network = true``. And the clear errors, each before anything joins:
+``vertumnus agent``, the agents' old ``[cluster]`` keys, no token in serve's
+environment."""
 
 from __future__ import annotations
 
@@ -11,90 +14,190 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from support.processes import sessions_left, start_agent
+from support.processes import sessions_left
+from support.ray_cluster import AUTH, actors_left, ray_cluster, raylets
 from support.server import Server, write_serve_config
 
 pytestmark = pytest.mark.multiproc
-SECRET = "cli-multihost-secret-0123"
-ENV = {**os.environ, "VERTUMNUS_CLUSTER_SECRET": SECRET}
+SERVE = [sys.executable, "-m", "vertumnus", "serve", "--port", "0", "--config"]
+NO_TOKEN = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
 
 
-def test_agent_rejects_bad_input() -> None:
-    base = [sys.executable, "-m", "vertumnus", "agent"]
-    env = {k: v for k, v in os.environ.items() if k != "VERTUMNUS_CLUSTER_SECRET"}
-    out = subprocess.run([*base, "--coordinator", "127.0.0.1:1"], env=env, capture_output=True)
-    assert out.returncode == 2
-    assert b"VERTUMNUS_CLUSTER_SECRET" in out.stderr and b"16 characters" in out.stderr
-    out = subprocess.run([*base, "--coordinator", "nohost"], env=ENV, capture_output=True)
-    assert out.returncode == 2 and b"HOST:PORT" in out.stderr
-    out = subprocess.run(
-        [*base, "--coordinator", "127.0.0.1:1", "--devices", "0"], env=ENV, capture_output=True
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    """Head (no CPUs) and two nodes of two CPUs: two hosts of two ranks each."""
+    with ray_cluster(nodes=2, cpus=2) as c:
+        yield c
+
+
+def start_serve(config: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    """``serve`` in a session of its own, its stderr to ``server.log`` beside ``config``."""
+    with (config.parent / "server.log").open("w") as log:
+        return subprocess.Popen(
+            [*SERVE, str(config)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            start_new_session=True,
+        )
+
+
+def ready(proc: subprocess.Popen[str], config: Path) -> Server:
+    """The server, once it listens and ``/ready`` says 200."""
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if line.startswith("vertumnus waiting for "):
+        line = proc.stdout.readline()
+    assert line.startswith("vertumnus listening on "), (config.parent / "server.log").read_text()
+    srv = Server(proc, line.split()[-1], config.parent / "server.log")
+    deadline = time.monotonic() + 60
+    while srv.call("GET", "/ready")[0] != 200:
+        assert time.monotonic() < deadline, srv.call("GET", "/ready")
+        time.sleep(0.2)
+    return srv
+
+
+def stop(proc: subprocess.Popen[str]) -> int | None:
+    """SIGTERM, then its exit status (None: it hung, and its session was killed)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return None
+
+
+def no_actors_left(timeout_s: float = 15.0) -> list[str]:
+    """Waits up to ``timeout_s`` for the rank actors on this process's Ray nodes to
+    exit; those left."""
+    deadline = time.monotonic() + timeout_s
+    while (left := actors_left(raylets())) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def cluster_config(
+    path: Path, address: str, layout: tuple[int, ...] = (2, 2), **cluster: Any
+) -> Path:
+    """Two workers of degree 2 (one per host of two ranks) unless ``layout``."""
+    return write_serve_config(
+        path,
+        pool={"degrees": [1, 2], "layout": list(layout)},
+        engine={"kv_blocks_per_rank": 64},
+        cluster={"engine": "ray", "address": address, **cluster},
     )
-    assert out.returncode == 2 and b"--devices must be >= 1" in out.stderr
+
+
+@pytest.mark.timeout(30)
+def test_agent_is_gone_and_says_what_replaced_it() -> None:
+    for old in ([], ["--coordinator", "127.0.0.1:7700", "--devices", "2"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "vertumnus", "agent", *old], capture_output=True, text=True
+        )
+        assert out.returncode == 2, out.stderr
+        assert "Ray" in out.stderr and "docs/multi-host.md" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+
+
+@pytest.mark.timeout(30)
+def test_agent_keys_are_refused_by_name(tmp_path: Path) -> None:
+    config = cluster_config(
+        tmp_path / "old.toml", "auto", listen="0.0.0.0:7700", secret="s" * 16, hosts=2
+    )
+    out = subprocess.run([*SERVE, str(config)], capture_output=True, text=True, timeout=25)
+    assert out.returncode == 2, out.stderr
+    removed = "[cluster] listen, secret: the node agents these configured were removed"
+    assert removed in out.stderr
+    assert "docs/multi-host.md" in out.stderr and out.stdout == ""
+
+
+@pytest.mark.timeout(60)
+def test_serve_without_a_token_is_refused_before_joining(tmp_path: Path) -> None:
+    # Nothing listens at this address: joining it would hang until join_timeout_s.
+    config = cluster_config(tmp_path / "no-token.toml", "127.0.0.1:1", hosts=2)
+    out = subprocess.run([*SERVE, str(config)], env=NO_TOKEN, capture_output=True, text=True)
+    assert out.returncode == 2, out.stderr
+    assert "the Ray cluster must use token authentication" in out.stderr
+    assert "private_network" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.fixture(scope="class")
+def open_cluster() -> Iterator[Any]:
+    """A Ray cluster started without token authentication: one node of two CPUs
+    (for one class: it ends before the module's cluster starts)."""
+    with ray_cluster(nodes=1, cpus=2, auth=False) as c:
+        yield c
+
+
+class TestClusterWithoutAuth:
+    @pytest.mark.timeout(120)
+    def test_is_refused(self, open_cluster: Any, tmp_path: Path) -> None:
+        config = cluster_config(tmp_path / "open.toml", open_cluster.address, hosts=1)
+        proc = start_serve(config, {**os.environ, **AUTH})  # a token here proves nothing
+        try:
+            assert proc.wait(timeout=100) == 2
+        finally:
+            if proc.poll() is None:
+                stop(proc)
+        log = (tmp_path / "server.log").read_text()
+        assert "let a client without a token in" in log, log[-2000:]
+        assert "must use token authentication" in log
+        assert not no_actors_left() and not sessions_left([proc.pid])
+
+    @pytest.mark.timeout(180)
+    def test_serves_on_a_private_network(self, open_cluster: Any, tmp_path: Path) -> None:
+        config = cluster_config(
+            tmp_path / "private.toml",
+            open_cluster.address,
+            layout=(2,),
+            hosts=1,
+            private_network=True,
+        )
+        proc = start_serve(config, dict(os.environ))  # (Ray's auth disabled: no token)
+        try:
+            srv = ready(proc, config)
+            status, answer = srv.call("POST", "/v1/prefill", {"prompt": "a private pool " * 9})
+            assert status == 200, answer
+            assert answer["cp_degree"] == 2
+        finally:
+            code = stop(proc)
+        assert code == 0, (tmp_path / "server.log").read_text()[-2000:]
+        assert not no_actors_left() and not sessions_left([proc.pid])
 
 
 @pytest.mark.timeout(240)
-def test_serve_two_hosts_over_http(tmp_path: Path) -> None:
-    config = write_serve_config(
-        tmp_path / "two-hosts.toml",
-        pool={"degrees": [1, 2], "layout": [2, 2]},
-        engine={"kv_blocks_per_rank": 64},
-        cluster={"listen": "127.0.0.1:0", "hosts": 2, "heartbeat_s": 0.5},
-    )
-    log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vertumnus", "serve", "--config", str(config), "--port", "0"],
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-        start_new_session=True,
-    )
-    agents: list[subprocess.Popen[bytes]] = []
+def test_serve_two_ray_hosts_over_http(cluster: Any, tmp_path: Path) -> None:
+    config = cluster_config(tmp_path / "two-hosts.toml", cluster.address, hosts=2)
+    proc = start_serve(config, {**os.environ, **AUTH})
     try:
-        assert server.stdout is not None
-        line = server.stdout.readline()
-        assert line.startswith("vertumnus waiting for 2 agent(s) on 127.0.0.1:"), line
-        address = line.split()[-1]
-        agents = [
-            start_agent(address, f"host{k}", tmp_path / f"agent{k}.log", SECRET) for k in range(2)
-        ]
-        line = server.stdout.readline()
-        assert line.startswith("vertumnus listening on "), (tmp_path / "server.log").read_text()
-        srv = Server(server, line.split()[-1])
-        deadline = time.monotonic() + 60
-        while srv.call("GET", "/ready")[0] != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line == f"vertumnus waiting for 2 Ray node(s) at {cluster.address}\n", line
+        srv = ready(proc, config)
         status, workers = srv.call("GET", "/v1/workers")
         assert status == 200
         assert [(w["ranks"], w["hosts"]) for w in workers["workers"]] == [
             ([0, 1], [0]),
             ([2, 3], [1]),
         ]
+        names = [w["host_names"] for w in workers["workers"]]
+        assert len(names[0]) == len(names[1]) == 1 and names[0] != names[1], names
         for _ in range(2):
             status, answer = srv.call("POST", "/v1/prefill", {"prompt": "hello, two hosts " * 9})
             assert status == 200, answer
             assert answer["cp_degree"] == 2
         assert answer["cached_tokens"] > 0  # the second one reused the first's prefix
-        extra = start_agent(address, "host2", tmp_path / "agent2.log", SECRET)
-        assert extra.wait(timeout=60) == 1
-        assert "the pool has its 2 hosts" in (tmp_path / "agent2.log").read_text()
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            assert server.wait(timeout=60) == 0
-            for a in agents:  # the coordinator's Stop ends them
-                assert a.wait(timeout=30) == 0
-        finally:
-            for p in (server, *agents):
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-            log.close()
-    left = sessions_left([p.pid for p in (server, *agents)])
+        code = stop(proc)
+    assert code == 0, (tmp_path / "server.log").read_text()[-2000:]
+    assert not no_actors_left()
+    left = sessions_left([proc.pid])
     assert not left, left

@@ -20,7 +20,7 @@ from vertumnus.engine.comm import Communicator
 from vertumnus.engine.logprobs import PromptLogprobs, prompt_logprobs
 from vertumnus.engine.messages import PrefillDone
 from vertumnus.engine.model import CausalLM
-from vertumnus.engine.rank import _check_command
+from vertumnus.engine.rank_state import _check_command
 from vertumnus.engine.zigzag import prefill_rank
 from vertumnus.policy.cache.index import WorkerCacheIndex
 from vertumnus.runtime.prefill import plan_prefill

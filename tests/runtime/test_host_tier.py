@@ -307,9 +307,9 @@ def test_serve_exits_with_the_reason(tmp_path: Path) -> None:
 def test_serve_refuses_a_tier_it_cannot_keep(tmp_path: Path) -> None:
     """A multi-host pool's ranks, and the simulator's bound, are refused on loading."""
     config = tmp_path / "serve.toml"
-    cluster = '[cluster]\nhosts = 2\nsecret = "0123456789abcdef0123"\n'
+    cluster = '[cluster]\nengine = "ray"\nhosts = 2\n'
     config.write_text(cluster + "[cache]\nhost_tier_bytes = 1e9\n")
-    with pytest.raises(ConfigError, match=r"host_tier_bytes needs CPU ranks .* node agents"):
+    with pytest.raises(ConfigError, match=r"host_tier_bytes needs CPU ranks .* Ray nodes"):
         serve_config.load(config, topology=(2, 1))
     config.write_text("[cache]\nhost_tier_bound = true\n")
     with pytest.raises(ConfigError, match="host_tier_bound is a bound"):

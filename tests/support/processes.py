@@ -1,14 +1,12 @@
 """Process hygiene for the tests that start processes: what a test started must be
 gone when it ends. Who is alive (rank processes of this process, members of a
-session, children of a pid), and the start of a ``vertumnus agent`` in a session of
-its own, so that a test can find (and kill) everything it left."""
+session, children of a pid), so that a test can find (and kill) everything it left."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -107,18 +105,3 @@ def is_running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
-
-
-def start_agent(address: str, name: str, log: Path, secret: str) -> subprocess.Popen[bytes]:
-    """``python -m vertumnus agent`` for 2 devices, joining the coordinator at
-    ``address`` with ``secret``; its output appended to ``log``; in a new session (a
-    session leader's sid is its pid)."""
-    cmd = [sys.executable, "-m", "vertumnus", "agent", "--coordinator", address]
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            [*cmd, "--name", name, "--devices", "2"],
-            env={**os.environ, "VERTUMNUS_CLUSTER_SECRET": secret},
-            stdout=out,
-            stderr=out,
-            start_new_session=True,
-        )

@@ -20,8 +20,8 @@ def start_server(
     on_waiting: Callable[[str], None] | None = None,
 ) -> tuple[subprocess.Popen[str], str]:
     """(process, base URL) of a server on ``config``, ready to serve. A multi-host
-    pool's server first waits for its agents: ``on_waiting`` gets the address they
-    must connect to (and should start them)."""
+    pool's server first waits for its Ray nodes: ``on_waiting`` gets the Ray
+    address it joins (and may start the nodes there)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "vertumnus", "serve", "--config", str(config), "--port", "0"],
         stdout=subprocess.PIPE,

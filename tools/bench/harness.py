@@ -22,10 +22,11 @@ The guard (``Load``): the machine may be shared. Before it measures, a session w
 cores; it reports what they used over the whole run, and warns when that was more.
 Benchmarks that time runs one by one (``interleaved``) also redo a run during which
 others were busy (at most ``--retries`` times, then keep it and flag it). "Others"
-is every process outside this one and its descendants (ranks, servers, agents and
-browsers started by the benchmark are its own). A descendant orphaned by its parent's
-end (vLLM's engine core when its process group is stopped) is reparented to init and
-its time lost to "others", unless the benchmark calls ``adopt_orphans()`` first.
+is every process outside this one and its descendants (the ranks, servers, Ray
+nodes and browsers it starts as descendants are its own). A descendant orphaned by
+its parent's end (vLLM's engine core when its process group is stopped) is
+reparented to init and its time lost to "others", unless the benchmark calls
+``adopt_orphans()`` first.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ process killed, checked for lost requests, wrong answers, leaks and memory growt
 
     .venv/bin/python -m tools.bench.soak [--duration-s 600] [--rate 8] [--reshape-every-s 20]
         [--kill-at-s DURATION/2] [--decode-kill-at-s DURATION*0.7] [--hosts 1|2]
-        [--agent-down-s 10] [--out results/soak.json]
+        [--node-down-s 10] [--out results/soak.json]
 
 It starts ``python -m vertumnus serve`` on the embedded default (tiny, 2 CPU ranks,
 loopback only, its local decode process; the controller off: this tool reshapes by
@@ -29,11 +29,15 @@ sampled every 5 s; growth is measured from the end of the warm-up (the first fif
 of the run) to the end. Prints a summary, writes the JSON, and exits 1 if a request
 was lost, answered wrongly or twice, or something leaked.
 
-``--hosts 2`` runs the same two ranks as a two-host pool: two node agents of one
-rank each on loopback (``docs/multi-host.md``), so the degree-2 worker a merge makes
-spans both. At ``--kill-at-s`` the second host's agent is SIGKILLed instead of a
-rank (its rank exits with it), and a new agent for that host starts
-``--agent-down-s`` later.
+``--hosts 2`` runs the same two ranks as a two-host pool on Ray
+(``docs/multi-host.md``): the soak starts a Ray cluster of this machine with token
+authentication (a head with no CPUs and two nodes of one CPU, one rank each; the
+token in the server's environment), so the degree-2 worker a merge makes spans both
+nodes. At ``--kill-at-s`` the second host's node is removed instead of a rank (its
+raylet and every process on it SIGKILLed), and a new node of one CPU joins
+``--node-down-s`` later to take its place; ``killed`` says which node went, when,
+when the new one joined and when every worker was active again. The cluster's
+nodes end with the soak, whatever happens.
 
 The JSON holds the machine and source it ran on, and what other processes used
 meanwhile (``harness.py``; the soak does not wait for a quiet machine unless given
@@ -44,16 +48,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
+import queue
 import random
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -61,13 +70,13 @@ import orjson
 
 from tools.bench import harness
 from tools.bench._serving import start_server
+from tools.ray_local import local_cluster
 from vertumnus.stats import percentile
 
 ADMIN_TOKEN = "soak-admin-token-0123456789"
 KINDS = (("prefill", 0.4), ("complete", 0.25), ("stream", 0.25), ("abandon", 0.1))
 # log lines that mean a bug was contained ("bug": true), or a reshape needed its bound
 BUG_MARKS = ('"bug":true', '"event":"reshape_rolled_back"', '"event":"reshape_forced"')
-CLUSTER_SECRET = "soak-cluster-secret-0123456789"
 
 
 def rss_kib(pid: int) -> int | None:
@@ -122,20 +131,57 @@ def call(url: str, path: str, body: Any = None, timeout: float = 120) -> Any:
         return orjson.loads(resp.read())
 
 
-def start_agent(address: str, name: str, logs: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "vertumnus", "agent", "--coordinator", address]
-    with (logs / f"agent-{name}.log").open("ab") as out:
-        return subprocess.Popen(
-            [*cmd, "--name", name, "--devices", "1"],
-            env={**os.environ, "VERTUMNUS_CLUSTER_SECRET": CLUSTER_SECRET},
-            stdout=out,
-            stderr=out,
-            start_new_session=True,
+@contextlib.contextmanager
+def ray_nodes(hosts: int) -> Iterator[Any]:
+    """For more than one host: a ``ray.cluster_utils.Cluster`` of this machine, a head
+    with no CPUs and ``hosts`` nodes of one CPU, with token authentication (a fresh
+    token in this process's environment, so in the server's); None for one host.
+    Every node it has, those added meanwhile included, ends with it."""
+    if hosts == 1:
+        yield None
+        return
+    with local_cluster(hosts, 1) as cluster:  # (a fresh token, in the server's environment)
+        yield cluster
+
+
+class MainThread:
+    """Ray starts a node only from the main thread (it sets a SIGTERM handler, and the
+    node's processes die with the thread that started them): ``run`` drives the load
+    on a thread of its own while the main thread carries out what ``call`` hands it."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
+            queue.SimpleQueue()
         )
+
+    def run(self, work: Callable[[], Any]) -> Any:
+        out: Future[Any] = Future()
+
+        def load() -> None:
+            try:
+                out.set_result(work())
+            except BaseException as exc:
+                out.set_exception(exc)
+            finally:
+                self._jobs.put(None)
+
+        threading.Thread(target=load, name="soak-load", daemon=True).start()
+        while (job := self._jobs.get()) is not None:
+            fn, done = job
+            try:
+                done.set_result(fn())
+            except Exception as exc:
+                done.set_exception(exc)
+        return out.result()
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        done: Future[Any] = Future()
+        self._jobs.put((fn, done))
+        return await asyncio.wrap_future(done)
 
 
 async def drive(
-    url: str, args: argparse.Namespace, server_pid: int, agents: dict[str, Any]
+    url: str, args: argparse.Namespace, server_pid: int, cluster: Any, main: MainThread
 ) -> dict[str, Any]:
     import aiohttp
 
@@ -182,19 +228,32 @@ async def drive(
 
     async def killer() -> None:
         await asyncio.sleep(args.kill_at_s)
-        if args.hosts > 1:
-            agents["host1"].kill()
-            killed.update(at_s=time.monotonic() - start, agent="host1", pid=agents["host1"].pid)
-            await loop.run_in_executor(None, agents["host1"].wait)
-            await asyncio.sleep(args.agent_down_s)
-            agents["host1"] = start_agent(agents["address"], "host1", agents["logs"])
-            killed["agent_restarted_at_s"] = time.monotonic() - start
-            return
         ws = (await loop.run_in_executor(None, call, url, "/v1/workers"))["workers"]
+        if cluster is not None:
+            await kill_node(ws)
+            return
         busy = [w for w in ws if w["running"] is not None] or ws
         victim = busy[0]
         os.kill(victim["pids"][0], signal.SIGKILL)
         killed.update(at_s=time.monotonic() - start, worker=victim["worker"], pid=victim["pids"][0])
+
+    async def kill_node(ws: list[dict[str, Any]]) -> None:
+        """Remove host 1's Ray node; a new one joins ``--node-down-s`` later."""
+        names = {h: n for w in ws for h, n in zip(w["hosts"], w["host_names"], strict=True)}
+        node = next(n for n in cluster.worker_nodes if n.node_id.startswith(names[1][-8:]))
+        killed.update(at_s=time.monotonic() - start, host=1, node=names[1])
+        await loop.run_in_executor(None, lambda: cluster.remove_node(node, allow_graceful=False))
+        killed["node_removed_at_s"] = time.monotonic() - start
+        await asyncio.sleep(args.node_down_s)
+        await main.call(lambda: cluster.add_node(num_cpus=1))
+        killed["node_added_at_s"] = time.monotonic() - start
+        while time.monotonic() - start < args.duration_s:
+            ws = (await loop.run_in_executor(None, call, url, "/v1/workers"))["workers"]
+            if all(w["state"] == "active" for w in ws):
+                killed["workers_active_at_s"] = time.monotonic() - start
+                killed["host_names"] = sorted({n for w in ws for n in w["host_names"]})
+                return
+            await asyncio.sleep(0.25)
 
     async def decode_killer() -> None:
         await asyncio.sleep(args.decode_kill_at_s)
@@ -394,7 +453,7 @@ def main() -> int:
     parser.add_argument("--kill-at-s", type=float, default=None)
     parser.add_argument("--decode-kill-at-s", type=float, default=None)
     parser.add_argument("--hosts", type=int, choices=(1, 2), default=1)
-    parser.add_argument("--agent-down-s", type=float, default=10.0)
+    parser.add_argument("--node-down-s", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("results/soak.json"))
     harness.add_arguments(parser, json_option=False, max_wait_s=0.0)
@@ -412,38 +471,28 @@ def main() -> int:
         f'[server]\nadmin_token = "{ADMIN_TOKEN}"\nstep_timeout_s = 20\n'
         "[handoff]\nlease_s = 10\n[decode]\nrestart_s = 0.5\n"
     )
-    agents: dict[str, Any] = {"logs": config.parent}
-    env = None
-    if args.hosts > 1:
-        with config.open("a") as f:
-            f.write('[pool]\ndegrees = [1, 2]\n[cluster]\nlisten = "127.0.0.1:0"\nhosts = 2\n')
-            f.write("heartbeat_s = 0.5\nagent_timeout_s = 3.0\n")
-        env = {**os.environ, "VERTUMNUS_CLUSTER_SECRET": CLUSTER_SECRET}
-
-    def on_waiting(address: str) -> None:
-        agents["address"] = address
-        for name in ("host0", "host1"):
-            agents[name] = start_agent(address, name, config.parent)
-
     log_path = config.with_name("server.log")
-    with log_path.open("w") as log:
-        proc, url = start_server(config, stderr=log, env=env, on_waiting=on_waiting)
+    with ray_nodes(args.hosts) as cluster, log_path.open("w") as log:
+        if cluster is not None:  # one rank per host: two workers, a merge spans both
+            with config.open("a") as f:
+                f.write("[pool]\ndegrees = [1, 2]\ndevices_per_host = 1\n")
+                f.write(f'[cluster]\nengine = "ray"\naddress = "{cluster.address}"\n')
+                f.write(f"hosts = {args.hosts}\npoll_s = 0.5\n")
+        waiting = None if cluster is None else (lambda _address: None)
+        proc, url = start_server(config, stderr=log, on_waiting=waiting)
         try:
             wall = time.monotonic()
-            run = asyncio.run(drive(url, args, proc.pid, agents))
+            main = MainThread()
+            run = main.run(lambda: asyncio.run(drive(url, args, proc.pid, cluster, main)))
             wall = time.monotonic() - wall
             end = settle(url)
         finally:
             proc.send_signal(signal.SIGTERM)
-            proc.wait(120)
-            for name in ("host0", "host1"):
-                agent = agents.get(name)
-                if agent is not None:
-                    try:
-                        agent.wait(30)  # the coordinator's Stop ends it
-                    except subprocess.TimeoutExpired:
-                        os.killpg(agent.pid, signal.SIGKILL)
-                        agent.wait()
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     summary = summarize(run, end, expected, args, wall, log_path)
     session.finish(args.out, summary)
     for key, value in summary.items():

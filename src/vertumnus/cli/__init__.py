@@ -8,7 +8,7 @@ Subcommands: ``prefill`` (one CP worker, one prefill, optional check against a
 reference), ``fit`` (the execution-time model from measured samples), ``profile``
 (measure the engine and fit), ``capacity`` (kappa_C per degree into a profile) and
 ``simulate`` (the policies at cluster scale, in simulation), ``serve`` (the REST
-API), ``loadgen`` and ``agent`` (a host of a multi-host pool). Errors in
+API), ``loadgen`` and ``decode``; ``agent`` only says what replaced it (Ray). Errors in
 what the user gave print one line on stderr and exit 2; a failure of the rank
 processes (``RanksError``) prints one line and exits 1.
 """
@@ -35,7 +35,7 @@ COMMANDS = (
     ("simulate", "run the prefill pool's policies in a discrete-event simulation", simulate),
     ("serve", "serve prefills over a REST API (coordinator + rank processes)", serve),
     ("loadgen", "drive a running server with a trace or synthetic load", loadgen),
-    ("agent", "run this host's ranks for a multi-host pool's coordinator", agent),
+    ("agent", "removed: pools across hosts run on Ray (docs/multi-host.md)", agent),
     ("decode", "serve completions, decoding after a prefill pool's hand-off", decode),
 )
 

@@ -61,7 +61,7 @@ def configure_logging() -> None:
 
 async def serve(args: argparse.Namespace, cluster: Any, cfg: Any) -> int:
     """``cfg``: the configuration, read already (None for a multi-host pool, whose
-    configuration needs its agents' topology: ``cluster``)."""
+    configuration needs its Ray nodes' topology: ``cluster``)."""
     from aiohttp import web
 
     from vertumnus import native
@@ -126,20 +126,19 @@ async def serve(args: argparse.Namespace, cluster: Any, cfg: Any) -> int:
 
 
 async def gather_cluster(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]:
-    """Wait for the node agents of a multi-host pool; its configuration then
-    has their topology (ranks, ranks per host)."""
+    """Join the Ray cluster of a multi-host pool and reserve its hosts; its
+    configuration then has their topology (ranks, ranks per host)."""
     from vertumnus.config import resolve_model
-    from vertumnus.runtime.cluster.ranks import ClusterRanks
+    from vertumnus.runtime.cluster.ray_ranks import RayRanks
     from vertumnus.runtime.serve_config import load, load_rank_setup
 
-    model, engine = load_rank_setup(args.config, args.model)
+    model, engine, per_host = load_rank_setup(args.config, args.model)
     model_cfg, model_dir = resolve_model(model)
-    ranks = ClusterRanks(cluster, model_cfg, model_dir, engine)
+    ranks = RayRanks(cluster, model_cfg, model_dir, engine, per_host)
     try:
-        host = cluster.listen.rpartition(":")[0]
-        print(f"vertumnus waiting for {cluster.hosts} agent(s) on {host}:{ranks.port}", flush=True)
+        print(f"vertumnus waiting for {cluster.hosts} Ray node(s) at {cluster.address}", flush=True)
         structlog.get_logger("vertumnus").info(
-            "waiting_for_agents", hosts=cluster.hosts, port=ranks.port
+            "waiting_for_ray", hosts=cluster.hosts, address=cluster.address
         )
         topology = await asyncio.get_running_loop().run_in_executor(None, ranks.gather)
         cfg = load(args.config, args.model, topology=topology, preset=args.preset)

@@ -9,7 +9,7 @@
     min_workers      = {"4" = 2}     bounds on the workers of a degree
     max_workers      = {"4" = 8}
     devices_per_host = 8             hosts in the lattice (a multi-host server learns
-                                     it from its agents)
+                                     it from its Ray nodes)
     composition      = "auto"        the start chosen from what a server has
                                      (``config/start.py``), from the first of:
     start_workload   = "FILE"        a representative trace (Mooncake JSONL or Azure
@@ -181,7 +181,7 @@ class PoolConfig:
         topology: tuple[int, int] | None = None,
     ) -> PoolConfig:
         """``[pool]`` over ``default``; ``topology`` (ranks, devices per host) comes from
-        a multi-host pool's agents, and then ``ranks`` may not be given."""
+        a multi-host pool's Ray nodes, and then ``ranks`` may not be given."""
         values = dict(table)
         auto = values.get("composition") == "auto"
         if auto:
@@ -224,11 +224,11 @@ class PoolConfig:
         if topology is not None:
             if ranks is not None:
                 raise ConfigError(
-                    "[pool] ranks is learned from the agents in a multi-host pool: remove it"
+                    "[pool] ranks is learned from the Ray nodes in a multi-host pool: remove it"
                 )
             if hosts not in (None, topology[1]):
                 raise ConfigError(
-                    f"[pool] devices_per_host {hosts} differs from the agents' "
+                    f"[pool] devices_per_host {hosts} differs from the Ray nodes' "
                     f"{topology[1]} ranks per host"
                 )
             ranks, hosts = topology

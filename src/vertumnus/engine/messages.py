@@ -1,9 +1,10 @@
 """Messages across the coordinator <-> rank process boundary.
 
 Every message is a small frozen dataclass, pickled onto a one-way pipe between the
-coordinator (or, for a rank on another host, its node agent) and the rank;
-receivers ``match`` on the type. Nothing here runs anything. The tensors of
-a command (token ids) and of an answer (logits) cross as plain bytes (``wire.py``).
+coordinator and a local rank process, or the argument and result of a Ray actor's
+call for a rank on another host; receivers ``match`` on the type. Nothing here
+runs anything. The tensors of a command (token ids) and of an answer (logits)
+cross as plain bytes (``wire.py``).
 
     coordinator --PrefillCommand / SwitchEpoch / RebuildGroups / KVTransfer /
                   KVRead / Shutdown--> rank r

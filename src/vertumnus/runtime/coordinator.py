@@ -94,7 +94,7 @@ class Coordinator:
         offload_decisions: bool = True,
     ) -> None:
         """``ranks``: the ranks, when they are not this process's children (a
-        ``ClusterRanks`` of node agents, already gathered; an in-process fake in
+        ``RayRanks`` on a Ray cluster, already gathered; an in-process fake in
         tests); None: a ``ChildRanks``. ``offload_decisions``: the controller's
         replays run on their own thread (off: inline, as the simulator runs them)."""
         self.cfg = cfg
@@ -216,7 +216,7 @@ class Coordinator:
                 ranks.close()  # (the stores' segments, made for the tier before the start)
             raise
         self.shared.ranks.now = ranks
-        ranks.report_to(loop, self.switchboard)  # (a host's agent back: ``HostsBack``)
+        ranks.report_to(loop, self.switchboard)  # (a host back: ``HostsBack``; Ray's reach)
         for w in self.policy.lattice.workers.values():
             self.loops.add_worker(w.worker_id)
         # The event loop itself watches the ranks' answer pipes and their process
@@ -278,6 +278,8 @@ class Coordinator:
 
     def unready_reason(self) -> str | None:
         """Why the pool cannot dispatch a request now (None: it can): ``/ready``."""
+        if self.health.cluster_error is not None and self.ready:
+            return self.health.cluster_error
         return readiness.unready_reason(
             self.ready,
             self.rank_error,

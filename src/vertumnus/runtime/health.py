@@ -3,7 +3,8 @@
 ``ready``: the ranks started and admission is open (``stop_admission`` and a rank
 pool that failed close it); ``failure``: why the pool cannot serve, when it cannot
 (a rank pool that failed, a worker that could not be restarted, the shutdown);
-``draining``: admission is closed for the shutdown, and what was accepted finishes:
+``cluster_error``: why the Ray cluster of a multi-host pool does not answer, while
+it does not; ``draining``: admission is closed for the shutdown, and what was accepted finishes:
 a worker lost now is not restarted; ``stopping``: the server is closing, so nothing
 new begins (set from the event loop, read from the decision thread as well).
 """
@@ -17,6 +18,7 @@ class Health:
     def __init__(self) -> None:
         self.ready = False
         self.failure: str | None = None
+        self.cluster_error: str | None = None
         self.draining = False
         self._stopping = threading.Event()
 

@@ -15,7 +15,8 @@ order and the same iteration of the event loop as a direct call.
     RankDown(rank, reason)    a rank failed a prefill after its attempt ended
     PoolFailed(error)         a rank failed outside anything that waits
     CopyHung(ranks)           a KV copy timed out: its workers restart
-    HostsBack(ranks)          a host's agent is back (``ClusterRanks``)
+    HostsBack(ranks)          a host's Ray node is back (``RayRanks``)
+    ClusterReach(error)       Ray stopped answering (error) or answers again (None)
     WorkerRejoined(worker_id) a worker's recovery ended -> its task (``WorkerLoops``)
     CompositionChanged()      a reshape finished: the composition is kept
 """
@@ -73,9 +74,17 @@ class CopyHung:
 
 @dataclass(frozen=True)
 class HostsBack:
-    """The agent of ``ranks`` connected again: their failed workers restart now."""
+    """The host of ``ranks`` has a Ray node again: their failed workers restart now."""
 
     ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ClusterReach:
+    """The Ray cluster does not answer (``error`` says how), or answers again (None):
+    ``/ready`` says so meanwhile."""
+
+    error: str | None
 
 
 @dataclass(frozen=True)
@@ -98,6 +107,7 @@ Intent = (
     | PoolFailed
     | CopyHung
     | HostsBack
+    | ClusterReach
     | WorkerRejoined
     | CompositionChanged
 )

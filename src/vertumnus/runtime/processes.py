@@ -10,13 +10,11 @@ deadlocked: the coordinator blocked writing a large KV message to a busy rank,
 while that rank blocked writing its answer to the coordinator.) This process keeps
 no copy of a command pipe's read end, so once a rank is gone a pending write fails
 with EPIPE and the sender ends; nothing blocks shutdown. The coordinator's
-``ChildRanks`` (``ranks.py``) and a node agent (``cluster/agent.py``) each hold one
-``LocalRanks``.
+``ChildRanks`` (``ranks.py``) holds one ``LocalRanks``.
 """
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -30,9 +28,7 @@ from vertumnus.engine.rank import RankSpec, rank_main
 
 class _CommandSender:
     """The write end of one rank's command pipe, fed by a daemon thread: ``put``
-    never blocks; the thread ends on ``stop`` or when the rank is gone (EPIPE).
-    A ``bytes`` item is a message pickled already (an agent forwards what the
-    coordinator sent) and is written as it is."""
+    never blocks; the thread ends on ``stop`` or when the rank is gone (EPIPE)."""
 
     _STOP = object()
 
@@ -48,10 +44,7 @@ class _CommandSender:
     def _feed(self) -> None:
         while (msg := self._queue.get()) is not self._STOP:
             try:
-                if isinstance(msg, bytes):
-                    self._conn.send_bytes(msg)
-                else:
-                    self._conn.send(msg)
+                self._conn.send(msg)
             except (OSError, ValueError):  # the rank exited, or the pipe was closed
                 return
 
@@ -73,21 +66,12 @@ def _context() -> Any:
 class LocalRanks:
     """The rank processes of this host, by global rank: start (``forkserver`` context, a
     command pipe written by a ``_CommandSender`` and an answer pipe each), kill, and
-    an orderly close. The coordinator's ``ChildRanks`` and a node agent
-    (``runtime/cluster/agent.py``) both hold one."""
+    an orderly close. The coordinator's ``ChildRanks`` holds one."""
 
     def __init__(self) -> None:
         self.procs: dict[int, Any] = {}
         self.results: dict[int, Any] = {}  # Connection per rank, rank -> here
         self._commands: dict[int, _CommandSender] = {}
-
-    @staticmethod
-    def warm(timeout_s: float = 300.0) -> None:
-        """Starts the fork server and waits for its imports, which the first rank
-        start would otherwise block on (seconds: an agent would fall silent)."""
-        probe = _context().Process(target=os.getpid, name="vertumnus-forkserver-warm")
-        probe.start()
-        probe.join(timeout_s)
 
     def spawn(self, rank: int, spec: RankSpec) -> None:
         ctx = _context()

@@ -5,12 +5,14 @@ poller wakes on a pipe, the bytes are buffered and framed as
 ``multiprocessing.connection`` frames them (a 4-byte big-endian length, or -1 then
 an 8-byte one), and each whole message is unpickled and handed to the switchboard as
 ``RankAnswer`` (the rank link takes it). A sentinel that becomes readable (a local
-rank process ended, or a remote rank's agent reported it gone) is handed on once,
-as ``RankExited`` (recovery takes it). It does not interpret any message.
+rank process ended, or Ray reported a rank actor, its process or its node gone) is
+handed on once, as ``RankExited`` (recovery takes it). It does not interpret any
+message.
 
-The pipes come only from this pool's own rank processes, or from the I/O thread of
-a ``ClusterRanks``, which passes on only what the signature of a holder of the
-cluster secret covers; so unpickling them trusts nothing from the network.
+The pipes come only from this pool's own rank processes, or from a ``RayRanks``
+callback thread, which writes what the pool's own rank actors returned through Ray;
+a Ray cluster admits only holders of its token (``cluster/auth.py``) unless
+``[cluster] private_network`` says that no one else can reach it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The coordinator's handle on its rank processes (``Ranks``: ``ChildRanks`` here,
-``ClusterRanks`` under node agents).
+``RayRanks`` as Ray actors across hosts).
 
 Owns process lifetime: starting the ranks (forks of a ``forkserver`` that imported
 the engine once, never of the coordinator: a restart imports no torch), the TCP
@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import timedelta
 from multiprocessing import connection
 from typing import Any, Protocol
@@ -53,7 +53,7 @@ def worker_groups(world_size: int, degrees: Sequence[int]) -> tuple[tuple[int, .
 
 class Ranks(Protocol):
     """What the coordinator needs of its ranks, wherever they run: ``ChildRanks``
-    (children of this process) and ``ClusterRanks`` (under node agents) provide it.
+    (children of this process) and ``RayRanks`` (Ray actors across hosts) provide it.
 
     ``send`` never blocks; answers arrive on ``channels`` (an answer connection and
     a sentinel that becomes readable when the rank is gone, per rank), which change
@@ -68,8 +68,9 @@ class Ranks(Protocol):
     ``local_stores`` (the KV stores of ranks on this host, in shared memory this
     process maps: a pull streams from them, KV reads are written into this
     process's memory, the host tier copies to and from them; None: the ranks run
-    elsewhere). ``report_to`` names where their own reports go: a host whose agent
-    came back (``HostsBack``), from whatever thread noticed it."""
+    elsewhere). ``report_to`` names where their own reports go: a host whose Ray
+    node is back (``HostsBack``), whether Ray answers (``ClusterReach``), from
+    whatever thread noticed it."""
 
     @property
     def holds_kv(self) -> bool: ...
@@ -139,7 +140,7 @@ def wait_ready(ranks: RanksCore, members: Sequence[int], timeout_s: float) -> No
 
 
 class RanksCore:
-    """What ``ChildRanks`` and ``ClusterRanks`` share: the model and engine, the worker
+    """What ``ChildRanks`` and ``RayRanks`` share: the model and engine, the worker
     groups and their generations, readiness, the TCP store the ranks rendezvous on,
     answers read but not handed out, and the start and restart sequences around each
     pool's own ``_spawn`` (start these ranks) and ``poll``."""
@@ -196,14 +197,26 @@ class RanksCore:
             self.close()
             raise
 
-    def _rank_spec(self, store_host: str, local_ranks: int | None = None) -> RankSpec:
+    def _alive(self, rank: int) -> bool:
+        """``rank`` runs now (its process or actor has not ended)."""
+        raise NotImplementedError
+
+    def _rank_spec(
+        self, store_host: str, starting: Collection[int], local_ranks: int | None = None
+    ) -> RankSpec:
+        """The spec of the ranks ``starting`` now. Their groups are those whose every
+        other member runs: a group with a member that is down (its host lost, its
+        worker not restarted yet) is formed when that member restarts, by its live
+        members (``RebuildGroups``), never waited for here."""
         assert self._store is not None
+        starting = set(starting)
+        groups = tuple(g for g in self.groups if all(r in starting or self._alive(r) for r in g))
         return RankSpec(
             model=self.model,
             model_dir=self.model_dir,
             engine=self.engine,
             world_size=self.world_size,
-            worker_groups=self.groups,
+            worker_groups=groups,
             store_host=store_host,
             store_port=self._store.port,
             group_generations=tuple(sorted(self.generations.items())),
@@ -265,7 +278,7 @@ class ChildRanks(RanksCore):
 
     def _spawn(self, ranks: Sequence[int]) -> None:
         segments = self.kv_segments.names(range(self.world_size))
-        spec = dataclasses.replace(self._rank_spec("127.0.0.1"), kv_segments=segments)
+        spec = dataclasses.replace(self._rank_spec("127.0.0.1", ranks), kv_segments=segments)
         for rank in ranks:
             self._ranks.spawn(rank, spec)
 
@@ -282,6 +295,10 @@ class ChildRanks(RanksCore):
         rebuild = self._forget(dead)
         self._spawn(sorted(dead))
         return rebuild
+
+    def _alive(self, rank: int) -> bool:
+        proc = self._ranks.procs.get(rank)
+        return proc is not None and proc.is_alive()
 
     def incarnation(self, rank: int) -> int:
         """How many times ``rank`` was restarted: a group formed with it on demand

@@ -14,8 +14,8 @@ failed processes are not watched (no crash loop).
 Requests wait while a worker is coming back and are refused once nothing is.
 The ranks' own reports come here too, routed by the coordinator's switchboard: a
 process that exited (``rank_exited``), a KV copy that hung (``copy_hung``), a
-failure that leaves the pool unusable (``pool_failed``), a host whose agent is back
-(``hosts_back``). What recovery wants of others it hands to the switchboard: the
+failure that leaves the pool unusable (``pool_failed``), a host whose Ray node is
+back (``hosts_back``). What recovery wants of others it hands to the switchboard: the
 policy's actions (``Apply``) and a worker's recovery ended (``WorkerRejoined``:
 its task looks at its queue).
 """
@@ -114,8 +114,8 @@ class Recovery:
         self.link.fail_all(error)
 
     def hosts_back(self, ranks: Sequence[int]) -> None:
-        """The agent of ``ranks`` is back: restart the failed workers among them now
-        (not at their next retry)."""
+        """The host of ``ranks`` has a Ray node again: restart the failed workers
+        among them now (not at their next retry)."""
         back = set(ranks)
         for w in list(self.policy.lattice.workers.values()):
             if back & set(w.devices) and (

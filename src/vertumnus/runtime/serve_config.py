@@ -16,9 +16,9 @@ pool can be simulated from its own file. Of its own, ``serve`` reads::
                   samples: one per timeline_s, the latest timeline_samples kept),
                   slo = "5x" (the TTFT target they measure attainment against,
                   as [sim] slo: ``slo.py``)
-    [cluster]     listen = "0.0.0.0:7700", hosts = 2: a multi-host pool; the ranks
-                  run under node agents (``python -m vertumnus agent``), and
-                  [pool] ranks is learned from them (see ``serve_tables.py``)
+    [cluster]     engine = "ray", address = "auto", hosts = 2: a multi-host pool;
+                  the ranks run as actors on a Ray cluster, and [pool] ranks is
+                  learned from its nodes (``serve_tables.py``, docs/multi-host.md)
     [handoff]     lease_s = 30, max_leases = 1024, reshape_wait_s = 5, secret (or
                   $VERTUMNUS_HANDOFF_SECRET), advertise_host: the KV hand-off to
                   a decode pool (``serve_tables.py``)
@@ -166,15 +166,11 @@ def _read(path: Path | None) -> dict[str, Any]:
 
 def load_cluster(path: Path | None) -> ClusterConfig | None:
     """The ``[cluster]`` table alone (None: a single-host pool): the coordinator
-    needs it to gather its agents before it knows how many ranks the pool has."""
+    needs it to find its Ray nodes before it knows how many ranks the pool has."""
     raw = _read(path).get("cluster")
     if raw is None:
         return None
-    values = dict(raw)
-    if os.environ.get("VERTUMNUS_CLUSTER_SECRET"):
-        values["secret"] = os.environ["VERTUMNUS_CLUSTER_SECRET"]
-    cluster: ClusterConfig = build_table(ClusterConfig, values, "cluster")
-    return cluster
+    return ClusterConfig.from_table(dict(raw))
 
 
 def default_profile(engine: EngineConfig) -> str:
@@ -191,12 +187,18 @@ def default_profile(engine: EngineConfig) -> str:
     return "tiny-cpu-bf16" if cpu_bf16 else DEFAULT_PROFILE
 
 
-def load_rank_setup(path: Path | None, model: str | None = None) -> tuple[str, EngineConfig]:
-    """The model and the engine settings alone: what a multi-host pool's ranks need
-    before the agents' topology completes the configuration."""
+def load_rank_setup(
+    path: Path | None, model: str | None = None
+) -> tuple[str, EngineConfig, int | None]:
+    """The model, the engine settings and ``[pool] devices_per_host`` (None: learned
+    from the nodes) alone: what a multi-host pool's ranks need before the Ray
+    nodes' topology completes the configuration."""
     raw = _read(path)
     name = model or raw.get("model", {}).get("name", DEFAULT_MODEL)
-    return name, read_engine(raw, EngineConfig())
+    per_host = raw.get("pool", {}).get("devices_per_host")
+    if per_host is not None and (not isinstance(per_host, int) or per_host < 1):
+        raise ConfigError(f"[pool] devices_per_host must be an integer >= 1, got {per_host!r}")
+    return name, read_engine(raw, EngineConfig()), per_host
 
 
 def load(
@@ -207,7 +209,7 @@ def load(
 ) -> ServeConfig:
     """The serving configuration (``preset``: ``--preset``, over the file). A
     multi-host pool (``[cluster]``) needs its ``topology`` (ranks, ranks per host),
-    learned from its agents."""
+    learned from its Ray nodes."""
     raw = apply_preset(_read(path), preset)
     model_table = dict(raw.get("model", {}))
     name = model or str(model_table.pop("name", DEFAULT_MODEL))
@@ -217,7 +219,7 @@ def load(
     if cluster is not None and topology is None:
         raise ConfigError(
             f"{path} describes a multi-host pool ([cluster]): its ranks come from its "
-            "agents (load it with their topology)"
+            "Ray nodes (load it with their topology)"
         )
     server = dict(raw.get("server", {}))
     kwargs: dict[str, Any] = {key: server.pop(key) for key in SERVER_KEYS if key in server}
@@ -245,7 +247,7 @@ def load(
     if cluster is not None and policy.cache.host_tier_bytes > 0:
         raise ConfigError(
             "[cache] host_tier_bytes needs CPU ranks that keep their KV store in this "
-            "host's shared memory: a multi-host pool's ranks run under node agents"
+            "host's shared memory: a multi-host pool's ranks run on Ray nodes"
         )
     handoff = dict(raw.get("handoff", {}))
     if os.environ.get("VERTUMNUS_HANDOFF_SECRET"):

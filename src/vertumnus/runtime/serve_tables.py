@@ -6,40 +6,60 @@ from __future__ import annotations
 
 import dataclasses
 
-from vertumnus.config import ConfigError
+from vertumnus.config import ConfigError, build_table
+
+# Keys of the node agents' ``[cluster]`` table, which Ray replaced
+_AGENT_KEYS = ("listen", "secret", "heartbeat_s", "agent_timeout_s")
 
 
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
-    """``[cluster]``: the coordinator waits for ``hosts`` node agents on ``listen``
-    (``HOST:PORT``; port 0: a free one), each running the ranks of one host. Every
-    host must run the same number of ranks (``devices_per_host``, learned from the
-    agents). The secret (``$VERTUMNUS_CLUSTER_SECRET`` or ``secret``, at least 16
-    characters) signs and encrypts the control channel (``runtime/cluster/channel.py``)."""
+    """``[cluster]``: a pool whose ranks run as actors on a Ray cluster
+    (``runtime/cluster/``, docs/multi-host.md). ``address``: the cluster's (``auto``:
+    the one this host has joined, as ``ray.init`` finds it); ``hosts``: how many of
+    its nodes run ranks, each the same number (``[pool] devices_per_host``, or
+    learned from the nodes: their GPUs, or on CPU hosts their CPUs over
+    ``cpus_per_rank``). Ray runs whatever anyone who reaches its ports sends it, so
+    the cluster must use token authentication (``RAY_AUTH_MODE=token``) unless
+    ``private_network = true`` says that no one else can reach it."""
 
-    listen: str = "0.0.0.0:7700"
+    engine: str = "ray"
+    address: str = "auto"
     hosts: int = 1
-    secret: str | None = dataclasses.field(default=None, repr=False)
-    heartbeat_s: float = 1.0  # each side's heartbeat period
-    agent_timeout_s: float = 5.0  # an agent silent this long is gone (a dropped
-    # connection is seen at once)
-    join_timeout_s: float = 600.0  # start-up: how long to wait for every agent
+    private_network: bool = False
+    cpus_per_rank: float = 1.0  # each rank's bundle on a CPU host (a GPU on GPU hosts)
+    join_timeout_s: float = 600.0  # start-up: how long to wait for ``hosts`` nodes
+    poll_s: float = 0.5  # how often the nodes and placement groups are checked
+    reach_timeout_s: float = 5.0  # a check unanswered this long: Ray is unreachable
+    namespace: str = "vertumnus"  # Ray's namespace of the pool's actors
 
     def __post_init__(self) -> None:
+        if self.engine != "ray":
+            raise ConfigError(
+                f'[cluster] engine must be "ray" (got {self.engine!r}): pools across hosts '
+                "run their ranks as Ray actors (docs/multi-host.md)"
+            )
         if self.hosts < 1:
             raise ConfigError("[cluster] hosts must be >= 1")
-        if not 0 < self.heartbeat_s < self.agent_timeout_s:
-            raise ConfigError("[cluster] need 0 < heartbeat_s < agent_timeout_s")
-        if self.join_timeout_s <= 0:
-            raise ConfigError("[cluster] join_timeout_s must be > 0")
-        host, sep, port = self.listen.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ConfigError(f"[cluster] listen must be HOST:PORT, got {self.listen!r}")
-        if self.secret is None or len(self.secret) < 16:
+        if not self.address:
+            raise ConfigError('[cluster] address must be "auto" or a Ray address (HOST:PORT)')
+        if not self.cpus_per_rank > 0:
+            raise ConfigError("[cluster] cpus_per_rank must be > 0")
+        if not (self.join_timeout_s > 0 and 0 < self.poll_s < self.reach_timeout_s):
+            raise ConfigError("[cluster] need join_timeout_s > 0 and 0 < poll_s < reach_timeout_s")
+
+    @classmethod
+    def from_table(cls, table: dict[str, object]) -> ClusterConfig:
+        """``[cluster]``, refusing the keys of the removed node agents by name."""
+        old = sorted(k for k in table if k in _AGENT_KEYS)
+        if old:
             raise ConfigError(
-                "[cluster] needs a secret of at least 16 characters: set "
-                "$VERTUMNUS_CLUSTER_SECRET (or [cluster] secret), the same on every host"
+                f"[cluster] {', '.join(old)}: the node agents these configured were "
+                'removed; pools across hosts run on Ray: [cluster] engine = "ray", '
+                "address, hosts (docs/multi-host.md)"
             )
+        built: ClusterConfig = build_table(cls, dict(table), "cluster")
+        return built
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +67,9 @@ class HandoffConfig:
     """``[handoff]``: how the pool hands a prompt's KV to a decode server
     (docs/api.md, "Hand-off"). A request with ``kv_transfer_params.do_remote_decode``
     keeps its blocks pinned ``lease_s`` seconds, or until pulled or released; at most
-    ``max_leases`` at once (then 503). The pull endpoint takes the API key, the
-    cluster secret or this ``secret`` (``$VERTUMNUS_HANDOFF_SECRET``; none: a random
-    one per start, handed to the local decode process), never nothing.
+    ``max_leases`` at once (then 503). The pull endpoint takes the API key or this
+    ``secret`` (``$VERTUMNUS_HANDOFF_SECRET``; none: a random one per start, handed
+    to the local decode process), never nothing.
     ``advertise_host``: the host a decode server should pull from (None: the address
     the server listens on). ``reshape_wait_s``: how long a reshape waits for the
     leases on its workers to be pulled (and a switch for the pulls under way); then

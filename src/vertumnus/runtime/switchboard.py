@@ -27,6 +27,7 @@ from vertumnus.runtime.background import Background
 from vertumnus.runtime.health import Health
 from vertumnus.runtime.intents import (
     Apply,
+    ClusterReach,
     CompositionChanged,
     CopyHung,
     HostsBack,
@@ -105,6 +106,8 @@ class Switchboard:
                 parts.recovery.copy_hung(list(ranks))
             case HostsBack(ranks):
                 parts.recovery.hosts_back(ranks)
+            case ClusterReach(error):
+                self.health.cluster_error = error
             case WorkerRejoined(worker_id):
                 parts.loops.wake(worker_id)
             case CompositionChanged():

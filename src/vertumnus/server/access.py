@@ -2,7 +2,7 @@
 
 ``/v1/admin/*`` needs ``Authorization: Bearer <admin token>`` (401 without it, 403
 with a wrong one, 403 for every call when no token is configured). A KV pull or
-release (``/v1/kv/*``) needs the API key, the cluster secret or the hand-off secret
+release (``/v1/kv/*``) needs the API key or the hand-off secret
 (``handoff_routes.may_pull``). When an API key is configured, every other ``/v1/*``
 route needs ``Bearer <api key>`` (401), and so do ``/tokenize`` and ``/detokenize``
 (they run the tokenizer and the chat template; vLLM leaves them open).

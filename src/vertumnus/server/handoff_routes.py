@@ -30,6 +30,7 @@ from aiohttp import web
 from vertumnus.kv_wire import END, HandoffError, chunk_header
 from vertumnus.runtime.coordinator import Coordinator
 from vertumnus.runtime.kv.leases import Lease
+from vertumnus.runtime.ranks import RanksError
 from vertumnus.runtime.request_path import PrefillResult
 from vertumnus.server.keys import ADDRESS, COORDINATOR
 
@@ -78,13 +79,10 @@ def transfer_params(request: web.Request, coord: Coordinator, result: PrefillRes
 
 
 def may_pull(coord: Coordinator, token: str | None) -> bool:
-    """The bearer of a pull or release: the API key, the cluster secret or the
-    hand-off secret."""
+    """The bearer of a pull or release: the API key or the hand-off secret."""
     if token is None:
         return False
     accepted = [coord.cfg.api_key, coord.handoffs.secret]
-    if coord.cfg.cluster is not None:
-        accepted.append(coord.cfg.cluster.secret)
     return any(s is not None and hmac.compare_digest(token.encode(), s.encode()) for s in accepted)
 
 
@@ -167,7 +165,9 @@ async def _send(request: web.Request, coord: Coordinator, lease: Lease) -> web.S
     try:
         sent = await coord.handoffs.stream(lease, SocketSink(response, request))
     except Exception as exc:  # cut short: the client sees no end mark; the lease stays
-        if isinstance(exc, ConnectionError | HandoffError):  # the puller left, or 410
+        # The puller left, the lease ended (410), or a rank the pull reads from
+        # died (a rank on another host: its KV is read through it) and its KV with it.
+        if isinstance(exc, ConnectionError | HandoffError | RanksError):
             log.warning("handoff_pull_cut", handle=handle, error=repr(exc))
         else:  # a bug: logged with its traceback, counted
             coord.metrics.bug("handoff", "handoff_pull_failed", exc, handle=handle)

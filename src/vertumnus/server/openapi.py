@@ -237,7 +237,7 @@ OPENAPI: dict[str, Any] = {
         "/v1/kv/{handle}": {
             "get": {
                 "summary": "Pull a prompt's KV (the hand-off wire format, docs/api.md); "
-                "bearer: the API key, the cluster secret or the hand-off secret",
+                "bearer: the API key or the hand-off secret",
                 "parameters": _HANDLE,
                 "responses": {
                     "200": {"description": "application/octet-stream"},

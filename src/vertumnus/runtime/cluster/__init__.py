@@ -1,4 +1,4 @@
-"""Ranks under node agents on other hosts: ``ClusterRanks`` (``ranks.py``), the hub the
-agents connect to (``hub.py``) and its roster of them (``roster.py``), the node agent
-(``agent.py``) and the signed and encrypted control channel between them
-(``channel.py``)."""
+"""Ranks on other hosts, as Ray actors: ``RayRanks`` (``ray_ranks.py``), the hosts'
+nodes and placement groups (``ray_hosts.py``), the actor itself (``rank_actor.py``)
+and the check that the cluster admits only holders of its token (``auth.py``).
+Ray is imported only here, and only when a pool has a ``[cluster]`` table."""

@@ -67,7 +67,7 @@ class Handoffs:
             shared.switchboard,
         )
         self.cfg = serve.handoff
-        # A pull needs the API key, the cluster secret or this (never nothing).
+        # A pull needs the API key or this (never nothing).
         self.secret = self.cfg.secret or secrets.token_urlsafe(24)
         self.leases: dict[str, Lease] = {}
         self.ended: OrderedDict[str, str] = OrderedDict()  # handle -> why it ended

@@ -18,7 +18,7 @@ The tier belongs to the host, not to a worker: a split, a merge or a rank's rest
 leaves it as it is (a block demoted by one worker loads into any worker of the host,
 on whichever CP rank its depth now belongs to), and it is unlinked at shutdown only.
 It needs the ranks' stores in this host's shared memory: ``check`` refuses the rest
-(GPU ranks, ranks under node agents, the simulator's bound), and ``open`` refuses a
+(GPU ranks, rank actors on Ray nodes, the simulator's bound), and ``open`` refuses a
 pool whose stores or tier the shared memory file system has no room for.
 """
 
@@ -66,7 +66,7 @@ def check(
         raise ConfigError(f"{KEY} = {host_tier_bytes} holds no KV block{block}")
     needs = "needs CPU ranks that keep their KV store in this host's shared memory"
     if ranks is not None and ranks.local_stores is None:
-        raise ConfigError(f"{KEY} {needs}: these ranks run elsewhere (under node agents)")
+        raise ConfigError(f"{KEY} {needs}: these ranks run elsewhere (on Ray nodes)")
     try:
         devices = {resolve_device(engine, rank).type for rank in range(num_devices)}
     except RuntimeError:

@@ -4,7 +4,7 @@ sequence order, as the wire format wants them (``kv_wire.py``).
 One ``KVRead`` per rank involved, sent at once; ranks on the coordinator's host
 (those with ``local_stores``: ``ChildRanks``) write their blocks straight into a
 shared-memory segment of this process (``engine/shared_rows.py``), at their rows, so
-the reads of a CP worker come back already interleaved; ranks under a node agent
+the reads of a CP worker come back already interleaved; rank actors on Ray nodes
 send their rows as bytes, put back in order here. A few segments are reused
 (``SEGMENTS``): a read hands its segment to the caller, who gives it back once the
 bytes have left (``give_back_segment``, or ``give_back`` for a read nobody will

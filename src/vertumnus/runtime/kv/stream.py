@@ -4,7 +4,7 @@ its length, and its bytes written to a ``Sink`` (the route's socket).
 CPU ranks on this host keep their stores in shared memory that this process maps
 (``runtime/kv/segments.py``): their blocks leave straight from there, as whole
 blocks, one ``writev`` run per run of slots, with no command to the ranks and no
-copy. Other ranks (GPUs, ranks under a node agent) are read a chunk ahead of the one
+copy. Other ranks (GPUs, rank actors on Ray nodes) are read a chunk ahead of the one
 written (``runtime/kv/reads.py``, ``KVRead``). The lease's end, and the pulls under
 way, are ``runtime/kv/handoffs.py``'s.
 """
@@ -123,7 +123,7 @@ class KVStream:
 
     def _stores(self, devices: set[int]) -> dict[int, tuple[memoryview, memoryview]] | None:
         """The K and V bytes of the store of each of ``devices``, mapped here; None if
-        one is not (GPU ranks, ranks under a node agent)."""
+        one is not (GPU ranks, rank actors on Ray nodes)."""
         ranks = self.ranks.now
         local = None if ranks is None else ranks.local_stores
         if local is None:
