@@ -84,6 +84,10 @@ def _aiperf_args(run: Run, load: Load, out: Path) -> list[str]:
         "--isl", str(PROMPT_TOKENS),
         "--osl", str(OUTPUT_TOKENS),
         "--random-seed", "0",
+        # The requested output length, as benchmark runs ask for it (guidellm sends
+        # it by itself): a random model's first sampled token is its end of text
+        # about once in 512, and an empty answer counts as the client's error.
+        "--extra-inputs", "ignore_eos:true",
         "--ui", "none",
         "--no-gpu-telemetry",
         "--artifact-dir", str(out),
