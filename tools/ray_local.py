@@ -42,17 +42,30 @@ def token_auth(token: str | None = None) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def local_cluster(nodes: int, cpus: int, auth: Mapping[str, str] | None = None) -> Iterator[Any]:
+def local_cluster(
+    nodes: int,
+    cpus: int,
+    auth: Mapping[str, str] | None = None,
+    health_check_s: float | None = None,
+) -> Iterator[Any]:
     """A ``ray.cluster_utils.Cluster``: head (no CPUs) plus ``nodes`` nodes of
     ``cpus``; ``auth``: its authentication environment (None: a fresh token;
-    ``{"RAY_AUTH_MODE": "disabled"}``: none)."""
+    ``{"RAY_AUTH_MODE": "disabled"}``: none). ``health_check_s``: how often the GCS
+    checks each node, a node failing 3 checks in a row being dead (None: Ray's own
+    settings, which declare a killed node dead after about 13-15 s here)."""
     from ray.cluster_utils import Cluster
 
     with environment(token_auth() if auth is None else auth):
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args={"num_cpus": 0, "include_dashboard": False},
-        )
+        head: dict[str, Any] = {"num_cpus": 0, "include_dashboard": False}
+        if health_check_s is not None:
+            period_ms = int(health_check_s * 1000)
+            head["_system_config"] = {
+                "health_check_period_ms": period_ms,
+                # (a killed node refuses at once; a slow one has 10 s per check)
+                "health_check_timeout_ms": 10_000,
+                "health_check_failure_threshold": 3,
+            }
+        cluster = Cluster(initialize_head=True, head_node_args=head)
         try:
             for _ in range(nodes):
                 cluster.add_node(num_cpus=cpus)
