@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,8 @@ from typing import Any
 import pytest
 
 from support.processes import sessions_left
-from support.ray_cluster import AUTH, actors_left, ray_cluster, raylets
-from support.server import Server, write_serve_config
+from support.ray_cluster import AUTH, actors_gone, ray_cluster, raylets
+from support.server import serving, start_serve, write_serve_config
 
 pytestmark = pytest.mark.multiproc
 SERVE = [sys.executable, "-m", "vertumnus", "serve", "--port", "0", "--config"]
@@ -36,34 +35,6 @@ def cluster() -> Iterator[Any]:
         yield c
 
 
-def start_serve(config: Path, env: dict[str, str]) -> subprocess.Popen[str]:
-    """``serve`` in a session of its own, its stderr to ``server.log`` beside ``config``."""
-    with (config.parent / "server.log").open("w") as log:
-        return subprocess.Popen(
-            [*SERVE, str(config)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            start_new_session=True,
-        )
-
-
-def ready(proc: subprocess.Popen[str], config: Path) -> Server:
-    """The server, once it listens and ``/ready`` says 200."""
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if line.startswith("vertumnus waiting for "):
-        line = proc.stdout.readline()
-    assert line.startswith("vertumnus listening on "), (config.parent / "server.log").read_text()
-    srv = Server(proc, line.split()[-1], config.parent / "server.log")
-    deadline = time.monotonic() + 60
-    while srv.call("GET", "/ready")[0] != 200:
-        assert time.monotonic() < deadline, srv.call("GET", "/ready")
-        time.sleep(0.2)
-    return srv
-
-
 def stop(proc: subprocess.Popen[str]) -> int | None:
     """SIGTERM, then its exit status (None: it hung, and its session was killed)."""
     proc.send_signal(signal.SIGTERM)
@@ -73,15 +44,6 @@ def stop(proc: subprocess.Popen[str]) -> int | None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         return None
-
-
-def no_actors_left(timeout_s: float = 15.0) -> list[str]:
-    """Waits up to ``timeout_s`` for the rank actors on this process's Ray nodes to
-    exit; those left."""
-    deadline = time.monotonic() + timeout_s
-    while (left := actors_left(raylets())) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
 
 
 def cluster_config(
@@ -150,7 +112,7 @@ class TestClusterWithoutAuth:
         log = (tmp_path / "server.log").read_text()
         assert "let a client without a token in" in log, log[-2000:]
         assert "must use token authentication" in log
-        assert not no_actors_left() and not sessions_left([proc.pid])
+        assert not actors_gone(raylets(), 15.0) and not sessions_left([proc.pid])
 
     @pytest.mark.timeout(180)
     def test_serves_on_a_private_network(self, open_cluster: Any, tmp_path: Path) -> None:
@@ -163,14 +125,14 @@ class TestClusterWithoutAuth:
         )
         proc = start_serve(config, dict(os.environ))  # (Ray's auth disabled: no token)
         try:
-            srv = ready(proc, config)
+            srv = serving(proc, config)
             status, answer = srv.call("POST", "/v1/prefill", {"prompt": "a private pool " * 9})
             assert status == 200, answer
             assert answer["cp_degree"] == 2
         finally:
             code = stop(proc)
         assert code == 0, (tmp_path / "server.log").read_text()[-2000:]
-        assert not no_actors_left() and not sessions_left([proc.pid])
+        assert not actors_gone(raylets(), 15.0) and not sessions_left([proc.pid])
 
 
 @pytest.mark.timeout(240)
@@ -181,7 +143,7 @@ def test_serve_two_ray_hosts_over_http(cluster: Any, tmp_path: Path) -> None:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         assert line == f"vertumnus waiting for 2 Ray node(s) at {cluster.address}\n", line
-        srv = ready(proc, config)
+        srv = serving(proc, config)
         status, workers = srv.call("GET", "/v1/workers")
         assert status == 200
         assert [(w["ranks"], w["hosts"]) for w in workers["workers"]] == [
@@ -198,6 +160,6 @@ def test_serve_two_ray_hosts_over_http(cluster: Any, tmp_path: Path) -> None:
     finally:
         code = stop(proc)
     assert code == 0, (tmp_path / "server.log").read_text()[-2000:]
-    assert not no_actors_left()
+    assert not actors_gone(raylets(), 15.0)
     left = sessions_left([proc.pid])
     assert not left, left

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from support.ray_cluster import ray_cluster
-from support.server import Server, write_serve_config
+from support.server import serving, start_serve, write_serve_config
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -38,36 +36,12 @@ def test_ready_says_ray_does_not_answer_once_its_gcs_is_gone(tmp_path: Path) -> 
                 "reach_timeout_s": 2.0,
             },
         )
-        log = tmp_path / "server.log"
-        with log.open("w") as err:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "vertumnus",
-                    "serve",
-                    "--config",
-                    str(config),
-                    "--port",
-                    "0",
-                ],
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-                start_new_session=True,
-                env=dict(os.environ),  # (the cluster's token: ray_cluster sets it here)
-            )
+        proc = start_serve(config, os.environ)  # (the cluster's token: set here)
         try:
             assert proc.stdout is not None
             waiting = proc.stdout.readline()
             assert waiting.startswith("vertumnus waiting for 1 Ray node(s) at "), waiting
-            line = proc.stdout.readline()
-            assert line.startswith("vertumnus listening on "), log.read_text()[-3000:]
-            srv = Server(proc, line.split()[-1], log)
-            deadline = time.monotonic() + 60
-            while srv.call("GET", "/ready")[0] != 200:
-                assert time.monotonic() < deadline, srv.call("GET", "/ready")
-                time.sleep(0.2)
+            srv = serving(proc, config)
             status, body = srv.call("POST", "/v1/prefill", {"prompt": "hello there"})
             assert status == 200 and body["cp_degree"] == 2, body
             gcs = cluster.head_node.all_processes["gcs_server"][0].process

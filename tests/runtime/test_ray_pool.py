@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from support.factories import BLOCK_SIZE, engine_config, make_profile, make_tokens
-from support.ray_cluster import actors_left, ray_cluster, raylets, token_env
+from support.ray_cluster import actors_gone, actors_left, ray_cluster, raylets, token_env
 from support.reference import ATOL, VOCAB, Checkpoint, hf_logits, max_abs_diff
 from vertumnus.config import ConfigError
 from vertumnus.config.pool import PoolConfig
@@ -84,10 +84,7 @@ def assert_nothing_left(cluster: Any) -> None:
 
     assert not ray.is_initialized()
     cluster.raylets_seen |= raylets()
-    deadline = time.monotonic() + 30
-    while actors_left(cluster.raylets_seen) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert actors_left(cluster.raylets_seen) == []
+    assert actors_gone(cluster.raylets_seen) == []
     actors = cluster.global_state.actor_table(None)
     alive = [a for a in actors.values() if a["State"] != "DEAD"]
     assert alive == [], f"actors not dead: {alive}"

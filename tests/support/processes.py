@@ -88,12 +88,13 @@ def _forked_by(pids: Iterable[int]) -> list[int]:
     return [
         child
         for pid in pids
-        if b"multiprocessing.forkserver" in _cmdline(pid)
+        if b"multiprocessing.forkserver" in cmdline(pid)
         for child in children_of(pid)
     ]
 
 
-def _cmdline(pid: int) -> bytes:
+def cmdline(pid: int) -> bytes:
+    """Its command line, NUL-separated (empty once it is gone)."""
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:

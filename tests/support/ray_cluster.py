@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
+from support.processes import children_of, cmdline
 from tools.ray_local import environment, local_cluster, token_auth
 
 TOKEN = "vertumnus-test-token-0123456789abcdef"
@@ -33,12 +35,7 @@ def ray_cluster(nodes: int = 2, cpus: int = 2, auth: bool = True) -> Iterator[An
 
 def raylets() -> set[int]:
     """Pids of the raylets (one per Ray node) that are children of this process."""
-    mine = str(os.getpid())
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and _field(entry, "PPid") == mine and b"raylet" in _cmdline(entry):
-            found.add(int(entry))
-    return found
+    return {pid for pid in children_of(os.getpid()) if b"raylet" in cmdline(pid)}
 
 
 def actors_left(raylets: set[int]) -> list[str]:
@@ -48,7 +45,7 @@ def actors_left(raylets: set[int]) -> list[str]:
     wanted = {f"RAY_RAYLET_PID={pid}".encode() for pid in raylets}
     left = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or b"RankActor" not in _cmdline(entry):
+        if not entry.isdigit() or b"RankActor" not in cmdline(int(entry)):
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
@@ -56,24 +53,14 @@ def actors_left(raylets: set[int]) -> list[str]:
         except OSError:  # (gone meanwhile)
             continue
         if env & wanted:
-            left.append(f"{entry}: {_cmdline(entry).decode(errors='replace')[:60]}")
+            left.append(f"{entry}: {cmdline(int(entry)).decode(errors='replace')[:60]}")
     return left
 
 
-def _cmdline(pid: str) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ")
-    except OSError:
-        return b""
-
-
-def _field(pid: str, name: str) -> str | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(name + ":"):
-                    return line.split()[1]
-    except OSError:
-        pass
-    return None
+def actors_gone(raylets: set[int], timeout_s: float = 30.0) -> list[str]:
+    """Waits up to ``timeout_s`` for the rank actors under ``raylets`` to exit; those
+    left."""
+    deadline = time.monotonic() + timeout_s
+    while (left := actors_left(raylets)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left

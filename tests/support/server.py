@@ -159,3 +159,33 @@ def running_server(config: Path, wait_ready: bool = True) -> Iterator[Server]:
         log.close()
         alive = wait_gone(started)
         assert proc.returncode == 0 and not alive, (proc.returncode, alive)
+
+
+def start_serve(config: Path, env: Mapping[str, str]) -> subprocess.Popen[str]:
+    """``serve`` on ``config`` (a free port) in a session of its own, with ``env``, its
+    stderr to ``server.log`` beside ``config``: for the tests that watch its start
+    (a multi-host pool first says it waits for its Ray nodes) or end it themselves."""
+    with (config.parent / "server.log").open("w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "vertumnus", "serve", "--config", str(config), "--port", "0"],
+            env=dict(env),
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            start_new_session=True,
+        )
+
+
+def serving(proc: subprocess.Popen[str], config: Path) -> Server:
+    """The server ``start_serve`` started, once it listens and ``/ready`` says 200."""
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if line.startswith("vertumnus waiting for "):
+        line = proc.stdout.readline()
+    assert line.startswith("vertumnus listening on "), (config.parent / "server.log").read_text()
+    srv = Server(proc, line.split()[-1], config.parent / "server.log")
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while srv.call("GET", "/ready")[0] != 200:
+        assert time.monotonic() < deadline, srv.call("GET", "/ready")
+        time.sleep(0.2)
+    return srv
