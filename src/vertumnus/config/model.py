@@ -19,6 +19,7 @@ from typing import Any
 
 from vertumnus.config.families import SUPPORTED_ARCHITECTURES, family_of
 from vertumnus.config.families.common import ROPE_TYPES
+from vertumnus.config.families.deepseek_v4 import DeepseekV4Spec
 from vertumnus.config.tables import ConfigError
 from vertumnus.perfmodel import AttentionMix
 
@@ -77,6 +78,8 @@ class ModelConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert; 0: none
+    # DeepSeek-V4's own fields (``config/families/deepseek_v4.py``); None for the others.
+    dsv4: DeepseekV4Spec | None = None
 
     @property
     def is_moe(self) -> bool:

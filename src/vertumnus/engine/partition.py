@@ -1,7 +1,8 @@
 """The zigzag partition of one prefill's uncached suffix over a worker's C ranks.
 
-The suffix of R tokens is padded to Rp = 2C * s tokens, s = ceil(R / 2C), and cut
-into 2C chunks of s tokens; rank k owns chunks k and 2C-1-k, which balances causal
+The suffix of R tokens is padded to Rp = 2C * s tokens, s = ceil(R / 2C) (rounded up
+to a multiple of ``align``: DeepSeek-V4's chunks hold whole compression windows), and
+cut into 2C chunks of s tokens; rank k owns chunks k and 2C-1-k, which balances causal
 attention work (``zigzag.py`` for the attention, ``halo.py`` for sliding windows).
 """
 
@@ -15,16 +16,19 @@ from dataclasses import dataclass
 class ZigzagPartition:
     num_tokens: int  # R: real tokens in the uncached suffix
     cp_degree: int  # C
+    align: int = 1  # the chunk length is a multiple of it
 
     def __post_init__(self) -> None:
         if self.num_tokens < 1:
             raise ValueError(f"a prefill computes at least one token, got {self.num_tokens}")
-        if self.cp_degree < 1:
-            raise ValueError(f"cp_degree must be positive, got {self.cp_degree}")
+        if self.cp_degree < 1 or self.align < 1:
+            raise ValueError(
+                f"cp_degree and align must be positive, got {self.cp_degree}, {self.align}"
+            )
 
     @property
     def chunk_len(self) -> int:
-        return math.ceil(self.num_tokens / (2 * self.cp_degree))
+        return self.align * math.ceil(self.num_tokens / (2 * self.cp_degree * self.align))
 
     @property
     def padded_len(self) -> int:

@@ -18,6 +18,7 @@ logits match it to rounding. ``attention_factor`` multiplies cos and sin, as the
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -45,7 +46,7 @@ def inv_freq(cfg: ModelConfig) -> tuple[Tensor, float]:
         case "llama3":
             return _llama3(cfg, base), 1.0
         case "yarn":
-            return _yarn(cfg)
+            return yarn(dim, theta, p, cfg.max_position_embeddings)
     raise ValueError(f"unsupported RoPE type {cfg.rope_type!r}")
 
 
@@ -63,10 +64,13 @@ def _llama3(cfg: ModelConfig, base: Tensor) -> Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _yarn(cfg: ModelConfig) -> tuple[Tensor, float]:
-    p, dim, theta = cfg.rope_param, cfg.head_dim, cfg.rope_theta
-    old = float(p("original_max_position_embeddings", cfg.max_position_embeddings))  # type: ignore[arg-type]
-    factor = float(p("factor") or cfg.max_position_embeddings / old)
+def yarn(
+    dim: int, theta: float, p: Callable[..., float | None], max_positions: int
+) -> tuple[Tensor, float]:
+    """YaRN's [dim/2] inverse frequencies and attention factor; ``p(key[, default])``
+    reads its parameters."""
+    old = float(p("original_max_position_embeddings", max_positions))  # type: ignore[arg-type]
+    factor = float(p("factor") or max_positions / old)
     attention = p("attention_factor")
     if attention is None:
         mscale, mscale_all = p("mscale"), p("mscale_all_dim")

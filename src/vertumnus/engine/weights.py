@@ -167,13 +167,18 @@ def load_model(
                     loaded |= _place(cfg, params, name, tensor, path.name, dtype)
     if cfg.tie_word_embeddings:
         loaded.add("lm_head.weight")  # shares embed_tokens.weight
+    require_all(model_dir, expected, loaded)
+    return model.eval()
+
+
+def require_all(model_dir: Path, expected: set[str], loaded: set[str]) -> None:
+    """Refuse a checkpoint that lacks some of the ``expected`` tensors, naming them."""
     missing = sorted(expected - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         )
         raise ConfigError(f"{model_dir}: checkpoint lacks tensors: {shown}")
-    return model.eval()
 
 
 def _place(

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vertumnus.config.families import gpt_oss, llama, mistral, mixtral, qwen2, qwen3
+from vertumnus.config.families import deepseek_v4, gpt_oss, llama, mistral, mixtral, qwen2, qwen3
 from vertumnus.config.families.common import Family, Renames
 from vertumnus.config.tables import ConfigError
 
@@ -35,6 +35,7 @@ FAMILIES: tuple[Family, ...] = (
     *qwen2.FAMILIES,
     mixtral.FAMILY,
     gpt_oss.FAMILY,
+    deepseek_v4.FAMILY,
 )
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
 BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}

@@ -1,0 +1,183 @@
+"""DeepSeek-V4 as the engine runs it: the decoder (hyper-connected streams through
+every layer's attention and experts), its two RoPEs, and one rank's share of a zigzag
+prefill (``prefill_rank``).
+
+The decoder knows nothing of parallelism: each layer hands its ``LayerInputs`` to the
+attention it is given (``zigzag.DsV4Attention``: the window, the compressed entries,
+the exchanges between ranks) and gets [T, H, D] back. At C = 1 nothing crosses, and
+the same code is the single-process model the tests hold against transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
+
+import torch
+from torch import Tensor, nn
+
+from vertumnus.config import ModelConfig
+from vertumnus.config.families.deepseek_v4 import DeepseekV4Spec
+from vertumnus.engine.comm import Communicator
+from vertumnus.engine.dsv4.layers import (
+    Attention,
+    HyperConnection,
+    HyperHead,
+    MoE,
+    Norm,
+    hc_merge,
+)
+from vertumnus.engine.dsv4.zigzag import DsV4Attention
+from vertumnus.engine.partition import ZigzagPartition
+from vertumnus.engine.rope import yarn
+
+
+def spec_of(cfg: ModelConfig) -> DeepseekV4Spec:
+    if cfg.dsv4 is None:
+        raise ValueError(f"{cfg.architecture} is not DeepSeek-V4")
+    return cfg.dsv4
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: DeepseekV4Spec, layer: int) -> None:
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.self_attn = Attention(cfg, spec, layer)
+        self.mlp = MoE(cfg, spec, layer)
+        self.input_layernorm = Norm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = Norm(cfg.hidden_size, eps)
+        self.attn_hc = HyperConnection(cfg.hidden_size, spec, eps)
+        self.ffn_hc = HyperConnection(cfg.hidden_size, spec, eps)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: DeepseekV4Spec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, spec, i) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_head = HyperHead(cfg.hidden_size, spec, cfg.rms_norm_eps)
+
+
+class DeepseekV4LM(nn.Module):
+    """``forward`` returns final-normed hidden states; ``logits`` projects chosen rows."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config, self.spec = cfg, spec_of(cfg)
+        self.cpu_attention = "flash"  # unused: this model attends in its own kernels
+        self.model = Backbone(cfg, self.spec)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return cast(list[DecoderLayer], list(self.model.layers))
+
+    def freqs(self, kind: str) -> Tensor:
+        """[rd/2] fp32 inverse frequencies of the ``main`` or ``compress`` RoPE."""
+        spec, dim = self.spec, self.spec.rope_head_dim
+        if kind == "main":
+            theta = self.config.rope_theta
+        elif spec.compress_rope_type == "yarn":
+            return yarn(dim, spec.compress_rope_theta, spec.compress_param,
+                        self.config.max_position_embeddings)[0]  # fmt: skip
+        else:
+            theta = spec.compress_rope_theta
+        return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+    def rope(self, kind: str, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin [T, rd/2] in the model's dtype (V4's factor is 1 on both RoPEs)."""
+        angles = positions.float()[:, None] * self.freqs(kind).to(positions.device)[None, :]
+        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        attention: Callable[..., Tensor],
+        counted: Tensor | None = None,
+    ) -> Tensor:
+        """``input_ids``, ``positions`` [T] -> hidden [T, hidden] after the final norm.
+        ``attention(layer, inputs)`` -> [T, H, D] (``zigzag.DsV4Attention``)."""
+        n = self.spec.hc_mult
+        x = self.model.embed_tokens(input_ids)  # [T, H]
+        streams = x[:, None, :].expand(-1, n, -1).contiguous()  # [T, n, H]
+        ropes = {kind: self.rope(kind, positions) for kind in ("main", "compress")}
+        for i, layer in enumerate(self.decoder_layers()):
+            attn = layer.self_attn
+            cos, sin = ropes["compress" if attn.ratio else "main"]
+            post, comb, h = layer.attn_hc(streams)
+            inputs = attn.inputs(layer.input_layernorm(h), cos, sin)
+            out = attn.output(attention(i, inputs), cos, sin)
+            streams = hc_merge(streams, out, post, comb)
+            post, comb, h = layer.ffn_hc(streams)
+            moe = layer.mlp(layer.post_attention_layernorm(h), input_ids, counted)
+            streams = hc_merge(streams, moe, post, comb)
+        hidden: Tensor = self.model.norm(self.model.hc_head(streams))
+        return hidden
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """[N, hidden] -> [N, vocab] in fp32."""
+        logits: Tensor = self.lm_head(hidden)
+        return logits.float()
+
+    def reset_expert_tokens(self) -> None:
+        for layer in self.decoder_layers():
+            layer.mlp.tokens_per_expert.zero_()
+
+    def expert_tokens(self, reset: bool = True) -> dict[int, list[int]]:
+        out = {}
+        for i, layer in enumerate(self.decoder_layers()):
+            out[i] = layer.mlp.tokens_per_expert.tolist()
+            if reset:
+                layer.mlp.tokens_per_expert.zero_()
+        return out
+
+
+def partition_of(model: DeepseekV4LM, num_tokens: int, cp_degree: int) -> ZigzagPartition:
+    """The zigzag partition for this model: chunks of whole windows of every
+    compressor and at least the sliding window."""
+    align = max(model.spec.largest_ratio, model.config.sliding_window or 1)
+    return ZigzagPartition(num_tokens, cp_degree, align)
+
+
+@torch.inference_mode()
+def prefill_rank(
+    model: DeepseekV4LM, comm: Communicator, token_ids: Tensor, logits: str = "last"
+) -> Tensor | None:
+    """One rank's part of a zigzag prefill of ``token_ids`` [R] from position 0.
+
+    Returns, on rank 0, fp32 logits in sequence order ([1, V] for ``"last"``, [R, V]
+    for ``"all"``); None elsewhere. Collectives per layer: one ``halo`` all-to-all,
+    and one ``comp`` all-gather on a compressed layer; then one ``out`` all-gather.
+    """
+    part = partition_of(model, int(token_ids.numel()), comm.size)
+    dev = token_ids.device
+    idx = torch.tensor(part.indices(comm.rank), dtype=torch.long, device=dev)
+    real = idx < part.num_tokens
+    ids = torch.where(real, token_ids[idx.clamp(max=part.num_tokens - 1)], 0)
+
+    def entry_rope(positions: Tensor) -> tuple[Tensor, Tensor]:
+        return model.rope("compress", positions)
+
+    attention = DsV4Attention(part, comm, entry_rope, model.spec.index_topk)
+    hidden = model(ids, idx, attention, counted=real)  # [2s, H]
+    gathered = comm.all_gather(hidden, tag="out")
+    if comm.rank != 0:
+        return None
+    seq = gathered.reshape(-1, hidden.shape[-1])
+    restore = torch.tensor(part.restore_index(), dtype=torch.long, device=dev)
+    seq = seq[restore[: part.num_tokens]]
+    rows = seq[-1:] if logits == "last" else seq
+    return model.logits(rows)

@@ -1,0 +1,213 @@
+"""DeepSeek-V4 in the engine against transformers: the config read from its folder,
+exact fp32 logits under partitioned zigzag CP at C = 1-4 over 1-4K tokens (every
+layer kind, both expert routings), the collectives and what crosses ranks, and FP8
+block-scaled folders in DeepSeek's own names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from support.dsv4 import VOCAB, write_dsv4_folder
+from support.threads import run_ranks
+from vertumnus.config import ConfigError, ModelConfig
+from vertumnus.engine.comm import SoloComm
+from vertumnus.engine.dsv4.load import load_dsv4
+from vertumnus.engine.dsv4.model import DeepseekV4LM, prefill_rank
+from vertumnus.engine.fp8 import dequantize_blocks, quantize_blocks
+
+CPU = torch.device("cpu")
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    path = tmp_path_factory.mktemp("dsv4")
+    return path, write_dsv4_folder(path)
+
+
+@pytest.fixture(scope="module")
+def engine(folder: tuple[Path, Any]) -> DeepseekV4LM:
+    path, _ = folder
+    return load_dsv4(ModelConfig.from_dir(path), path, torch.float32, CPU)
+
+
+_REFERENCE: dict[int, torch.Tensor] = {}
+
+
+def _ids(length: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(length))
+
+
+def _reference(model: Any, length: int) -> torch.Tensor:
+    if length not in _REFERENCE:
+        with torch.no_grad():
+            _REFERENCE[length] = model(_ids(length)[None]).logits[0].float()
+    return _REFERENCE[length]
+
+
+def _prefill(model: DeepseekV4LM, ids: torch.Tensor, c: int) -> tuple[torch.Tensor, list[Any]]:
+    if c == 1:
+        comm = SoloComm()
+        out = prefill_rank(model, comm, ids, logits="all")
+        assert out is not None
+        return out, [comm]
+    results, comms = run_ranks(c, lambda _r, comm: prefill_rank(model, comm, ids, logits="all"))
+    assert all(r is None for r in results[1:])
+    return results[0], comms
+
+
+def test_config_reads_every_field(folder: tuple[Path, Any]) -> None:
+    cfg = ModelConfig.from_dir(folder[0])
+    spec = cfg.dsv4
+    assert spec is not None and cfg.architecture == "DeepseekV4ForCausalLM"
+    assert spec.compress_ratios == (0, 4, 128, 4)
+    assert spec.hash_layers == (True, False, False, True)
+    assert (spec.index_n_heads, spec.index_head_dim, spec.index_topk) == (4, 16, 8)
+    assert (spec.q_lora_rank, spec.o_groups, spec.o_lora_rank, spec.hc_mult) == (32, 2, 16, 4)
+    assert spec.rope_head_dim == 8 and spec.compress_rope_type == "yarn"
+    assert spec.compress_param("attention_factor") == 1.0  # transformers' V4 rule
+    assert (cfg.num_key_value_heads, cfg.head_dim, cfg.sliding_window) == (1, 64, 128)
+    assert spec.largest_ratio == 128
+
+
+def test_native_config_keys_fold_in_as_transformers_does() -> None:
+    """DeepSeek's own config.json: per-layer compress_ratios, num_hash_layers,
+    qk_rope_head_dim, a flat rope_scaling, FP8 quantization."""
+    raw = {
+        "architectures": ["DeepseekV4ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+        "num_hidden_layers": 3, "num_attention_heads": 2, "head_dim": 32,
+        "moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "compress_ratios": [128, 4, 0], "num_hash_layers": 1, "qk_rope_head_dim": 16,
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536},
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                "weight_block_size": [128, 128]},
+    }  # fmt: skip
+    spec = ModelConfig.from_hf_dict(raw).dsv4
+    assert spec is not None
+    assert spec.compress_ratios == (128, 4, 0) and spec.hash_layers == (True, False, False)
+    assert spec.rope_head_dim == 16 and spec.compress_rope_type == "yarn"
+    assert spec.compress_param("attention_factor") == 1.0
+
+
+@pytest.mark.parametrize(
+    ("over", "words"),
+    [
+        ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
+        ({"quantization_config": {"quant_method": "fp8", "expert_dtype": "fp4"}}, "fp8"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"scoring_func": "relu"}, "scoring_func"),
+        ({"layer_types": ["full_attention"] * 4}, "layer_types"),
+    ],
+)
+def test_unsupported_configs_are_refused_by_name(
+    folder: tuple[Path, Any], over: dict[str, Any], words: str
+) -> None:
+    raw = {**json.loads((folder[0] / "config.json").read_text()), **over}
+    with pytest.raises(ConfigError, match=words):
+        ModelConfig.from_hf_dict(raw)
+
+
+@pytest.mark.parametrize("length", [1000, 1024, 2100])
+@pytest.mark.parametrize("c", [1, 2, 3, 4])
+def test_logits_equal_transformers_under_zigzag_cp(
+    folder: tuple[Path, Any], engine: DeepseekV4LM, c: int, length: int
+) -> None:
+    """Lengths that are and are not multiples of 128, past the window, with the
+    indexer choosing 8 of up to 525 entries."""
+    want = _reference(folder[1], length)
+    got, _ = _prefill(engine, _ids(length), c)
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= TOL
+
+
+def test_four_thousand_tokens_at_cp4(folder: tuple[Path, Any], engine: DeepseekV4LM) -> None:
+    want = _reference(folder[1], 4000)
+    got, _ = _prefill(engine, _ids(4000), 4)
+    assert (got - want).abs().max().item() <= TOL
+
+
+def test_collectives_and_what_crosses_ranks(engine: DeepseekV4LM) -> None:
+    """One halo all-to-all per layer, one entries all-gather per compressed layer, one
+    output all-gather; a rank receives the window's halo and the entries, far less
+    than an all-gather of the raw KV would bring it."""
+    length, c, d, di = 2048, 4, 64, 16
+    _, comms = _prefill(engine, _ids(length), c)
+    for comm in comms:
+        assert dict(comm.calls) == {"halo": 4, "comp": 3, "out": 1}
+    received = [comm.received for comm in comms]
+    # Entries: CSA 2048/4 x (64 + 16) and HCA 2048/128 x 64 per layer; a rank has 1/4.
+    comp = 2 * (length // 4) * (d + di) + (length // 128) * d
+    assert all(r["comp"] == comp * (c - 1) // c for r in received)
+    # The halo: 127 rows of 64 (plus, on CSA layers, 4 rows of half of the
+    # compressor's and the indexer's kv and gate) per chunk boundary a rank receives:
+    # one for rank 0 (chunk 2C-1) and rank C-1 (chunk C-1; chunk C follows it there).
+    csa_extra = 4 * 2 * (d + di)
+    for rank, r in enumerate(received):
+        boundaries = 1 if rank in (0, c - 1) else 2
+        assert r["halo"] == boundaries * (4 * 127 * d + 2 * csa_extra)
+    raw_gather = 4 * length * d * (c - 1) // c  # every layer's shared KV
+    assert max(r["comp"] + r["halo"] for r in received) < raw_gather / 3
+
+
+def _fp8_folder(src: Path, dst: Path) -> dict[str, torch.Tensor]:
+    """``src`` rewritten in DeepSeek's FP8 layout (every 2-D matrix but the embeddings
+    and the compressors' projections as e4m3 with ``.scale``; an ``mtp`` layer the
+    loader must skip), over two shards; returns the dequantized matrices by name."""
+    from safetensors import safe_open
+
+    dst.mkdir()
+    tensors: dict[str, torch.Tensor] = {}
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118
+            tensors[name] = f.get_tensor(name)
+    shards: list[dict[str, torch.Tensor]] = [{}, {}]
+    expected = {}
+    for i, (name, t) in enumerate(sorted(tensors.items())):
+        keep = "compressor" in name or "embed" in name or t.dim() != 2 or name == "head.weight"
+        if keep or not name.endswith(".weight"):
+            shards[i % 2][name] = t
+            continue
+        weight, scale = quantize_blocks(t, (128, 128))
+        shards[i % 2][name] = weight
+        shards[(i + 1) % 2][name[: -len("weight")] + "scale"] = scale
+        expected[name] = dequantize_blocks(weight, scale, (128, 128))
+    shards[0]["mtp.0.attn.wq_a.weight"] = torch.zeros(2, 2)
+    for k, shard in enumerate(shards):
+        save_file(shard, str(dst / f"model-{k:05d}-of-00002.safetensors"))
+    raw = json.loads((src / "config.json").read_text())
+    raw["quantization_config"] = {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }  # fmt: skip
+    (dst / "config.json").write_text(json.dumps(raw))
+    return expected
+
+
+def test_fp8_folder_loads_to_the_dequantized_weights(
+    folder: tuple[Path, Any], tmp_path: Path
+) -> None:
+    expected = _fp8_folder(folder[0], tmp_path / "fp8")
+    cfg = ModelConfig.from_dir(tmp_path / "fp8")
+    model = load_dsv4(cfg, tmp_path / "fp8", torch.float32, CPU)
+    state = dict(model.named_parameters())
+    layer = "model.layers.1"
+    pairs = {
+        f"{layer}.attn.wq_a.weight": f"{layer}.self_attn.q_a_proj.weight",
+        f"{layer}.attn.wo_a.weight": f"{layer}.self_attn.o_a_proj.weight",
+        f"{layer}.ffn.shared_experts.w2.weight": f"{layer}.mlp.shared_experts.down_proj.weight",
+    }
+    assert len(expected) > 20
+    for native, ours in pairs.items():
+        assert torch.equal(state[ours], expected[native])
+    fused = state[f"{layer}.mlp.experts.gate_up_proj"]
+    assert torch.equal(fused[2, :32], expected[f"{layer}.ffn.experts.2.w1.weight"])
+    assert torch.equal(fused[2, 32:], expected[f"{layer}.ffn.experts.2.w3.weight"])
+    ids = _ids(300)
+    logits = prefill_rank(model, SoloComm(), ids, logits="all")
+    assert logits is not None and torch.isfinite(logits).all()
