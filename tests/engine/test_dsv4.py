@@ -18,7 +18,7 @@ from support.threads import run_ranks
 from vertumnus.config import ConfigError, ModelConfig
 from vertumnus.engine.comm import SoloComm
 from vertumnus.engine.dsv4.load import load_dsv4
-from vertumnus.engine.dsv4.model import DeepseekV4LM, prefill_rank
+from vertumnus.engine.dsv4.model import DeepseekV4LM, prefill_rank, resume_rank
 from vertumnus.engine.fp8 import dequantize_blocks, quantize_blocks
 
 CPU = torch.device("cpu")
@@ -68,7 +68,7 @@ def test_config_reads_every_field(folder: tuple[Path, Any]) -> None:
     assert spec is not None and cfg.architecture == "DeepseekV4ForCausalLM"
     assert spec.compress_ratios == (0, 4, 128, 4)
     assert spec.hash_layers == (True, False, False, True)
-    assert (spec.index_n_heads, spec.index_head_dim, spec.index_topk) == (4, 16, 8)
+    assert (spec.index_n_heads, spec.index_head_dim, spec.index_topk) == (16, 16, 8)
     assert (spec.q_lora_rank, spec.o_groups, spec.o_lora_rank, spec.hc_mult) == (32, 2, 16, 4)
     assert spec.rope_head_dim == 8 and spec.compress_rope_type == "yarn"
     assert spec.compress_param("attention_factor") == 1.0  # transformers' V4 rule
@@ -211,3 +211,63 @@ def test_fp8_folder_loads_to_the_dequantized_weights(
     ids = _ids(300)
     logits = prefill_rank(model, SoloComm(), ids, logits="all")
     assert logits is not None and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("prefix", [1, 3, 4, 127, 128, 130, 257, 1024, 1027])
+def test_a_prompt_resumes_from_its_prefix_state(
+    folder: tuple[Path, Any], engine: DeepseekV4LM, prefix: int
+) -> None:
+    """A prefix ending inside and at the end of CSA and HCA windows (its open windows
+    and CSA's overlap carried over), then the rest of the prompt at C = 1."""
+    ids, want = _ids(1300), _reference(folder[1], 1300)
+    _, state = resume_rank(engine, SoloComm(), ids[:prefix], "all")
+    assert state is not None and state.length == prefix
+    got, after = resume_rank(engine, SoloComm(), ids[prefix:], "all", state)
+    assert got is not None and after is not None and after.length == 1300
+    assert (got - want[prefix:]).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("c", [2, 3, 4])
+def test_cp_resumes_a_prefix_on_a_chunk_boundary(
+    folder: tuple[Path, Any], engine: DeepseekV4LM, c: int
+) -> None:
+    ids, want = _ids(1300), _reference(folder[1], 1300)
+    _, state = resume_rank(engine, SoloComm(), ids[:1024], "all")
+    results, comms = run_ranks(
+        c, lambda _r, comm: resume_rank(engine, comm, ids[1024:], "all", state)
+    )
+    assert (results[0][0] - want[1024:]).abs().max().item() <= TOL
+    assert dict(comms[0].calls) == {"halo": 4, "comp": 3, "out": 1}
+    with pytest.raises(ValueError, match="boundary"):
+        run_ranks(
+            c,
+            lambda _r, comm: resume_rank(
+                engine, comm, ids[1000:], "all", resume_rank(engine, SoloComm(), ids[:1000])[1]
+            ),
+        )
+
+
+def test_decode_steps_match_the_whole_prompt(
+    folder: tuple[Path, Any], engine: DeepseekV4LM
+) -> None:
+    """One token at a time across a CSA window and the first HCA window's end (256):
+    the decode engine's step."""
+    ids, want = _ids(1300), _reference(folder[1], 1300)
+    _, state = resume_rank(engine, SoloComm(), ids[:250], "all")
+    for t in range(250, 262):
+        got, state = resume_rank(engine, SoloComm(), ids[t : t + 1], "last", state)
+        assert got is not None and (got[0] - want[t]).abs().max().item() <= TOL
+
+
+def test_ties_at_the_topk_boundary_go_the_same_way_whole_and_resumed(tmp_path: Path) -> None:
+    """With 4 index heads the indexer often scores entries exactly 0 and the top k
+    falls among them: the engine breaks such ties toward earlier entries, so a prompt
+    resumed from its prefix picks what it picks whole."""
+    write_dsv4_folder(tmp_path, index_n_heads=4)
+    model = load_dsv4(ModelConfig.from_dir(tmp_path), tmp_path, torch.float32, CPU)
+    ids = _ids(1300)
+    whole, _ = resume_rank(model, SoloComm(), ids, "all")
+    _, state = resume_rank(model, SoloComm(), ids[:1024], "all")
+    resumed, _ = resume_rank(model, SoloComm(), ids[1024:], "all", state)
+    assert whole is not None and resumed is not None
+    assert (resumed - whole[1024:]).abs().max().item() <= 1e-5

@@ -3,7 +3,9 @@ implementation), as ``save_pretrained`` writes them: the reference of the DeepSe
 engine tests.
 
 Four layers cover every kind: sliding only, CSA (ratio 4, indexer top-k small enough
-that the choice matters from the 33rd token on), HCA (ratio 128), CSA again; the first
+that the choice matters from the 33rd token on; 16 index heads, so that an exact tie
+of scores at the top-k boundary, which transformers' ``topk`` breaks by its algorithm,
+is improbable), HCA (ratio 128), CSA again; the first
 and last route their experts by the token-id table, the middle two by score. The
 window is the model's 128 and the compress RoPE is YaRN, as in DeepSeek-V4-Flash.
 Every parameter and buffer is seeded (the sinks, position biases and hyper-connection
@@ -28,7 +30,7 @@ def dsv4_config(**over: Any) -> transformers.DeepseekV4Config:
     fields: dict[str, Any] = dict(
         vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
         num_attention_heads=4, head_dim=64, q_lora_rank=32, o_groups=2, o_lora_rank=16,
-        n_routed_experts=4, num_experts_per_tok=2, index_n_heads=4, index_head_dim=16,
+        n_routed_experts=4, num_experts_per_tok=2, index_n_heads=16, index_head_dim=16,
         index_topk=8, layer_types=TYPES, mlp_layer_types=["hash_moe", "moe", "moe", "hash_moe"],
         hc_mult=4, sliding_window=128, max_position_embeddings=16_384,
         rope_parameters={"rope_type": "yarn", "factor": 16.0,

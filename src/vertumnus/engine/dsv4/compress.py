@@ -12,8 +12,9 @@ Model (transformers' ``DeepseekV4Attention`` and its compressors; positions abso
   Then RMSNorm and RoPE at position ``w * ratio`` (the compress RoPE);
 - query ``t`` sees raw keys ``t - window < j <= t`` and entries ``e < (t + 1) // ratio``
   (windows wholly at or before it): all of them (HCA), or the ``index_topk`` the
-  indexer scores highest, ``sum_h w[t, h] * relu(q_I[t, h] . k_I[e]) / sqrt(Di)``,
-  chosen among the ``E`` entries the whole prompt has (CSA);
+  indexer scores highest, ``sum_h w[t, h] * relu(q_I[t, h] . k_I[e]) / sqrt(Di)``
+  (CSA; an exact tie at the boundary goes to the earlier entry, where transformers'
+  ``topk`` decides by its algorithm: ``_top``);
 - one softmax over [raw scores, entry scores, the head's sink], keys = values.
 """
 
@@ -77,13 +78,29 @@ def index_choice(
     scores = scores.masked_fill(future, float("-inf"))
     if e == 0:
         return future
-    top = scores.topk(min(topk, e), dim=-1).indices  # [b, k]
+    top = _top(scores, min(topk, e))  # [b, k]
     # Chosen entries past what the query sees (too few before it) are not read: they
     # land in a spare column, dropped.
     top = torch.where(top < seen[:, None], top, e)
     chosen = torch.zeros((q.shape[0], e + 1), dtype=torch.bool, device=q.device)
     chosen.scatter_(1, top, True)
     return chosen[:, :e]
+
+
+def _top(scores: Tensor, k: int) -> Tensor:
+    """The indices of each row's ``k`` highest scores, ties at the boundary going to
+    the earlier entries: a row's choice does not depend on how many future entries
+    (-inf) follow it, so a prompt resumed from its prefix chooses as it would whole.
+    (``topk`` alone leaves ties to its algorithm; the indexer's ReLU makes exact ties,
+    at 0, common when few heads score.) Rows with such a tie are sorted stably."""
+    values, top = scores.topk(k, dim=-1)
+    kth = values[:, -1:]
+    tied = ((scores == kth).sum(-1) > (values == kth).sum(-1)) & torch.isfinite(kth[:, 0])
+    if tied.any():
+        rows = tied.nonzero().flatten()
+        order = torch.sort(scores[rows], dim=-1, descending=True, stable=True).indices
+        top[rows] = order[:, :k]
+    return top
 
 
 def attend(

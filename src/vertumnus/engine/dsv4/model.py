@@ -27,6 +27,7 @@ from vertumnus.engine.dsv4.layers import (
     Norm,
     hc_merge,
 )
+from vertumnus.engine.dsv4.state import DsV4State
 from vertumnus.engine.dsv4.zigzag import DsV4Attention
 from vertumnus.engine.partition import ZigzagPartition
 from vertumnus.engine.rope import yarn
@@ -152,32 +153,49 @@ def partition_of(model: DeepseekV4LM, num_tokens: int, cp_degree: int) -> Zigzag
     return ZigzagPartition(num_tokens, cp_degree, align)
 
 
-@torch.inference_mode()
 def prefill_rank(
     model: DeepseekV4LM, comm: Communicator, token_ids: Tensor, logits: str = "last"
 ) -> Tensor | None:
-    """One rank's part of a zigzag prefill of ``token_ids`` [R] from position 0.
+    """``resume_rank`` from position 0: rank 0's logits, None elsewhere."""
+    return resume_rank(model, comm, token_ids, logits)[0]
+
+
+@torch.inference_mode()
+def resume_rank(
+    model: DeepseekV4LM,
+    comm: Communicator,
+    token_ids: Tensor,
+    logits: str = "last",
+    prefix: DsV4State | None = None,
+) -> tuple[Tensor | None, DsV4State | None]:
+    """One rank's part of a zigzag prefill of ``token_ids`` [R] after ``prefix`` (None:
+    from position 0; under CP it must end on a chunk boundary, ``partition_of``).
 
     Returns, on rank 0, fp32 logits in sequence order ([1, V] for ``"last"``, [R, V]
-    for ``"all"``); None elsewhere. Collectives per layer: one ``halo`` all-to-all,
-    and one ``comp`` all-gather on a compressed layer; then one ``out`` all-gather.
+    for ``"all"``), else None; and at C = 1 the prompt's state after these tokens
+    (``state.py``), else None. Collectives per layer: one ``halo`` all-to-all, and one
+    ``comp`` all-gather on a compressed layer; then one ``out`` all-gather.
     """
     part = partition_of(model, int(token_ids.numel()), comm.size)
     dev = token_ids.device
     idx = torch.tensor(part.indices(comm.rank), dtype=torch.long, device=dev)
     real = idx < part.num_tokens
     ids = torch.where(real, token_ids[idx.clamp(max=part.num_tokens - 1)], 0)
+    offset = 0 if prefix is None else prefix.length
 
     def entry_rope(positions: Tensor) -> tuple[Tensor, Tensor]:
         return model.rope("compress", positions)
 
-    attention = DsV4Attention(part, comm, entry_rope, model.spec.index_topk)
-    hidden = model(ids, idx, attention, counted=real)  # [2s, H]
+    attention = DsV4Attention(part, comm, entry_rope, model.spec.index_topk, prefix)
+    hidden = model(ids, idx + offset, attention, counted=real)  # [2s, H]
+    state = None
+    if comm.size == 1:
+        state = DsV4State(offset + part.num_tokens, attention.states)
     gathered = comm.all_gather(hidden, tag="out")
     if comm.rank != 0:
-        return None
+        return None, state
     seq = gathered.reshape(-1, hidden.shape[-1])
     restore = torch.tensor(part.restore_index(), dtype=torch.long, device=dev)
     seq = seq[restore[: part.num_tokens]]
     rows = seq[-1:] if logits == "last" else seq
-    return model.logits(rows)
+    return model.logits(rows), state

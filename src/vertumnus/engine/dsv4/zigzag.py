@@ -23,8 +23,11 @@ CSA and ``(C-1)/C x L/128 x D`` for HCA, against ``(C-1)/C x L x D`` for an all-
 of the raw KV (``tools/bench/dsv4_cp.py`` measures both). After the last layer the
 final hidden states are all-gathered once (``out``), as for every model.
 
-Prefills here start at position 0 (no cached prefix): a cached prefix of this model
-(the window's last rows, the entries, the compressors' open windows) is not kept yet.
+A prefill may resume a prompt's ``DsV4State`` (``state.py``: a cached prefix, or the
+tokens a decode server has seen): its raw rows are the first segment's halo, its
+entries come before the new ones, and at C = 1 its open windows are pooled with the
+new rows (under CP the prefix must end on a chunk boundary: ``align``). At C = 1 the
+prefill also returns the state after its tokens (the decode engine's step).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from torch import Tensor
 from vertumnus.engine.comm import Communicator
 from vertumnus.engine.dsv4.compress import attend, index_choice, pool
 from vertumnus.engine.dsv4.layers import LayerInputs, rope_tail
+from vertumnus.engine.dsv4.state import DsV4State, Head, LayerState, advance
 from vertumnus.engine.partition import ZigzagPartition
 
 EntryRope = Callable[[Tensor], tuple[Tensor, Tensor]]
@@ -51,149 +55,190 @@ class Segment:
     local: int  # its first row among this rank's tokens
 
 
+def _projections(x: LayerInputs) -> list[Tensor]:
+    """The compressor's rows a window pools: kv, gate (and the indexer's)."""
+    rows = [x.comp_kv, x.comp_gate, x.index_kv, x.index_gate]
+    return [t for t in rows if t is not None]
+
+
 class DsV4Attention:
     """The attention of every layer of one rank of a degree-C worker, for one prefill
-    of ``part.num_tokens`` real tokens from position 0. ``entry_rope(positions)`` gives
-    the compress RoPE's cos, sin [n, rd/2] for the compressors' entries; ``topk``: the
-    entries the indexer keeps per query."""
+    of ``part.num_tokens`` tokens after ``prefix`` (None: from position 0).
+    ``entry_rope(positions)`` gives the compress RoPE's cos, sin [n, rd/2] for the
+    compressors' entries; ``topk``: the entries the indexer keeps per query. At C = 1
+    ``states`` collects the state after the prefill, layer by layer."""
 
     def __init__(
-        self, part: ZigzagPartition, comm: Communicator, entry_rope: EntryRope, topk: int
+        self,
+        part: ZigzagPartition,
+        comm: Communicator,
+        entry_rope: EntryRope,
+        topk: int,
+        prefix: DsV4State | None = None,
     ) -> None:
         self.part, self.comm = part, comm
-        self.entry_rope, self.topk = entry_rope, topk
-        s, c = part.chunk_len, part.cp_degree
+        self.entry_rope, self.topk, self.prefix = entry_rope, topk, prefix
+        self.offset = 0 if prefix is None else prefix.length
+        if comm.size > 1 and self.offset % part.align:
+            raise ValueError(
+                f"a prefix of {self.offset} tokens does not end on a {part.align}-token "
+                "boundary, which CP needs"
+            )
+        c = part.cp_degree
         self.owner = [min(j, 2 * c - 1 - j) for j in range(2 * c)]
         self.segments: list[Segment] = []
         local = 0
         for a, b in part.ranges(comm.rank):
             self.segments.append(Segment(a, b, local))
             local += b - a
-        self.chunk = s
+        self.chunk = part.chunk_len
+        self.states: list[LayerState] = []
 
     def __call__(self, layer: int, x: LayerInputs) -> Tensor:
         """This rank's attention output [T, H, D] for layer ``layer``."""
         heads = self._halo(x)
+        if self.prefix is not None:
+            heads[0] = self.prefix.layers[layer].head() if heads[0] is None else heads[0]
         entries = index_keys = None
         if x.ratio:
-            entries, index_keys = self._entries(x, heads)
-        outs = []
-        for seg, head in zip(self.segments, heads, strict=True):
-            outs.append(self._attend_segment(x, seg, head, entries, index_keys))
+            entries, index_keys = self._entries(layer, x, heads)
+        outs = [
+            self._attend_segment(x, seg, head, entries, index_keys)
+            for seg, head in zip(self.segments, heads, strict=True)
+        ]
+        if self.comm.size == 1:
+            self.states.append(self._state_after(x, heads[0], entries, index_keys))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     # 1. halo -------------------------------------------------------------------------
 
     def _tail(self, x: LayerInputs, seg: Segment) -> Tensor:
-        """What a segment sends the owner of the next chunk, flat."""
+        """What a segment sends the owner of the next chunk, flat: its last raw rows
+        and, for CSA, the Ca halves of its last window."""
         hi = seg.local + (seg.end - seg.start)
         parts = [x.kv[hi - (x.window - 1) : hi].reshape(-1)]
-        if x.ratio and x.compressor is not None and x.compressor.overlap:
-            r = x.ratio
-            for proj in (x.comp_kv, x.comp_gate, x.index_kv, x.index_gate):
-                assert proj is not None
-                half = proj.shape[-1] // 2
-                parts.append(proj[hi - r : hi, :half].reshape(-1))
+        if self._csa(x):
+            for proj in _projections(x):
+                parts.append(proj[hi - x.ratio : hi, : proj.shape[-1] // 2].reshape(-1))
         return torch.cat(parts)
 
-    def _halo(self, x: LayerInputs) -> list[Tensor | None]:
-        """Per segment, the flat tail of the chunk before it (None at position 0)."""
+    @staticmethod
+    def _csa(x: LayerInputs) -> bool:
+        return x.compressor is not None and x.compressor.overlap
+
+    def _halo(self, x: LayerInputs) -> list[Head | None]:
+        """Per segment, what the chunk before it sends (None at the suffix's start)."""
         comm, size = self.comm, self.comm.size
         sends: list[list[Tensor]] = [[] for _ in range(size)]
         for seg in self.segments:
             if seg.end < self.part.padded_len:
                 sends[self.owner[seg.end // self.chunk]].append(self._tail(x, seg))
-        width = self._tail_width(x)
+        d = x.kv.shape[-1]
+        halves = [p.shape[-1] // 2 for p in _projections(x)] if self._csa(x) else []
+        width = (x.window - 1) * d + x.ratio * sum(halves)
         recv = [0] * size
         for seg in self.segments:
             if seg.start > 0:
                 recv[self.owner[(seg.start - 1) // self.chunk]] += width
         empty = x.kv.new_zeros(0)
-        send = [torch.cat(parts) if parts else empty for parts in sends]
-        got = comm.all_to_all(send, recv, tag="halo")
+        got = comm.all_to_all([torch.cat(p) if p else empty for p in sends], recv, tag="halo")
         taken = [0] * size
-        heads: list[Tensor | None] = []
+        heads: list[Head | None] = []
         for seg in self.segments:
             if seg.start == 0:
                 heads.append(None)
                 continue
             q = self.owner[(seg.start - 1) // self.chunk]
-            heads.append(got[q][taken[q] : taken[q] + width])
+            flat = got[q][taken[q] : taken[q] + width]
             taken[q] += width
+            at = (x.window - 1) * d
+            prior = []
+            for half in halves:
+                prior.append(flat[at : at + x.ratio * half].view(x.ratio, half))
+                at += x.ratio * half
+            heads.append(Head(flat[: (x.window - 1) * d].view(x.window - 1, d), prior))
         return heads
-
-    def _tail_width(self, x: LayerInputs) -> int:
-        d = x.kv.shape[-1]
-        width = (x.window - 1) * d
-        if x.ratio and x.compressor is not None and x.compressor.overlap:
-            assert x.comp_kv is not None and x.index_kv is not None
-            width += 2 * x.ratio * (x.comp_kv.shape[-1] // 2 + x.index_kv.shape[-1] // 2)
-        return width
-
-    def _unpack_head(self, x: LayerInputs, head: Tensor) -> tuple[Tensor, list[Tensor]]:
-        """A received tail: the raw rows [window - 1, D] and the CSA halves [r, half]."""
-        d, r = x.kv.shape[-1], x.ratio
-        raw_len = (x.window - 1) * d
-        raw = head[:raw_len].view(x.window - 1, d)
-        halves, at = [], raw_len
-        if x.ratio and x.compressor is not None and x.compressor.overlap:
-            for proj in (x.comp_kv, x.comp_gate, x.index_kv, x.index_gate):
-                assert proj is not None
-                half = proj.shape[-1] // 2
-                halves.append(head[at : at + r * half].view(r, half))
-                at += r * half
-        return raw, halves
 
     # 2. entries ----------------------------------------------------------------------
 
-    def _entries(self, x: LayerInputs, heads: list[Tensor | None]) -> tuple[Tensor, Tensor | None]:
-        """Every entry of the prompt [Rp / r, D] (and the indexer's keys [Rp / r, Di])."""
+    def _pool_segment(
+        self, x: LayerInputs, seg: Segment, head: Head | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """The entries (and indexer keys) of a segment's whole windows, with the open
+        window before it (a state's, C = 1) in front."""
         comp, r = x.compressor, x.ratio
-        assert comp is not None and x.comp_kv is not None and x.comp_gate is not None
-        mine, mine_index = [], []
-        for seg, head in zip(self.segments, heads, strict=True):
-            rows = slice(seg.local, seg.local + (seg.end - seg.start))
-            prior = prior_index = None
-            if head is not None and comp.overlap:
-                _, (ck, cg, ik, ig) = self._unpack_head(x, head)
-                half = ck.shape[-1]
-                prior = (ck, cg + comp.position_bias[:, :half])
-                assert comp.indexer is not None
-                prior_index = (ik, ig + comp.indexer.position_bias[:, : ik.shape[-1]])
-            first = seg.start // r
-            mine.append(self._finish(
-                pool(x.comp_kv[rows], x.comp_gate[rows], comp.position_bias, comp.overlap, prior),
-                comp.kv_norm, first, r,
-            ))  # fmt: skip
-            if comp.indexer is not None:
-                ix = comp.indexer
-                assert x.index_kv is not None and x.index_gate is not None
-                pooled = pool(
-                    x.index_kv[rows], x.index_gate[rows], ix.position_bias, True, prior_index
-                )
-                mine_index.append(self._finish(pooled, ix.kv_norm, first, r))
-        local = torch.cat(mine)
+        assert comp is not None
+        rows = slice(seg.local, seg.local + (seg.end - seg.start))
+        proj = [t[rows] for t in _projections(x)]
+        first = self.offset + seg.start
+        if head is not None and head.open:
+            proj = [torch.cat(pair) for pair in zip(head.open, proj, strict=True)]
+            first -= head.open[0].shape[0]
+        whole = proj[0].shape[0] // r * r
+        proj = [t[:whole] for t in proj]
+        biases = [comp.position_bias]
+        if comp.indexer is not None:
+            biases.append(comp.indexer.position_bias)
+        prior: list[tuple[Tensor, Tensor] | None] = [None, None]
+        if head is not None and head.prior:
+            for i, bias in enumerate(biases):
+                kv, gate = head.prior[2 * i], head.prior[2 * i + 1]
+                prior[i] = (kv, gate + bias[:, : gate.shape[-1]])
+        entries = self._finish(
+            pool(proj[0], proj[1], comp.position_bias, comp.overlap, prior[0]),
+            comp.kv_norm, first // r, r,
+        )  # fmt: skip
+        keys = None
+        if comp.indexer is not None:
+            ix = comp.indexer
+            pooled = pool(proj[2], proj[3], ix.position_bias, True, prior[1])
+            keys = self._finish(pooled, ix.kv_norm, first // r, r)
+        return entries, keys
+
+    def _entries(
+        self, layer: int, x: LayerInputs, heads: list[Head | None]
+    ) -> tuple[Tensor, Tensor | None]:
+        """Every entry of the prompt so far [n, D] (and the indexer's keys [n, Di])."""
+        mine = [self._pool_segment(x, seg, h) for seg, h in zip(self.segments, heads, strict=True)]
+        local = torch.cat([e for e, _ in mine])
+        keyed = mine[0][1] is not None
+        if self.comm.size == 1:
+            keys = torch.cat([k for _, k in mine if k is not None]) if keyed else None
+            entries = local
+        else:
+            keys_mine = [k for _, k in mine if k is not None] if keyed else None
+            entries, keys = self._gather(local, keys_mine, x.ratio)
+        if self.prefix is not None:
+            old = self.prefix.layers[layer]
+            assert old.entries is not None
+            entries = torch.cat((old.entries, entries))
+            if keys is not None and old.index_keys is not None:
+                keys = torch.cat((old.index_keys, keys))
+        return entries, keys
+
+    def _gather(
+        self, local: Tensor, local_keys: list[Tensor] | None, ratio: int
+    ) -> tuple[Tensor, Tensor | None]:
+        """Every rank's new entries in sequence order (``comp``: one all-gather)."""
         d = local.shape[-1]
         flat = [local.reshape(-1)]
-        if mine_index:
-            flat.append(torch.cat(mine_index).reshape(-1))
+        if local_keys is not None:
+            flat.append(torch.cat(local_keys).reshape(-1))
         gathered = self.comm.all_gather(torch.cat(flat), tag="comp")  # [C, n]
         per_rank = local.shape[0]
-        entries = local.new_empty((self.part.padded_len // r, d))
+        entries = local.new_empty((self.part.padded_len // ratio, d))
         keys = None
-        if mine_index:
-            di = mine_index[0].shape[-1]
-            keys = local.new_empty((self.part.padded_len // r, di))
+        if local_keys is not None:
+            keys = local.new_empty((entries.shape[0], (gathered.shape[1] // per_rank) - d))
         for rank in range(self.comm.size):
-            row = gathered[rank]
+            row, at = gathered[rank], 0
             ent = row[: per_rank * d].view(per_rank, d)
-            idx = row[per_rank * d :].view(per_rank, -1) if keys is not None else None
-            at = 0
             for a, b in self.part.ranges(rank):
-                n = (b - a) // r
-                entries[a // r : b // r] = ent[at : at + n]
-                if keys is not None and idx is not None:
-                    keys[a // r : b // r] = idx[at : at + n]
+                n = (b - a) // ratio
+                entries[a // ratio : b // ratio] = ent[at : at + n]
+                if keys is not None:
+                    idx = row[per_rank * d :].view(per_rank, -1)
+                    keys[a // ratio : b // ratio] = idx[at : at + n]
                 at += n
         return entries, keys
 
@@ -212,24 +257,22 @@ class DsV4Attention:
         self,
         x: LayerInputs,
         seg: Segment,
-        head: Tensor | None,
+        head: Head | None,
         entries: Tensor | None,
         index_keys: Tensor | None,
     ) -> Tensor:
-        n_seg = seg.end - seg.start
-        rows = slice(seg.local, seg.local + n_seg)
-        raw = x.kv[rows]
+        n_seg, p = seg.end - seg.start, self.offset
+        raw = x.kv[seg.local : seg.local + n_seg]
         halo = 0
-        if head is not None:
-            halo_rows, _ = self._unpack_head(x, head)
-            raw = torch.cat((halo_rows, raw))
-            halo = halo_rows.shape[0]
-        key_pos = torch.arange(seg.start - halo, seg.end, device=raw.device)
-        real_entries = self.part.num_tokens // x.ratio if x.ratio else 0
+        if head is not None and head.raw.shape[0]:
+            raw = torch.cat((head.raw, raw))
+            halo = head.raw.shape[0]
+        key_pos = torch.arange(p + seg.start - halo, p + seg.end, device=raw.device)
+        real_entries = (p + self.part.num_tokens) // x.ratio if x.ratio else 0
         out = []
         for lo in range(0, n_seg, QUERY_BLOCK):
             hi = min(lo + QUERY_BLOCK, n_seg)
-            qpos = torch.arange(seg.start + lo, seg.start + hi, device=raw.device)
+            qpos = torch.arange(p + seg.start + lo, p + seg.start + hi, device=raw.device)
             # Raw keys the block may see: from (its first query - window + 1) to its last.
             k0 = max(0, lo + halo - (x.window - 1))
             keys, kp = raw[k0 : hi + halo], key_pos[k0 : hi + halo]
@@ -249,3 +292,25 @@ class DsV4Attention:
             q = x.q[seg.local + lo : seg.local + hi]
             out.append(attend(q, keys, raw_seen, ent, seen, x.sinks))
         return torch.cat(out)
+
+    # the state after (C = 1) ---------------------------------------------------------
+
+    def _state_after(
+        self,
+        x: LayerInputs,
+        head: Head | None,
+        entries: Tensor | None,
+        index_keys: Tensor | None,
+    ) -> LayerState:
+        n, d = self.part.num_tokens, x.kv.shape[-1]
+        before = head if head is not None else Head(x.kv.new_zeros((0, d)))
+        rows = [t[:n] for t in _projections(x)]
+        raw, open_rows, prior = advance(before, rows, x.kv[:n], x.ratio, x.window)
+        real = (self.offset + n) // x.ratio if x.ratio else 0
+        return LayerState(
+            raw=raw.clone(),
+            entries=None if entries is None else entries[:real].clone(),
+            index_keys=None if index_keys is None else index_keys[:real].clone(),
+            open=[t.clone() for t in open_rows],
+            prior=[t.clone() for t in prior],
+        )

@@ -1,0 +1,88 @@
+"""What DeepSeek-V4 keeps of a prompt so that a later prefill (a cached prefix, the
+next decode step) resumes it exactly: per layer, the window's last raw rows, every
+compressed entry and indexer key so far, and each compressor's unfinished business.
+
+Model (``compress.py``): entry ``w`` pools window ``[w r, (w + 1) r)``, and a CSA
+entry also the first half of the channels of window ``w - 1`` (``Ca``). So a prompt of
+``length`` tokens leaves, per compressed layer:
+
+- the ``length // r`` entries (and indexer keys) of its whole windows;
+- its *open* window: the projection rows of ``[length // r * r, length)``, fewer than
+  ``r``, not pooled yet (none when ``length`` is a multiple of ``r``);
+- for CSA, the ``Ca`` halves of its last whole window, which the next entry pools.
+
+Every layer keeps the last ``window - 1`` raw (shared K = V) rows, the keys a query
+after ``length`` still sees. Projection rows are kept as computed (the gate without
+its position bias: the bias belongs to the slot, added where a window is pooled).
+
+A ``Head`` is the same facts about what precedes one segment of a prefill, whether a
+state gives them or the rank that computed the chunk before sends them (``zigzag.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Head:
+    """What one segment's queries and windows need of the tokens before it."""
+
+    raw: Tensor  # [n <= window - 1, D] the raw rows just before it
+    prior: list[Tensor] = field(default_factory=list)  # CSA: Ca halves [r, half] x 4
+    open: list[Tensor] = field(default_factory=list)  # open-window rows [m < r, W] x 2 or 4
+
+
+@dataclass
+class LayerState:
+    raw: Tensor  # [n <= window - 1, D]
+    entries: Tensor | None = None  # [length // r, D] (compressed layers)
+    index_keys: Tensor | None = None  # [length // r, Di] (CSA)
+    open: list[Tensor] = field(default_factory=list)  # comp kv, gate (, index kv, gate)
+    prior: list[Tensor] = field(default_factory=list)  # CSA: Ca halves, same order
+
+    def head(self) -> Head:
+        return Head(self.raw, self.prior, self.open)
+
+
+@dataclass
+class DsV4State:
+    """A prompt's resumable state: ``length`` tokens, one ``LayerState`` per layer."""
+
+    length: int
+    layers: list[LayerState]
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for layer in self.layers:
+            tensors = [layer.raw, layer.entries, layer.index_keys, *layer.open, *layer.prior]
+            total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return total
+
+
+def advance(
+    head: Head,
+    rows: list[Tensor],
+    raw: Tensor,
+    ratio: int,
+    window: int,
+) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """After ``raw`` [R, D] more tokens whose projection rows are ``rows`` ([R, W] each:
+    comp kv, gate, and for CSA index kv, gate), following ``head``: the raw rows, open
+    rows and CSA prior a later prefill resumes from."""
+    kept = torch.cat((head.raw, raw))[-(window - 1) :] if window > 1 else raw[:0]
+    if not ratio:
+        return kept, [], []
+    joined = [torch.cat(pair) for pair in zip(head.open, rows, strict=True)] if head.open else rows
+    n = joined[0].shape[0]
+    whole = n // ratio * ratio
+    open_rows = [t[whole:] for t in joined]
+    prior = head.prior
+    if len(rows) == 4 and whole:  # CSA: the last whole window's Ca halves
+        last = slice(whole - ratio, whole)
+        prior = [t[last, : t.shape[-1] // 2] for t in joined]
+    return kept, open_rows, prior
