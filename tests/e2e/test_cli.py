@@ -300,7 +300,7 @@ def test_bad_model_folders(checkpoint: Checkpoint, tmp_path: Path) -> None:
         2,
         "unsupported architecture 'PhiForCausalLM'; supported: Qwen3ForCausalLM, "
         "Qwen3MoeForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-        "Qwen2MoeForCausalLM, MixtralForCausalLM, GptOssForCausalLM",
+        "Qwen2MoeForCausalLM, MixtralForCausalLM, GptOssForCausalLM, DeepseekV4ForCausalLM",
     )
     # Checked before any rank starts: the folder's config allows 4096 positions.
     assert_one_line_error(

@@ -271,3 +271,15 @@ def test_ties_at_the_topk_boundary_go_the_same_way_whole_and_resumed(tmp_path: P
     resumed, _ = resume_rank(model, SoloComm(), ids[1024:], "all", state)
     assert whole is not None and resumed is not None
     assert (resumed - whole[1024:]).abs().max().item() <= 1e-5
+
+
+def test_a_rank_refuses_what_dsv4_prefills_do_not_take_yet() -> None:
+    from vertumnus.engine.messages import PrefillCommand
+    from vertumnus.engine.rank_state import _check_dsv4
+
+    ids = torch.arange(5)
+    plain = PrefillCommand(1, (0,), ids, 0, ((),), ((),), 16)
+    _check_dsv4(plain)
+    cached = PrefillCommand(1, (0,), ids, 16, ((3,),), (((1, 4),),), 16, export=(0, 4))
+    with pytest.raises(ValueError, match="a cached prefix, blocks to store, exported KV rows"):
+        _check_dsv4(cached)

@@ -133,6 +133,8 @@ async def serve(args: argparse.Namespace, settings: Any, engine: Any, tokenizer:
 
 def run(args: argparse.Namespace) -> int:
     cfg, model_dir = resolve_model(args.model)
+    if (why := cfg.servable) is not None:
+        raise ConfigError(f"{args.model}: {why}")
     if not args.prefill.startswith(("http://", "https://")):
         raise ConfigError(f"--prefill must start with http:// or https://, got {args.prefill!r}")
     if not 0 <= args.port < 65536:

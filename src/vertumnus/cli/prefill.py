@@ -6,7 +6,8 @@ cache. Both times are of the warm path: the same prefills run first on another p
 of the same lengths (no block in common), so that one-time costs (the compiled layers'
 first call, a kernel's first use) are in neither. Prints one JSON object on stdout;
 ``--check`` adds ``max_abs_diff`` against a single-process reference (the same model,
-plain causal attention over the whole sequence, no cache).
+plain causal attention over the whole sequence, no cache; DeepSeek-V4: its own model
+at C = 1, which the tests hold against transformers).
 """
 
 from __future__ import annotations
@@ -143,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
     tokens = _read_tokens(args, cfg.vocab_size)
     if not 0 <= args.prefix_len <= len(tokens):
         raise ConfigError(f"--prefix-len must be in [0, {len(tokens)}], got {args.prefix_len}")
+    if args.prefix_len and not cfg.caches_prefixes:
+        raise ConfigError(f"--prefix-len: {cfg.name}'s prefixes are not cached by the pool yet")
     if len(tokens) > cfg.max_position_embeddings:
         raise ConfigError(
             f"{len(tokens)} tokens exceed the model's max_position_embeddings "
@@ -221,6 +224,12 @@ def _reference(cfg: Any, model_dir: str | None, engine: EngineConfig, tokens: li
 
     device = resolve_device(engine, 0)
     model = build_model(cfg, model_dir, engine.seed, resolve_dtype(engine.dtype, device), device)
+    if cfg.dsv4 is not None:  # its own model, at C = 1: nothing crosses ranks
+        from vertumnus.engine.comm import SoloComm
+        from vertumnus.engine.dsv4.model import prefill_rank
+
+        ids = torch.tensor(tokens, dtype=torch.long, device=device)
+        return prefill_rank(model, SoloComm(), ids, logits="all").cpu()  # type: ignore[arg-type,union-attr]
     with torch.inference_mode():
         ids = torch.tensor(tokens, dtype=torch.long, device=device)
         hidden = model(ids, torch.arange(len(tokens), device=device), causal_attention())

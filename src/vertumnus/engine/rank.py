@@ -37,6 +37,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from vertumnus.config import EngineConfig, ModelConfig
 from vertumnus.engine.attention import pick_cpu_kernel
 from vertumnus.engine.comm import SoloComm, make_group, worker_group_name
+from vertumnus.engine.dsv4.model import DeepseekV4LM
 from vertumnus.engine.fused import prepare_layers
 from vertumnus.engine.host_copy import keep_freed_host_memory
 from vertumnus.engine.kv_store import PagedKVStore
@@ -131,8 +132,11 @@ def open_rank(rank: int, spec: RankSpec) -> tuple[RankState, RankReady]:
     segment = spec.kv_segments[rank] if rank < len(spec.kv_segments) else None
     blocks, block_size = spec.engine.kv_blocks_per_rank, spec.engine.block_size
     kv = PagedKVStore(spec.model, blocks, block_size, dtype, device, segment)
-    why = prepare_layers(model, spec.engine.compile, lambda: _warm_up(model, block_size))
-    attention = _pick_attention(model, spec.engine, spec.local_ranks or spec.world_size)
+    if isinstance(model, DeepseekV4LM):  # its own kernels, eager (engine/dsv4)
+        why, attention = "DeepSeek-V4 runs eager", "dsv4"
+    else:
+        why = prepare_layers(model, spec.engine.compile, lambda: _warm_up(model, block_size))
+        attention = _pick_attention(model, spec.engine, spec.local_ranks or spec.world_size)
     ready = RankReady(rank, str(device), kv.nbytes, model.layer_fns.name, why, attention)
     return RankState(rank, model, kv, groups, store, device, timeout), ready
 

@@ -21,6 +21,8 @@ import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from vertumnus.engine.comm import Communicator, DistComm, SoloComm, make_group, worker_group_name
+from vertumnus.engine.dsv4.model import DeepseekV4LM
+from vertumnus.engine.dsv4.model import prefill_rank as dsv4_prefill
 from vertumnus.engine.host_copy import HostStaging, StepTimer
 from vertumnus.engine.kv_store import PagedKVStore
 from vertumnus.engine.kv_transfer import PairGroups, check_transfer, run_transfer
@@ -169,7 +171,11 @@ def _run(
         step = replace(step, token_ids=step.token_ids.to(model.device))
         exported: list[torch.Tensor] = []
         prompt: list[PromptLogprobs] = []
-        logits = prefill_rank(model, comm, kv, step, cmd.logits, exported, prompt)
+        if isinstance(model, DeepseekV4LM):
+            _check_dsv4(cmd)
+            logits = dsv4_prefill(model, comm, step.token_ids, cmd.logits)
+        else:
+            logits = prefill_rank(model, comm, kv, step, cmd.logits, exported, prompt)
         elapsed = timer.stop()
         host_logits, host_kv = staging.fetch([logits, exported[0] if exported else None])
         return PrefillDone(
@@ -186,6 +192,23 @@ def _run(
         return RankFailed(
             rank, cmd.request_id, f"{type(exc).__name__}: {exc}", traceback.format_exc()
         )
+
+
+def _check_dsv4(cmd: PrefillCommand) -> None:
+    """DeepSeek-V4's prefills compute the whole prompt: its composite prefix state is
+    not kept in blocks yet, nor handed off (``config.ModelConfig.servable``)."""
+    wanted = [
+        what
+        for what, asked in (
+            ("a cached prefix", cmd.prefix_len > 0),
+            ("blocks to store", any(cmd.write)),
+            ("exported KV rows", cmd.export is not None),
+            ("prompt logprobs", cmd.prompt_logprobs is not None),
+        )
+        if asked
+    ]
+    if wanted:
+        raise ValueError(f"DeepSeek-V4 prefills take no {', '.join(wanted)} (not built yet)")
 
 
 def _check_command(cmd: PrefillCommand, vocab_size: int, kv: PagedKVStore) -> None:

@@ -280,7 +280,14 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
 ) -> CausalLM:
-    """Preset (``model_dir is None``: seeded random weights) or checkpoint folder."""
+    """Preset (``model_dir is None``: seeded random weights) or checkpoint folder;
+    DeepSeek-V4 is its own model (``engine/dsv4``)."""
+    if cfg.dsv4 is not None:
+        from vertumnus.engine.dsv4.load import load_dsv4, random_dsv4
+
+        if model_dir is None:
+            return random_dsv4(cfg, seed, dtype, str(device))  # type: ignore[return-value]
+        return load_dsv4(cfg, model_dir, dtype, device)  # type: ignore[return-value]
     if model_dir is None:
         return random_model(cfg, seed).to(device=device, dtype=dtype).eval()
     return load_model(cfg, model_dir, dtype, device)

@@ -101,6 +101,8 @@ class Coordinator:
         self.clock = clock
         self._given_ranks = ranks
         self.model_cfg, self.model_dir = resolve_model(cfg.model)
+        if (why := self.model_cfg.servable) is not None:
+            raise ConfigError(f"{cfg.model}: {why}")
         try:
             self.profile = Profile.load(cfg.profile)
             if (served := attention_mix(self.model_cfg)) != self.profile.attention:

@@ -29,6 +29,7 @@ from vertumnus.engine.dsv4.layers import (
 )
 from vertumnus.engine.dsv4.state import DsV4State
 from vertumnus.engine.dsv4.zigzag import DsV4Attention
+from vertumnus.engine.fused import EAGER
 from vertumnus.engine.partition import ZigzagPartition
 from vertumnus.engine.rope import yarn
 
@@ -69,6 +70,7 @@ class DeepseekV4LM(nn.Module):
         super().__init__()
         self.config, self.spec = cfg, spec_of(cfg)
         self.cpu_attention = "flash"  # unused: this model attends in its own kernels
+        self.layer_fns = EAGER  # not compiled (``fused.py`` is the shared decoder's)
         self.model = Backbone(cfg, self.spec)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

@@ -1,0 +1,58 @@
+"""DeepSeek-V4 through the CLI: ``prefill --check`` over gloo rank processes at CP 2
+gives transformers' logits, and what is not built yet (its cached prefixes in the
+pool, serving it) is refused at once, saying why."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from support.dsv4 import write_dsv4_folder
+
+pytestmark = pytest.mark.multiproc
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "vertumnus", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.timeout(240)
+def test_prefill_check_over_rank_processes_gives_transformers_logits(tmp_path: Path) -> None:
+    folder = tmp_path / "dsv4"
+    model = write_dsv4_folder(folder)
+    tokens = [
+        int(t) for t in torch.randint(0, 256, (700,), generator=torch.Generator().manual_seed(1))
+    ]
+    (tmp_path / "tokens.json").write_text(json.dumps(tokens))
+    out = _cli(
+        "prefill", "--model", str(folder), "--cp", "2", "--tokens-file",
+        str(tmp_path / "tokens.json"), "--dtype", "float32", "--check",
+        "--dump-logits", str(tmp_path / "logits.npy"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["collectives_per_rank"] == {"halo": 4, "comp": 3, "out": 1}
+    assert result["cached_tokens"] == 0 and result["computed_tokens"] == 700
+    assert result["max_abs_diff"] <= 1e-4
+    with torch.no_grad():
+        want = model(torch.tensor([tokens])).logits[0].numpy()
+    got = np.load(tmp_path / "logits.npy")
+    assert float(np.abs(got - want).max()) <= 1e-4
+
+
+def test_what_is_not_built_yet_is_refused_saying_why(tmp_path: Path) -> None:
+    folder = tmp_path / "dsv4"
+    write_dsv4_folder(folder)
+    out = _cli("prefill", "--model", str(folder), "--prompt-len", "300", "--prefix-len", "128")
+    assert out.returncode == 2
+    assert "prefixes are not cached by the pool yet" in out.stderr
+    out = _cli("serve", "--model", str(folder), "--port", "0")
+    assert out.returncode == 2
+    assert "serving it is not built yet" in out.stderr
