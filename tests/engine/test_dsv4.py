@@ -310,3 +310,39 @@ def test_bf16_rounds_no_worse_than_transformers_in_bf16(folder: tuple[Path, Any]
     their_top1 = float((theirs.argmax(-1) == want.argmax(-1)).float().mean())
     assert top1 >= their_top1 - 0.02
     assert float(err.mean()) > 1e-4  # rounding's size: bf16 did run
+
+
+def _state_diff(a: Any, b: Any) -> float:
+    worst = 0.0
+    assert a.length == b.length and len(a.layers) == len(b.layers)
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        pairs = [(la.raw, lb.raw), (la.entries, lb.entries), (la.index_keys, lb.index_keys)]
+        opens = zip(la.open, lb.open, strict=True)
+        priors = zip(la.prior, lb.prior, strict=True)
+        for x, y in [*pairs, *opens, *priors]:
+            assert (x is None) == (y is None)
+            if x is not None and x.numel():
+                assert x.shape == y.shape
+                worst = max(worst, (x - y).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("length", [257, 1027])
+@pytest.mark.parametrize("c", [2, 4])
+def test_cp_gathers_the_prompt_state_a_decode_resumes(
+    folder: tuple[Path, Any], engine: DeepseekV4LM, c: int, length: int
+) -> None:
+    """Under CP the state after the prompt (what a hand-off carries) comes from one
+    ``state`` all-gather of the rows around its end: it equals C = 1's, and decoding
+    from it gives transformers' logits."""
+    ids, want = _ids(1300), _reference(folder[1], 1300)
+    _, alone = resume_rank(engine, SoloComm(), ids[:length], "all")
+    results, comms = run_ranks(
+        c, lambda _r, comm: resume_rank(engine, comm, ids[:length], "all", None, True)
+    )
+    assert dict(comms[0].calls) == {"halo": 4, "comp": 3, "state": 1, "out": 1}
+    assert all(_state_diff(alone, state) <= 1e-5 for _, state in results)
+    state = results[c - 1][1]
+    for t in range(length, length + 4):
+        got, state = resume_rank(engine, SoloComm(), ids[t : t + 1], "last", state)
+        assert got is not None and (got[0] - want[t]).abs().max().item() <= TOL

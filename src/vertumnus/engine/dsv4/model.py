@@ -27,7 +27,7 @@ from vertumnus.engine.dsv4.layers import (
     Norm,
     hc_merge,
 )
-from vertumnus.engine.dsv4.state import DsV4State
+from vertumnus.engine.dsv4.state import DsV4State, Head, assemble
 from vertumnus.engine.dsv4.zigzag import DsV4Attention
 from vertumnus.engine.fused import EAGER
 from vertumnus.engine.partition import ZigzagPartition
@@ -169,14 +169,17 @@ def resume_rank(
     token_ids: Tensor,
     logits: str = "last",
     prefix: DsV4State | None = None,
+    keep_state: bool = False,
 ) -> tuple[Tensor | None, DsV4State | None]:
     """One rank's part of a zigzag prefill of ``token_ids`` [R] after ``prefix`` (None:
     from position 0; under CP it must end on a chunk boundary, ``partition_of``).
 
     Returns, on rank 0, fp32 logits in sequence order ([1, V] for ``"last"``, [R, V]
-    for ``"all"``), else None; and at C = 1 the prompt's state after these tokens
-    (``state.py``), else None. Collectives per layer: one ``halo`` all-to-all, and one
-    ``comp`` all-gather on a compressed layer; then one ``out`` all-gather.
+    for ``"all"``), else None; and the prompt's state after these tokens
+    (``state.py``) at C = 1, or under CP with ``keep_state`` (on every rank), else None.
+    Collectives per layer: one ``halo`` all-to-all, and one ``comp`` all-gather on a
+    compressed layer; then one ``out`` all-gather, and with ``keep_state`` under CP
+    one ``state`` all-gather of the rows around the prompt's end.
     """
     part = partition_of(model, int(token_ids.numel()), comm.size)
     dev = token_ids.device
@@ -188,11 +191,14 @@ def resume_rank(
     def entry_rope(positions: Tensor) -> tuple[Tensor, Tensor]:
         return model.rope("compress", positions)
 
-    attention = DsV4Attention(part, comm, entry_rope, model.spec.index_topk, prefix)
+    topk = model.spec.index_topk
+    attention = DsV4Attention(part, comm, entry_rope, topk, prefix, keep_state)
     hidden = model(ids, idx + offset, attention, counted=real)  # [2s, H]
     state = None
     if comm.size == 1:
         state = DsV4State(offset + part.num_tokens, attention.states)
+    elif keep_state:
+        state = _gathered_state(model, comm, attention, prefix)
     gathered = comm.all_gather(hidden, tag="out")
     if comm.rank != 0:
         return None, state
@@ -201,3 +207,30 @@ def resume_rank(
     seq = seq[restore[: part.num_tokens]]
     rows = seq[-1:] if logits == "last" else seq
     return model.logits(rows), state
+
+
+def _gathered_state(
+    model: DeepseekV4LM, comm: Communicator, attention: DsV4Attention, prefix: DsV4State | None
+) -> DsV4State:
+    """The prompt's state under CP: every rank's rows around its end (one ``state``
+    all-gather; each row computed by one rank, zeros from the others) and the entries
+    every rank holds after the ``comp`` gathers."""
+    flat = torch.cat([span.reshape(-1) for span in attention.spans])
+    rows = comm.all_gather(flat, tag="state").sum(dim=0)
+    end = attention.offset + attention.part.num_tokens
+    n = end - attention.span_start
+    at, layers = 0, []
+    for i, layer in enumerate(model.decoder_layers()):
+        span = attention.spans[i]
+        whole = rows[at : at + span.numel()].view(span.shape)[:n]
+        at += span.numel()
+        attn = layer.self_attn
+        if prefix is not None and attention.span_start == attention.offset:
+            head = prefix.layers[i].head()
+        else:
+            head = Head(span.new_zeros((0, attn.head_dim)))
+        entries, keys = attention.kept[i]
+        seen = end // attn.ratio if attn.ratio else 0
+        kept = (None if entries is None else entries[:seen], None if keys is None else keys[:seen])
+        layers.append(assemble(head, whole, attention.widths[i], attn.ratio, attn.window, kept))
+    return DsV4State(end, layers)

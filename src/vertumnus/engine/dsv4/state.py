@@ -64,6 +64,32 @@ class DsV4State:
         return total
 
 
+def assemble(
+    head: Head,
+    span: Tensor,
+    widths: list[int],
+    ratio: int,
+    window: int,
+    entries: tuple[Tensor | None, Tensor | None],
+) -> LayerState:
+    """A layer's state from the rows of its span (``span`` [n, D + W]: raw, then the
+    projections of ``widths``), starting on a window boundary after ``head``, and every
+    entry (and indexer key) of the prompt."""
+    d = span.shape[1] - sum(widths)
+    raw, at, rows = span[:, :d], d, []
+    for w in widths:
+        rows.append(span[:, at : at + w])
+        at += w
+    kept, open_rows, prior = advance(head, rows, raw, ratio, window)
+    return LayerState(
+        raw=kept.clone(),
+        entries=None if entries[0] is None else entries[0].clone(),
+        index_keys=None if entries[1] is None else entries[1].clone(),
+        open=[t.clone() for t in open_rows],
+        prior=[t.clone() for t in prior],
+    )
+
+
 def advance(
     head: Head,
     rows: list[Tensor],

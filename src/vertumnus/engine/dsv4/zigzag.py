@@ -75,8 +75,9 @@ class DsV4Attention:
         entry_rope: EntryRope,
         topk: int,
         prefix: DsV4State | None = None,
+        keep_state: bool = False,
     ) -> None:
-        self.part, self.comm = part, comm
+        self.part, self.comm, self.keep_state = part, comm, keep_state
         self.entry_rope, self.topk, self.prefix = entry_rope, topk, prefix
         self.offset = 0 if prefix is None else prefix.length
         if comm.size > 1 and self.offset % part.align:
@@ -93,6 +94,13 @@ class DsV4Attention:
             local += b - a
         self.chunk = part.chunk_len
         self.states: list[LayerState] = []
+        # Under CP with ``keep_state``: per layer, the rows of the state's span this rank
+        # computed (zeros elsewhere) and every entry so far (``model.resume_rank``).
+        end = self.offset + part.num_tokens
+        self.span_start = max(self.offset, end // part.align * part.align - part.align)
+        self.spans: list[Tensor] = []
+        self.widths: list[list[int]] = []
+        self.kept: list[tuple[Tensor | None, Tensor | None]] = []
 
     def __call__(self, layer: int, x: LayerInputs) -> Tensor:
         """This rank's attention output [T, H, D] for layer ``layer``."""
@@ -108,6 +116,10 @@ class DsV4Attention:
         ]
         if self.comm.size == 1:
             self.states.append(self._state_after(x, heads[0], entries, index_keys))
+        elif self.keep_state:
+            self.spans.append(self._span(x))
+            self.widths.append([t.shape[1] for t in _projections(x)])
+            self.kept.append((entries, index_keys))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     # 1. halo -------------------------------------------------------------------------
@@ -293,7 +305,20 @@ class DsV4Attention:
             out.append(attend(q, keys, raw_seen, ent, seen, x.sinks))
         return torch.cat(out)
 
-    # the state after (C = 1) ---------------------------------------------------------
+    # the state after ---------------------------------------------------------------
+
+    def _span(self, x: LayerInputs) -> Tensor:
+        """[2 align, D + W] the raw and projection rows of positions ``span_start`` ..
+        the prompt's end that this rank computed; zeros in the others' rows."""
+        rows = torch.cat([x.kv, *_projections(x)], dim=1)
+        out = rows.new_zeros((2 * self.part.align, rows.shape[1]))
+        first = self.span_start - self.offset  # suffix index of the span's first row
+        for seg in self.segments:
+            a, b = max(seg.start, first), min(seg.end, self.part.num_tokens)
+            if a < b:
+                local = seg.local + (a - seg.start)
+                out[a - first : b - first] = rows[local : local + (b - a)]
+        return out
 
     def _state_after(
         self,
