@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -130,16 +131,7 @@ class DecodeEngine:
         cfg = self.config
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} is already decoding")
-        if not isinstance(prompt_kv, PromptKV):
-            prompt_kv = self._from_layers(prompt_kv)
-        got = (prompt_kv.num_layers, prompt_kv.num_kv_heads, prompt_kv.head_dim)
-        want = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-        if got != want:
-            raise ValueError(
-                f"prompt KV of {got[0]} layers, {got[1]} KV heads, head_dim {got[2]}; the "
-                f"model has {want[0]}, {want[1]}, {want[2]}"
-            )
-        n = prompt_kv.num_tokens
+        n = self._prompt_tokens(prompt_kv)
         if not 0 <= last_token < cfg.vocab_size:
             raise ValueError(f"token id {last_token} outside the vocabulary [0, {cfg.vocab_size})")
         # End ids outside the vocabulary can never be chosen: nothing to ban or watch.
@@ -160,17 +152,39 @@ class DecodeEngine:
                 f"(max_position_embeddings {cfg.max_position_embeddings})"
             )
         limit = n + max_tokens
+        k_cache, v_cache = self._new_cache(seq_id, prompt_kv, n, limit)
+        generator = make_generator(params, self.model.device)
+        choosing = Choosing(params, generator, frozenset(ends), min_tokens, tuple(prompt_ids))
+        self._seqs[seq_id] = _Sequence(
+            seq_id, k_cache, v_cache, n, last_token, limit, choosing, max_tokens, logprobs
+        )
+
+    def _prompt_tokens(self, prompt_kv: Any) -> int:
+        """The prompt's tokens but its last, once its KV is checked against the model."""
+        cfg = self.config
+        if not isinstance(prompt_kv, PromptKV):
+            prompt_kv = self._from_layers(prompt_kv)
+        got = (prompt_kv.num_layers, prompt_kv.num_kv_heads, prompt_kv.head_dim)
+        want = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        if got != want:
+            raise ValueError(
+                f"prompt KV of {got[0]} layers, {got[1]} KV heads, head_dim {got[2]}; the "
+                f"model has {want[0]}, {want[1]}, {want[2]}"
+            )
+        return int(prompt_kv.num_tokens)
+
+    def _new_cache(self, seq_id: int, prompt_kv: Any, n: int, limit: int) -> tuple[Tensor, Tensor]:
+        """A new sequence's K and V caches, holding its prompt's KV."""
+        cfg = self.config
+        if not isinstance(prompt_kv, PromptKV):
+            prompt_kv = self._from_layers(prompt_kv)
         capacity = min(limit, n + self.initial_headroom)
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, capacity, cfg.head_dim)
         device, dtype = self.model.device, self.model.dtype
         k_cache = torch.empty(shape, dtype=dtype, device=device)
         v_cache = torch.empty(shape, dtype=dtype, device=device)
         prompt_kv.copy_into(k_cache, v_cache)
-        generator = make_generator(params, device)
-        choosing = Choosing(params, generator, frozenset(ends), min_tokens, tuple(prompt_ids))
-        self._seqs[seq_id] = _Sequence(
-            seq_id, k_cache, v_cache, n, last_token, limit, choosing, max_tokens, logprobs
-        )
+        return k_cache, v_cache
 
     def _from_layers(self, layers: Sequence[tuple[Tensor, Tensor]]) -> PromptKV:
         cfg = self.config
@@ -189,7 +203,13 @@ class DecodeEngine:
 
     def remove(self, seq_id: int) -> bool:
         """Leave the batch (a client gone); False when it was not decoding."""
-        return self._seqs.pop(seq_id, None) is not None
+        if self._seqs.pop(seq_id, None) is None:
+            return False
+        self._left(seq_id)
+        return True
+
+    def _left(self, seq_id: int) -> None:
+        """A sequence finished (a subclass drops what it keeps of it)."""
 
     @staticmethod
     def _reserve(seq: _Sequence) -> None:
@@ -211,6 +231,29 @@ class DecodeEngine:
         seqs = list(self._seqs.values())
         if not seqs:
             return []
+        logits = self._logits(seqs)  # [T, V] fp32
+        tokens = choose_rows(logits, [s.choosing for s in seqs], [s.output for s in seqs])
+        logprobs = _logprobs(logits, tokens, [s.logprobs or 0 for s in seqs])
+        max_positions = self.config.max_position_embeddings
+        outputs = []
+        for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
+            ended = token in seq.choosing.end_ids and len(seq.output) >= seq.choosing.min_tokens
+            seq.length += 1
+            seq.output.append(token)
+            seq.next_token = token
+            reason = None
+            if ended:
+                reason = "stop"
+            elif len(seq.output) >= seq.max_tokens or seq.length >= max_positions:
+                reason = "length"
+            if reason is not None:
+                del self._seqs[seq.seq_id]
+                self._left(seq.seq_id)
+            outputs.append(StepOutput(seq.seq_id, token, reason, lp))
+        return outputs
+
+    def _logits(self, seqs: list[_Sequence]) -> Tensor:
+        """One forward of each sequence's next token at its position: [T, V] fp32."""
         for seq in seqs:
             self._reserve(seq)
         device = self.model.device
@@ -244,25 +287,8 @@ class DecodeEngine:
             return out
 
         hidden = self.model(ids, positions, attend)  # [T, H]
-        logits = self.model.logits(hidden)  # [T, V] fp32
-        tokens = choose_rows(logits, [s.choosing for s in seqs], [s.output for s in seqs])
-        logprobs = _logprobs(logits, tokens, [s.logprobs or 0 for s in seqs])
-        max_positions = self.config.max_position_embeddings
-        outputs = []
-        for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
-            ended = token in seq.choosing.end_ids and len(seq.output) >= seq.choosing.min_tokens
-            seq.length += 1
-            seq.output.append(token)
-            seq.next_token = token
-            reason = None
-            if ended:
-                reason = "stop"
-            elif len(seq.output) >= seq.max_tokens or seq.length >= max_positions:
-                reason = "length"
-            if reason is not None:
-                del self._seqs[seq.seq_id]
-            outputs.append(StepOutput(seq.seq_id, token, reason, lp))
-        return outputs
+        logits: Tensor = self.model.logits(hidden)
+        return logits
 
 
 def _logprobs(logits: Tensor, chosen: list[int], tops: list[int]) -> list[TokenLogprobs]:
