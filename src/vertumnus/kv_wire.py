@@ -12,6 +12,11 @@ end mark::
                                  num_kv_heads, head_dim]: whole blocks as the
                                  pool's paged store keeps them, so that it sends
                                  them as they lie (t a multiple of block_size)
+               kind 3 (state)   DeepSeek-V4: the prompt's state after its t tokens
+                                 (``engine/dsv4/state.py``: the window's last rows,
+                                 the compressed entries, the open windows), the
+                                 header's ``state_bytes`` of one safetensors blob;
+                                 the only chunk of such a stream
     end      u32 0, u32 0
 
 A stream that stops before its end mark, or whose chunks do not add up to the
@@ -30,6 +35,7 @@ import orjson
 
 CHUNK_ROWS = 1
 CHUNK_BLOCKS = 2
+CHUNK_STATE = 3
 _U32 = struct.Struct("<I")
 _CHUNK = struct.Struct("<II")
 END = _CHUNK.pack(0, 0)
@@ -63,12 +69,13 @@ class KVHeader:
     dtype: str  # a key of ``ITEM_BYTES``
     block_size: int  # the prefill pool's (for the record)
     model: str
+    state_bytes: int = 0  # DeepSeek-V4: the state chunk's bytes (K and V rows otherwise)
 
     def __post_init__(self) -> None:
         if self.dtype not in ITEM_BYTES:
             raise WireError(f"dtype {self.dtype!r} is not one of {', '.join(ITEM_BYTES)}")
         dims = (self.num_layers, self.num_kv_heads, self.head_dim)
-        if self.num_tokens < 0 or min(dims) < 1:
+        if self.num_tokens < 0 or min(dims) < 1 or self.state_bytes < 0:
             raise WireError(f"bad shape in the header: tokens {self.num_tokens}, dims {dims}")
 
     @property
@@ -78,7 +85,7 @@ class KVHeader:
 
     @property
     def total_bytes(self) -> int:
-        return self.num_tokens * self.token_bytes
+        return self.state_bytes or self.num_tokens * self.token_bytes
 
     def encode(self) -> bytes:
         body = orjson.dumps(asdict(self))
@@ -110,7 +117,7 @@ def parse_chunk_header(raw: bytes, block_size: int) -> tuple[int, int] | None:
     kind, tokens = _CHUNK.unpack(raw)
     if kind == 0 and tokens == 0:
         return None
-    if kind not in (CHUNK_ROWS, CHUNK_BLOCKS) or tokens == 0:
+    if kind not in (CHUNK_ROWS, CHUNK_BLOCKS, CHUNK_STATE) or tokens == 0:
         raise WireError(f"bad chunk header: kind {kind}, {tokens} tokens")
     if kind == CHUNK_BLOCKS and tokens % block_size:
         raise WireError(f"a chunk of blocks of {tokens} tokens (blocks of {block_size})")

@@ -280,8 +280,9 @@ def test_a_rank_refuses_what_dsv4_prefills_do_not_take_yet() -> None:
     ids = torch.arange(5)
     plain = PrefillCommand(1, (0,), ids, 0, ((),), ((),), 16)
     _check_dsv4(plain)
-    cached = PrefillCommand(1, (0,), ids, 16, ((3,),), (((1, 4),),), 16, export=(0, 4))
-    with pytest.raises(ValueError, match="a cached prefix, blocks to store, exported KV rows"):
+    _check_dsv4(PrefillCommand(1, (0,), ids, 0, ((),), ((),), 16, export=(0, 4)))
+    cached = PrefillCommand(1, (0,), ids, 16, ((3,),), (((1, 4),),), 16, export=(1, 4))
+    with pytest.raises(ValueError, match="a cached prefix, blocks to store, exported rows"):
         _check_dsv4(cached)
 
 
@@ -346,3 +347,14 @@ def test_cp_gathers_the_prompt_state_a_decode_resumes(
     for t in range(length, length + 4):
         got, state = resume_rank(engine, SoloComm(), ids[t : t + 1], "last", state)
         assert got is not None and (got[0] - want[t]).abs().max().item() <= TOL
+
+
+def test_the_last_logits_need_one_row_from_each_rank(
+    folder: tuple[Path, Any], engine: DeepseekV4LM
+) -> None:
+    """For the first token alone, ``out`` gathers one hidden row per rank (the last
+    token's, zeros from the others), not every rank's hidden states."""
+    ids, want = _ids(1000), _reference(folder[1], 1000)
+    results, comms = run_ranks(4, lambda _r, comm: prefill_rank(engine, comm, ids, "last"))
+    assert (results[0][0] - want[-1]).abs().max().item() <= TOL
+    assert all(comm.received["out"] == 3 * 64 for comm in comms)

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import transformers
 
+from support.tokenizer import make_tokenizer
+
 VOCAB = 256
 TYPES = ["sliding_attention", "compressed_sparse_attention",
          "heavily_compressed_attention", "compressed_sparse_attention"]  # fmt: skip
@@ -69,8 +71,16 @@ def make_dsv4(seed: int = 5, **over: Any) -> transformers.DeepseekV4ForCausalLM:
     return model
 
 
-def write_dsv4_folder(folder: Path, seed: int = 5, **over: Any) -> transformers.PreTrainedModel:
-    """``make_dsv4`` saved into ``folder``; returns the transformers model."""
+def write_dsv4_folder(
+    folder: Path, seed: int = 5, tokenizer: bool = False, **over: Any
+) -> transformers.PreTrainedModel:
+    """``make_dsv4`` saved into ``folder`` (``tokenizer``: with a tokenizer and chat
+    template, its end of turn the end-of-sequence id, as ``serve`` needs); returns the
+    transformers model."""
     model = make_dsv4(seed, **over)
+    if tokenizer:
+        eos = make_tokenizer(folder, model.config.vocab_size)
+        model.config.eos_token_id = eos
+        model.generation_config.eos_token_id = eos
     model.save_pretrained(folder)
     return model

@@ -133,8 +133,6 @@ async def serve(args: argparse.Namespace, settings: Any, engine: Any, tokenizer:
 
 def run(args: argparse.Namespace) -> int:
     cfg, model_dir = resolve_model(args.model)
-    if (why := cfg.servable) is not None:
-        raise ConfigError(f"{args.model}: {why}")
     if not args.prefill.startswith(("http://", "https://")):
         raise ConfigError(f"--prefill must start with http:// or https://, got {args.prefill!r}")
     if not 0 <= args.port < 65536:
@@ -167,7 +165,15 @@ def run(args: argparse.Namespace) -> int:
     )
     tokenizer = Tokenizer.for_model(model_dir, cfg.vocab_size)
     configure_logging()
-    main = serve(args, settings, DecodeEngine(model), tokenizer)
+    if cfg.dsv4 is not None:  # its prompt's state, not K and V rows
+        from vertumnus.decode.dsv4_engine import DsV4DecodeEngine
+
+        if args.transport != "http":
+            raise ConfigError("DeepSeek-V4's hand-off runs over http only (--transport http)")
+        engine: DecodeEngine = DsV4DecodeEngine(model)  # type: ignore[arg-type]
+    else:
+        engine = DecodeEngine(model)
+    main = serve(args, settings, engine, tokenizer)
     try:
         import uvloop
     except ImportError:

@@ -91,19 +91,6 @@ class ModelConfig:
         composite state is not kept in blocks yet: its prefills compute every token)."""
         return self.dsv4 is None
 
-    @property
-    def servable(self) -> str | None:
-        """None when ``serve`` runs this model; else why not (DeepSeek-V4 runs in the
-        engine's prefill, ``prefill --check`` and the benchmarks, but the pool does not
-        yet keep its composite prefix state in blocks, hand it off or decode it)."""
-        if self.dsv4 is None:
-            return None
-        return (
-            "DeepSeek-V4 runs in the engine (python -m vertumnus prefill --check, the "
-            "benchmarks), but serving it is not built yet: the pool's prefix cache, the "
-            "KV hand-off and the decode server do not carry its compressed state"
-        )
-
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` in tokens; None: full causal attention."""
         if self.sliding_window is None:

@@ -107,7 +107,7 @@ class DecodeEngine:
     def add(
         self,
         seq_id: int,
-        prompt_kv: PromptKV | Sequence[tuple[Tensor, Tensor]],
+        prompt_kv: PromptKV | Sequence[tuple[Tensor, Tensor]] | Any,
         last_token: int,
         params: SamplingParams,
         max_tokens: int,

@@ -29,13 +29,14 @@ from vertumnus.config import ModelConfig
 from vertumnus.decode.kv_socket import SocketPull
 from vertumnus.decode.kv_stream import ARENA, Arena, KVStream
 from vertumnus.decode.prompt_kv import PromptKV
+from vertumnus.engine.dsv4.state import DsV4State
 from vertumnus.kv_wire import HandoffError
 
 
 @dataclass
 class PulledKV:
     header: wire.KVHeader
-    prompt: PromptKV  # CPU, in the stream's dtype
+    prompt: PromptKV | DsV4State  # CPU, in the stream's dtype; DeepSeek-V4: its state
     num_bytes: int  # the whole stream
     seconds: float  # from the request to the end mark
     stream_s: float | None = None  # from the answer's first bytes to its end mark
@@ -44,6 +45,8 @@ class PulledKV:
     @property
     def kv(self) -> list[tuple[Tensor, Tensor]]:
         """Per layer (K, V), each [n, Hkv, D] (a copy)."""
+        if isinstance(self.prompt, DsV4State):
+            raise TypeError("DeepSeek-V4's hand-off carries a state, not K and V rows")
         return self.prompt.layers()
 
     def release(self) -> None:

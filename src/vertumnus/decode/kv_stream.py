@@ -18,6 +18,7 @@ from torch import Tensor
 from vertumnus import kv_wire as wire
 from vertumnus.config import ModelConfig
 from vertumnus.decode.prompt_kv import KVPiece, PromptKV
+from vertumnus.engine.dsv4.state import DsV4State, from_bytes
 from vertumnus.kv_wire import HandoffError
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,6 +95,9 @@ class KVStream:
         dtype = TORCH_DTYPES[header.dtype]
         buffer = self.buffer = self.arena.take(header.total_bytes)
         raw = buffer.numpy().data
+        if header.state_bytes:  # DeepSeek-V4: one chunk, its prompt's state
+            yield from self._state(header, raw)
+            return
         dims = (header.num_kv_heads, header.head_dim)
         layers, block = header.num_layers, header.block_size
         done = at = 0
@@ -127,8 +131,29 @@ class KVStream:
                 "truncated",
             )
 
-    def prompt(self) -> PromptKV:
+    def _state(self, header: wire.KVHeader, raw: memoryview) -> Generator[memoryview, None, None]:
+        mark = bytearray(wire.CHUNK_HEADER_BYTES)
+        yield memoryview(mark)
+        chunk = wire.parse_chunk_header(bytes(mark), header.block_size)
+        if chunk != (wire.CHUNK_STATE, header.num_tokens):
+            raise HandoffError(
+                f"{self.what}: expected the prompt's state, got {chunk}", "malformed"
+            )
+        yield raw[: header.state_bytes]
+        end = bytearray(wire.CHUNK_HEADER_BYTES)
+        yield memoryview(end)
+        if wire.parse_chunk_header(bytes(end), header.block_size) is not None:
+            raise HandoffError(f"{self.what}: more than the state came", "malformed")
+
+    def prompt(self) -> PromptKV | DsV4State:
+        """The prompt's KV as pieces, or DeepSeek-V4's state (``kv_wire`` kind 3)."""
         header = self.header
         assert header is not None
+        if header.state_bytes:
+            assert self.buffer is not None
+            try:
+                return from_bytes(bytes(self.buffer[: header.state_bytes].numpy()))
+            except ValueError as exc:
+                raise HandoffError(f"{self.what}: {exc}", "malformed") from None
         dims = (header.num_layers, header.num_kv_heads, header.head_dim)
         return PromptKV(self.pieces, header.num_tokens, *dims)

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from vertumnus.decode.engine import DecodeEngine, StepOutput
 from vertumnus.decode.prompt_kv import PromptKV
+from vertumnus.engine.dsv4.state import DsV4State
 from vertumnus.protocol.sampling_params import SamplingParams
 
 log = structlog.get_logger("vertumnus.decode")
@@ -36,7 +37,7 @@ class NewSequence:
     ``repetition_penalty`` counts as seen; ``logprobs``: the top alternatives each
     token reports (None: its own log-probability alone)."""
 
-    prompt_kv: PromptKV | Sequence[tuple[Tensor, Tensor]]
+    prompt_kv: PromptKV | Sequence[tuple[Tensor, Tensor]] | DsV4State  # (V4: its state)
     last_token: int
     params: SamplingParams
     max_tokens: int

@@ -21,8 +21,8 @@ import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from vertumnus.engine.comm import Communicator, DistComm, SoloComm, make_group, worker_group_name
-from vertumnus.engine.dsv4.model import DeepseekV4LM
-from vertumnus.engine.dsv4.model import prefill_rank as dsv4_prefill
+from vertumnus.engine.dsv4.model import DeepseekV4LM, resume_rank
+from vertumnus.engine.dsv4.state import to_bytes
 from vertumnus.engine.host_copy import HostStaging, StepTimer
 from vertumnus.engine.kv_store import PagedKVStore
 from vertumnus.engine.kv_transfer import PairGroups, check_transfer, run_transfer
@@ -173,7 +173,13 @@ def _run(
         prompt: list[PromptLogprobs] = []
         if isinstance(model, DeepseekV4LM):
             _check_dsv4(cmd)
-            logits = dsv4_prefill(model, comm, step.token_ids, cmd.logits)
+            handoff = cmd.export is not None
+            logits, state = resume_rank(
+                model, comm, step.token_ids, cmd.logits, None, handoff,
+                cmd.export[1] if cmd.export is not None else None,
+            )  # fmt: skip
+            if handoff and cp_rank == 0 and state is not None:  # its prompt's state
+                exported.append(torch.frombuffer(bytearray(to_bytes(state)), dtype=torch.uint8))
         else:
             logits = prefill_rank(model, comm, kv, step, cmd.logits, exported, prompt)
         elapsed = timer.stop()
@@ -195,14 +201,17 @@ def _run(
 
 
 def _check_dsv4(cmd: PrefillCommand) -> None:
-    """DeepSeek-V4's prefills compute the whole prompt: its composite prefix state is
-    not kept in blocks yet, nor handed off (``config.ModelConfig.servable``)."""
+    """DeepSeek-V4's prefills compute the whole prompt (its composite prefix state is
+    not kept in blocks yet), and a hand-off exports the state of the prompt but its
+    last token (``PrefillDone.exported``: ``dsv4.state.to_bytes``, as uint8)."""
+    n = int(cmd.token_ids.numel())
+    export_ok = cmd.export is None or (cmd.export[0] == 0 and cmd.export[1] == n - 1 and n > 1)
     wanted = [
         what
         for what, asked in (
             ("a cached prefix", cmd.prefix_len > 0),
             ("blocks to store", any(cmd.write)),
-            ("exported KV rows", cmd.export is not None),
+            ("exported rows other than the prompt but its last token", not export_ok),
             ("prompt logprobs", cmd.prompt_logprobs is not None),
         )
         if asked

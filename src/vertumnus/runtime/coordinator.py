@@ -101,8 +101,6 @@ class Coordinator:
         self.clock = clock
         self._given_ranks = ranks
         self.model_cfg, self.model_dir = resolve_model(cfg.model)
-        if (why := self.model_cfg.servable) is not None:
-            raise ConfigError(f"{cfg.model}: {why}")
         try:
             self.profile = Profile.load(cfg.profile)
             if (served := attention_mix(self.model_cfg)) != self.profile.attention:
@@ -310,6 +308,10 @@ class Coordinator:
         the vocabulary, else ValueError): the result's ``prompt_logprobs``, computed
         without the prefix cache (``runtime/prompt_logprobs.py``)."""
         check_top_k(prompt_logprobs, self.model_cfg.vocab_size)
+        if prompt_logprobs is not None and self.model_cfg.dsv4 is not None:
+            raise ValueError(
+                "prompt logprobs (echo with logprobs) are not built for DeepSeek-V4 yet"
+            )
         return await self.requests.prefill(tokens, handoff, prompt_logprobs)
 
     def begin_reshape(self, op: Reshape) -> asyncio.Future[Transition]:

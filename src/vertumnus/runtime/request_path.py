@@ -105,6 +105,7 @@ class RequestPath:
         self.switchboard, self.predict = shared.switchboard, shared.profile.predict
         self.link, self.handoffs, self.recovery = link, handoffs, recovery
         self.tier = tier
+        self.caches_prefixes = shared.model.caches_prefixes
         self._unmoved: dict[int, Exception] = {}  # request -> its tier copies' failure
         self.open: dict[int, _Request] = {}
         self._ids = itertools.count(1)
@@ -130,6 +131,8 @@ class RequestPath:
         )
         self.open[rid] = req
         ids = placement_ids(tokens, self.cfg.engine.block_size, prompt_logprobs)
+        if not self.caches_prefixes:  # (DeepSeek-V4: every prefill computes its prompt)
+            ids = ()
         timeout_s = self.cfg.request_timeout_s
         result: PrefillResult | None = None
         try:

@@ -52,9 +52,16 @@ async def prefill(request: web.Request) -> web.Response:
     return json_response(out)
 
 
-def check_servable(req: GenerateRequest, handoff: bool, decodes: bool) -> None:
+def check_servable(
+    req: GenerateRequest, handoff: bool, decodes: bool, dsv4: bool = False
+) -> None:
     """What this server cannot do with a checked request: decode without a decode
-    server, or keep the KV of several prompts on the pool's own path."""
+    server, keep the KV of several prompts on the pool's own path, or (``dsv4``: the
+    served model is DeepSeek-V4) a prompt's log-probabilities."""
+    if dsv4 and req.prompt_logprobs is not None:
+        raise BadRequest(
+            "prompt logprobs (echo with logprobs) are not built for DeepSeek-V4 yet", "echo"
+        )
     if req.needs_decode and not decodes:
         param = "stream" if req.stream else "max_tokens"
         raise BadRequest(
@@ -79,7 +86,7 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
         body = await read_body(request)
         req = parse(body, served, chat)
         handoff = handoff_asked(body)
-        check_servable(req, handoff, proxy is not None)
+        check_servable(req, handoff, proxy is not None, model.dsv4 is not None)
         if req.needs_decode and proxy is not None:
             proxy.check(req)
     except BadRequest as exc:

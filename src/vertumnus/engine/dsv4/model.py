@@ -170,16 +170,20 @@ def resume_rank(
     logits: str = "last",
     prefix: DsV4State | None = None,
     keep_state: bool = False,
+    state_at: int | None = None,
 ) -> tuple[Tensor | None, DsV4State | None]:
     """One rank's part of a zigzag prefill of ``token_ids`` [R] after ``prefix`` (None:
     from position 0; under CP it must end on a chunk boundary, ``partition_of``).
 
     Returns, on rank 0, fp32 logits in sequence order ([1, V] for ``"last"``, [R, V]
     for ``"all"``), else None; and the prompt's state after these tokens
-    (``state.py``) at C = 1, or under CP with ``keep_state`` (on every rank), else None.
+    (``state.py``) at C = 1, or under CP with ``keep_state`` (on every rank), else None;
+    ``state_at`` = n: the state after the first n of these tokens instead (a hand-off's:
+    the prompt but its last token).
     Collectives per layer: one ``halo`` all-to-all, and one ``comp`` all-gather on a
-    compressed layer; then one ``out`` all-gather, and with ``keep_state`` under CP
-    one ``state`` all-gather of the rows around the prompt's end.
+    compressed layer; then one ``out`` all-gather (of the last token's row alone for
+    ``"last"``), and with ``keep_state`` under CP one ``state`` all-gather of the rows
+    around the prompt's end.
     """
     part = partition_of(model, int(token_ids.numel()), comm.size)
     dev = token_ids.device
@@ -192,21 +196,26 @@ def resume_rank(
         return model.rope("compress", positions)
 
     topk = model.spec.index_topk
-    attention = DsV4Attention(part, comm, entry_rope, topk, prefix, keep_state)
+    attention = DsV4Attention(part, comm, entry_rope, topk, prefix, keep_state, state_at)
     hidden = model(ids, idx + offset, attention, counted=real)  # [2s, H]
     state = None
     if comm.size == 1:
-        state = DsV4State(offset + part.num_tokens, attention.states)
+        state = DsV4State(offset + attention.state_at, attention.states)
     elif keep_state:
         state = _gathered_state(model, comm, attention, prefix)
+    if logits == "last":  # one row crosses: the last token's, from the rank that has it
+        last = hidden.new_zeros((1, hidden.shape[-1]))
+        mine = (idx == part.num_tokens - 1).nonzero().flatten()
+        if mine.numel():
+            last[0] = hidden[mine[0]]
+        rows = comm.all_gather(last, tag="out").sum(dim=0)  # zeros from the others
+        return (model.logits(rows) if comm.rank == 0 else None), state
     gathered = comm.all_gather(hidden, tag="out")
     if comm.rank != 0:
         return None, state
     seq = gathered.reshape(-1, hidden.shape[-1])
     restore = torch.tensor(part.restore_index(), dtype=torch.long, device=dev)
-    seq = seq[restore[: part.num_tokens]]
-    rows = seq[-1:] if logits == "last" else seq
-    return model.logits(rows), state
+    return model.logits(seq[restore[: part.num_tokens]]), state
 
 
 def _gathered_state(
@@ -217,7 +226,7 @@ def _gathered_state(
     every rank holds after the ``comp`` gathers."""
     flat = torch.cat([span.reshape(-1) for span in attention.spans])
     rows = comm.all_gather(flat, tag="state").sum(dim=0)
-    end = attention.offset + attention.part.num_tokens
+    end = attention.offset + attention.state_at
     n = end - attention.span_start
     at, layers = 0, []
     for i, layer in enumerate(model.decoder_layers()):

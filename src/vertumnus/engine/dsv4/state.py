@@ -21,9 +21,11 @@ state gives them or the rank that computed the chunk before sends them (``zigzag
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
+from safetensors.torch import load, save
 from torch import Tensor
 
 
@@ -112,3 +114,59 @@ def advance(
         last = slice(whole - ratio, whole)
         prior = [t[last, : t.shape[-1] // 2] for t in joined]
     return kept, open_rows, prior
+
+
+def to_bytes(state: DsV4State) -> bytes:
+    """The state as one safetensors blob (what a hand-off carries): tensors named
+    ``L.raw``, ``L.entries``, ``L.index_keys``, ``L.open.i``, ``L.prior.i``."""
+    tensors: dict[str, Tensor] = {}
+    for i, layer in enumerate(state.layers):
+        tensors[f"{i}.raw"] = layer.raw
+        if layer.entries is not None:
+            tensors[f"{i}.entries"] = layer.entries
+        if layer.index_keys is not None:
+            tensors[f"{i}.index_keys"] = layer.index_keys
+        for kind in ("open", "prior"):
+            for j, t in enumerate(getattr(layer, kind)):
+                tensors[f"{i}.{kind}.{j}"] = t
+    meta = {"length": str(state.length), "layers": str(len(state.layers))}
+    contiguous = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    return save(contiguous, metadata=meta)
+
+
+def from_bytes(blob: bytes) -> DsV4State:
+    """``to_bytes``'s inverse (ValueError for a blob that is not one)."""
+    try:
+        meta = safe_open_bytes(blob)
+        tensors = load(blob)
+        length, count = int(meta["length"]), int(meta["layers"])
+    except Exception as exc:
+        raise ValueError(f"not a DeepSeek-V4 state: {exc}") from None
+    layers = []
+    for i in range(count):
+
+        def listed(kind: str, i: int = i) -> list[Tensor]:
+            out, j = [], 0
+            while f"{i}.{kind}.{j}" in tensors:
+                out.append(tensors[f"{i}.{kind}.{j}"])
+                j += 1
+            return out
+
+        layers.append(
+            LayerState(
+                raw=tensors[f"{i}.raw"],
+                entries=tensors.get(f"{i}.entries"),
+                index_keys=tensors.get(f"{i}.index_keys"),
+                open=listed("open"),
+                prior=listed("prior"),
+            )
+        )
+    return DsV4State(length, layers)
+
+
+def safe_open_bytes(blob: bytes) -> dict[str, str]:
+    """A safetensors blob's metadata (its JSON header's ``__metadata__``)."""
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + n])
+    meta: dict[str, str] = header.get("__metadata__", {})
+    return meta

@@ -76,8 +76,13 @@ class DsV4Attention:
         topk: int,
         prefix: DsV4State | None = None,
         keep_state: bool = False,
+        state_at: int | None = None,
     ) -> None:
         self.part, self.comm, self.keep_state = part, comm, keep_state
+        # The state kept is the prompt's after its first ``state_at`` new tokens.
+        self.state_at = part.num_tokens if state_at is None else state_at
+        if not 0 < self.state_at <= part.num_tokens:
+            raise ValueError(f"state_at {state_at} outside the {part.num_tokens} new tokens")
         self.entry_rope, self.topk, self.prefix = entry_rope, topk, prefix
         self.offset = 0 if prefix is None else prefix.length
         if comm.size > 1 and self.offset % part.align:
@@ -96,7 +101,7 @@ class DsV4Attention:
         self.states: list[LayerState] = []
         # Under CP with ``keep_state``: per layer, the rows of the state's span this rank
         # computed (zeros elsewhere) and every entry so far (``model.resume_rank``).
-        end = self.offset + part.num_tokens
+        end = self.offset + self.state_at
         self.span_start = max(self.offset, end // part.align * part.align - part.align)
         self.spans: list[Tensor] = []
         self.widths: list[list[int]] = []
@@ -314,7 +319,7 @@ class DsV4Attention:
         out = rows.new_zeros((2 * self.part.align, rows.shape[1]))
         first = self.span_start - self.offset  # suffix index of the span's first row
         for seg in self.segments:
-            a, b = max(seg.start, first), min(seg.end, self.part.num_tokens)
+            a, b = max(seg.start, first), min(seg.end, self.state_at)
             if a < b:
                 local = seg.local + (a - seg.start)
                 out[a - first : b - first] = rows[local : local + (b - a)]
@@ -327,7 +332,7 @@ class DsV4Attention:
         entries: Tensor | None,
         index_keys: Tensor | None,
     ) -> LayerState:
-        n, d = self.part.num_tokens, x.kv.shape[-1]
+        n, d = self.state_at, x.kv.shape[-1]
         before = head if head is not None else Head(x.kv.new_zeros((0, d)))
         rows = [t[:n] for t in _projections(x)]
         raw, open_rows, prior = advance(before, rows, x.kv[:n], x.ratio, x.window)

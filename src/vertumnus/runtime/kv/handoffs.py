@@ -89,8 +89,11 @@ class Handoffs:
         """A lease on the KV the policy holds for the request (``finish(hold=True)``)
         and the rows its prefill exported (the tokens the hold's blocks do not cover)."""
         block = self.serve.engine.block_size
-        num_rows = 0 if rows is None else int(rows.shape[2])
-        if len(hold.blocks) * block + num_rows != prompt_tokens - 1:
+        num_rows = 0 if rows is None else int(rows.shape[2]) if rows.dim() == 5 else 0
+        if self.model.dsv4 is not None:  # the prompt's state, whole (``kv_wire`` kind 3)
+            if rows is None or rows.dim() != 1 or hold.blocks:
+                raise RuntimeError(f"request {hold.request_id}: no DeepSeek-V4 state came back")
+        elif len(hold.blocks) * block + num_rows != prompt_tokens - 1:
             raise RuntimeError(
                 f"request {hold.request_id}: {len(hold.blocks)} held blocks and {num_rows} "
                 f"exported rows do not make the {prompt_tokens - 1} tokens of its hand-off"

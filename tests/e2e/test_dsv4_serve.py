@@ -1,0 +1,76 @@
+"""DeepSeek-V4 through ``python -m vertumnus serve`` as users run it (the adaptive
+pool, its own decode process, two CPU ranks, fp32) on a random folder transformers
+saved: greedy completions of 12 tokens, prefilled by the pool (no prefix reused: its
+state is not kept in the pool's blocks yet), the prompt's DeepSeek-V4 state handed
+off (``kv_wire`` kind 3) and decoded by the decode process, equal transformers'
+``generate`` at CP 1 and, after an admin merge, at CP 2 (the state then gathered
+from both ranks). Prompts of 300 and 258 tokens cross the first HCA window's end
+(256) and the sliding window. A prompt-logprobs request is refused, saying why."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from support.dsv4 import write_dsv4_folder
+from support.factories import make_tokens
+from support.reference import hf_greedy
+from support.server import ADMIN_TOKEN, Server, running_server, write_folder_config
+
+pytestmark = pytest.mark.multiproc
+N = 12
+SERVE_VOCAB = 384  # a byte-level tokenizer and its special tokens need more than 256
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Server]]:
+    folder = tmp_path_factory.mktemp("dsv4-folder")
+    hf = write_dsv4_folder(folder, tokenizer=True, vocab_size=SERVE_VOCAB)
+    config = tmp_path_factory.mktemp("dsv4-serve") / "serve.toml"
+    write_folder_config(
+        config,
+        folder,
+        server={"admin_token": ADMIN_TOKEN},
+        controller={"enabled": True, "decision_s": 600.0},
+        decode={"local": True},
+    )
+    with running_server(config) as srv:
+        yield hf, srv
+
+
+def _complete(server: Server, prompt: list[int]) -> Any:
+    body = {"prompt": prompt, "max_tokens": N, "min_tokens": N, "temperature": 0}
+    status, out = server.call("POST", "/v1/completions", body)
+    assert status == 200, out
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_greedy_completions_equal_transformers_at_cp_1_and_after_a_merge(
+    served: tuple[Any, Server],
+) -> None:
+    hf, server = served
+    for cp in (1, 2):
+        if cp == 2:
+            status, merged = server.call("POST", "/v1/admin/reconfigure", {"op": "merge"})
+            assert status == 200 and merged["cp_degree"] == 2, merged
+        for length in (300, 258):
+            prompt = make_tokens(length, seed=10 * cp + length, vocab=SERVE_VOCAB)
+            out = _complete(server, prompt)
+            assert out["cp_degree"] == cp, out
+            assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, out
+            assert out["timings"]["handoff_bytes"] > 0, out  # the decode process decoded
+            (choice,) = out["choices"]
+            assert choice["finish_reason"] == "length", choice
+            assert choice["token_ids"] == hf_greedy(hf, prompt, N), (cp, length)
+
+
+def test_prompt_logprobs_are_refused_saying_why(served: tuple[Any, Server]) -> None:
+    _, server = served
+    body = {"prompt": make_tokens(20, seed=1, vocab=SERVE_VOCAB), "max_tokens": 0, "echo": True,
+            "logprobs": 1}  # fmt: skip
+    status, out = server.call("POST", "/v1/completions", body)
+    assert status == 400, out
+    assert "not built for DeepSeek-V4 yet" in str(out)
