@@ -14,13 +14,11 @@ attention (s/token pair). Fitting is non-negative least squares on *relative* er
 alike. Prediction is pure Python (the scheduler and simulator call it per request);
 only fitting imports numpy and scipy.
 
-W above is a layer of full causal attention. A layer with a sliding window of w tokens
-(query i sees keys i - w < j <= i) has W_w(R, P) = sum over the positions P..P+R-1 of
-min(position + 1, w) = m*P + m*(m+1)/2 + (R - m)*w, m = clamp(w - P, 0, R). A model's
-``AttentionMix`` (the share of its layers per window) makes W the layers' average, sum
-over groups of share * W_group. The mix rides on every degree's coefficients (so the
-policy's ``ReuseCurve`` sees it) and is stored once in a profile's JSON
-(``"attention"``; absent: every layer full).
+W above is a layer of full causal attention; a model with other layers (sliding
+windows, DeepSeek-V4's compressed attention) has its own W, the average over its
+layers' kinds (``attention_work.AttentionMix``, where each kind's W is defined). The mix
+rides on every degree's coefficients (so the policy's ``ReuseCurve`` sees it) and is
+stored once in a profile's JSON (``"attention"``; absent: every layer full).
 
 Not owned here: measuring samples on the engine (``profile``) and capacity
 (``capacity``), which produce the inputs and the ``capacity`` section of a profile; a
@@ -40,84 +38,15 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
+from vertumnus.attention_work import FULL as FULL
+from vertumnus.attention_work import AttentionMix as AttentionMix
+from vertumnus.attention_work import Compressed as Compressed
+from vertumnus.attention_work import ProfileError as ProfileError
+from vertumnus.attention_work import attention_work as attention_work
+from vertumnus.attention_work import window_work as window_work
+
 COEFF_NAMES = ("d", "a", "b", "c", "alpha")
 CSV_HEADER = ("degree", "uncached_tokens", "cached_tokens", "seconds")
-
-
-class ProfileError(ValueError):
-    """A sample file or profile that cannot be used; the message says where and why."""
-
-
-def attention_work(uncached_tokens: int, cached_tokens: int) -> float:
-    """W(R, P) = R*P + R*(R+1)/2: query-key pairs left to compute."""
-    r, p = uncached_tokens, cached_tokens
-    return r * p + r * (r + 1) / 2
-
-
-def window_work(uncached_tokens: int, cached_tokens: int, window: int | None) -> float:
-    """W_w(R, P): one layer's pairs with a sliding window of ``window`` tokens (None:
-    full causal attention)."""
-    r, p = uncached_tokens, cached_tokens
-    if window is None:
-        return attention_work(r, p)
-    m = min(max(window - p, 0), r)  # the queries that still see their whole prefix
-    return m * p + m * (m + 1) / 2 + (r - m) * window
-
-
-@dataclass(frozen=True)
-class AttentionMix:
-    """How a model's layers attend: ``groups`` of (share of the layers, sliding window
-    in tokens or None for full causal attention), shares summing to 1."""
-
-    groups: tuple[tuple[float, int | None], ...] = ((1.0, None),)
-    # Every layer full causal attention: W is ``attention_work`` (set from ``groups``).
-    full: bool = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        groups = tuple((float(f), w) for f, w in self.groups)
-        if not (
-            groups
-            and all(0 < f <= 1 and (w is None or (type(w) is int and w >= 1)) for f, w in groups)
-            and abs(sum(f for f, _ in groups) - 1.0) < 1e-6
-        ):
-            raise ProfileError(
-                "attention groups need shares in (0, 1] summing to 1 and windows that are "
-                f"integers >= 1 or None, got {self.groups!r}"
-            )
-        object.__setattr__(self, "groups", groups)
-        object.__setattr__(self, "full", all(w is None for _, w in groups))
-
-    def work(self, uncached_tokens: int, cached_tokens: int) -> float:
-        """The layers' average W: sum over groups of share * W_group(R, P)."""
-        if self.full:
-            return attention_work(uncached_tokens, cached_tokens)
-        return sum(f * window_work(uncached_tokens, cached_tokens, w) for f, w in self.groups)
-
-    @classmethod
-    def of_windows(cls, windows: Iterable[int | None]) -> AttentionMix:
-        """The mix of layers with these windows (full layers first, then by window)."""
-        counts: dict[int | None, int] = {}
-        for w in windows:
-            counts[w] = counts.get(w, 0) + 1
-        n = sum(counts.values())
-        order = sorted(counts, key=lambda w: -1 if w is None else w)
-        return cls(tuple((counts[w] / n, w) for w in order)) if n else cls()
-
-    def to_json(self) -> dict[str, Any]:
-        return {"groups": [[f, w] for f, w in self.groups]}
-
-    @classmethod
-    def from_json(cls, raw: Any, source: str = "profile") -> AttentionMix:
-        try:
-            return cls(tuple((f, w) for f, w in raw["groups"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProfileError(
-                f'{source}: "attention" must be {{"groups": [[share, window or null], ...]}} '
-                f"({exc})"
-            ) from None
-
-
-FULL = AttentionMix()
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,18 @@
-"""Derive the Qwen3-30B-A3B / H100 execution-time profile from the model's shape.
+"""Derive an H100 execution-time profile from a model's shape: Qwen3-30B-A3B or DeepSeek-V4-Flash.
 
     .venv/bin/python -m tools.gen.derive_gpu_profile \
-        [--out src/vertumnus/data/profiles/qwen3-30b-a3b-h100.json]
+        [--model qwen3-30b-a3b | deepseek-v4-flash] [--out PROFILE.json]
+
+(default: Qwen3-30B-A3B into src/vertumnus/data/profiles/qwen3-30b-a3b-h100.json;
+DeepSeek-V4-Flash into deepseek-v4-flash-h100.json beside it).
 
 No GPU measurement behind it: each coefficient of E_C(R, P) comes from the model's
 shape and realistic H100 throughput, and the one term that first principles do not
 give (the per-token CP overhead ``a_C``) is solved so that the predicted speed-ups at
 64K input tokens match the paper's measurements (2.71x for C=4 and 3.91x for C=8 over
-C=1). The derivation is printed, written into the profile's provenance and explained
+C=1) for Qwen3-30B-A3B, the model they were measured on. DeepSeek-V4-Flash reuses that
+calibration's non-communication part (``tools/gen/deepseek_v4_profile.py`` says what
+differs). The derivation is printed, written into the profile's provenance and explained
 in ``docs/gpu-profile.md`` (the coefficients, one by one).
 """
 
@@ -137,16 +142,19 @@ def speedups(profile: Profile) -> dict[int, dict[int, float]]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
-    parser.add_argument(
-        "--out", type=Path, default=Path("src/vertumnus/data/profiles/qwen3-30b-a3b-h100.json")
-    )
-    args = parser.parse_args()
+PROFILES = Path("src/vertumnus/data/profiles")
+MODELS = {
+    "qwen3-30b-a3b": "qwen3-30b-a3b-h100.json",
+    "deepseek-v4-flash": "deepseek-v4-flash-h100.json",
+}
+HARDWARE = "H100-SXM-80GB (derived, not measured)"
+
+
+def qwen3_profile() -> tuple[Profile, dict[str, float]]:
     coeffs, facts = derive()
     profile = Profile(
         model="Qwen3-30B-A3B",
-        hardware="H100-SXM-80GB (derived, not measured)",
+        hardware=HARDWARE,
         block_size=512,
         coeffs=coeffs,
         provenance={
@@ -161,9 +169,44 @@ def main() -> None:
             },
         },
     )
+    return profile, facts
+
+
+def deepseek_v4_profile() -> tuple[Profile, dict[str, float]]:
+    from tools.gen import deepseek_v4_profile as v4
+
+    coeffs, facts, _ = v4.derive()
+    profile = Profile(
+        model="DeepSeek-V4-Flash",
+        hardware=HARDWARE,
+        block_size=v4.BLOCK_TOKENS,
+        coeffs=coeffs,
+        provenance={
+            "command": " ".join(["python", *sys.argv]),
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "method": v4.PROVENANCE_METHOD,
+            "derivation": facts,
+            "calibrated_to": {"a_C": "the qwen3-30b-a3b-h100 calibration, less its KV traffic"},
+        },
+    )
+    return profile, facts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b")
+    parser.add_argument("--out", type=Path, help="default: the shipped profile of --model")
+    args = parser.parse_args()
+    if args.model == "deepseek-v4-flash":
+        profile, facts = deepseek_v4_profile()
+        kv_bytes_per_token = facts["cache_bytes_per_token"]
+    else:
+        profile, facts = qwen3_profile()
+        kv_bytes_per_token = facts["kv_bytes_per_token"]
+    out = args.out or PROFILES / MODELS[args.model]
     # The host KV tier's link: documented, not measured (docs/gpu-profile.md)
     profile.host_link = {
-        "kv_bytes_per_token": int(facts["kv_bytes_per_token"]),
+        "kv_bytes_per_token": int(kv_bytes_per_token),
         "d2h_bytes_s": DEFAULT_D2H_BYTES_S,
         "h2d_bytes_s": DEFAULT_H2D_BYTES_S,
         "source": "documented, not measured: H100 SXM on PCIe Gen5 x16 with pinned host "
@@ -177,7 +220,7 @@ def main() -> None:
     for name, value in facts.items():
         print(f"{name:>32} = {value:.4g}")
     print("\ndegree  d (s)     a (s/tok)   b (s/tok)   c (s/tok)   alpha (s/pair)")
-    for degree, k in coeffs.items():
+    for degree, k in profile.coeffs.items():
         print(f"{degree:>6}  {k.d:.4f}  {k.a:.3e}  {k.b:.3e}  {k.c:.3e}  {k.alpha:.3e}")
     print("\nE_1 / E_C, nothing cached:" + "".join(f"{n // 1024:>7}K" for n in REPORT_TOKENS))
     for c, row in table.items():
@@ -185,8 +228,8 @@ def main() -> None:
     e1 = "".join(f"{profile.predict(1, n, 0):>8.2f}" for n in REPORT_TOKENS)
     print("E_1 (s):" + " " * 18 + e1)
     assert all(math.isfinite(v) for v in facts.values())
-    profile.save(args.out)
-    print(f"\nprofile written to {args.out}")
+    profile.save(out)
+    print(f"\nprofile written to {out}")
 
 
 if __name__ == "__main__":

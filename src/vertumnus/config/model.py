@@ -21,7 +21,7 @@ from vertumnus.config.families import SUPPORTED_ARCHITECTURES, family_of
 from vertumnus.config.families.common import ROPE_TYPES
 from vertumnus.config.families.deepseek_v4 import DeepseekV4Spec
 from vertumnus.config.tables import ConfigError
-from vertumnus.perfmodel import AttentionMix
+from vertumnus.perfmodel import AttentionMix, Compressed
 
 __all__ = ["PRESETS", "ModelConfig", "attention_mix", "resolve_model"]
 ROUTERS = ("softmax_topk", "topk_softmax")
@@ -299,8 +299,23 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def attention_mix(model: ModelConfig) -> AttentionMix:
-    """The mix of ``model``'s layers (``ModelConfig.windows``)."""
-    return AttentionMix.of_windows(model.windows)
+    """The mix of ``model``'s layers (``ModelConfig.windows``; DeepSeek-V4: its layer
+    kinds, ``perfmodel.Compressed``, the indexer's score weighed as a pair by its
+    heads x dims against attention's: 0.25 for V4-Flash)."""
+    spec = model.dsv4
+    if spec is None:
+        return AttentionMix.of_windows(model.windows)
+    window = model.sliding_window or 128
+    weight = spec.index_n_heads * spec.index_head_dim / (model.num_attention_heads * model.head_dim)
+    kinds: list[int | Compressed] = []
+    for ratio in spec.compress_ratios:
+        if not ratio:
+            kinds.append(window)
+        elif ratio == 4:  # CSA: the indexer's top k
+            kinds.append(Compressed(window, ratio, spec.index_topk, weight))
+        else:  # HCA: every entry
+            kinds.append(Compressed(window, ratio, None, 0.0))
+    return AttentionMix.of_layers(kinds)
 
 
 def resolve_model(spec: str) -> tuple[ModelConfig, str | None]:
