@@ -53,3 +53,26 @@ def test_a_cached_prefix_is_refused_saying_why(tmp_path: Path) -> None:
     out = _cli("prefill", "--model", str(folder), "--prompt-len", "300", "--prefix-len", "128")
     assert out.returncode == 2
     assert "prefixes are not cached by the pool yet" in out.stderr
+
+
+@pytest.mark.timeout(240)
+def test_profile_fits_its_compressed_attention_work(tmp_path: Path) -> None:
+    """``profile`` measures a DeepSeek-V4 folder over rank processes without prefix
+    hits (the pool does not cache its prefixes yet) and stores its layers' work;
+    prefix hits are refused, saying why."""
+    from vertumnus.config import ModelConfig
+    from vertumnus.config.model import attention_mix
+    from vertumnus.perfmodel import Profile
+
+    folder = tmp_path / "dsv4"
+    write_dsv4_folder(folder)
+    lengths = ",".join(str(256 * i) for i in range(1, 9))
+    out = _cli("profile", "--model", str(folder), "--degrees", "1", "--lengths", lengths,
+               "--repeats", "1", "--warmup", "0", "--dtype", "float32", "--compile", "off",
+               "--out", str(tmp_path / "p.json"))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    profile = Profile.load(str(tmp_path / "p.json"))
+    assert profile.attention == attention_mix(ModelConfig.from_dir(folder))
+    assert profile.predict(1, 2048, 0) > profile.predict(1, 256, 0) > 0
+    refused = _cli("profile", "--model", str(folder), "--hit-ratios", "0,0.5", "--out", "x.json")
+    assert refused.returncode == 2 and "give 0 alone" in refused.stderr

@@ -36,8 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hit-ratios",
         type=ratio_list,
-        default=list(ProfileGrid.hit_ratios),
-        help="prefix-hit ratios of the grid",
+        default=None,
+        help="prefix-hit ratios of the grid (default: "
+        f"{', '.join(map(str, ProfileGrid.hit_ratios))}; 0 alone for a model whose "
+        "prefixes the pool does not cache: DeepSeek-V4)",
     )
     p.add_argument(
         "--repeats", type=int, default=ProfileGrid.repeats, help="timed runs per point (median)"
@@ -109,10 +111,17 @@ def run(args: argparse.Namespace) -> int:
     ):
         if path is not None and not path.parent.is_dir():
             raise ConfigError(f"{flag} {path}: no directory {path.parent}")
+    hit_ratios = args.hit_ratios
+    if hit_ratios is None:
+        hit_ratios = list(ProfileGrid.hit_ratios) if cfg.caches_prefixes else [0.0]
+    elif not cfg.caches_prefixes and any(hit_ratios):
+        raise ConfigError(
+            f"--hit-ratios: {cfg.name}'s prefixes are not cached by the pool yet; give 0 alone"
+        )
     grid = ProfileGrid(
         degrees=args.degrees,
         lengths=args.lengths,
-        hit_ratios=args.hit_ratios,
+        hit_ratios=hit_ratios,
         repeats=args.repeats,
         warmup=args.warmup,
         seed=args.seed,

@@ -52,9 +52,7 @@ async def prefill(request: web.Request) -> web.Response:
     return json_response(out)
 
 
-def check_servable(
-    req: GenerateRequest, handoff: bool, decodes: bool, dsv4: bool = False
-) -> None:
+def check_servable(req: GenerateRequest, handoff: bool, decodes: bool, dsv4: bool = False) -> None:
     """What this server cannot do with a checked request: decode without a decode
     server, keep the KV of several prompts on the pool's own path, or (``dsv4``: the
     served model is DeepSeek-V4) a prompt's log-probabilities."""
