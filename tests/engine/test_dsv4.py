@@ -358,3 +358,14 @@ def test_the_last_logits_need_one_row_from_each_rank(
     results, comms = run_ranks(4, lambda _r, comm: prefill_rank(engine, comm, ids, "last"))
     assert (results[0][0] - want[-1]).abs().max().item() <= TOL
     assert all(comm.received["out"] == 3 * 64 for comm in comms)
+
+
+def test_a_rank_keeps_no_kv_blocks_it_never_writes(folder: tuple[Path, Any]) -> None:
+    """The pool does not cache DeepSeek-V4's prefixes yet, so a rank's paged store is
+    one block, whatever ``kv_blocks_per_rank`` asks (at V4-Flash's size the shared
+    decoder's blocks would be gigabytes of unused memory per rank)."""
+    from vertumnus.engine.kv_store import PagedKVStore
+
+    cfg = ModelConfig.from_dir(folder[0])
+    store = PagedKVStore(cfg, 4096, 16, torch.float32, CPU)
+    assert store.num_blocks == 1 and store.k.shape[0] == 1

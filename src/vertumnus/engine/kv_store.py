@@ -49,7 +49,7 @@ class PagedKVStore:
         else:
             self.k = torch.zeros(shape, dtype=dtype, device=device)
             self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.num_blocks = num_blocks
+        self.num_blocks = shape[0]
         self.block_size = block_size
 
     @property
@@ -138,8 +138,11 @@ class PagedKVStore:
 
 
 def store_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """The shape of a store's K (and of its V)."""
-    return (num_blocks, cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    """The shape of a store's K (and of its V): one block for a model whose prefixes
+    the pool does not cache (DeepSeek-V4: no block is ever written, and at its size
+    ``kv_blocks_per_rank`` blocks of the shared decoder's shape would be gigabytes)."""
+    blocks = num_blocks if cfg.caches_prefixes else 1
+    return (blocks, cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim)
 
 
 def store_tensors(

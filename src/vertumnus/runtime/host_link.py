@@ -75,7 +75,7 @@ def measure_host_link(
     per_token = model.kv_bytes(dtype.itemsize)
     block_bytes = per_token * engine.block_size
     blocks = max(MIN_BLOCKS, math.ceil(total_bytes / block_bytes))
-    shape = store_shape(model, blocks, engine.block_size)
+    shape = (blocks, *store_shape(model, 1, engine.block_size)[1:])  # (any model's blocks)
     order = list(range(blocks))
     random.Random(0).shuffle(order)  # evicted blocks sit in scattered store slots
     if dev.type == "cuda":
