@@ -117,7 +117,8 @@ def parse_chunk_header(raw: bytes, block_size: int) -> tuple[int, int] | None:
     kind, tokens = _CHUNK.unpack(raw)
     if kind == 0 and tokens == 0:
         return None
-    if kind not in (CHUNK_ROWS, CHUNK_BLOCKS, CHUNK_STATE) or tokens == 0:
+    # (A state chunk may be of no token: a one-token prompt's state before it.)
+    if kind not in (CHUNK_ROWS, CHUNK_BLOCKS, CHUNK_STATE) or (tokens == 0 and kind != CHUNK_STATE):
         raise WireError(f"bad chunk header: kind {kind}, {tokens} tokens")
     if kind == CHUNK_BLOCKS and tokens % block_size:
         raise WireError(f"a chunk of blocks of {tokens} tokens (blocks of {block_size})")

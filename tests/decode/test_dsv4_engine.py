@@ -77,3 +77,57 @@ def test_a_sequence_leaves_and_bad_states_are_refused(models: tuple[Any, Deepsee
     assert engine._states == {}
     with pytest.raises(ValueError, match="DsV4State"):
         engine.add(1, [(torch.zeros(3, 1, 64), torch.zeros(3, 1, 64))], 5, GREEDY, NEW)
+
+
+def test_a_one_token_prompt_decodes_from_the_empty_state(models: tuple[Any, DeepseekV4LM]) -> None:
+    """A one-token prompt hands off the state of no token (``state_at`` 0)."""
+    ref, model = models
+    prompt = _prompt(1, 4)
+    results, _ = run_ranks(
+        2, lambda _r, comm: resume_rank(model, comm, prompt, "last", None, True, 0)
+    )
+    state = results[0][1]
+    assert state.length == 0
+    engine = DsV4DecodeEngine(model)
+    engine.add(0, state, int(prompt[-1]), GREEDY, NEW)
+    got = []
+    while len(engine):
+        got += [out.token_id for out in engine.step()]
+    assert got == _generate(ref, prompt)
+
+
+def _fill(stream: Any, data: bytes) -> None:
+    """Feed ``data`` to a ``KVStream``'s regions as a socket would."""
+    at = 0
+    for region in stream.regions():
+        n = len(region)
+        region[:n] = data[at : at + n]
+        at += n
+    assert at == len(data)
+
+
+def test_the_state_travels_as_one_chunk_and_a_wrong_one_is_refused(
+    models: tuple[Any, DeepseekV4LM],
+) -> None:
+    from vertumnus import kv_wire as wire
+    from vertumnus.decode.kv_stream import Arena, KVStream
+    from vertumnus.engine.dsv4.state import to_bytes
+
+    _, model = models
+    _, state = resume_rank(model, SoloComm(), _prompt(130, 5), "last")
+    assert state is not None
+    blob = to_bytes(state)
+    cfg = model.config
+    header = wire.KVHeader("kv-x", 130, cfg.num_hidden_layers, 1, cfg.head_dim, "float32", 16,
+                           "m", state_bytes=len(blob))  # fmt: skip
+    good = header.encode() + wire.chunk_header(130, wire.CHUNK_STATE) + blob + wire.END
+    stream = KVStream("pull", "kv-x", cfg, Arena())
+    _fill(stream, good)
+    got = stream.prompt()
+    assert got.length == 130 and torch.equal(got.layers[1].entries, state.layers[1].entries)
+    bad = header.encode() + wire.chunk_header(130, wire.CHUNK_ROWS) + blob + wire.END
+    with pytest.raises(wire.HandoffError, match="expected the prompt's state"):
+        _fill(KVStream("pull", "kv-x", cfg, Arena()), bad)
+    assert wire.parse_chunk_header(wire.chunk_header(0, wire.CHUNK_STATE), 16) == (3, 0)
+    with pytest.raises(wire.WireError):
+        wire.parse_chunk_header(wire.chunk_header(0, wire.CHUNK_ROWS), 16)

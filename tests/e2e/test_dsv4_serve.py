@@ -5,7 +5,8 @@ state is not kept in the pool's blocks yet), the prompt's DeepSeek-V4 state hand
 off (``kv_wire`` kind 3) and decoded by the decode process, equal transformers'
 ``generate`` at CP 1 and, after an admin merge, at CP 2 (the state then gathered
 from both ranks). Prompts of 300 and 258 tokens cross the first HCA window's end
-(256) and the sliding window. A prompt-logprobs request is refused, saying why."""
+(256) and the sliding window; a one-token prompt hands off the state of no token.
+A prompt-logprobs request is refused, saying why."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def test_greedy_completions_equal_transformers_at_cp_1_and_after_a_merge(
         if cp == 2:
             status, merged = server.call("POST", "/v1/admin/reconfigure", {"op": "merge"})
             assert status == 200 and merged["cp_degree"] == 2, merged
-        for length in (300, 258):
+        for length in (300, 258, 1):  # (1: the state of no token is handed off)
             prompt = make_tokens(length, seed=10 * cp + length, vocab=SERVE_VOCAB)
             out = _complete(server, prompt)
             assert out["cp_degree"] == cp, out

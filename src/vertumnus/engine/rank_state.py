@@ -205,7 +205,7 @@ def _check_dsv4(cmd: PrefillCommand) -> None:
     not kept in blocks yet), and a hand-off exports the state of the prompt but its
     last token (``PrefillDone.exported``: ``dsv4.state.to_bytes``, as uint8)."""
     n = int(cmd.token_ids.numel())
-    export_ok = cmd.export is None or (cmd.export[0] == 0 and cmd.export[1] == n - 1 and n > 1)
+    export_ok = cmd.export is None or (cmd.export[0] == 0 and cmd.export[1] == n - 1)
     wanted = [
         what
         for what, asked in (

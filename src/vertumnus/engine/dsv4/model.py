@@ -27,7 +27,7 @@ from vertumnus.engine.dsv4.layers import (
     Norm,
     hc_merge,
 )
-from vertumnus.engine.dsv4.state import DsV4State, Head, assemble
+from vertumnus.engine.dsv4.state import DsV4State, Head, LayerState, assemble
 from vertumnus.engine.dsv4.zigzag import DsV4Attention
 from vertumnus.engine.fused import EAGER
 from vertumnus.engine.partition import ZigzagPartition
@@ -196,10 +196,16 @@ def resume_rank(
         return model.rope("compress", positions)
 
     topk = model.spec.index_topk
+    before: DsV4State | None = None  # the state asked for, when it precedes these tokens
+    if state_at == 0:  # the prefix's, or nothing yet
+        keep_state, state_at = False, None
+        before = prefix if prefix is not None else empty_state(model)
     attention = DsV4Attention(part, comm, entry_rope, topk, prefix, keep_state, state_at)
     hidden = model(ids, idx + offset, attention, counted=real)  # [2s, H]
     state = None
-    if comm.size == 1:
+    if before is not None:
+        state = before
+    elif comm.size == 1:
         state = DsV4State(offset + attention.state_at, attention.states)
     elif keep_state:
         state = _gathered_state(model, comm, attention, prefix)
@@ -243,3 +249,21 @@ def _gathered_state(
         kept = (None if entries is None else entries[:seen], None if keys is None else keys[:seen])
         layers.append(assemble(head, whole, attention.widths[i], attn.ratio, attn.window, kept))
     return DsV4State(end, layers)
+
+
+def empty_state(model: DeepseekV4LM) -> DsV4State:
+    """The state of no token: what a one-token prompt hands off."""
+    layers = []
+    dtype, device = model.dtype, model.device
+    for layer in model.decoder_layers():
+        attn = layer.self_attn
+        d = attn.head_dim
+        entries = keys = None
+        if attn.compressor is not None:
+            entries = torch.zeros((0, d), dtype=dtype, device=device)
+            if attn.compressor.indexer is not None:
+                di = attn.compressor.indexer.kv_norm.weight.shape[0]
+                keys = torch.zeros((0, di), dtype=dtype, device=device)
+        raw = torch.zeros((0, d), dtype=dtype, device=device)
+        layers.append(LayerState(raw, entries, keys))
+    return DsV4State(0, layers)
