@@ -49,8 +49,9 @@ class WireError(ValueError):
 
 class HandoffError(RuntimeError):
     """A hand-off that failed, on either side. ``kind``: on the prefill side,
-    ``unknown`` (404: no such hand-off), ``ended`` (410) or ``busy`` (409: being
-    pulled); on the decode side, ``http`` (the pool answered with an error),
+    ``unknown`` (404: no such hand-off), ``ended`` (410), ``busy`` (409: being
+    pulled) or ``unsupported`` (400: a DeepSeek-V4 state asked of the dist
+    transport); on the decode side, ``http`` (the pool answered with an error),
     ``unreachable``, ``truncated``, ``malformed`` or ``mismatch``. ``status``: the
     HTTP status it is answered or was answered with (None: none)."""
 

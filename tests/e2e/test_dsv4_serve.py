@@ -10,6 +10,9 @@ A prompt-logprobs request is refused, saying why."""
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +25,7 @@ from support.server import ADMIN_TOKEN, Server, running_server, write_folder_con
 
 pytestmark = pytest.mark.multiproc
 N = 12
+SECRET = "v4-handoff-secret"
 SERVE_VOCAB = 384  # a byte-level tokenizer and its special tokens need more than 256
 
 
@@ -36,6 +40,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Serv
         server={"admin_token": ADMIN_TOKEN},
         controller={"enabled": True, "decision_s": 600.0},
         decode={"local": True},
+        handoff={"secret": SECRET},
     )
     with running_server(config) as srv:
         yield hf, srv
@@ -75,3 +80,26 @@ def test_prompt_logprobs_are_refused_saying_why(served: tuple[Any, Server]) -> N
     status, out = server.call("POST", "/v1/completions", body)
     assert status == 400, out
     assert "not built for DeepSeek-V4 yet" in str(out)
+
+
+def test_an_open_state_lease_is_listed_and_goes_over_http_only(served: tuple[Any, Server]) -> None:
+    """A hand-off whose lease holds a DeepSeek-V4 state: ``/v1/handoffs`` lists it,
+    the ``dist`` transport refuses it (400, saying why), a release ends it."""
+    _, server = served
+    body = {"token_ids": make_tokens(140, seed=7, vocab=SERVE_VOCAB),
+            "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+    status, answer = server.call("POST", "/v1/prefill", body)
+    assert status == 200, answer
+    handle = answer["kv_transfer_params"]["remote_handle"]
+    status, view = server.call("GET", "/v1/handoffs")
+    assert status == 200 and view["open"] >= 1 and view["held_rows"] == 0, view
+    dist = json.dumps({"store_host": "127.0.0.1", "store_port": 1, "prefix": "x"}).encode()
+    req = urllib.request.Request(server.url + f"/v1/kv/{handle}/dist", data=dist, method="POST")
+    req.add_header("Authorization", f"Bearer {SECRET}")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=60)
+    assert refused.value.code == 400 and "HTTP only" in refused.value.read().decode()
+    release = urllib.request.Request(server.url + f"/v1/kv/{handle}", method="DELETE")
+    release.add_header("Authorization", f"Bearer {SECRET}")
+    with urllib.request.urlopen(release, timeout=60) as resp:
+        assert resp.status == 200

@@ -89,11 +89,13 @@ class Handoffs:
         """A lease on the KV the policy holds for the request (``finish(hold=True)``)
         and the rows its prefill exported (the tokens the hold's blocks do not cover)."""
         block = self.serve.engine.block_size
-        num_rows = 0 if rows is None else int(rows.shape[2]) if rows.dim() == 5 else 0
+        state = None
         if self.model.dsv4 is not None:  # the prompt's state, whole (``kv_wire`` kind 3)
             if rows is None or rows.dim() != 1 or hold.blocks:
                 raise RuntimeError(f"request {hold.request_id}: no DeepSeek-V4 state came back")
-        elif len(hold.blocks) * block + num_rows != prompt_tokens - 1:
+            state, rows = rows, None
+        num_rows = 0 if rows is None else int(rows.shape[2])
+        if state is None and len(hold.blocks) * block + num_rows != prompt_tokens - 1:
             raise RuntimeError(
                 f"request {hold.request_id}: {len(hold.blocks)} held blocks and {num_rows} "
                 f"exported rows do not make the {prompt_tokens - 1} tokens of its hand-off"
@@ -104,6 +106,7 @@ class Handoffs:
             hold=hold,
             first_device=first_device,
             rows=rows,
+            state=state,
             num_tokens=prompt_tokens - 1,
             prompt_tokens=prompt_tokens,
             expires_s=now + self.cfg.lease_s,
@@ -292,7 +295,15 @@ class Handoffs:
         server point to point (NCCL between GPUs, gloo on CPU); returns the header,
         the layout of what the ranks send, and the rows no block holds (which the
         caller sends over HTTP). The lease ends (pulled) when every rank has sent,
-        or (released) if one failed."""
+        or (released) if one failed. A DeepSeek-V4 state goes over HTTP only (400)."""
+        if lease.state is not None:
+            self.unclaim(lease)
+            raise HandoffError(
+                f"the KV hand-off {lease.handle!r} carries a DeepSeek-V4 state, pulled over "
+                "HTTP only (GET /v1/kv/{handle}), not by the dist transport",
+                "unsupported",
+                400,
+            )
         header, _ = self.wire.layout(lease)
         lease.pulling = True
         try:

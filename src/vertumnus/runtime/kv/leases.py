@@ -43,6 +43,9 @@ class Lease:
     expires_unix: float
     pulling: bool = False
     ended: str | None = None  # why it ended (``Handoffs.end``); None while open
+    # DeepSeek-V4: the prompt's state instead of rows (``engine/dsv4/state.to_bytes``,
+    # uint8), streamed as ``kv_wire``'s chunk kind 3; ``rows`` is then None.
+    state: Tensor | None = None
 
     @property
     def request_id(self) -> int:

@@ -47,7 +47,6 @@ class KVStream:
 
     def header(self, lease: Lease, dtype: torch.dtype) -> KVHeader:
         cfg, engine = self.model, self.serve.engine
-        state = lease.rows is not None and lease.rows.dim() == 1  # DeepSeek-V4's state
         return KVHeader(
             handle=lease.handle,
             num_tokens=lease.num_tokens,
@@ -57,7 +56,7 @@ class KVStream:
             dtype=str(dtype).removeprefix("torch."),
             block_size=engine.block_size,
             model=self.serve.model,
-            state_bytes=int(lease.rows.numel()) if state and lease.rows is not None else 0,
+            state_bytes=0 if lease.state is None else int(lease.state.numel()),
         )
 
     def layout(self, lease: Lease) -> tuple[KVHeader, list[list[BlockLocation]]]:
@@ -65,15 +64,13 @@ class KVStream:
         blocks, per = lease.blocks, max(1, CHUNK_BYTES // self.reads.block_bytes())
         groups = [blocks[i : i + per] for i in range(0, len(blocks), per)]
         dtype = self.reads.kv_dtype if groups or lease.rows is None else lease.rows.dtype
-        if lease.rows is not None and lease.rows.dim() == 1:  # a state: bytes, not rows
-            dtype = self.reads.kv_dtype
         return self.header(lease, dtype), groups
 
     def length(self, lease: Lease) -> int:
         """The length of the lease's stream (a pull's Content-Length)."""
         header, groups = self.layout(lease)
-        rows = 0 if lease.rows is None else int(lease.rows.shape[-3 if lease.rows.dim() > 1 else 0])
-        chunks = len(groups) + (1 if rows else 0)
+        rows = 0 if lease.rows is None else int(lease.rows.shape[2])
+        chunks = len(groups) + (1 if rows else 0) + (0 if lease.state is None else 1)
         return len(header.encode()) + 8 * (chunks + 1) + header.total_bytes
 
     async def write(self, lease: Lease, sink: Sink, devices: set[int]) -> int:
@@ -112,8 +109,8 @@ class KVStream:
                 finally:
                     if shm is not None:
                         self.reads.give_back_segment(payload, shm)
-            if lease.rows is not None and lease.rows.dim() == 1:  # DeepSeek-V4's state
-                payload = bytes_of(lease.rows)
+            if lease.state is not None:  # DeepSeek-V4's, whole
+                payload = bytes_of(lease.state)
                 sink.writev([chunk_header(lease.num_tokens, CHUNK_STATE), payload])
                 sent += len(payload) + 8
             elif lease.rows is not None and lease.rows.shape[2]:
