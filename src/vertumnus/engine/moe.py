@@ -165,6 +165,49 @@ def grouped_mm_experts(
     return out
 
 
+def kernel_for(gate_up: Tensor, down: Tensor, forced: Kernel | None = None) -> Kernel:
+    """The kernel for expert weights as they are now (``forced``: that one)."""
+    if forced is not None:
+        return forced
+    kernel = expert_kernel(gate_up.device, gate_up.dtype, down.shape[1], down.shape[2])
+    if kernel == "grouped_mm" and not grouped_mm_layout_ok(gate_up, down):
+        return "loop"
+    return kernel
+
+
+def expert_counts(chosen: Tensor, counted: Tensor | None, num_experts: int) -> Tensor:
+    """[E] the assignments of ``chosen`` [T, k] per expert, over the rows ``counted``
+    (None: all)."""
+    real = chosen if counted is None else chosen[counted]
+    return torch.bincount(real.reshape(-1), minlength=num_experts)
+
+
+def dispatch(
+    x: Tensor,
+    weights: Tensor,
+    chosen: Tensor,
+    experts: tuple[Tensor, Tensor],
+    act: Activation,
+    kernel: Kernel,
+    biases: tuple[Tensor | None, Tensor | None] = (None, None),
+) -> Tensor:
+    """The routed experts' output [T, H] for tokens ``x`` [T, H], each sent to its
+    ``chosen`` [T, k] experts with ``weights`` [T, k]: the assignments sorted by
+    expert, ``kernel`` over them (``experts``: gate_up [E, 2I, H], down [E, H, I]),
+    weighted and summed back per token."""
+    gate_up, down = experts
+    top_k = chosen.shape[1]
+    flat = chosen.reshape(-1)  # [T*k]: assignment a is token a // k
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0])  # [E]
+    token_of = order // top_k
+    xs = x.index_select(0, token_of)  # [T*k, H], grouped by expert
+    run = grouped_mm_experts if kernel == "grouped_mm" else loop_experts
+    out = run(xs, counts, gate_up, down, act, biases[0], biases[1])
+    out.mul_(weights.to(x.dtype).reshape(-1)[order].unsqueeze(-1))
+    return torch.zeros_like(x).index_add_(0, token_of, out)
+
+
 class Experts(nn.Module):
     """The experts of one sparse layer, fused as Hugging Face's ``Qwen3MoeExperts``
     holds them: ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I]."""
@@ -249,37 +292,18 @@ class SparseMoeBlock(nn.Module):
 
     def chosen_kernel(self) -> Kernel:
         """The kernel ``forward`` runs with the weights as they are now."""
-        if self.kernel is not None:
-            return self.kernel
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        hidden, inter = down.shape[1], down.shape[2]
-        kernel = expert_kernel(gate_up.device, gate_up.dtype, hidden, inter)
-        if kernel == "grouped_mm" and not grouped_mm_layout_ok(gate_up, down):
-            return "loop"
-        return kernel
+        return kernel_for(self.experts.gate_up_proj, self.experts.down_proj, self.kernel)
 
     def forward(self, x: Tensor, counted: Tensor | None = None) -> Tensor:
         """``counted``: [T] bool, the rows that count in ``tokens_per_expert`` (not
         the padding of a zigzag share); None: all."""
         weights, chosen = self.gate.route(x, self.top_k, self.router, self.norm_topk_prob)
-        weights = weights.to(x.dtype)  # [T, k]
-        flat = chosen.reshape(-1)  # [T*k]: assignment a is token a // k
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts)  # [E]
-        if counted is None:
-            self.tokens_per_expert += counts
-        else:
-            real = chosen[counted].reshape(-1)
-            self.tokens_per_expert += torch.bincount(real, minlength=self.num_experts)
-        token_of = order // self.top_k
-        xs = x.index_select(0, token_of)  # [T*k, H], grouped by expert
         ex = self.experts
-        run = grouped_mm_experts if self.chosen_kernel() == "grouped_mm" else loop_experts
-        out = run(
-            xs, counts, ex.gate_up_proj, ex.down_proj, self.act, ex.gate_up_bias, ex.down_bias
-        )
-        out.mul_(weights.reshape(-1)[order].unsqueeze(-1))
-        y = torch.zeros_like(x).index_add_(0, token_of, out)
+        self.tokens_per_expert += expert_counts(chosen, counted, self.num_experts)
+        y = dispatch(
+            x, weights, chosen, (ex.gate_up_proj, ex.down_proj), self.act,
+            self.chosen_kernel(), (ex.gate_up_bias, ex.down_bias),
+        )  # fmt: skip
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y

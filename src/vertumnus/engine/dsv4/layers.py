@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from vertumnus.config import ModelConfig
 from vertumnus.config.families.deepseek_v4 import DeepseekV4Spec
-from vertumnus.engine.moe import expert_kernel, grouped_mm_experts, loop_experts
+from vertumnus.engine.moe import dispatch, expert_counts, kernel_for
 
 
 def rms(x: Tensor, eps: float) -> Tensor:
@@ -276,11 +276,7 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig, spec: DeepseekV4Spec, layer: int) -> None:
         super().__init__()
-        self.num_experts, self.top_k, limit = (
-            cfg.num_experts,
-            cfg.num_experts_per_tok,
-            spec.swiglu_limit,
-        )
+        self.num_experts, limit = cfg.num_experts, spec.swiglu_limit
         self.gate = Router(cfg, spec, spec.hash_layers[layer])
         self.experts = Experts(cfg)
         self.shared_experts = SharedExpert(cfg)
@@ -295,20 +291,10 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor, ids: Tensor, counted: Tensor | None = None) -> Tensor:
         weights, chosen = self.gate.route(x, ids)
-        flat = chosen.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        real = chosen if counted is None else chosen[counted]
-        self.tokens_per_expert += torch.bincount(real.reshape(-1), minlength=self.num_experts)
-        token_of = order // self.top_k
-        xs = x.index_select(0, token_of)
+        self.tokens_per_expert += expert_counts(chosen, counted, self.num_experts)
         ex = self.experts
-        hidden, inter = ex.down_proj.shape[1], ex.down_proj.shape[2]
-        kernel = expert_kernel(x.device, x.dtype, hidden, inter)
-        run = grouped_mm_experts if kernel == "grouped_mm" else loop_experts
-        out = run(xs, counts, ex.gate_up_proj, ex.down_proj, self.act)
-        out.mul_(weights.to(x.dtype).reshape(-1)[order].unsqueeze(-1))
-        routed = torch.zeros_like(x).index_add_(0, token_of, out)
+        experts = (ex.gate_up_proj, ex.down_proj)
+        routed = dispatch(x, weights, chosen, experts, self.act, kernel_for(*experts))
         s = self.shared_experts
         shared: Tensor = s.down_proj(self.act(s.gate_proj(x), s.up_proj(x)))
         return routed + shared
