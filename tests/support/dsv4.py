@@ -14,14 +14,13 @@ bases too, which transformers initialises to constants).
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
-import torch
 import transformers
 
 from support.tokenizer import make_tokenizer
+from vertumnus.engine.dsv4.load import seed_tensors
 
 VOCAB = 256
 TYPES = ["sliding_attention", "compressed_sparse_attention",
@@ -50,24 +49,8 @@ def make_dsv4(seed: int = 5, **over: Any) -> transformers.DeepseekV4ForCausalLM:
     N(0, 0.3^2), the hash tables uniform over the experts."""
     cfg = dsv4_config(**over)
     model = transformers.DeepseekV4ForCausalLM(cfg).float().eval()
-    gen = torch.Generator().manual_seed(seed)
-    tensors = list(model.named_parameters()) + list(model.named_buffers())
-    with torch.no_grad():
-        for name, t in sorted(tensors, key=lambda kv: kv[0]):
-            if "inv_freq" in name:
-                continue
-            if name.endswith("tid2eid"):
-                t.copy_(torch.randint(0, cfg.n_routed_experts, t.shape, generator=gen))
-                continue
-            noise = torch.randn(t.shape, generator=gen)
-            if "norm" in name or name.endswith("scale"):
-                t.copy_(1.0 + 0.1 * noise)
-            elif "embed" in name:
-                t.copy_(noise)
-            elif name.endswith(("sinks", "base", "bias")):
-                t.copy_(0.3 * noise)
-            else:
-                t.copy_(noise / math.sqrt(t.shape[-1]))
+    named = dict(model.named_parameters()) | dict(model.named_buffers())
+    seed_tensors(named, cfg.n_routed_experts, seed)
     return model
 
 

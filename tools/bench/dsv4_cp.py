@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import math
 import pstats
 import statistics
 import tempfile
@@ -48,7 +47,7 @@ from torch import Tensor
 
 from vertumnus.config import ModelConfig
 from vertumnus.engine.comm import SoloComm, ThreadComm, ThreadGroup
-from vertumnus.engine.dsv4.load import load_dsv4, random_dsv4
+from vertumnus.engine.dsv4.load import load_dsv4, random_dsv4, seed_tensors
 from vertumnus.engine.dsv4.model import DeepseekV4LM, partition_of, prefill_rank
 
 KINDS = {"sliding_attention": "sliding", "compressed_sparse_attention": "CSA",
@@ -178,24 +177,8 @@ def speed_model(seed: int = 5) -> Any:
     )  # fmt: skip
     model: Any = transformers.DeepseekV4ForCausalLM(cfg)
     model = model.float().eval()
-    gen = torch.Generator().manual_seed(seed)
     named = dict(model.named_parameters()) | dict(model.named_buffers())
-    with torch.no_grad():
-        for name, t in sorted(named.items()):
-            if "inv_freq" in name:
-                continue
-            if name.endswith("tid2eid"):
-                t.copy_(torch.randint(0, cfg.n_routed_experts, t.shape, generator=gen))
-                continue
-            noise = torch.randn(t.shape, generator=gen)
-            if "norm" in name or name.endswith("scale"):
-                t.copy_(1.0 + 0.1 * noise)
-            elif "embed" in name:
-                t.copy_(noise)
-            elif name.endswith(("sinks", "base", "bias")):
-                t.copy_(0.3 * noise)
-            else:
-                t.copy_(noise / math.sqrt(t.shape[-1]))
+    seed_tensors(named, cfg.n_routed_experts, seed)
     return model
 
 

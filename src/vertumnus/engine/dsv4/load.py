@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -59,27 +59,35 @@ def _state(model: DeepseekV4LM) -> dict[str, torch.Tensor]:
 def random_dsv4(
     cfg: ModelConfig, seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> DeepseekV4LM:
-    """Weights drawn from ``seed`` alone: matrices ~ N(0, 1/fan_in), norms ~ 1 + N(0,
-    0.1^2), the small vectors (sinks, biases, hyper-connection bases) ~ N(0, 0.1^2) or
-    0.5 for position biases, the hash routers' table uniform over the experts."""
+    """Weights drawn from ``seed`` alone (``seed_tensors``)."""
     model = _empty(cfg, torch.float32, torch.device(device))
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for name, t in sorted(_state(model).items()):
-        if name.endswith("tid2eid"):
-            t.copy_(torch.randint(0, cfg.num_experts, t.shape, generator=gen, device=device))
+    seed_tensors(_state(model), cfg.num_experts, seed)
+    return _cast(model, dtype).eval()
+
+
+@torch.no_grad()
+def seed_tensors(named: Mapping[str, torch.Tensor], num_experts: int, seed: int) -> None:
+    """Draw a DeepSeek-V4's tensors (this engine's or transformers', which share their
+    names) from ``seed``, in name order: matrices ~ N(0, 1/fan_in), embeddings ~ N(0, 1),
+    norms and scales ~ 1 + N(0, 0.1^2), the small vectors (sinks, biases, bases) ~
+    N(0, 0.3^2), the hash routers' table uniform over the experts; RoPE tables kept."""
+    first = next(iter(named.values()))
+    gen = torch.Generator(device=first.device).manual_seed(seed)
+    for name, t in sorted(named.items()):
+        if "inv_freq" in name:
             continue
-        noise = torch.randn(t.shape, generator=gen, device=device)
-        if "norm" in name or name.endswith(("hc_scale", ".scale")):
+        if name.endswith("tid2eid"):
+            t.copy_(torch.randint(0, num_experts, t.shape, generator=gen, device=t.device))
+            continue
+        noise = torch.randn(t.shape, generator=gen, device=t.device)
+        if "norm" in name or name.endswith("scale"):
             t.copy_(1.0 + 0.1 * noise)
-        elif "embed_tokens" in name:
+        elif "embed" in name:
             t.copy_(noise)
-        elif name.endswith(("sinks", "base", "e_score_correction_bias", "hc_base")):
-            t.copy_(0.1 * noise)
-        elif name.endswith("position_bias"):
-            t.copy_(0.5 * noise)
+        elif name.endswith(("sinks", "base", "bias")):
+            t.copy_(0.3 * noise)
         else:
             t.copy_(noise / math.sqrt(t.shape[-1]))
-    return _cast(model, dtype).eval()
 
 
 def _cast(model: DeepseekV4LM, dtype: torch.dtype) -> DeepseekV4LM:
