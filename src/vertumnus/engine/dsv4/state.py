@@ -82,14 +82,7 @@ def assemble(
     for w in widths:
         rows.append(span[:, at : at + w])
         at += w
-    kept, open_rows, prior = advance(head, rows, raw, ratio, window)
-    return LayerState(
-        raw=kept.clone(),
-        entries=None if entries[0] is None else entries[0].clone(),
-        index_keys=None if entries[1] is None else entries[1].clone(),
-        open=[t.clone() for t in open_rows],
-        prior=[t.clone() for t in prior],
-    )
+    return advance(head, rows, raw, ratio, window, entries)
 
 
 def advance(
@@ -98,22 +91,32 @@ def advance(
     raw: Tensor,
     ratio: int,
     window: int,
-) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-    """After ``raw`` [R, D] more tokens whose projection rows are ``rows`` ([R, W] each:
-    comp kv, gate, and for CSA index kv, gate), following ``head``: the raw rows, open
-    rows and CSA prior a later prefill resumes from."""
+    entries: tuple[Tensor | None, Tensor | None],
+) -> LayerState:
+    """A layer's state after ``raw`` [R, D] more tokens whose projection rows are
+    ``rows`` ([R, W] each: comp kv, gate, and for CSA index kv, gate), following
+    ``head``, with every entry (and indexer key) of the prompt so far: the raw rows,
+    open rows and CSA prior a later prefill resumes from, copied out."""
     kept = torch.cat((head.raw, raw))[-(window - 1) :] if window > 1 else raw[:0]
-    if not ratio:
-        return kept, [], []
-    joined = [torch.cat(pair) for pair in zip(head.open, rows, strict=True)] if head.open else rows
-    n = joined[0].shape[0]
-    whole = n // ratio * ratio
-    open_rows = [t[whole:] for t in joined]
-    prior = head.prior
-    if len(rows) == 4 and whole:  # CSA: the last whole window's Ca halves
-        last = slice(whole - ratio, whole)
-        prior = [t[last, : t.shape[-1] // 2] for t in joined]
-    return kept, open_rows, prior
+    open_rows: list[Tensor] = []
+    prior: list[Tensor] = []
+    if ratio:
+        joined = (
+            [torch.cat(pair) for pair in zip(head.open, rows, strict=True)] if head.open else rows
+        )
+        whole = joined[0].shape[0] // ratio * ratio
+        open_rows = [t[whole:] for t in joined]
+        prior = head.prior
+        if len(rows) == 4 and whole:  # CSA: the last whole window's Ca halves
+            last = slice(whole - ratio, whole)
+            prior = [t[last, : t.shape[-1] // 2] for t in joined]
+    return LayerState(
+        raw=kept.clone(),
+        entries=None if entries[0] is None else entries[0].clone(),
+        index_keys=None if entries[1] is None else entries[1].clone(),
+        open=[t.clone() for t in open_rows],
+        prior=[t.clone() for t in prior],
+    )
 
 
 def to_bytes(state: DsV4State) -> bytes:

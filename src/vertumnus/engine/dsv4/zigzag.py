@@ -335,12 +335,9 @@ class DsV4Attention:
         n, d = self.state_at, x.kv.shape[-1]
         before = head if head is not None else Head(x.kv.new_zeros((0, d)))
         rows = [t[:n] for t in _projections(x)]
-        raw, open_rows, prior = advance(before, rows, x.kv[:n], x.ratio, x.window)
         real = (self.offset + n) // x.ratio if x.ratio else 0
-        return LayerState(
-            raw=raw.clone(),
-            entries=None if entries is None else entries[:real].clone(),
-            index_keys=None if index_keys is None else index_keys[:real].clone(),
-            open=[t.clone() for t in open_rows],
-            prior=[t.clone() for t in prior],
+        seen = (
+            None if entries is None else entries[:real],
+            None if index_keys is None else index_keys[:real],
         )
+        return advance(before, rows, x.kv[:n], x.ratio, x.window, seen)
