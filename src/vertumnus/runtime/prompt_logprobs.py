@@ -30,10 +30,15 @@ def check_top_k(top_k: int | None, vocab_size: int) -> None:
         raise ValueError(f"prompt_logprobs must be in [0, {vocab_size}], got {top_k}")
 
 
-def placement_ids(tokens: Sequence[int], block_size: int, top_k: int | None) -> tuple[int, ...]:
+def placement_ids(
+    tokens: Sequence[int], block_size: int, top_k: int | None, caches_prefixes: bool = True
+) -> tuple[int, ...]:
     """The block ids the policy places a request by: none for a request of its
-    prompt's log-probabilities (it reuses no prefix and writes no block)."""
-    return () if top_k is not None else tuple(block_ids(tokens, block_size))
+    prompt's log-probabilities (it reuses no prefix and writes no block), nor for a
+    model whose prefixes the pool does not cache (DeepSeek-V4)."""
+    if top_k is not None or not caches_prefixes:
+        return ()
+    return tuple(block_ids(tokens, block_size))
 
 
 def prompt_answer(

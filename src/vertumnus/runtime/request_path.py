@@ -130,9 +130,8 @@ class RequestPath:
             rid, list(tokens), now, future, handoff=handoff, prompt_logprobs=prompt_logprobs
         )
         self.open[rid] = req
-        ids = placement_ids(tokens, self.cfg.engine.block_size, prompt_logprobs)
-        if not self.caches_prefixes:  # (DeepSeek-V4: every prefill computes its prompt)
-            ids = ()
+        block = self.cfg.engine.block_size
+        ids = placement_ids(tokens, block, prompt_logprobs, self.caches_prefixes)
         timeout_s = self.cfg.request_timeout_s
         result: PrefillResult | None = None
         try:

@@ -57,14 +57,6 @@ class DsV4State:
     length: int
     layers: list[LayerState]
 
-    @property
-    def nbytes(self) -> int:
-        total = 0
-        for layer in self.layers:
-            tensors = [layer.raw, layer.entries, layer.index_keys, *layer.open, *layer.prior]
-            total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
-        return total
-
 
 def assemble(
     head: Head,
@@ -140,7 +132,7 @@ def to_bytes(state: DsV4State) -> bytes:
 def from_bytes(blob: bytes) -> DsV4State:
     """``to_bytes``'s inverse (ValueError for a blob that is not one)."""
     try:
-        meta = safe_open_bytes(blob)
+        meta = _metadata(blob)
         tensors = load(blob)
         length, count = int(meta["length"]), int(meta["layers"])
     except Exception as exc:
@@ -167,7 +159,7 @@ def from_bytes(blob: bytes) -> DsV4State:
     return DsV4State(length, layers)
 
 
-def safe_open_bytes(blob: bytes) -> dict[str, str]:
+def _metadata(blob: bytes) -> dict[str, str]:
     """A safetensors blob's metadata (its JSON header's ``__metadata__``)."""
     n = int.from_bytes(blob[:8], "little")
     header = json.loads(blob[8 : 8 + n])
