@@ -1,6 +1,7 @@
 """DeepSeek-V4 through the CLI: ``prefill --check`` over gloo rank processes at CP 2
-gives transformers' logits, and what is not built yet (its cached prefixes in the
-pool) is refused at once, saying why."""
+gives transformers' logits, fresh and resuming a prefix from the pool's 128-token
+blocks; ``profile`` fits its compressed attention with prefix hits; a block size that
+cannot hold its prefix state is refused at once for either, saying why."""
 
 from __future__ import annotations
 
@@ -47,19 +48,29 @@ def test_prefill_check_over_rank_processes_gives_transformers_logits(tmp_path: P
     assert float(np.abs(got - want).max()) <= 1e-4
 
 
-def test_a_cached_prefix_is_refused_saying_why(tmp_path: Path) -> None:
+@pytest.mark.timeout(240)
+def test_a_cached_prefix_resumes_from_the_blocks_at_cp_2(tmp_path: Path) -> None:
     folder = tmp_path / "dsv4"
     write_dsv4_folder(folder)
+    out = _cli("prefill", "--model", str(folder), "--cp", "2", "--prompt-len", "700",
+               "--prefix-len", "256", "--block-size", "128", "--dtype", "float32",
+               "--check")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["cached_tokens"] == 256 and result["computed_tokens"] == 444
+    assert result["collectives_per_rank"] == {"prefix": 1, "halo": 4, "comp": 3, "blocks": 1,
+                                              "out": 1}  # fmt: skip
+    assert result["max_abs_diff"] <= 1e-4
     out = _cli("prefill", "--model", str(folder), "--prompt-len", "300", "--prefix-len", "128")
     assert out.returncode == 2
-    assert "prefixes are not cached by the pool yet" in out.stderr
+    assert "blocks of a multiple of 128 tokens" in out.stderr and "not 16" in out.stderr
 
 
 @pytest.mark.timeout(240)
 def test_profile_fits_its_compressed_attention_work(tmp_path: Path) -> None:
-    """``profile`` measures a DeepSeek-V4 folder over rank processes without prefix
-    hits (the pool does not cache its prefixes yet) and stores its layers' work;
-    prefix hits are refused, saying why."""
+    """``profile`` measures a DeepSeek-V4 folder over rank processes, with prefix hits
+    from 128-token blocks, and stores its layers' work; prefix hits at a block size
+    that cannot hold its state are refused, saying why."""
     from vertumnus.config import ModelConfig
     from vertumnus.config.model import attention_mix
     from vertumnus.perfmodel import Profile
@@ -68,11 +79,16 @@ def test_profile_fits_its_compressed_attention_work(tmp_path: Path) -> None:
     write_dsv4_folder(folder)
     lengths = ",".join(str(256 * i) for i in range(1, 9))
     out = _cli("profile", "--model", str(folder), "--degrees", "1", "--lengths", lengths,
-               "--repeats", "1", "--warmup", "0", "--dtype", "float32", "--compile", "off",
-               "--out", str(tmp_path / "p.json"))  # fmt: skip
+               "--hit-ratios", "0,0.5", "--block-size", "128", "--repeats", "1",
+               "--warmup", "0", "--dtype", "float32", "--compile", "off",
+               "--out", str(tmp_path / "p.json"),
+               "--samples-out", str(tmp_path / "s.csv"))  # fmt: skip
     assert out.returncode == 0, out.stderr
     profile = Profile.load(str(tmp_path / "p.json"))
     assert profile.attention == attention_mix(ModelConfig.from_dir(folder))
     assert profile.predict(1, 2048, 0) > profile.predict(1, 256, 0) > 0
+    rows = (tmp_path / "s.csv").read_text().splitlines()[1:]
+    cached = {int(row.split(",")[2]) for row in rows}  # measured: the prefix each resumed
+    assert cached == {0, *(128 * i for i in range(1, 9))}
     refused = _cli("profile", "--model", str(folder), "--hit-ratios", "0,0.5", "--out", "x.json")
     assert refused.returncode == 2 and "give 0 alone" in refused.stderr

@@ -1,12 +1,14 @@
 """DeepSeek-V4 through ``python -m vertumnus serve`` as users run it (the adaptive
-pool, its own decode process, two CPU ranks, fp32) on a random folder transformers
-saved: greedy completions of 12 tokens, prefilled by the pool (no prefix reused: its
-state is not kept in the pool's blocks yet), the prompt's DeepSeek-V4 state handed
-off (``kv_wire`` kind 3) and decoded by the decode process, equal transformers'
-``generate`` at CP 1 and, after an admin merge, at CP 2 (the state then gathered
-from both ranks). Prompts of 300 and 258 tokens cross the first HCA window's end
-(256) and the sliding window; a one-token prompt hands off the state of no token.
-A prompt-logprobs request is refused, saying why."""
+pool, its own decode process, two CPU ranks, fp32, 128-token blocks) on a random folder
+transformers saved: greedy completions of 12 tokens, prefilled by the pool, the
+prompt's DeepSeek-V4 state handed off (``kv_wire`` kind 3) and decoded by the decode
+process, equal transformers' ``generate`` at CP 1 and, after an admin merge, at CP 2
+(the state then gathered from both ranks, the blocks the degree-1 workers wrote
+adopted by the merged one). Prompts of 300 and 258 tokens cross the first HCA
+window's end (256) and the sliding window; a one-token prompt hands off the state of
+no token; a prompt sent again resumes its 2 cached blocks (from the pool's block
+cache, ``engine/dsv4/blocks.py``) and hands off the whole prompt's state. A
+prompt-logprobs request is refused, saying why."""
 
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Serv
         config,
         folder,
         server={"admin_token": ADMIN_TOKEN},
+        engine={"block_size": 128, "kv_blocks_per_rank": 64},
         controller={"enabled": True, "decision_s": 600.0},
         decode={"local": True},
         handoff={"secret": SECRET},
@@ -71,6 +74,13 @@ def test_greedy_completions_equal_transformers_at_cp_1_and_after_a_merge(
             (choice,) = out["choices"]
             assert choice["finish_reason"] == "length", choice
             assert choice["token_ids"] == hf_greedy(hf, prompt, N), (cp, length)
+        # Again: its 2 whole blocks resumed from the worker that wrote them; at CP 2
+        # also the CP-1 prompt, whose blocks a degree-1 worker wrote before the merge.
+        for seed in range(310, 10 * cp + 301, 10):
+            prompt = make_tokens(300, seed=seed, vocab=SERVE_VOCAB)
+            out = _complete(server, prompt)
+            assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 256, (seed, out)
+            assert out["choices"][0]["token_ids"] == hf_greedy(hf, prompt, N), (cp, seed)
 
 
 def test_prompt_logprobs_are_refused_saying_why(served: tuple[Any, Server]) -> None:

@@ -25,18 +25,6 @@ CPU = torch.device("cpu")
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    path = tmp_path_factory.mktemp("dsv4")
-    return path, write_dsv4_folder(path)
-
-
-@pytest.fixture(scope="module")
-def engine(folder: tuple[Path, Any]) -> DeepseekV4LM:
-    path, _ = folder
-    return load_dsv4(ModelConfig.from_dir(path), path, torch.float32, CPU)
-
-
 _REFERENCE: dict[int, torch.Tensor] = {}
 
 
@@ -62,8 +50,8 @@ def _prefill(model: DeepseekV4LM, ids: torch.Tensor, c: int) -> tuple[torch.Tens
     return results[0], comms
 
 
-def test_config_reads_every_field(folder: tuple[Path, Any]) -> None:
-    cfg = ModelConfig.from_dir(folder[0])
+def test_config_reads_every_field(dsv4_folder: tuple[Path, Any]) -> None:
+    cfg = ModelConfig.from_dir(dsv4_folder[0])
     spec = cfg.dsv4
     assert spec is not None and cfg.architecture == "DeepseekV4ForCausalLM"
     assert spec.compress_ratios == (0, 4, 128, 4)
@@ -106,9 +94,9 @@ def test_native_config_keys_fold_in_as_transformers_does() -> None:
     ],
 )
 def test_unsupported_configs_are_refused_by_name(
-    folder: tuple[Path, Any], over: dict[str, Any], words: str
+    dsv4_folder: tuple[Path, Any], over: dict[str, Any], words: str
 ) -> None:
-    raw = {**json.loads((folder[0] / "config.json").read_text()), **over}
+    raw = {**json.loads((dsv4_folder[0] / "config.json").read_text()), **over}
     with pytest.raises(ConfigError, match=words):
         ModelConfig.from_hf_dict(raw)
 
@@ -116,28 +104,30 @@ def test_unsupported_configs_are_refused_by_name(
 @pytest.mark.parametrize("length", [1000, 1024, 2100])
 @pytest.mark.parametrize("c", [1, 2, 3, 4])
 def test_logits_equal_transformers_under_zigzag_cp(
-    folder: tuple[Path, Any], engine: DeepseekV4LM, c: int, length: int
+    dsv4_folder: tuple[Path, Any], dsv4_engine: DeepseekV4LM, c: int, length: int
 ) -> None:
     """Lengths that are and are not multiples of 128, past the window, with the
     indexer choosing 8 of up to 525 entries."""
-    want = _reference(folder[1], length)
-    got, _ = _prefill(engine, _ids(length), c)
+    want = _reference(dsv4_folder[1], length)
+    got, _ = _prefill(dsv4_engine, _ids(length), c)
     assert got.shape == want.shape
     assert (got - want).abs().max().item() <= TOL
 
 
-def test_four_thousand_tokens_at_cp4(folder: tuple[Path, Any], engine: DeepseekV4LM) -> None:
-    want = _reference(folder[1], 4000)
-    got, _ = _prefill(engine, _ids(4000), 4)
+def test_four_thousand_tokens_at_cp4(
+    dsv4_folder: tuple[Path, Any], dsv4_engine: DeepseekV4LM
+) -> None:
+    want = _reference(dsv4_folder[1], 4000)
+    got, _ = _prefill(dsv4_engine, _ids(4000), 4)
     assert (got - want).abs().max().item() <= TOL
 
 
-def test_collectives_and_what_crosses_ranks(engine: DeepseekV4LM) -> None:
+def test_collectives_and_what_crosses_ranks(dsv4_engine: DeepseekV4LM) -> None:
     """One halo all-to-all per layer, one entries all-gather per compressed layer, one
     output all-gather; a rank receives the window's halo and the entries, far less
     than an all-gather of the raw KV would bring it."""
     length, c, d, di = 2048, 4, 64, 16
-    _, comms = _prefill(engine, _ids(length), c)
+    _, comms = _prefill(dsv4_engine, _ids(length), c)
     for comm in comms:
         assert dict(comm.calls) == {"halo": 4, "comp": 3, "out": 1}
     received = [comm.received for comm in comms]
@@ -190,9 +180,9 @@ def _fp8_folder(src: Path, dst: Path) -> dict[str, torch.Tensor]:
 
 
 def test_fp8_folder_loads_to_the_dequantized_weights(
-    folder: tuple[Path, Any], tmp_path: Path
+    dsv4_folder: tuple[Path, Any], tmp_path: Path
 ) -> None:
-    expected = _fp8_folder(folder[0], tmp_path / "fp8")
+    expected = _fp8_folder(dsv4_folder[0], tmp_path / "fp8")
     cfg = ModelConfig.from_dir(tmp_path / "fp8")
     model = load_dsv4(cfg, tmp_path / "fp8", torch.float32, CPU)
     state = dict(model.named_parameters())
@@ -215,26 +205,26 @@ def test_fp8_folder_loads_to_the_dequantized_weights(
 
 @pytest.mark.parametrize("prefix", [1, 3, 4, 127, 128, 130, 257, 1024, 1027])
 def test_a_prompt_resumes_from_its_prefix_state(
-    folder: tuple[Path, Any], engine: DeepseekV4LM, prefix: int
+    dsv4_folder: tuple[Path, Any], dsv4_engine: DeepseekV4LM, prefix: int
 ) -> None:
     """A prefix ending inside and at the end of CSA and HCA windows (its open windows
     and CSA's overlap carried over), then the rest of the prompt at C = 1."""
-    ids, want = _ids(1300), _reference(folder[1], 1300)
-    _, state = resume_rank(engine, SoloComm(), ids[:prefix], "all")
+    ids, want = _ids(1300), _reference(dsv4_folder[1], 1300)
+    _, state = resume_rank(dsv4_engine, SoloComm(), ids[:prefix], "all")
     assert state is not None and state.length == prefix
-    got, after = resume_rank(engine, SoloComm(), ids[prefix:], "all", state)
+    got, after = resume_rank(dsv4_engine, SoloComm(), ids[prefix:], "all", state)
     assert got is not None and after is not None and after.length == 1300
     assert (got - want[prefix:]).abs().max().item() <= TOL
 
 
 @pytest.mark.parametrize("c", [2, 3, 4])
 def test_cp_resumes_a_prefix_on_a_chunk_boundary(
-    folder: tuple[Path, Any], engine: DeepseekV4LM, c: int
+    dsv4_folder: tuple[Path, Any], dsv4_engine: DeepseekV4LM, c: int
 ) -> None:
-    ids, want = _ids(1300), _reference(folder[1], 1300)
-    _, state = resume_rank(engine, SoloComm(), ids[:1024], "all")
+    ids, want = _ids(1300), _reference(dsv4_folder[1], 1300)
+    _, state = resume_rank(dsv4_engine, SoloComm(), ids[:1024], "all")
     results, comms = run_ranks(
-        c, lambda _r, comm: resume_rank(engine, comm, ids[1024:], "all", state)
+        c, lambda _r, comm: resume_rank(dsv4_engine, comm, ids[1024:], "all", state)
     )
     assert (results[0][0] - want[1024:]).abs().max().item() <= TOL
     assert dict(comms[0].calls) == {"halo": 4, "comp": 3, "out": 1}
@@ -242,20 +232,24 @@ def test_cp_resumes_a_prefix_on_a_chunk_boundary(
         run_ranks(
             c,
             lambda _r, comm: resume_rank(
-                engine, comm, ids[1000:], "all", resume_rank(engine, SoloComm(), ids[:1000])[1]
+                dsv4_engine,
+                comm,
+                ids[1000:],
+                "all",
+                resume_rank(dsv4_engine, SoloComm(), ids[:1000])[1],
             ),
         )
 
 
 def test_decode_steps_match_the_whole_prompt(
-    folder: tuple[Path, Any], engine: DeepseekV4LM
+    dsv4_folder: tuple[Path, Any], dsv4_engine: DeepseekV4LM
 ) -> None:
     """One token at a time across a CSA window and the first HCA window's end (256):
     the decode engine's step."""
-    ids, want = _ids(1300), _reference(folder[1], 1300)
-    _, state = resume_rank(engine, SoloComm(), ids[:250], "all")
+    ids, want = _ids(1300), _reference(dsv4_folder[1], 1300)
+    _, state = resume_rank(dsv4_engine, SoloComm(), ids[:250], "all")
     for t in range(250, 262):
-        got, state = resume_rank(engine, SoloComm(), ids[t : t + 1], "last", state)
+        got, state = resume_rank(dsv4_engine, SoloComm(), ids[t : t + 1], "last", state)
         assert got is not None and (got[0] - want[t]).abs().max().item() <= TOL
 
 
@@ -279,21 +273,28 @@ def test_a_rank_refuses_what_dsv4_prefills_do_not_take_yet() -> None:
 
     ids = torch.arange(5)
     plain = PrefillCommand(1, (0,), ids, 0, ((),), ((),), 16)
-    _check_dsv4(plain)
-    _check_dsv4(PrefillCommand(1, (0,), ids, 0, ((),), ((),), 16, export=(0, 4)))
-    cached = PrefillCommand(1, (0,), ids, 16, ((3,),), (((1, 4),),), 16, export=(1, 4))
-    with pytest.raises(ValueError, match="a cached prefix, blocks to store, exported rows"):
-        _check_dsv4(cached)
+    _check_dsv4(plain, "no blocks at 16")
+    _check_dsv4(PrefillCommand(1, (0,), ids, 0, ((),), ((),), 16, export=(0, 4)), None)
+    cached = PrefillCommand(1, (0,), ids, 128, ((3,),), (((1, 4),),), 128)
+    _check_dsv4(cached, None)
+    with pytest.raises(ValueError, match="no blocks at 16"):
+        _check_dsv4(cached, "no blocks at 16")
+    partial = PrefillCommand(1, (0,), ids, 128, ((3,),), ((),), 128, export=(1, 4))
+    with pytest.raises(ValueError, match="exported rows other than the prompt but its last"):
+        _check_dsv4(partial, None)
+    logprobs = PrefillCommand(1, (0,), ids, 0, ((),), ((),), 128, prompt_logprobs=2)
+    with pytest.raises(ValueError, match="prompt logprobs"):
+        _check_dsv4(logprobs, None)
 
 
-def test_bf16_rounds_no_worse_than_transformers_in_bf16(folder: tuple[Path, Any]) -> None:
+def test_bf16_rounds_no_worse_than_transformers_in_bf16(dsv4_folder: tuple[Path, Any]) -> None:
     """The Qwen3 rule (tests/engine/test_bf16.py) at CP 2 with a resumed prefix: mean
     |logit - fp32| at most 1.25x transformers-bf16's + 1e-3, top-1 agreement at most 2
     points lower (a mixture of experts: no bound on the max). Both keep the same
     parameters in fp32 (norms, sinks, position biases, hyper-connections)."""
     import transformers
 
-    path, ref = folder
+    path, ref = dsv4_folder
     theirs_model = transformers.DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     ours_model = load_dsv4(ModelConfig.from_dir(path), path, torch.bfloat16, CPU)
     ids = _ids(1300)
@@ -331,41 +332,42 @@ def _state_diff(a: Any, b: Any) -> float:
 @pytest.mark.parametrize("length", [257, 1027])
 @pytest.mark.parametrize("c", [2, 4])
 def test_cp_gathers_the_prompt_state_a_decode_resumes(
-    folder: tuple[Path, Any], engine: DeepseekV4LM, c: int, length: int
+    dsv4_folder: tuple[Path, Any], dsv4_engine: DeepseekV4LM, c: int, length: int
 ) -> None:
     """Under CP the state after the prompt (what a hand-off carries) comes from one
     ``state`` all-gather of the rows around its end: it equals C = 1's, and decoding
     from it gives transformers' logits."""
-    ids, want = _ids(1300), _reference(folder[1], 1300)
-    _, alone = resume_rank(engine, SoloComm(), ids[:length], "all")
+    ids, want = _ids(1300), _reference(dsv4_folder[1], 1300)
+    _, alone = resume_rank(dsv4_engine, SoloComm(), ids[:length], "all")
     results, comms = run_ranks(
-        c, lambda _r, comm: resume_rank(engine, comm, ids[:length], "all", None, True)
+        c, lambda _r, comm: resume_rank(dsv4_engine, comm, ids[:length], "all", None, True)
     )
     assert dict(comms[0].calls) == {"halo": 4, "comp": 3, "state": 1, "out": 1}
     assert all(_state_diff(alone, state) <= 1e-5 for _, state in results)
     state = results[c - 1][1]
     for t in range(length, length + 4):
-        got, state = resume_rank(engine, SoloComm(), ids[t : t + 1], "last", state)
+        got, state = resume_rank(dsv4_engine, SoloComm(), ids[t : t + 1], "last", state)
         assert got is not None and (got[0] - want[t]).abs().max().item() <= TOL
 
 
 def test_the_last_logits_need_one_row_from_each_rank(
-    folder: tuple[Path, Any], engine: DeepseekV4LM
+    dsv4_folder: tuple[Path, Any], dsv4_engine: DeepseekV4LM
 ) -> None:
     """For the first token alone, ``out`` gathers one hidden row per rank (the last
     token's, zeros from the others), not every rank's hidden states."""
-    ids, want = _ids(1000), _reference(folder[1], 1000)
-    results, comms = run_ranks(4, lambda _r, comm: prefill_rank(engine, comm, ids, "last"))
+    ids, want = _ids(1000), _reference(dsv4_folder[1], 1000)
+    results, comms = run_ranks(4, lambda _r, comm: prefill_rank(dsv4_engine, comm, ids, "last"))
     assert (results[0][0] - want[-1]).abs().max().item() <= TOL
     assert all(comm.received["out"] == 3 * 64 for comm in comms)
 
 
-def test_a_rank_keeps_no_kv_blocks_it_never_writes(folder: tuple[Path, Any]) -> None:
-    """The pool does not cache DeepSeek-V4's prefixes yet, so a rank's paged store is
-    one block, whatever ``kv_blocks_per_rank`` asks (at V4-Flash's size the shared
-    decoder's blocks would be gigabytes of unused memory per rank)."""
+def test_a_rank_keeps_no_kv_blocks_it_never_writes(dsv4_folder: tuple[Path, Any]) -> None:
+    """At a block size that cannot hold DeepSeek-V4's prefix state (16) the pool caches
+    none of its prefixes, so a rank's paged store is one block, whatever
+    ``kv_blocks_per_rank`` asks (at V4-Flash's size the unused blocks would be
+    gigabytes per rank)."""
     from vertumnus.engine.kv_store import PagedKVStore
 
-    cfg = ModelConfig.from_dir(folder[0])
+    cfg = ModelConfig.from_dir(dsv4_folder[0])
     store = PagedKVStore(cfg, 4096, 16, torch.float32, CPU)
     assert store.num_blocks == 1 and store.k.shape[0] == 1

@@ -15,6 +15,15 @@ token per layer). Then per-kind per-layer figures combined over DeepSeek-V4-Flas
 43 layers (transformers' ``DeepseekV4Config().layer_types``). Target: at most 1/3 of
 the all-gather at C = 4. Bytes are at bf16 (2 per element); counted, not timed.
 
+``--cache`` (on by default): the same model served as the pool serves it, from
+a worker's cache index and 128-token blocks (``engine/dsv4/blocks.py``): a prompt of
+``--tokens`` that stores every whole block (the ``blocks`` all-to-all carries each
+block's tail to the rank storing it), then a prompt sharing its first half that
+resumes it (the ``prefix`` all-gather of the cached blocks' facts) and stores the
+rest. Per prefill, elements received per rank (max over ranks) by tag, against an
+all-gather of the raw KV of every token of the prompt, cached ones included (what a
+shared-decoder worker gathers per full-attention layer), over the 3 layers.
+
 ``--speed``: one thread, C = 1 (``SoloComm``): the engine's ``prefill_rank`` (last
 logits) against transformers' ``DeepseekV4ForCausalLM`` forward (eager, no cache,
 ``logits_to_keep=1``) on the same seeded weights (transformers writes the folder, the
@@ -26,6 +35,7 @@ median of ``--repeats``, alternating. Ratio = transformers / engine (target >= 1
 Run::
 
     .venv/bin/python -m tools.bench.dsv4_cp                       # bytes, C = 2, 4, 8
+    .venv/bin/python -m tools.bench.dsv4_cp --no-bytes --cp 4     # --cache alone, C = 4
     .venv/bin/python -m tools.bench.dsv4_cp --no-bytes --speed --dtypes float32,bfloat16
 """
 
@@ -48,7 +58,10 @@ from torch import Tensor
 from vertumnus.config import ModelConfig
 from vertumnus.engine.comm import SoloComm, ThreadComm, ThreadGroup
 from vertumnus.engine.dsv4.load import load_dsv4, random_dsv4, seed_tensors
-from vertumnus.engine.dsv4.model import DeepseekV4LM, partition_of, prefill_rank
+from vertumnus.engine.dsv4.model import DeepseekV4LM, command_rank, partition_of, prefill_rank
+from vertumnus.engine.kv_store import PagedKVStore
+from vertumnus.policy.cache.index import WorkerCacheIndex
+from vertumnus.runtime.prefill import plan_prefill
 
 KINDS = {"sliding_attention": "sliding", "compressed_sparse_attention": "CSA",
          "heavily_compressed_attention": "HCA"}  # fmt: skip
@@ -102,13 +115,18 @@ class LayerComm:
 
 
 def run_cp(model: DeepseekV4LM, ids: Tensor, c: int) -> list[LayerComm]:
+    return run_threads(c, lambda r, comm: prefill_rank(model, comm, ids))
+
+
+def run_threads(c: int, work: Any) -> list[LayerComm]:
+    """``work(rank, comm)`` on C threads; their comms."""
     group = ThreadGroup(c)
     comms = [LayerComm(group.comm(r)) for r in range(c)]
     errors: list[BaseException] = []
 
     def body(r: int) -> None:
         try:
-            prefill_rank(model, comms[r], ids)
+            work(r, comms[r])
         except BaseException as exc:
             errors.append(exc)
             group._barrier.abort()
@@ -164,6 +182,37 @@ def bench_bytes(args: argparse.Namespace) -> None:
         out = max(comm.by[(2, "out")] for comm in comms)
         print(f"  out (not KV): {out} elements at hidden {cfg.hidden_size}; at V4-Flash's "
               f"4096: {out * 4096 // cfg.hidden_size}")  # fmt: skip
+
+
+def bench_cache(args: argparse.Namespace) -> None:
+    cfg = bytes_config()
+    dtype = getattr(torch, args.dtype)
+    model = random_dsv4(cfg, seed=0, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    first = torch.randint(0, cfg.vocab_size, (args.tokens,), generator=gen).tolist()
+    half = args.tokens // 2
+    second = first[:half] + torch.randint(0, cfg.vocab_size, (half,), generator=gen).tolist()
+    print(
+        "\n--cache: 128-token blocks; elements received per rank (max over ranks); "
+        "'/ gather': against all-gathering the raw KV of the whole prompt in 3 layers"
+    )
+    for c in args.cp:
+        blocks = args.tokens // 128 // c + 2
+        index = WorkerCacheIndex(c, blocks)
+        stores = [PagedKVStore(cfg, blocks, 128, dtype, torch.device("cpu")) for _ in range(c)]
+        for name, tokens in (("stores its blocks", first), ("resumes half", second)):
+            allocation, cmd = plan_prefill(index, tokens, 128, 0, tuple(range(c)))
+            comms = run_threads(c, lambda r, comm, cmd=cmd, stores=stores: command_rank(
+                model, comm, stores[r], cmd, cmd.token_ids))  # fmt: skip
+            index.commit(allocation)
+            gather = 3 * (c - 1) * len(tokens) // c * RAW_KV
+            tags = ("prefix", "halo", "comp", "blocks")
+            got = {t: max(comm.received[t] for comm in comms) for t in tags}
+            total = max(sum(comm.received[t] for t in tags) for comm in comms)
+            shown = ", ".join(f"{t} {n}" for t, n in got.items())
+            print(f"  C={c} {name:17} (cached {cmd.prefix_len:>5}): {shown}; total {total} "
+                  f"/ gather {gather} = {total / gather:.4f} "
+                  f"({total / gather / TARGET:.3f} of the 1/3 target)")  # fmt: skip
 
 
 def speed_model(seed: int = 5) -> Any:
@@ -235,6 +284,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16_384)
     parser.add_argument("--cp", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8])
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--cache", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--speed", action="store_true")
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")],
                         default=[2048, 8192])  # fmt: skip
@@ -244,6 +294,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.bytes:
         bench_bytes(args)
+    if args.cache:
+        bench_cache(args)
     if args.speed:
         bench_speed(args)
 

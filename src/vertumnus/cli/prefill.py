@@ -144,8 +144,9 @@ def run(args: argparse.Namespace) -> int:
     tokens = _read_tokens(args, cfg.vocab_size)
     if not 0 <= args.prefix_len <= len(tokens):
         raise ConfigError(f"--prefix-len must be in [0, {len(tokens)}], got {args.prefix_len}")
-    if args.prefix_len and not cfg.caches_prefixes:
-        raise ConfigError(f"--prefix-len: {cfg.name}'s prefixes are not cached by the pool yet")
+    uncached = cfg.block_cache_problem(args.block_size)
+    if args.prefix_len and uncached is not None:
+        raise ConfigError(f"--prefix-len: {uncached}")
     if len(tokens) > cfg.max_position_embeddings:
         raise ConfigError(
             f"{len(tokens)} tokens exceed the model's max_position_embeddings "

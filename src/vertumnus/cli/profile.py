@@ -112,12 +112,11 @@ def run(args: argparse.Namespace) -> int:
         if path is not None and not path.parent.is_dir():
             raise ConfigError(f"{flag} {path}: no directory {path.parent}")
     hit_ratios = args.hit_ratios
+    uncached = cfg.block_cache_problem(args.block_size)
     if hit_ratios is None:
-        hit_ratios = list(ProfileGrid.hit_ratios) if cfg.caches_prefixes else [0.0]
-    elif not cfg.caches_prefixes and any(hit_ratios):
-        raise ConfigError(
-            f"--hit-ratios: {cfg.name}'s prefixes are not cached by the pool yet; give 0 alone"
-        )
+        hit_ratios = list(ProfileGrid.hit_ratios) if uncached is None else [0.0]
+    elif uncached is not None and any(hit_ratios):
+        raise ConfigError(f"--hit-ratios: give 0 alone; {uncached}")
     grid = ProfileGrid(
         degrees=args.degrees,
         lengths=args.lengths,

@@ -85,11 +85,18 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
-    @property
-    def caches_prefixes(self) -> bool:
-        """Whether the pool's block cache holds this model's prefixes (DeepSeek-V4's
-        composite state is not kept in blocks yet: its prefills compute every token)."""
-        return self.dsv4 is None
+    def block_cache_problem(self, block_size: int) -> str | None:
+        """Why the pool's paged blocks of ``block_size`` tokens cannot cache this
+        model's prefixes, or None (every model but DeepSeek-V4 at some block sizes:
+        ``DeepseekV4Spec.block_problem``)."""
+        if self.dsv4 is None:
+            return None
+        return self.dsv4.block_problem(block_size, self.head_dim, self.sliding_window or 128)
+
+    def caches_prefixes(self, block_size: int) -> bool:
+        """Whether the pool's block cache holds this model's prefixes at ``block_size``
+        (else its prefills compute every token of their prompts)."""
+        return self.block_cache_problem(block_size) is None
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` in tokens; None: full causal attention."""

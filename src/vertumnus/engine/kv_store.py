@@ -139,9 +139,11 @@ class PagedKVStore:
 
 def store_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
     """The shape of a store's K (and of its V): one block for a model whose prefixes
-    the pool does not cache (DeepSeek-V4: no block is ever written, and at its size
-    ``kv_blocks_per_rank`` blocks of the shared decoder's shape would be gigabytes)."""
-    blocks = num_blocks if cfg.caches_prefixes else 1
+    the pool does not cache at this block size (DeepSeek-V4 at a block size not a
+    multiple of 128: no block is ever written, and at its size ``kv_blocks_per_rank``
+    unused blocks would be gigabytes). DeepSeek-V4's blocks have this shape too, with
+    its own layout inside (``engine/dsv4/blocks.py``)."""
+    blocks = num_blocks if cfg.caches_prefixes(block_size) else 1
     return (blocks, cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim)
 
 

@@ -21,7 +21,7 @@ import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from vertumnus.engine.comm import Communicator, DistComm, SoloComm, make_group, worker_group_name
-from vertumnus.engine.dsv4.model import DeepseekV4LM, resume_rank
+from vertumnus.engine.dsv4.model import DeepseekV4LM, command_rank
 from vertumnus.engine.dsv4.state import to_bytes
 from vertumnus.engine.host_copy import HostStaging, StepTimer
 from vertumnus.engine.kv_store import PagedKVStore
@@ -172,13 +172,9 @@ def _run(
         exported: list[torch.Tensor] = []
         prompt: list[PromptLogprobs] = []
         if isinstance(model, DeepseekV4LM):
-            _check_dsv4(cmd)
-            handoff = cmd.export is not None
-            logits, state = resume_rank(
-                model, comm, step.token_ids, cmd.logits, None, handoff,
-                cmd.export[1] if cmd.export is not None else None,
-            )  # fmt: skip
-            if handoff and cp_rank == 0 and state is not None:  # its prompt's state
+            _check_dsv4(cmd, model.config.block_cache_problem(cmd.block_size))
+            logits, state = command_rank(model, comm, kv, cmd, step.token_ids)
+            if cmd.export is not None and cp_rank == 0 and state is not None:  # its state
                 exported.append(torch.frombuffer(bytearray(to_bytes(state)), dtype=torch.uint8))
         else:
             logits = prefill_rank(model, comm, kv, step, cmd.logits, exported, prompt)
@@ -200,17 +196,20 @@ def _run(
         )
 
 
-def _check_dsv4(cmd: PrefillCommand) -> None:
-    """DeepSeek-V4's prefills compute the whole prompt (its composite prefix state is
-    not kept in blocks yet), and a hand-off exports the state of the prompt but its
-    last token (``PrefillDone.exported``: ``dsv4.state.to_bytes``, as uint8)."""
+def _check_dsv4(cmd: PrefillCommand, block_problem: str | None) -> None:
+    """DeepSeek-V4's prefills resume and store whole blocks of its prefix state where
+    the block size allows (``block_problem``: why not, ``dsv4/blocks.py``), and a
+    hand-off exports the state of the whole prompt but its last token
+    (``PrefillDone.exported``: ``dsv4.state.to_bytes``, as uint8), cached prefix
+    included."""
     n = int(cmd.token_ids.numel())
     export_ok = cmd.export is None or (cmd.export[0] == 0 and cmd.export[1] == n - 1)
+    cached = cmd.prefix_len > 0 or any(cmd.write)
+    if cached and block_problem is not None:
+        raise ValueError(block_problem)
     wanted = [
         what
         for what, asked in (
-            ("a cached prefix", cmd.prefix_len > 0),
-            ("blocks to store", any(cmd.write)),
             ("exported rows other than the prompt but its last token", not export_ok),
             ("prompt logprobs", cmd.prompt_logprobs is not None),
         )

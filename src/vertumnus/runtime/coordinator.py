@@ -101,6 +101,9 @@ class Coordinator:
         self.clock = clock
         self._given_ranks = ranks
         self.model_cfg, self.model_dir = resolve_model(cfg.model)
+        if (uncached := self.model_cfg.block_cache_problem(cfg.engine.block_size)) is not None:
+            # Served, with every prefill computing its whole prompt.
+            log.warning("prefix_cache_off", reason=uncached)
         try:
             self.profile = Profile.load(cfg.profile)
             if (served := attention_mix(self.model_cfg)) != self.profile.attention:

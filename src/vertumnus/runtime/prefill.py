@@ -120,7 +120,7 @@ class PrefillClient:
     def prefill(self, tokens: Sequence[int], logits: str = "last") -> PrefillOutcome:
         request_id = self._next_id
         self._next_id += 1
-        ids = None if self.ranks.model.caches_prefixes else ()
+        ids = None if self.ranks.model.caches_prefixes(self.block_size) else ()
         allocation, cmd = plan_prefill(
             self.index, tokens, self.block_size, request_id, self.devices, logits, ids
         )

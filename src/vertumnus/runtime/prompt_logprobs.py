@@ -35,7 +35,8 @@ def placement_ids(
 ) -> tuple[int, ...]:
     """The block ids the policy places a request by: none for a request of its
     prompt's log-probabilities (it reuses no prefix and writes no block), nor for a
-    model whose prefixes the pool does not cache (DeepSeek-V4)."""
+    model whose prefixes the pool does not cache at this block size (DeepSeek-V4
+    at a block size not a multiple of 128)."""
     if top_k is not None or not caches_prefixes:
         return ()
     return tuple(block_ids(tokens, block_size))

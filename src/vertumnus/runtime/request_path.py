@@ -105,7 +105,8 @@ class RequestPath:
         self.switchboard, self.predict = shared.switchboard, shared.profile.predict
         self.link, self.handoffs, self.recovery = link, handoffs, recovery
         self.tier = tier
-        self.caches_prefixes = shared.model.caches_prefixes
+        self.caches_prefixes = shared.model.caches_prefixes(shared.cfg.engine.block_size)
+        self.whole_state = shared.model.dsv4 is not None  # a hand-off's: ``export_range``
         self._unmoved: dict[int, Exception] = {}  # request -> its tier copies' failure
         self.open: dict[int, _Request] = {}
         self._ids = itertools.count(1)
@@ -226,7 +227,9 @@ class RequestPath:
         req.attempts += 1
         devices = tuple(started.devices)
         block = self.cfg.engine.block_size
-        export = export_range(started.allocation, len(req.tokens), block) if req.handoff else None
+        export = None
+        if req.handoff:
+            export = export_range(started.allocation, len(req.tokens), block, self.whole_state)
         k = req.prompt_logprobs
         cmd = prefill_command(
             started.allocation, req.tokens, block, rid, devices, "last", export, k

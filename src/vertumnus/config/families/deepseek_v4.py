@@ -89,6 +89,30 @@ class DeepseekV4Spec:
         prefill's chunks under CP are multiples of it."""
         return max((r for r in self.compress_ratios if r), default=1)
 
+    def block_problem(self, block_size: int, head_dim: int, window: int) -> str | None:
+        """Why the pool's paged blocks of ``block_size`` tokens cannot hold this model's
+        prefix state (``engine/dsv4/blocks.py``), or None. A block must hold whole
+        windows of every compressor and of the sliding window (a multiple of the
+        largest, 128), and its compressed facts must fit the V slot of ``block_size``
+        rows of ``head_dim``: per CSA layer ``B/4 (D + Di)`` for the entries and indexer
+        keys and ``4 (2 D + 2 Di)`` for the last window's first halves."""
+        align = max(self.largest_ratio, window)
+        if block_size % align:
+            return (
+                f"DeepSeek-V4 keeps prefixes in blocks of a multiple of {align} tokens "
+                f"(whole windows of its compressors and of its sliding window), not "
+                f"{block_size}: use blocks of {align} ([engine] block_size, --block-size)"
+            )
+        d, di = head_dim, self.index_head_dim
+        for r in set(self.compress_ratios) - {0}:
+            used = block_size // r * (d + di) + r * (2 * d + 2 * di) if r == 4 else 0
+            if used > block_size * d:
+                return (
+                    f"DeepSeek-V4's compressed state of a {block_size}-token block "
+                    f"({used} values per layer) does not fit its V slot ({block_size * d})"
+                )
+        return None
+
     def compress_param(self, key: str, default: float | None = None) -> float | None:
         return dict(self.compress_rope_params).get(key, default)
 

@@ -10,7 +10,7 @@ the same code is the single-process model the tests hold against transformers.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from vertumnus.config import ModelConfig
 from vertumnus.config.families.deepseek_v4 import DeepseekV4Spec
 from vertumnus.engine.comm import Communicator
+from vertumnus.engine.dsv4.blocks import read_prefix, write_blocks
 from vertumnus.engine.dsv4.layers import (
     Attention,
     HyperConnection,
@@ -30,6 +31,8 @@ from vertumnus.engine.dsv4.layers import (
 from vertumnus.engine.dsv4.state import DsV4State, Head, LayerState, assemble
 from vertumnus.engine.dsv4.zigzag import DsV4Attention
 from vertumnus.engine.fused import EAGER
+from vertumnus.engine.kv_store import PagedKVStore
+from vertumnus.engine.messages import PrefillCommand
 from vertumnus.engine.partition import ZigzagPartition
 from vertumnus.engine.rope import yarn
 
@@ -171,6 +174,7 @@ def resume_rank(
     prefix: DsV4State | None = None,
     keep_state: bool = False,
     state_at: int | None = None,
+    blocks: tuple[PagedKVStore, Sequence[Sequence[tuple[int, int]]]] | None = None,
 ) -> tuple[Tensor | None, DsV4State | None]:
     """One rank's part of a zigzag prefill of ``token_ids`` [R] after ``prefix`` (None:
     from position 0; under CP it must end on a chunk boundary, ``partition_of``).
@@ -179,11 +183,14 @@ def resume_rank(
     for ``"all"``), else None; and the prompt's state after these tokens
     (``state.py``) at C = 1, or under CP with ``keep_state`` (on every rank), else None;
     ``state_at`` = n: the state after the first n of these tokens instead (a hand-off's:
-    the prompt but its last token).
+    the prompt but its last token). ``blocks`` = (store, writes): the new full blocks
+    ``writes[r]`` ((depth, slot) per CP rank r) are stored (``blocks.py``), this
+    rank's into ``store``.
     Collectives per layer: one ``halo`` all-to-all, and one ``comp`` all-gather on a
     compressed layer; then one ``out`` all-gather (of the last token's row alone for
     ``"last"``), and with ``keep_state`` under CP one ``state`` all-gather of the rows
-    around the prompt's end.
+    around the prompt's end; with ``blocks``, one ``blocks`` all-to-all where a block's
+    tail crosses ranks.
     """
     part = partition_of(model, int(token_ids.numel()), comm.size)
     dev = token_ids.device
@@ -200,8 +207,14 @@ def resume_rank(
     if state_at == 0:  # the prefix's, or nothing yet
         keep_state, state_at = False, None
         before = prefix if prefix is not None else empty_state(model)
-    attention = DsV4Attention(part, comm, entry_rope, topk, prefix, keep_state, state_at)
+    ends: tuple[int, ...] = ()
+    if blocks is not None:
+        size = blocks[0].block_size
+        ends = tuple((d + 1) * size - offset for mine in blocks[1] for d, _ in mine)
+    attention = DsV4Attention(part, comm, entry_rope, topk, prefix, keep_state, state_at, ends)
     hidden = model(ids, idx + offset, attention, counted=real)  # [2s, H]
+    if blocks is not None:
+        write_blocks(model, blocks[0], comm, attention, blocks[1])
     state = None
     if before is not None:
         state = before
@@ -222,6 +235,27 @@ def resume_rank(
     seq = gathered.reshape(-1, hidden.shape[-1])
     restore = torch.tensor(part.restore_index(), dtype=torch.long, device=dev)
     return model.logits(seq[restore[: part.num_tokens]]), state
+
+
+def command_rank(
+    model: DeepseekV4LM,
+    comm: Communicator,
+    store: PagedKVStore,
+    cmd: PrefillCommand,
+    token_ids: Tensor,
+) -> tuple[Tensor | None, DsV4State | None]:
+    """One rank's part of the pool's prefill ``cmd`` (``token_ids``: its suffix on the
+    model's device): the cached prefix read from the worker's blocks, the new full
+    blocks stored (``blocks.py``), and for a hand-off (``cmd.export`` = (0, n - 1))
+    the state of the whole prompt but its last token on every rank."""
+    prefix = None
+    if cmd.prefix_len:
+        slots = cmd.prefix_slots[comm.rank]
+        prefix = read_prefix(model, store, comm, slots, cmd.prefix_len)
+    handoff = cmd.export is not None
+    state_at = cmd.export[1] if cmd.export is not None else None
+    writes = (store, cmd.write) if any(cmd.write) else None
+    return resume_rank(model, comm, token_ids, cmd.logits, prefix, handoff, state_at, writes)
 
 
 def _gathered_state(

@@ -77,8 +77,13 @@ class DsV4Attention:
         prefix: DsV4State | None = None,
         keep_state: bool = False,
         state_at: int | None = None,
+        block_ends: tuple[int, ...] = (),
     ) -> None:
         self.part, self.comm, self.keep_state = part, comm, keep_state
+        # Suffix indices where the blocks the worker stores end (``blocks.py``): per
+        # layer, this rank keeps each such block's tail it computed, and every entry.
+        self.block_ends = block_ends
+        self.tails: list[dict[int, Tensor]] = []
         # The state kept is the prompt's after its first ``state_at`` new tokens.
         self.state_at = part.num_tokens if state_at is None else state_at
         if not 0 < self.state_at <= part.num_tokens:
@@ -119,20 +124,23 @@ class DsV4Attention:
             self._attend_segment(x, seg, head, entries, index_keys)
             for seg, head in zip(self.segments, heads, strict=True)
         ]
+        if self.block_ends:
+            self.tails.append(self._block_tails(x))
         if self.comm.size == 1:
             self.states.append(self._state_after(x, heads[0], entries, index_keys))
         elif self.keep_state:
             self.spans.append(self._span(x))
             self.widths.append([t.shape[1] for t in _projections(x)])
+        if self.block_ends or (self.keep_state and self.comm.size > 1):
             self.kept.append((entries, index_keys))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     # 1. halo -------------------------------------------------------------------------
 
-    def _tail(self, x: LayerInputs, seg: Segment) -> Tensor:
-        """What a segment sends the owner of the next chunk, flat: its last raw rows
-        and, for CSA, the Ca halves of its last window."""
-        hi = seg.local + (seg.end - seg.start)
+    def _tail(self, x: LayerInputs, hi: int) -> Tensor:
+        """The window's tail before local row ``hi`` (a window boundary), flat: the
+        last raw rows and, for CSA, the Ca halves of the last window. A segment sends
+        its own to the owner of the next chunk; a stored block keeps its own."""
         parts = [x.kv[hi - (x.window - 1) : hi].reshape(-1)]
         if self._csa(x):
             for proj in _projections(x):
@@ -149,7 +157,8 @@ class DsV4Attention:
         sends: list[list[Tensor]] = [[] for _ in range(size)]
         for seg in self.segments:
             if seg.end < self.part.padded_len:
-                sends[self.owner[seg.end // self.chunk]].append(self._tail(x, seg))
+                hi = seg.local + (seg.end - seg.start)
+                sends[self.owner[seg.end // self.chunk]].append(self._tail(x, hi))
         d = x.kv.shape[-1]
         halves = [p.shape[-1] // 2 for p in _projections(x)] if self._csa(x) else []
         width = (x.window - 1) * d + x.ratio * sum(halves)
@@ -175,6 +184,15 @@ class DsV4Attention:
                 at += x.ratio * half
             heads.append(Head(flat[: (x.window - 1) * d].view(x.window - 1, d), prior))
         return heads
+
+    def _block_tails(self, x: LayerInputs) -> dict[int, Tensor]:
+        """The tails (``_tail``) of the stored blocks ending in this rank's segments."""
+        out = {}
+        for end in self.block_ends:
+            for seg in self.segments:
+                if seg.start < end <= seg.end:
+                    out[end] = self._tail(x, seg.local + (end - seg.start))
+        return out
 
     # 2. entries ----------------------------------------------------------------------
 

@@ -91,7 +91,7 @@ class Handoffs:
         block = self.serve.engine.block_size
         state = None
         if self.model.dsv4 is not None:  # the prompt's state, whole (``kv_wire`` kind 3)
-            if rows is None or rows.dim() != 1 or hold.blocks:
+            if rows is None or rows.dim() != 1:
                 raise RuntimeError(f"request {hold.request_id}: no DeepSeek-V4 state came back")
             state, rows = rows, None
         num_rows = 0 if rows is None else int(rows.shape[2])
@@ -332,7 +332,7 @@ class Handoffs:
     def view(self) -> dict[str, Any]:
         return {
             "open": len(self.leases),
-            "pinned_blocks": sum(len(lease.blocks) for lease in self.leases.values()),
+            "pinned_blocks": sum(len(lease.hold.blocks) for lease in self.leases.values()),
             "held_rows": sum(
                 0 if lease.rows is None else int(lease.rows.shape[2])
                 for lease in self.leases.values()

@@ -61,14 +61,22 @@ class Lease:
 
     @property
     def blocks(self) -> list[BlockLocation]:
-        return self.hold.blocks
+        """The blocks the pull streams: none with a state, which holds the whole prompt
+        (the hold still pins its blocks: the prefix stays hot until it is pulled)."""
+        return [] if self.state is not None else self.hold.blocks
 
 
-def export_range(allocation: BlockAllocation, prompt_tokens: int, block: int) -> tuple[int, int]:
+def export_range(
+    allocation: BlockAllocation, prompt_tokens: int, block: int, whole: bool = False
+) -> tuple[int, int]:
     """The suffix rows [a, b) a hand-off prefill must return: the tokens of the
-    prompt but its last that the hold's blocks (``held_blocks``) do not hold."""
-    held = held_blocks(allocation, prompt_tokens, block)
+    prompt but its last that the hold's blocks (``held_blocks``) do not hold;
+    ``whole`` (DeepSeek-V4, whose prefill returns the state of the prompt but its
+    last token, cached prefix included): every computed row but the last."""
     prefix = allocation.prefix_blocks * block  # (reused, or loaded back from the host tier)
+    if whole:
+        return 0, prompt_tokens - 1 - prefix
+    held = held_blocks(allocation, prompt_tokens, block)
     return held * block - prefix, prompt_tokens - 1 - prefix
 
 

@@ -1,0 +1,232 @@
+"""DeepSeek-V4's prefix state in the pool's paged blocks: what a block of ``B`` tokens
+keeps so that a prefill resumes any prefix of whole blocks exactly, and the two
+exchanges that write and read such blocks under CP. It does not decide which slot
+holds which block (the worker's cache index) nor move blocks between ranks, workers
+or the host tier (they move slots whatever is in them).
+
+Why blocks of a multiple of 128 tokens (``DeepseekV4Spec.block_problem``): 128 is the
+sliding window and the longest compression window (HCA's). A block then holds whole
+windows of every compressor, so a prefix of whole blocks leaves no window open; the
+raw rows a query after it still sees (the window's last 127) lie in its last block;
+and its end is a chunk boundary of every zigzag partition, which is where CP resumes.
+
+A block's facts, per layer, in the slot geometry every model has (K and V of
+[B, 1, D] per layer), so copies, reshapes, the host tier and reads move them as they
+move any block::
+
+    K  | zeros                          | its last window - 1 raw rows (K = V)   |
+    V  | entries [B/r, D] | index keys [B/r, Di] | Ca halves of its last window:  |
+       | comp kv [r, D], gate [r, D], index kv [r, Di], gate [r, Di] | zeros     |
+
+(CSA; HCA keeps its entries alone in V, a sliding layer nothing). Only the last block
+of a prefix gives its K rows to a resume; every block keeps them, since any block may
+end a later prompt's hit.
+
+Writing: a block's entries and keys are on every rank after the ``comp`` all-gathers;
+its tail (the K rows and the Ca halves) is on the rank owning the chunk it ends in,
+not always the rank storing it (depth ``d`` on CP rank ``d % C``). One ``blocks``
+all-to-all per prefill carries those tails: a rank receives about ``(C-1)/C^2`` of
+the prompt's blocks, ``127 D`` values per layer each, against ``(C-1)/C`` of every
+row for an all-gather of the raw KV.
+
+Reading: each rank packs its prefix blocks' V facts, the holder of the last block
+also its K rows, and one ``prefix`` all-gather gives every rank the prefix's
+``DsV4State`` (its entries and keys are what every query's indexer reads anyway).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from vertumnus.engine.comm import Communicator
+from vertumnus.engine.dsv4.state import DsV4State, LayerState
+from vertumnus.engine.kv_store import PagedKVStore
+
+if TYPE_CHECKING:
+    from vertumnus.engine.dsv4.model import DeepseekV4LM
+    from vertumnus.engine.dsv4.zigzag import DsV4Attention
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One layer's facts in a block of ``block`` tokens."""
+
+    ratio: int  # 0: sliding only
+    d: int  # head dim (the shared K = V)
+    di: int  # the indexer's key dim (CSA), else 0
+    window: int
+    block: int
+
+    @property
+    def num_entries(self) -> int:
+        return self.block // self.ratio if self.ratio else 0
+
+    @property
+    def halves(self) -> tuple[int, ...]:
+        """Widths of the Ca halves CSA keeps of a window: comp kv, gate, index kv, gate."""
+        return (self.d, self.d, self.di, self.di) if self.di else ()
+
+    @property
+    def raw_numel(self) -> int:
+        return (self.window - 1) * self.d
+
+    @property
+    def tail_numel(self) -> int:
+        """The rows ``DsV4Attention._tail`` gives: raw, then the Ca halves."""
+        return self.raw_numel + self.ratio * sum(self.halves)
+
+    @property
+    def facts_numel(self) -> int:
+        """What V holds: entries, keys, Ca halves."""
+        return self.num_entries * (self.d + self.di) + self.ratio * sum(self.halves)
+
+
+def layouts(model: DeepseekV4LM, block: int) -> list[Layout]:
+    """Every layer's ``Layout`` (ValueError for a block size that cannot hold them)."""
+    why = model.config.block_cache_problem(block)
+    if why is not None:
+        raise ValueError(why)
+    out = []
+    for layer in model.decoder_layers():
+        attn = layer.self_attn
+        comp = attn.compressor
+        di = 0
+        if comp is not None and comp.indexer is not None:
+            di = comp.indexer.kv_norm.weight.shape[0]
+        out.append(Layout(attn.ratio, attn.head_dim, di, attn.window, block))
+    return out
+
+
+def _split(flat: Tensor, sizes: Sequence[int]) -> list[Tensor]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(flat[at : at + n])
+        at += n
+    return out
+
+
+def write_blocks(
+    model: DeepseekV4LM,
+    store: PagedKVStore,
+    comm: Communicator,
+    attention: DsV4Attention,
+    writes: Sequence[Sequence[tuple[int, int]]],
+) -> None:
+    """Store the new full blocks ``writes[r]`` ((depth, slot) per CP rank r) of a
+    prefill ``attention`` ran (its ``block_ends``, per layer its ``tails`` and
+    ``kept`` entries), this rank's into ``store``. Every rank takes part in the
+    ``blocks`` all-to-all, which is issued when a tail crosses ranks at all."""
+    b, p, me, size = store.block_size, attention.offset, comm.rank, comm.size
+    lays = layouts(model, b)
+    per_block = sum(lay.tail_numel for lay in lays)
+
+    def end(depth: int) -> int:  # the block's end, as a suffix index
+        return (depth + 1) * b - p
+
+    def maker(depth: int) -> int:
+        return attention.owner[(end(depth) - 1) // attention.chunk]
+
+    def tail(depth: int) -> Tensor:
+        return torch.cat([attention.tails[i][end(depth)] for i in range(len(lays))])
+
+    got: list[Tensor] = []
+    if any(maker(d) != q for q in range(size) for d, _ in writes[q]):
+        empty = store.v.new_zeros(0)
+        sends = []
+        for q in range(size):
+            mine = [tail(d) for d, _ in writes[q] if maker(d) == me] if q != me else []
+            sends.append(torch.cat(mine) if mine else empty)
+        recv = [0 if q == me else per_block * sum(maker(d) == q for d, _ in writes[me])
+                for q in range(size)]  # fmt: skip
+        got = comm.all_to_all(sends, recv, tag="blocks")
+    if not writes[me]:
+        return
+    taken = [0] * size
+    tails = []
+    for d, _ in writes[me]:
+        q = maker(d)
+        if q == me:
+            tails.append(tail(d))
+        else:
+            tails.append(got[q][taken[q] : taken[q] + per_block])
+            taken[q] += per_block
+    slots = [s for _, s in writes[me]]
+    n, at = len(slots), 0
+    for i, lay in enumerate(lays):
+        k = store.k.new_zeros((n * b, *store.k.shape[3:]))
+        v = store.v.new_zeros((n * b, *store.v.shape[3:]))
+        w = lay.window - 1
+        entries, keys = attention.kept[i] if lay.ratio else (None, None)
+        for j, (d, _) in enumerate(writes[me]):
+            block_tail = tails[j][at : at + lay.tail_numel]
+            raw, prior = _split(block_tail, (lay.raw_numel, lay.tail_numel - lay.raw_numel))
+            k[(j + 1) * b - w : (j + 1) * b] = raw.view(w, *k.shape[1:])
+            facts = []
+            if entries is not None:
+                rows = slice(d * b // lay.ratio, (d + 1) * b // lay.ratio)
+                facts.append(entries[rows].reshape(-1))
+                if keys is not None:
+                    facts.append(keys[rows].reshape(-1))
+            facts.append(prior)
+            v[j * b : (j + 1) * b].view(-1)[: lay.facts_numel] = torch.cat(facts)
+        at += lay.tail_numel
+        store.write(slots, i, k, v)
+
+
+def read_prefix(
+    model: DeepseekV4LM,
+    store: PagedKVStore,
+    comm: Communicator,
+    slots: Sequence[int],
+    prefix_len: int,
+) -> DsV4State:
+    """The state of a prefix of ``prefix_len`` tokens (whole blocks) whose block at
+    depth ``d`` is on CP rank ``d % C``, this rank's in ``slots`` (its depths in
+    order): one ``prefix`` all-gather of every rank's blocks' V facts and the last
+    block's K rows."""
+    b, me, size = store.block_size, comm.rank, comm.size
+    lays = layouts(model, b)
+    if prefix_len <= 0 or prefix_len % b:
+        raise ValueError(f"a cached prefix of {prefix_len} tokens is not whole {b}-token blocks")
+    n = prefix_len // b
+    if len(slots) != len(range(me, n, size)):
+        raise ValueError("prefix slots do not match this rank's share of the prefix")
+    facts = [lay.facts_numel for lay in lays]
+    per_block, most = sum(facts), len(range(0, n, size))
+    row = store.v.new_zeros(most * per_block + sum(lay.raw_numel for lay in lays))
+    for j, slot in enumerate(slots):
+        row[j * per_block : (j + 1) * per_block] = torch.cat(
+            [store.v[slot, i].reshape(-1)[:f] for i, f in enumerate(facts)]
+        )
+    holder = (n - 1) % size
+    if holder == me:
+        tails = [store.k[slots[-1], i, b - (lay.window - 1) :] for i, lay in enumerate(lays)]
+        row[most * per_block :] = torch.cat([t.reshape(-1) for t in tails])
+    rows = comm.all_gather(row, tag="prefix")  # [C, most * per_block + raw]
+    raws = _split(rows[holder, most * per_block :], [lay.raw_numel for lay in lays])
+    blocks = [
+        _split(rows[d % size, (d // size) * per_block : (d // size + 1) * per_block], facts)
+        for d in range(n)
+    ]
+    layers = []
+    for i, lay in enumerate(lays):
+        raw = raws[i].view(lay.window - 1, lay.d).clone()
+        if not lay.ratio:
+            layers.append(LayerState(raw))
+            continue
+        e = lay.num_entries
+        sizes = (e * lay.d, e * lay.di, lay.facts_numel - e * (lay.d + lay.di))
+        parts = [_split(blocks[d][i], sizes) for d in range(n)]
+        entries = torch.cat([part[0].view(e, lay.d) for part in parts])
+        keys = torch.cat([part[1].view(e, lay.di) for part in parts]) if lay.di else None
+        prior = []
+        if lay.di:
+            flat = _split(parts[-1][2], [lay.ratio * h for h in lay.halves])
+            prior = [t.view(lay.ratio, h).clone() for t, h in zip(flat, lay.halves, strict=True)]
+        layers.append(LayerState(raw, entries, keys, [], prior))
+    return DsV4State(prefix_len, layers)
