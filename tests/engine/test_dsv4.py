@@ -271,17 +271,21 @@ def test_a_rank_refuses_what_dsv4_prefills_do_not_take_yet() -> None:
     from vertumnus.engine.messages import PrefillCommand
     from vertumnus.engine.rank_state import _check_dsv4
 
-    ids = torch.arange(5)
+    ids, ids128 = torch.arange(5), torch.arange(128)
     plain = PrefillCommand(1, (0,), ids, 0, ((),), ((),), 16)
     _check_dsv4(plain, "no blocks at 16")
     _check_dsv4(PrefillCommand(1, (0,), ids, 0, ((),), ((),), 16, export=(0, 4)), None)
-    cached = PrefillCommand(1, (0,), ids, 128, ((3,),), (((1, 4),),), 128)
+    cached = PrefillCommand(1, (0,), ids, 128, ((3,),), (((1, 4),),), 128, prefix_ids=ids128)
     _check_dsv4(cached, None)
     with pytest.raises(ValueError, match="no blocks at 16"):
         _check_dsv4(cached, "no blocks at 16")
-    partial = PrefillCommand(1, (0,), ids, 128, ((3,),), ((),), 128, export=(1, 4))
+    partial = PrefillCommand(1, (0,), ids, 128, ((3,),), ((),), 128, export=(1, 4),
+                             prefix_ids=ids128)  # fmt: skip
     with pytest.raises(ValueError, match="exported rows other than the prompt but its last"):
         _check_dsv4(partial, None)
+    unknown = PrefillCommand(1, (0,), ids, 128, ((3,),), ((),), 128)
+    with pytest.raises(ValueError, match="needs its token ids"):
+        _check_dsv4(unknown, None)
     logprobs = PrefillCommand(1, (0,), ids, 0, ((),), ((),), 128, prompt_logprobs=2)
     with pytest.raises(ValueError, match="prompt logprobs"):
         _check_dsv4(logprobs, None)

@@ -16,6 +16,7 @@ import torch
 from support.dsv4 import VOCAB
 from support.threads import run_ranks
 from vertumnus.engine.comm import SoloComm
+from vertumnus.engine.dsv4.blocks import keeps_raw_rows
 from vertumnus.engine.dsv4.model import DeepseekV4LM, command_rank, resume_rank
 from vertumnus.engine.kv_store import PagedKVStore
 from vertumnus.policy.cache.index import WorkerCacheIndex
@@ -50,7 +51,8 @@ class Worker:
 
     def prefill(self, ids: list[int], handoff: bool = False) -> tuple[torch.Tensor, Any, int]:
         """Logits of the computed tokens, rank 0's state (a hand-off's), prefix length."""
-        allocation, cmd = plan_prefill(self.index, ids, BLOCK, 0, tuple(range(self.c)), "all")
+        ranks = tuple(range(self.c))
+        allocation, cmd = plan_prefill(self.index, ids, BLOCK, 0, ranks, "all", prefix_ids=True)
         if handoff:
             cmd = replace(cmd, export=(0, int(cmd.token_ids.numel()) - 1))
 
@@ -66,6 +68,11 @@ class Worker:
         self.calls = [dict(comm.calls) for comm in comms]
         logits, state = results[0]
         return logits, state, cmd.prefix_len
+
+    def marks(self) -> list[bool]:
+        """Per cached block, by depth: whether it keeps its raw rows."""
+        located = sorted(self.index.locations().values(), key=lambda loc: loc.depth)
+        return [keeps_raw_rows(self.stores[loc.rank], loc.slot) for loc in located]
 
     @staticmethod
     def _solo(body: Any) -> tuple[list[Any], list[Any]]:
@@ -85,16 +92,18 @@ def test_cached_prefixes_resume_exactly_at_every_degree(
     worker = Worker(dsv4_engine, c)
     got, _, p = worker.prefill(first)
     assert p == 0 and (got - _reference(dsv4_folder[1], first)).abs().max().item() <= TOL
-    # The tails of the blocks a rank stores but did not compute cross in one all-to-all.
-    assert all(calls.get("blocks", 0) == (c > 1) for calls in worker.calls)
+    # Storing crosses nothing: a rank keeps the raw rows of the blocks it computed.
+    assert all("prefix" not in calls and "blocks" not in calls for calls in worker.calls)
+    marks = worker.marks()
+    assert marks[0] and (all(marks) if c == 1 else not all(marks)), marks
     got, _, p = worker.prefill(second)
     assert p == 1024
     assert (got - _reference(dsv4_folder[1], second)[p:]).abs().max().item() <= TOL
     got, _, p = worker.prefill(first)
     assert p == 1280
     assert (got - _reference(dsv4_folder[1], first)[p:]).abs().max().item() <= TOL
-    # One "prefix" all-gather reads the prefix; no block was new, none crossed.
-    assert all(calls["prefix"] == 1 and "blocks" not in calls for calls in worker.calls)
+    # One "prefix" all-gather reads the prefix.
+    assert all(calls["prefix"] == 1 for calls in worker.calls)
 
 
 def test_blocks_moved_to_a_worker_of_another_degree_resume_there(

@@ -19,8 +19,9 @@ the all-gather at C = 4. Bytes are at bf16 (2 per element); counted, not timed.
 a worker's cache index and 128-token blocks (``engine/dsv4/blocks.py``): a prompt of
 ``--tokens`` that stores every whole block (the ``blocks`` all-to-all carries each
 block's tail to the rank storing it), then a prompt sharing its first half that
-resumes it (the ``prefix`` all-gather of the cached blocks' facts) and stores the
-rest. Per prefill, elements received per rank (max over ranks) by tag, against an
+resumes it (the ``prefix`` all-gather of the cached blocks' facts; the prefix's
+tokens after its last block that keeps its raw rows are computed again) and stores
+the rest. Per prefill, elements received per rank (max over ranks) by tag, against an
 all-gather of the raw KV of every token of the prompt, cached ones included (what a
 shared-decoder worker gathers per full-attention layer), over the 3 layers.
 
@@ -55,8 +56,10 @@ import torch
 import transformers
 from torch import Tensor
 
+from vertumnus.blocks import block_ids
 from vertumnus.config import ModelConfig
 from vertumnus.engine.comm import SoloComm, ThreadComm, ThreadGroup
+from vertumnus.engine.dsv4.blocks import keeps_raw_rows
 from vertumnus.engine.dsv4.load import load_dsv4, random_dsv4, seed_tensors
 from vertumnus.engine.dsv4.model import DeepseekV4LM, command_rank, partition_of, prefill_rank
 from vertumnus.engine.kv_store import PagedKVStore
@@ -201,15 +204,25 @@ def bench_cache(args: argparse.Namespace) -> None:
         index = WorkerCacheIndex(c, blocks)
         stores = [PagedKVStore(cfg, blocks, 128, dtype, torch.device("cpu")) for _ in range(c)]
         for name, tokens in (("stores its blocks", first), ("resumes half", second)):
-            allocation, cmd = plan_prefill(index, tokens, 128, 0, tuple(range(c)))
+            allocation, cmd = plan_prefill(index, tokens, 128, 0, tuple(range(c)),
+                                           prefix_ids=True)  # fmt: skip
             comms = run_threads(c, lambda r, comm, cmd=cmd, stores=stores: command_rank(
                 model, comm, stores[r], cmd, cmd.token_ids))  # fmt: skip
             index.commit(allocation)
             gather = 3 * (c - 1) * len(tokens) // c * RAW_KV
-            tags = ("prefix", "halo", "comp", "blocks")
+            tags = ("prefix", "halo", "comp")
             got = {t: max(comm.received[t] for comm in comms) for t in tags}
             total = max(sum(comm.received[t] for t in tags) for comm in comms)
             shown = ", ".join(f"{t} {n}" for t, n in got.items())
+            path = index.match(block_ids(tokens, 128))  # the prompt's blocks, by depth
+            marks = [keeps_raw_rows(stores[loc.rank], loc.slot) for loc in path]
+            # A hit of n blocks resumes after its last marked block: the rest is computed.
+            again = [128 * (n - max((d + 1 for d in range(n) if marks[d]), default=0))
+                     for n in range(1, len(marks) + 1)]  # fmt: skip
+            shown += (
+                f"; a later hit of n = 1..{len(marks)} of its blocks computes again "
+                f"{statistics.mean(again):.0f} tokens on average, {max(again)} at most"
+            )
             print(f"  C={c} {name:17} (cached {cmd.prefix_len:>5}): {shown}; total {total} "
                   f"/ gather {gather} = {total / gather:.4f} "
                   f"({total / gather / TARGET:.3f} of the 1/3 target)")  # fmt: skip

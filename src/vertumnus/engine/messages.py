@@ -49,7 +49,11 @@ class PrefillCommand(TensorsAsBytes):
     # k: CP rank 0 also returns ``PrefillDone.prompt_logprobs``, the log-probabilities
     # of the suffix's tokens after its first and their top k (``logprobs.py``)
     prompt_logprobs: int | None = None
-    _tensor_fields = ("token_ids",)
+    # [P] the cached prefix's token ids, for a model that may compute some of them again
+    # (DeepSeek-V4: those after the last cached block keeping its raw rows,
+    # ``engine/dsv4/blocks.py``); None: not sent.
+    prefix_ids: Tensor | None = None
+    _tensor_fields = ("token_ids", "prefix_ids")
 
     def for_rank(self, cp_rank: int) -> RankPrefill:
         return RankPrefill(

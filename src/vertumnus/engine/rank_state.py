@@ -207,6 +207,8 @@ def _check_dsv4(cmd: PrefillCommand, block_problem: str | None) -> None:
     cached = cmd.prefix_len > 0 or any(cmd.write)
     if cached and block_problem is not None:
         raise ValueError(block_problem)
+    if cmd.prefix_len and cmd.prefix_ids is None:
+        raise ValueError("a DeepSeek-V4 prefill resuming a cached prefix needs its token ids")
     wanted = [
         what
         for what, asked in (
@@ -240,6 +242,8 @@ def _check_command(cmd: PrefillCommand, vocab_size: int, kv: PagedKVStore) -> No
     k = cmd.prompt_logprobs
     if k is not None and not 0 <= k <= vocab_size:
         raise ValueError(f"prompt_logprobs must be in [0, {vocab_size}], got {k}")
+    if cmd.prefix_ids is not None and cmd.prefix_ids.shape != (p,):
+        raise ValueError(f"prefix_ids of shape {tuple(cmd.prefix_ids.shape)}, not ({p},)")
     if cmd.export is not None and not 0 <= cmd.export[0] <= cmd.export[1] <= ids.numel():
         raise ValueError(f"export rows {cmd.export} outside the {ids.numel()} computed tokens")
     if bs != kv.block_size:

@@ -32,9 +32,11 @@ def plan_prefill(
     worker_ranks: tuple[int, ...],
     logits: str = "last",
     ids: Sequence[int] | None = None,
+    prefix_ids: bool = False,
 ) -> tuple[BlockAllocation, PrefillCommand]:
     """Pin the reusable prefix, allocate the new blocks, and build the command
-    (``ids``: the tokens' block ids, when the caller has them already)."""
+    (``ids``: the tokens' block ids, when the caller has them already;
+    ``prefix_ids``: ``prefill_command``'s)."""
     if not tokens:
         raise ValueError("a prefill needs at least one token")
     if logits not in ("last", "all"):
@@ -47,7 +49,7 @@ def plan_prefill(
         ids = block_ids(tokens, block_size)
     allocation = index.begin(ids, max_reuse_blocks(len(tokens), block_size))
     return allocation, prefill_command(
-        allocation, tokens, block_size, request_id, worker_ranks, logits
+        allocation, tokens, block_size, request_id, worker_ranks, logits, prefix_ids=prefix_ids
     )
 
 
@@ -60,12 +62,14 @@ def prefill_command(
     logits: str = "last",
     export: tuple[int, int] | None = None,
     prompt_logprobs: int | None = None,
+    prefix_ids: bool = False,
 ) -> PrefillCommand:
     """The command every rank of the worker gets for a prefill whose block allocation is
     ``allocation``: the uncached suffix, which rank holds which prefix block (block j on
     CP rank j % C) and where each new full block goes (``export``: suffix rows whose
     K and V come back, for a hand-off; ``prompt_logprobs``: the top k of the suffix's
-    log-probabilities come back, ``engine/logprobs.py``)."""
+    log-probabilities come back, ``engine/logprobs.py``; ``prefix_ids``: the cached
+    prefix's token ids go too, for DeepSeek-V4, ``engine/dsv4/blocks.py``)."""
     if logits not in ("last", "all"):
         raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
     c = len(worker_ranks)
@@ -85,6 +89,7 @@ def prefill_command(
         block_size=block_size,
         logits=logits,
         export=export,
+        prefix_ids=torch.tensor(tokens[:prefix_len], dtype=torch.long) if prefix_ids else None,
         prompt_logprobs=prompt_logprobs,
     )
 
@@ -122,8 +127,9 @@ class PrefillClient:
         self._next_id += 1
         ids = None if self.ranks.model.caches_prefixes(self.block_size) else ()
         allocation, cmd = plan_prefill(
-            self.index, tokens, self.block_size, request_id, self.devices, logits, ids
-        )
+            self.index, tokens, self.block_size, request_id, self.devices, logits, ids,
+            prefix_ids=self.ranks.model.dsv4 is not None,
+        )  # fmt: skip
         start = time.perf_counter()
         for r in self.devices:
             self.ranks.send(r, cmd)

@@ -106,7 +106,9 @@ class RequestPath:
         self.link, self.handoffs, self.recovery = link, handoffs, recovery
         self.tier = tier
         self.caches_prefixes = shared.model.caches_prefixes(shared.cfg.engine.block_size)
-        self.whole_state = shared.model.dsv4 is not None  # a hand-off's: ``export_range``
+        # DeepSeek-V4: a hand-off exports the whole prompt's state (``export_range``), a
+        # command carries its prefix's token ids (``engine/dsv4/blocks.py``)
+        self.dsv4 = shared.model.dsv4 is not None
         self._unmoved: dict[int, Exception] = {}  # request -> its tier copies' failure
         self.open: dict[int, _Request] = {}
         self._ids = itertools.count(1)
@@ -229,10 +231,10 @@ class RequestPath:
         block = self.cfg.engine.block_size
         export = None
         if req.handoff:
-            export = export_range(started.allocation, len(req.tokens), block, self.whole_state)
+            export = export_range(started.allocation, len(req.tokens), block, self.dsv4)
         k = req.prompt_logprobs
         cmd = prefill_command(
-            started.allocation, req.tokens, block, rid, devices, "last", export, k
+            started.allocation, req.tokens, block, rid, devices, "last", export, k, self.dsv4
         )
         answers = self.link.expect_prefill(rid, devices)
         dead = sorted(set(devices) & self.recovery.dead_ranks)

@@ -110,71 +110,57 @@ def _split(flat: Tensor, sizes: Sequence[int]) -> list[Tensor]:
     return out
 
 
+def keeps_raw_rows(store: PagedKVStore, slot: int) -> bool:
+    """Whether the block in ``slot`` keeps its raw rows (and CSA halves): the mark in
+    its K's first row, which the raw rows never reach (``window - 1 < B``)."""
+    return bool(store.k[slot, 0, 0].reshape(-1)[0] != 0)
+
+
 def write_blocks(
     model: DeepseekV4LM,
     store: PagedKVStore,
     comm: Communicator,
     attention: DsV4Attention,
-    writes: Sequence[Sequence[tuple[int, int]]],
+    writes: Sequence[tuple[int, int]],
 ) -> None:
-    """Store the new full blocks ``writes[r]`` ((depth, slot) per CP rank r) of a
-    prefill ``attention`` ran (its ``block_ends``, per layer its ``tails`` and
-    ``kept`` entries), this rank's into ``store``. Every rank takes part in the
-    ``blocks`` all-to-all, which is issued when a tail crosses ranks at all."""
-    b, p, me, size = store.block_size, attention.offset, comm.rank, comm.size
+    """Store this rank's new full blocks ``writes`` ((depth, slot)) of the prefill
+    ``attention`` ran (its ``block_ends``, per layer its ``tails`` and ``kept``
+    entries) into ``store``: every block's entries and keys, and the raw rows and CSA
+    halves of the blocks this rank computed (marked: ``keeps_raw_rows``). Nothing
+    crosses ranks."""
+    b, p, me = store.block_size, attention.offset, comm.rank
+    if not writes:
+        return
     lays = layouts(model, b)
-    per_block = sum(lay.tail_numel for lay in lays)
 
-    def end(depth: int) -> int:  # the block's end, as a suffix index
+    def end(depth: int) -> int:  # the block's end, as an index of the computed tokens
         return (depth + 1) * b - p
 
-    def maker(depth: int) -> int:
-        return attention.owner[(end(depth) - 1) // attention.chunk]
-
-    def tail(depth: int) -> Tensor:
-        return torch.cat([attention.tails[i][end(depth)] for i in range(len(lays))])
-
-    got: list[Tensor] = []
-    if any(maker(d) != q for q in range(size) for d, _ in writes[q]):
-        empty = store.v.new_zeros(0)
-        sends = []
-        for q in range(size):
-            mine = [tail(d) for d, _ in writes[q] if maker(d) == me] if q != me else []
-            sends.append(torch.cat(mine) if mine else empty)
-        recv = [0 if q == me else per_block * sum(maker(d) == q for d, _ in writes[me])
-                for q in range(size)]  # fmt: skip
-        got = comm.all_to_all(sends, recv, tag="blocks")
-    if not writes[me]:
-        return
-    taken = [0] * size
-    tails = []
-    for d, _ in writes[me]:
-        q = maker(d)
-        if q == me:
-            tails.append(tail(d))
-        else:
-            tails.append(got[q][taken[q] : taken[q] + per_block])
-            taken[q] += per_block
-    slots = [s for _, s in writes[me]]
-    n, at = len(slots), 0
+    computed = [attention.owner[(end(d) - 1) // attention.chunk] == me for d, _ in writes]
+    slots = [s for _, s in writes]
+    n = len(slots)
     for i, lay in enumerate(lays):
         k = store.k.new_zeros((n * b, *store.k.shape[3:]))
         v = store.v.new_zeros((n * b, *store.v.shape[3:]))
         w = lay.window - 1
         entries, keys = attention.kept[i] if lay.ratio else (None, None)
-        for j, (d, _) in enumerate(writes[me]):
-            block_tail = tails[j][at : at + lay.tail_numel]
-            raw, prior = _split(block_tail, (lay.raw_numel, lay.tail_numel - lay.raw_numel))
-            k[(j + 1) * b - w : (j + 1) * b] = raw.view(w, *k.shape[1:])
+        for j, (d, _) in enumerate(writes):
             facts = []
             if entries is not None:
                 rows = slice(d * b // lay.ratio, (d + 1) * b // lay.ratio)
                 facts.append(entries[rows].reshape(-1))
                 if keys is not None:
                     facts.append(keys[rows].reshape(-1))
-            facts.append(prior)
-            v[j * b : (j + 1) * b].view(-1)[: lay.facts_numel] = torch.cat(facts)
-        at += lay.tail_numel
+            if computed[j]:
+                tail = attention.tails[i][end(d)]
+                raw, prior = _split(tail, (lay.raw_numel, lay.tail_numel - lay.raw_numel))
+                k[(j + 1) * b - w : (j + 1) * b] = raw.view(w, *k.shape[1:])
+                facts.append(prior)
+                if i == 0:
+                    k[j * b].view(-1)[0] = 1.0  # the mark
+            if facts:
+                flat = torch.cat(facts)
+                v[j * b : (j + 1) * b].view(-1)[: flat.numel()] = flat
         store.write(slots, i, k, v)
 
 
@@ -184,11 +170,13 @@ def read_prefix(
     comm: Communicator,
     slots: Sequence[int],
     prefix_len: int,
-) -> DsV4State:
-    """The state of a prefix of ``prefix_len`` tokens (whole blocks) whose block at
-    depth ``d`` is on CP rank ``d % C``, this rank's in ``slots`` (its depths in
-    order): one ``prefix`` all-gather of every rank's blocks' V facts and the last
-    block's K rows."""
+) -> DsV4State | None:
+    """The state of the longest part of a cached prefix of ``prefix_len`` tokens
+    (whole blocks; block ``d`` on CP rank ``d % C``, this rank's in ``slots``, its
+    depths in order) that ends on a block keeping its raw rows; None when none does
+    (the prefix is then computed again from its first token). One ``prefix``
+    all-gather: every rank's blocks' marks and V facts, and the raw rows of its last
+    marked block."""
     b, me, size = store.block_size, comm.rank, comm.size
     lays = layouts(model, b)
     if prefix_len <= 0 or prefix_len % b:
@@ -197,22 +185,30 @@ def read_prefix(
     if len(slots) != len(range(me, n, size)):
         raise ValueError("prefix slots do not match this rank's share of the prefix")
     facts = [lay.facts_numel for lay in lays]
-    per_block, most = sum(facts), len(range(0, n, size))
+    per_block, most = 1 + sum(facts), len(range(0, n, size))
     row = store.v.new_zeros(most * per_block + sum(lay.raw_numel for lay in lays))
+    last = None
     for j, slot in enumerate(slots):
-        row[j * per_block : (j + 1) * per_block] = torch.cat(
-            [store.v[slot, i].reshape(-1)[:f] for i, f in enumerate(facts)]
-        )
-    holder = (n - 1) % size
-    if holder == me:
-        tails = [store.k[slots[-1], i, b - (lay.window - 1) :] for i, lay in enumerate(lays)]
+        has_rows = keeps_raw_rows(store, slot)
+        facts_of = [store.v[slot, i].reshape(-1)[:f] for i, f in enumerate(facts)]
+        mark = row.new_full((1,), float(has_rows))
+        row[j * per_block : (j + 1) * per_block] = torch.cat([mark, *facts_of])
+        last = slot if has_rows else last
+    if last is not None:
+        tails = [store.k[last, i, b - (lay.window - 1) :] for i, lay in enumerate(lays)]
         row[most * per_block :] = torch.cat([t.reshape(-1) for t in tails])
     rows = comm.all_gather(row, tag="prefix")  # [C, most * per_block + raw]
-    raws = _split(rows[holder, most * per_block :], [lay.raw_numel for lay in lays])
-    blocks = [
-        _split(rows[d % size, (d // size) * per_block : (d // size + 1) * per_block], facts)
-        for d in range(n)
-    ]
+
+    def block(d: int) -> Tensor:
+        at = (d // size) * per_block
+        return rows[d % size, at : at + per_block]
+
+    marked = [d for d in range(n) if float(block(d)[0]) != 0]
+    if not marked:
+        return None
+    n = marked[-1] + 1
+    raws = _split(rows[(n - 1) % size, most * per_block :], [lay.raw_numel for lay in lays])
+    blocks = [_split(block(d)[1:], facts) for d in range(n)]
     layers = []
     for i, lay in enumerate(lays):
         raw = raws[i].view(lay.window - 1, lay.d).clone()
@@ -229,4 +225,4 @@ def read_prefix(
             flat = _split(parts[-1][2], [lay.ratio * h for h in lay.halves])
             prior = [t.view(lay.ratio, h).clone() for t, h in zip(flat, lay.halves, strict=True)]
         layers.append(LayerState(raw, entries, keys, [], prior))
-    return DsV4State(prefix_len, layers)
+    return DsV4State(n * b, layers)

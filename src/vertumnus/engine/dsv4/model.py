@@ -174,7 +174,7 @@ def resume_rank(
     prefix: DsV4State | None = None,
     keep_state: bool = False,
     state_at: int | None = None,
-    blocks: tuple[PagedKVStore, Sequence[Sequence[tuple[int, int]]]] | None = None,
+    blocks: tuple[PagedKVStore, Sequence[tuple[int, int]]] | None = None,
 ) -> tuple[Tensor | None, DsV4State | None]:
     """One rank's part of a zigzag prefill of ``token_ids`` [R] after ``prefix`` (None:
     from position 0; under CP it must end on a chunk boundary, ``partition_of``).
@@ -183,14 +183,12 @@ def resume_rank(
     for ``"all"``), else None; and the prompt's state after these tokens
     (``state.py``) at C = 1, or under CP with ``keep_state`` (on every rank), else None;
     ``state_at`` = n: the state after the first n of these tokens instead (a hand-off's:
-    the prompt but its last token). ``blocks`` = (store, writes): the new full blocks
-    ``writes[r]`` ((depth, slot) per CP rank r) are stored (``blocks.py``), this
-    rank's into ``store``.
+    the prompt but its last token). ``blocks`` = (store, writes): this rank stores its
+    new full blocks ``writes`` ((depth, slot)) into ``store`` (``blocks.py``).
     Collectives per layer: one ``halo`` all-to-all, and one ``comp`` all-gather on a
     compressed layer; then one ``out`` all-gather (of the last token's row alone for
     ``"last"``), and with ``keep_state`` under CP one ``state`` all-gather of the rows
-    around the prompt's end; with ``blocks``, one ``blocks`` all-to-all where a block's
-    tail crosses ranks.
+    around the prompt's end. Storing blocks adds none.
     """
     part = partition_of(model, int(token_ids.numel()), comm.size)
     dev = token_ids.device
@@ -210,7 +208,7 @@ def resume_rank(
     ends: tuple[int, ...] = ()
     if blocks is not None:
         size = blocks[0].block_size
-        ends = tuple((d + 1) * size - offset for mine in blocks[1] for d, _ in mine)
+        ends = tuple((d + 1) * size - offset for d, _ in blocks[1])
     attention = DsV4Attention(part, comm, entry_rope, topk, prefix, keep_state, state_at, ends)
     hidden = model(ids, idx + offset, attention, counted=real)  # [2s, H]
     if blocks is not None:
@@ -247,15 +245,27 @@ def command_rank(
     """One rank's part of the pool's prefill ``cmd`` (``token_ids``: its suffix on the
     model's device): the cached prefix read from the worker's blocks, the new full
     blocks stored (``blocks.py``), and for a hand-off (``cmd.export`` = (0, n - 1))
-    the state of the whole prompt but its last token on every rank."""
-    prefix = None
+    the state of the whole prompt but its last token on every rank.
+
+    The blocks give the state at the end of the prefix's last block that keeps its
+    raw rows (``read_prefix``); the prefix's tokens after it (``cmd.prefix_ids``) are
+    computed again before the suffix, and their logits dropped."""
+    prefix, ids, again = None, token_ids, 0
     if cmd.prefix_len:
         slots = cmd.prefix_slots[comm.rank]
         prefix = read_prefix(model, store, comm, slots, cmd.prefix_len)
+        again = cmd.prefix_len - (0 if prefix is None else prefix.length)
+        if again:
+            assert cmd.prefix_ids is not None  # (``rank_state._check_dsv4``)
+            lead = cmd.prefix_ids[cmd.prefix_len - again :].to(token_ids.device)
+            ids = torch.cat((lead, token_ids))
     handoff = cmd.export is not None
-    state_at = cmd.export[1] if cmd.export is not None else None
-    writes = (store, cmd.write) if any(cmd.write) else None
-    return resume_rank(model, comm, token_ids, cmd.logits, prefix, handoff, state_at, writes)
+    state_at = cmd.export[1] + again if cmd.export is not None else None
+    writes = (store, cmd.write[comm.rank]) if cmd.write[comm.rank] else None
+    logits, state = resume_rank(model, comm, ids, cmd.logits, prefix, handoff, state_at, writes)
+    if again and logits is not None and cmd.logits == "all":
+        logits = logits[again:]
+    return logits, state
 
 
 def _gathered_state(
