@@ -49,7 +49,6 @@ from vertumnus.engine.kv_store import PagedKVStore
 
 if TYPE_CHECKING:
     from vertumnus.engine.dsv4.model import DeepseekV4LM
-    from vertumnus.engine.dsv4.zigzag import DsV4Attention
 
 
 @dataclass(frozen=True)
@@ -116,44 +115,46 @@ def keeps_raw_rows(store: PagedKVStore, slot: int) -> bool:
     return bool(store.k[slot, 0, 0].reshape(-1)[0] != 0)
 
 
-def write_blocks(
-    model: DeepseekV4LM,
-    store: PagedKVStore,
-    comm: Communicator,
-    attention: DsV4Attention,
-    writes: Sequence[tuple[int, int]],
-) -> None:
-    """Store this rank's new full blocks ``writes`` ((depth, slot)) of the prefill
-    ``attention`` ran (its ``block_ends``, per layer its ``tails`` and ``kept``
-    entries) into ``store``: every block's entries and keys, and the raw rows and CSA
-    halves of the blocks this rank computed (marked: ``keeps_raw_rows``). Nothing
-    crosses ranks."""
-    b, p, me = store.block_size, attention.offset, comm.rank
-    if not writes:
-        return
-    lays = layouts(model, b)
+class BlockWriter:
+    """Stores one rank's new full blocks of one prefill, ``writes`` ((depth, slot)),
+    layer by layer as the attention computes the layer (``zigzag.DsV4Attention``):
+    every block's entries and keys, and the raw rows and CSA halves of the blocks this
+    rank computed, marked (``keeps_raw_rows``). Nothing is kept from one layer to the
+    next, and nothing crosses ranks."""
 
-    def end(depth: int) -> int:  # the block's end, as an index of the computed tokens
-        return (depth + 1) * b - p
+    def __init__(
+        self,
+        model: DeepseekV4LM,
+        store: PagedKVStore,
+        writes: Sequence[tuple[int, int]],
+        offset: int,
+    ) -> None:
+        b = store.block_size
+        self.store, self.lays = store, layouts(model, b)
+        self.depths = [d for d, _ in writes]
+        self.slots = [s for _, s in writes]
+        # Where each block ends, as an index of the tokens computed after ``offset``.
+        self.ends = tuple((d + 1) * b - offset for d in self.depths)
 
-    computed = [attention.owner[(end(d) - 1) // attention.chunk] == me for d, _ in writes]
-    slots = [s for _, s in writes]
-    n = len(slots)
-    for i, lay in enumerate(lays):
+    def layer(
+        self, i: int, tails: dict[int, Tensor], entries: Tensor | None, keys: Tensor | None
+    ) -> None:
+        """Store layer ``i`` of the blocks: ``tails`` (``DsV4Attention._tail`` by block
+        end) of those this rank computed; ``entries``, ``keys``: every entry (and
+        indexer key) of the prompt so far."""
+        store, lay, b = self.store, self.lays[i], self.store.block_size
+        n, w = len(self.slots), lay.window - 1
         k = store.k.new_zeros((n * b, *store.k.shape[3:]))
         v = store.v.new_zeros((n * b, *store.v.shape[3:]))
-        w = lay.window - 1
-        entries, keys = attention.kept[i] if lay.ratio else (None, None)
-        for j, (d, _) in enumerate(writes):
+        for j, (d, end) in enumerate(zip(self.depths, self.ends, strict=True)):
             facts = []
-            if entries is not None:
+            if entries is not None and lay.ratio:
                 rows = slice(d * b // lay.ratio, (d + 1) * b // lay.ratio)
                 facts.append(entries[rows].reshape(-1))
                 if keys is not None:
                     facts.append(keys[rows].reshape(-1))
-            if computed[j]:
-                tail = attention.tails[i][end(d)]
-                raw, prior = _split(tail, (lay.raw_numel, lay.tail_numel - lay.raw_numel))
+            if end in tails:
+                raw, prior = _split(tails[end], (lay.raw_numel, lay.tail_numel - lay.raw_numel))
                 k[(j + 1) * b - w : (j + 1) * b] = raw.view(w, *k.shape[1:])
                 facts.append(prior)
                 if i == 0:
@@ -161,7 +162,7 @@ def write_blocks(
             if facts:
                 flat = torch.cat(facts)
                 v[j * b : (j + 1) * b].view(-1)[: flat.numel()] = flat
-        store.write(slots, i, k, v)
+        store.write(self.slots, i, k, v)
 
 
 def read_prefix(

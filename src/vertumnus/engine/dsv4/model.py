@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from vertumnus.config import ModelConfig
 from vertumnus.config.families.deepseek_v4 import DeepseekV4Spec
 from vertumnus.engine.comm import Communicator
-from vertumnus.engine.dsv4.blocks import read_prefix, write_blocks
+from vertumnus.engine.dsv4.blocks import BlockWriter, read_prefix
 from vertumnus.engine.dsv4.layers import (
     Attention,
     HyperConnection,
@@ -205,14 +205,9 @@ def resume_rank(
     if state_at == 0:  # the prefix's, or nothing yet
         keep_state, state_at = False, None
         before = prefix if prefix is not None else empty_state(model)
-    ends: tuple[int, ...] = ()
-    if blocks is not None:
-        size = blocks[0].block_size
-        ends = tuple((d + 1) * size - offset for d, _ in blocks[1])
-    attention = DsV4Attention(part, comm, entry_rope, topk, prefix, keep_state, state_at, ends)
+    writer = None if blocks is None else BlockWriter(model, blocks[0], blocks[1], offset)
+    attention = DsV4Attention(part, comm, entry_rope, topk, prefix, keep_state, state_at, writer)
     hidden = model(ids, idx + offset, attention, counted=real)  # [2s, H]
-    if blocks is not None:
-        write_blocks(model, blocks[0], comm, attention, blocks[1])
     state = None
     if before is not None:
         state = before

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from vertumnus.engine.comm import Communicator
+from vertumnus.engine.dsv4.blocks import BlockWriter
 from vertumnus.engine.dsv4.compress import attend, index_choice, pool
 from vertumnus.engine.dsv4.layers import LayerInputs, rope_tail
 from vertumnus.engine.dsv4.state import DsV4State, Head, LayerState, advance
@@ -77,13 +78,12 @@ class DsV4Attention:
         prefix: DsV4State | None = None,
         keep_state: bool = False,
         state_at: int | None = None,
-        block_ends: tuple[int, ...] = (),
+        writer: BlockWriter | None = None,
     ) -> None:
         self.part, self.comm, self.keep_state = part, comm, keep_state
-        # Suffix indices where the blocks the worker stores end (``blocks.py``): per
-        # layer, this rank keeps each such block's tail it computed, and every entry.
-        self.block_ends = block_ends
-        self.tails: list[dict[int, Tensor]] = []
+        # Stores this rank's new blocks layer by layer (``blocks.py``): given each
+        # layer's entries and the tails of the blocks ending in this rank's segments.
+        self.writer = writer
         # The state kept is the prompt's after its first ``state_at`` new tokens.
         self.state_at = part.num_tokens if state_at is None else state_at
         if not 0 < self.state_at <= part.num_tokens:
@@ -124,14 +124,13 @@ class DsV4Attention:
             self._attend_segment(x, seg, head, entries, index_keys)
             for seg, head in zip(self.segments, heads, strict=True)
         ]
-        if self.block_ends:
-            self.tails.append(self._block_tails(x))
+        if self.writer is not None:
+            self.writer.layer(layer, self._block_tails(x, self.writer.ends), entries, index_keys)
         if self.comm.size == 1:
             self.states.append(self._state_after(x, heads[0], entries, index_keys))
         elif self.keep_state:
             self.spans.append(self._span(x))
             self.widths.append([t.shape[1] for t in _projections(x)])
-        if self.block_ends or (self.keep_state and self.comm.size > 1):
             self.kept.append((entries, index_keys))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
@@ -185,10 +184,11 @@ class DsV4Attention:
             heads.append(Head(flat[: (x.window - 1) * d].view(x.window - 1, d), prior))
         return heads
 
-    def _block_tails(self, x: LayerInputs) -> dict[int, Tensor]:
-        """The tails (``_tail``) of the stored blocks ending in this rank's segments."""
+    def _block_tails(self, x: LayerInputs, ends: tuple[int, ...]) -> dict[int, Tensor]:
+        """The tails (``_tail``) of the blocks ending at suffix indices ``ends`` that
+        end in this rank's segments (those it computed)."""
         out = {}
-        for end in self.block_ends:
+        for end in ends:
             for seg in self.segments:
                 if seg.start < end <= seg.end:
                     out[end] = self._tail(x, seg.local + (end - seg.start))
