@@ -37,7 +37,7 @@ from vertumnus.policy.control.config import ControllerConfig
 from vertumnus.policy.control.decision import Decision
 from vertumnus.policy.control.forecast import ArrivalSample, Forecast, ForecastConfig
 from vertumnus.policy.control.replay import ReplayModel
-from vertumnus.policy.control.search import evaluate
+from vertumnus.policy.control.search import burst_refuses, evaluate
 from vertumnus.policy.control.whatif import WhatIfController
 from vertumnus.policy.costs import CostWeights, reuse_curves
 from vertumnus.policy.geometry import LatticeConfig
@@ -561,6 +561,20 @@ def test_a_merge_must_keep_the_headroom_for_a_burst() -> None:
     refused = kept.controller.history[0].inputs["candidates"][1]
     assert refused["composition"] == "2CP1/1CP2" and refused["gain"] == 0.0
     assert refused["score_s"] == merge["score_s"]  # priced alike, then refused
+    merged, held, busy = refused["headroom_s"]
+    assert merged > held and busy >= 0.9
+
+
+def test_a_merge_slower_at_the_burst_rate_but_not_overloaded_keeps_its_headroom() -> None:
+    # (merged mean, holding's, merged busy fraction) at the burst rate: the headroom
+    # check refuses a merge that is slower there and overloaded (0.9 busy or more);
+    # one slower but able to absorb the burst is left to its present gain. Refusing
+    # any slowdown (``headroom_overload = false``: no busy limit) refuses it too.
+    assert burst_refuses((0.30, 0.20, 0.95), 0.9)
+    assert not burst_refuses((0.30, 0.20, 0.80), 0.9)
+    assert burst_refuses((0.30, 0.20, 0.80), None)
+    assert not burst_refuses((0.10, 0.20, 0.99), 0.9)  # faster: never refused
+    assert not burst_refuses(None, 0.9)  # not a merge
 
 
 def test_a_merge_a_rise_would_cost_more_than_it_gains_is_refused() -> None:
@@ -594,7 +608,7 @@ def test_the_way_back_is_replayed_only_for_a_merge_nothing_cheaper_refused() -> 
     for ours, theirs in zip(both.controller.history, alone.controller.history, strict=True):
         assert ours.inputs["candidates"] == theirs.inputs["candidates"]
     refused = both.controller.history[0].inputs["candidates"][1]
-    merged, held = refused["headroom_s"]
+    merged, held, _ = refused["headroom_s"]
     assert refused["composition"] == "2CP1/1CP2" and refused["gain"] == 0.0 and merged > held
     assert refused["way_back_s"] is None
     exposed = quiet_four(headroom_rate=1.0, way_back_utilisation=0.9).controller.history[0]

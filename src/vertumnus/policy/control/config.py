@@ -55,9 +55,12 @@ class ControllerConfig:
     calibrate: bool = True  # scale predictions by measured over predicted service
     replay_requests: int = 1500  # replays thin a larger forecast (time dilation)
     overload_utilisation: float = 0.9  # predicted busy fraction that is overload
-    # Scale-in keeps headroom: a merge must be no slower than holding with the
-    # forecast's arrivals this many times as fast (the next burst must fit).
+    # Scale-in keeps headroom: with the forecast's arrivals this many times as fast, a
+    # merge must not be overloaded (busy overload_utilisation or more) and slower than
+    # holding there (the next burst must fit). ``headroom_overload = false``: any
+    # slowdown there refuses it, however much headroom it keeps.
     headroom_rate: float = 2.0
+    headroom_overload: bool = True
     # ... and a rise must not cost it more than it gains: with the arrivals as fast
     # as holding would be way_back_utilisation busy (at most way_back_rate_max
     # times the forecast's), a merge split back way_back_react_s into the rise

@@ -7,7 +7,8 @@ what-if controller").
 with ``hold_k`` holding's live mean TTFT over candidate k's horizon, ``J_k`` its
 score (``search``) and ``share_k`` the part of it that the audited error
 prices (``priced_share``: a split's transition, a merge's whole horizon); 0 for a
-merge slower than holding at ``headroom_rate`` times the forecast's rate; for a
+merge overloaded and slower than holding at ``headroom_rate`` times the forecast's
+rate (``headroom_overload = false``: any slower one); for a
 candidate no faster than holding in the steady state on the longer sample of the
 load, unless it is a split back towards the start; and for a merge that a rise
 would cost more than it gains (its way back: ``risen - held > gain_k * held``),
@@ -45,7 +46,7 @@ def pessimistic_gains(
         if k == 0 or score is None or hold is None or not 0 < hold < math.inf:
             continue
         stressed = evaluation.headroom[k] if k < len(evaluation.headroom) else None
-        if burst_refuses(stressed):
+        if burst_refuses(stressed, plan.overload_utilisation if plan.headroom_overload else None):
             continue  # a merge without the headroom for a burst: refused
         # (a move back towards the start is judged against holding the start: a
         # merge's way back does not refuse it, its exposure to a rise being holding

@@ -104,6 +104,9 @@ class WhatIfPlan:
     saturated_moves: int = 2
     move_audits: tuple[MoveAuditInput, ...] = field(default=())
     headroom_rate: float = 2.0
+    # the headroom check refuses only a merge overloaded at the burst rate (else any
+    # merge slower than holding there)
+    headroom_overload: bool = True
     way_back: WayBack | None = None
     # the arrivals since the last rate change (at most steady_horizon_s), at the
     # forecast's rate: the steady check's load (None: no check)
@@ -127,9 +130,9 @@ class Evaluation:
     busy_fraction: float = 0.0  # holding's, predicted
     # (audit id, the move replayed on the actual arrivals, holding replayed on them)
     move_audits: tuple[tuple[int, float, float], ...] = ()
-    # per merge candidate: its steady mean TTFT, and holding's, at headroom_rate times
-    # the rate (None: not a merge, or not priced)
-    headroom: tuple[tuple[float, float] | None, ...] = ()
+    # per merge candidate: its steady mean TTFT, holding's, and its busy fraction, at
+    # headroom_rate times the rate (None: not a merge, or not priced)
+    headroom: tuple[tuple[float, float, float] | None, ...] = ()
     # per merge candidate: its mean TTFT under the rise with the way back, holding's
     # (None: not a merge, or one already refused by the headroom or the longer sample)
     way_back: tuple[tuple[float, float] | None, ...] = ()
@@ -220,7 +223,7 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
         (index, model.run(replayed, workers).mean_ttft_s, measured)
         for index, replayed, workers, measured in plan.audits
     )
-    headroom: list[tuple[float, float] | None] = [None] * n
+    headroom: list[tuple[float, float, float] | None] = [None] * n
     # (only a merge faster than holding can be chosen: the others need no stress test)
     merges = [
         k
@@ -233,8 +236,10 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
         held = model.run(quick, holding.steady_workers, holding.remap, cycles=2).mean_ttft_s
         for k in merges:
             cand = plan.candidates[k]
-            merged = model.run(quick, cand.steady_workers, cand.remap, cycles=2).mean_ttft_s
-            headroom[k] = (merged, held)
+            stressed = model.run(quick, cand.steady_workers, cand.remap, cycles=2)
+            width = len(cand.steady_workers) * stressed.span_s
+            busy_k = stressed.busy_s / width if width else math.inf
+            headroom[k] = (stressed.mean_ttft_s, held, busy_k)
     steady_long: list[tuple[float, float] | None] = [None] * n
     winners = [
         k
@@ -250,8 +255,11 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
             steady_long[k] = (mine * (1 + op_cost * len(cand.ops)), held)
     # The way back only for a merge nothing cheaper refused (the headroom, the
     # longer sample): the guards would not read it.
+    limit = plan.overload_utilisation if plan.headroom_overload else None
     exposed = [
-        k for k in merges if not burst_refuses(headroom[k]) and not longer_refuses(steady_long[k])
+        k
+        for k in merges
+        if not burst_refuses(headroom[k], limit) and not longer_refuses(steady_long[k])
     ]
     backs = _way_back(plan, exposed, busy)
     return Evaluation(tuple(lives), tuple(steadies), tuple(scores), audits, tuple(holds),
@@ -259,10 +267,14 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
                       tuple(steady_long))  # fmt: skip
 
 
-def burst_refuses(stressed: tuple[float, float] | None) -> bool:
+def burst_refuses(stressed: tuple[float, float, float] | None, busy_limit: float | None) -> bool:
     """A merge slower than holding with the arrivals ``headroom_rate`` times as fast
-    (``Evaluation.headroom``): no headroom for a burst."""
-    return stressed is not None and stressed[0] > stressed[1]
+    (``Evaluation.headroom``) and, unless ``busy_limit`` is None, overloaded there
+    (busy ``busy_limit`` or more): no headroom for a burst. A merge slower there but
+    able to absorb it keeps its headroom; its present gain decides."""
+    if stressed is None or stressed[0] <= stressed[1]:
+        return False
+    return busy_limit is None or stressed[2] >= busy_limit
 
 
 def longer_refuses(steady: tuple[float, float] | None) -> bool:

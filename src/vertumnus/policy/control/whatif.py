@@ -223,7 +223,7 @@ class WhatIfController(ControllerBase):
                           max(1, math.ceil(cfg.max_payback_s / span)),
                           cfg.significance_batches, cfg.overload_utilisation,
                           cfg.saturated_moves, tuple(moves), cfg.headroom_rate,
-                          way_back, long_forecast, audit_cycles,
+                          cfg.headroom_overload, way_back, long_forecast, audit_cycles,
                           tuple(self._homeward(c, cands[0]) for c in cands))  # fmt: skip
 
     @staticmethod
