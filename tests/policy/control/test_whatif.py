@@ -18,7 +18,8 @@ import math
 import random
 from collections import Counter
 from dataclasses import replace
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 from hypothesis import given, settings
@@ -37,7 +38,7 @@ from vertumnus.policy.control.config import ControllerConfig
 from vertumnus.policy.control.decision import Decision
 from vertumnus.policy.control.forecast import ArrivalSample, Forecast, ForecastConfig
 from vertumnus.policy.control.replay import ReplayModel
-from vertumnus.policy.control.search import burst_refuses, evaluate
+from vertumnus.policy.control.search import WhatIfPlan, burst_refuses, evaluate
 from vertumnus.policy.control.whatif import WhatIfController
 from vertumnus.policy.costs import CostWeights, reuse_curves
 from vertumnus.policy.geometry import LatticeConfig
@@ -570,11 +571,15 @@ def test_a_merge_slower_at_the_burst_rate_but_not_overloaded_keeps_its_headroom(
     # check refuses a merge that is slower there and overloaded (0.9 busy or more);
     # one slower but able to absorb the burst is left to its present gain. Refusing
     # any slowdown (``headroom_overload = false``: no busy limit) refuses it too.
-    assert burst_refuses((0.30, 0.20, 0.95), 0.9)
-    assert not burst_refuses((0.30, 0.20, 0.80), 0.9)
-    assert burst_refuses((0.30, 0.20, 0.80), None)
-    assert not burst_refuses((0.10, 0.20, 0.99), 0.9)  # faster: never refused
-    assert not burst_refuses(None, 0.9)  # not a merge
+    on, off = (
+        cast(WhatIfPlan, SimpleNamespace(headroom_overload=flag, overload_utilisation=0.9))
+        for flag in (True, False)
+    )
+    assert burst_refuses(on, (0.30, 0.20, 0.95))
+    assert not burst_refuses(on, (0.30, 0.20, 0.80))
+    assert burst_refuses(off, (0.30, 0.20, 0.80))
+    assert not burst_refuses(on, (0.10, 0.20, 0.99))  # faster: never refused
+    assert not burst_refuses(on, None)  # not a merge
 
 
 def test_a_merge_a_rise_would_cost_more_than_it_gains_is_refused() -> None:

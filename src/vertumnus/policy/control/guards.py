@@ -46,7 +46,7 @@ def pessimistic_gains(
         if k == 0 or score is None or hold is None or not 0 < hold < math.inf:
             continue
         stressed = evaluation.headroom[k] if k < len(evaluation.headroom) else None
-        if burst_refuses(stressed, plan.overload_utilisation if plan.headroom_overload else None):
+        if burst_refuses(plan, stressed):
             continue  # a merge without the headroom for a burst: refused
         # (a move back towards the start is judged against holding the start: a
         # merge's way back does not refuse it, its exposure to a rise being holding

@@ -255,11 +255,10 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
             steady_long[k] = (mine * (1 + op_cost * len(cand.ops)), held)
     # The way back only for a merge nothing cheaper refused (the headroom, the
     # longer sample): the guards would not read it.
-    limit = plan.overload_utilisation if plan.headroom_overload else None
     exposed = [
         k
         for k in merges
-        if not burst_refuses(headroom[k], limit) and not longer_refuses(steady_long[k])
+        if not burst_refuses(plan, headroom[k]) and not longer_refuses(steady_long[k])
     ]
     backs = _way_back(plan, exposed, busy)
     return Evaluation(tuple(lives), tuple(steadies), tuple(scores), audits, tuple(holds),
@@ -267,14 +266,14 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
                       tuple(steady_long))  # fmt: skip
 
 
-def burst_refuses(stressed: tuple[float, float, float] | None, busy_limit: float | None) -> bool:
+def burst_refuses(plan: WhatIfPlan, stressed: tuple[float, float, float] | None) -> bool:
     """A merge slower than holding with the arrivals ``headroom_rate`` times as fast
-    (``Evaluation.headroom``) and, unless ``busy_limit`` is None, overloaded there
-    (busy ``busy_limit`` or more): no headroom for a burst. A merge slower there but
-    able to absorb it keeps its headroom; its present gain decides."""
+    (``Evaluation.headroom``) and, with ``headroom_overload``, overloaded there (busy
+    ``overload_utilisation`` or more): no headroom for a burst. A merge slower there
+    but able to absorb it keeps its headroom; its present gain decides."""
     if stressed is None or stressed[0] <= stressed[1]:
         return False
-    return busy_limit is None or stressed[2] >= busy_limit
+    return not plan.headroom_overload or stressed[2] >= plan.overload_utilisation
 
 
 def longer_refuses(steady: tuple[float, float] | None) -> bool:
