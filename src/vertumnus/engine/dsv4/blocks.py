@@ -1,8 +1,8 @@
 """DeepSeek-V4's prefix state in the pool's paged blocks: what a block of ``B`` tokens
-keeps so that a prefill resumes any prefix of whole blocks exactly, and the two
-exchanges that write and read such blocks under CP. It does not decide which slot
-holds which block (the worker's cache index) nor move blocks between ranks, workers
-or the host tier (they move slots whatever is in them).
+keeps so that a prefill resumes a prefix of whole blocks exactly, how a prefill writes
+its blocks (``BlockWriter``) and how a later one reads them (``read_prefix``). It does
+not decide which slot holds which block (the worker's cache index) nor move blocks
+between ranks, workers or the host tier (they move slots whatever is in them).
 
 Why blocks of a multiple of 128 tokens (``DeepseekV4Spec.block_problem``): 128 is the
 sliding window and the longest compression window (HCA's). A block then holds whole
@@ -14,24 +14,27 @@ A block's facts, per layer, in the slot geometry every model has (K and V of
 [B, 1, D] per layer), so copies, reshapes, the host tier and reads move them as they
 move any block::
 
-    K  | zeros                          | its last window - 1 raw rows (K = V)   |
+    K  | mark | zeros                   | its last window - 1 raw rows (K = V)   |
     V  | entries [B/r, D] | index keys [B/r, Di] | Ca halves of its last window:  |
        | comp kv [r, D], gate [r, D], index kv [r, Di], gate [r, Di] | zeros     |
 
-(CSA; HCA keeps its entries alone in V, a sliding layer nothing). Only the last block
-of a prefix gives its K rows to a resume; every block keeps them, since any block may
-end a later prompt's hit.
+(CSA; HCA keeps its entries alone in V, a sliding layer nothing). The raw rows and
+the Ca halves are what a resume needs of the prefix's last block alone.
 
-Writing: a block's entries and keys are on every rank after the ``comp`` all-gathers;
-its tail (the K rows and the Ca halves) is on the rank owning the chunk it ends in,
-not always the rank storing it (depth ``d`` on CP rank ``d % C``). One ``blocks``
-all-to-all per prefill carries those tails: a rank receives about ``(C-1)/C^2`` of
-the prompt's blocks, ``127 D`` values per layer each, against ``(C-1)/C`` of every
-row for an all-gather of the raw KV.
+Writing moves nothing between ranks. A block's entries and keys are on every rank
+after the ``comp`` all-gathers; its raw rows are on the rank that computed the chunk
+it ends in, which stores it one time in C (depth ``d`` lives on CP rank ``d % C``).
+That rank keeps them and marks the block (``keeps_raw_rows``); the others store the
+entries and keys alone. (Carrying every block's raw rows to the rank storing it
+would cost a rank ``(C-1)/C^2`` of the prompt's rows per layer: 1/C of an all-gather
+of the raw KV, more than all of the prefill's own exchanges at C <= 4.)
 
-Reading: each rank packs its prefix blocks' V facts, the holder of the last block
-also its K rows, and one ``prefix`` all-gather gives every rank the prefix's
-``DsV4State`` (its entries and keys are what every query's indexer reads anyway).
+Reading: one ``prefix`` all-gather brings every rank the marks and V facts of the
+prefix's blocks and, from each rank, the raw rows of its last marked block. The state
+resumes at the end of the last marked block; the prefix's tokens after it (about C
+blocks at most for a prompt written in one prefill) are computed again with the
+suffix (``model.command_rank``), which is why a V4 command carries its prefix's token
+ids.
 """
 
 from __future__ import annotations
@@ -109,10 +112,16 @@ def _split(flat: Tensor, sizes: Sequence[int]) -> list[Tensor]:
     return out
 
 
+def _marks(store: PagedKVStore, slots: Tensor) -> Tensor:
+    """[len(slots), 1] the blocks' marks: the first value of their first layer's K,
+    a row the raw rows never reach (``window - 1 < B``); nonzero where the block
+    keeps its raw rows (and CSA halves)."""
+    return store.k[slots, 0, 0].reshape(len(slots), -1)[:, :1]
+
+
 def keeps_raw_rows(store: PagedKVStore, slot: int) -> bool:
-    """Whether the block in ``slot`` keeps its raw rows (and CSA halves): the mark in
-    its K's first row, which the raw rows never reach (``window - 1 < B``)."""
-    return bool(store.k[slot, 0, 0].reshape(-1)[0] != 0)
+    """Whether the block in ``slot`` keeps its raw rows (and CSA halves)."""
+    return bool(_marks(store, torch.tensor([slot], device=store.k.device)).item())
 
 
 class BlockWriter:
@@ -188,23 +197,25 @@ def read_prefix(
     facts = [lay.facts_numel for lay in lays]
     per_block, most = 1 + sum(facts), len(range(0, n, size))
     row = store.v.new_zeros(most * per_block + sum(lay.raw_numel for lay in lays))
-    last = None
-    for j, slot in enumerate(slots):
-        has_rows = keeps_raw_rows(store, slot)
-        facts_of = [store.v[slot, i].reshape(-1)[:f] for i, f in enumerate(facts)]
-        mark = row.new_full((1,), float(has_rows))
-        row[j * per_block : (j + 1) * per_block] = torch.cat([mark, *facts_of])
-        last = slot if has_rows else last
-    if last is not None:
-        tails = [store.k[last, i, b - (lay.window - 1) :] for i, lay in enumerate(lays)]
-        row[most * per_block :] = torch.cat([t.reshape(-1) for t in tails])
+    if slots:
+        # This rank's blocks, read at once: [blocks, 1 (mark) + every layer's facts].
+        idx = torch.as_tensor(list(slots), dtype=torch.long, device=store.v.device)
+        marks = _marks(store, idx)
+        mine = [store.v[idx, i].reshape(len(slots), -1)[:, :f] for i, f in enumerate(facts)]
+        row[: len(slots) * per_block] = torch.cat([marks, *mine], dim=1).reshape(-1)
+        marked_here = [j for j, m in enumerate(marks.flatten().tolist()) if m]
+        if marked_here:  # its last marked block's raw rows
+            last = slots[marked_here[-1]]
+            tails = [store.k[last, i, b - (lay.window - 1) :] for i, lay in enumerate(lays)]
+            row[most * per_block :] = torch.cat([t.reshape(-1) for t in tails])
     rows = comm.all_gather(row, tag="prefix")  # [C, most * per_block + raw]
+    by_rank = rows[:, : most * per_block].view(size, most, per_block)
 
     def block(d: int) -> Tensor:
-        at = (d // size) * per_block
-        return rows[d % size, at : at + per_block]
+        return by_rank[d % size, d // size]
 
-    marked = [d for d in range(n) if float(block(d)[0]) != 0]
+    every = by_rank[:, :, 0].tolist()  # the marks, [rank][its j-th block]
+    marked = [d for d in range(n) if every[d % size][d // size]]
     if not marked:
         return None
     n = marked[-1] + 1
