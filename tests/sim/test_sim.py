@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import gc
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -60,6 +61,30 @@ def test_one_worker_fifo_by_hand() -> None:
     assert [r.ttft_s for r in sim.records] == [1.0, 1.5, 1.0]
     assert [r.start_s for r in sim.records] == [0.0, 1.0, 10.0]
     assert {r.worker for r in sim.records} == {0}
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_run_pauses_the_collector_and_leaves_it_as_it_was(
+    enabled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[bool] = []
+    arrive = Simulation._try_start
+
+    def watched(self: Simulation, worker_id: int, now: float) -> None:
+        seen.append(gc.isenabled())
+        arrive(self, worker_id, now)
+
+    monkeypatch.setattr(Simulation, "_try_start", watched)
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        reqs = [SimRequest(0, 0.0, 100), SimRequest(1, 0.5, 100)]
+        sim = run(reqs, [4], preset="fixed")
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert [r.ttft_s for r in sim.records] == [1.0, 1.5]
+    assert seen and not any(seen)
 
 
 def test_dispatch_time_keeps_the_worker_busy() -> None:

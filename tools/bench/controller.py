@@ -48,9 +48,9 @@ CASES = [
 
 class Timed:
     """Wraps a WhatIfController's three steps with timers. The collector is paused
-    during each step (and runs between them): a full collection of the simulator's
-    heap (its trie holds millions of nodes) takes 0.1-0.7 s whenever allocation
-    triggers it, wherever that falls; those pauses are counted apart."""
+    during each step: a full collection of a server's heap (its trie holds millions
+    of nodes) takes 0.1-0.7 s whenever allocation triggers it, wherever that falls;
+    those pauses are counted apart (the simulator pauses it for a whole run)."""
 
     def __init__(self, controller: WhatIfController) -> None:
         self.parts: dict[str, list[float]] = {"prepare": [], "evaluate": [], "conclude": []}
@@ -73,13 +73,15 @@ class Timed:
 
     def _wrap(self, name: str, fn: Any) -> Any:
         def timed(*args: Any) -> Any:
+            was = gc.isenabled()  # (the simulator pauses it for its runs)
             gc.disable()
             try:
                 t = time.perf_counter()
                 out = fn(*args)
                 self.parts[name].append(time.perf_counter() - t)
             finally:
-                gc.enable()
+                if was:
+                    gc.enable()
             if name == "evaluate":
                 self.plans.append(args[0])
             if name == "prepare":

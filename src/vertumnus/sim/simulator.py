@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import heapq
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 from vertumnus.perfmodel import COEFF_NAMES, Profile
 from vertumnus.policy.placement.queues import PlacementRequest
@@ -109,6 +111,10 @@ class Simulation:
         heapq.heappush(self._events, (t, event.rank, self._seq, event))
 
     def run(self) -> SimResult:
+        with collector_paused():
+            return self._run()
+
+    def _run(self) -> SimResult:
         wall = time.perf_counter()
         for r in self.requests:
             self._push(r.arrival_s, Arrival(r.request_id))
@@ -282,6 +288,22 @@ class Simulation:
             raise SimulationError(f"the run stalled at t = {now:.0f} s with requests waiting")
         self._window_arrivals = 0
         self._push(now + h, WindowDue())
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block, as it was after it. The
+    policy's structures free by reference counting: a run of 1,024 GPUs left no
+    cycle for any of its 2,048 collections to find in a minute of simulated time,
+    and they took 15 % of its wall time (full ones rescan the trie's millions of
+    nodes). Whatever cycles a run leaves are collected after it."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def biased(profile: Profile, bias: Mapping[int, float]) -> Profile:

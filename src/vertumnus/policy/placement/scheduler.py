@@ -282,13 +282,18 @@ class Scheduler(WorkerQueues):
                 pulled = times.get((c, matched_tokens))
                 if pulled is None:
                     pulled = times[(c, matched_tokens)] = self.curves[c].time_s(n, matched_tokens)
-                delay_s, evict_s = pull_cost(
-                    matched, (matched_tokens - held) // block, worker_id, now
-                )
-                pull = q + max(0.0, delay_s * rate - q) + factor[c] * pulled + evict_s
-                if pull < cost:
-                    p = held = matched_tokens
-                    e, cost = pulled, pull
+                # A pull costs at least q + factor * E at the match (its wait and its
+                # evictions add): priced only where that could beat this worker's cost
+                # and the best so far (most of a large pool's workers cannot).
+                least = q + factor[c] * pulled
+                if least < cost and (best_key is None or least <= best_key[0]):
+                    delay_s, evict_s = pull_cost(
+                        matched, (matched_tokens - held) // block, worker_id, now
+                    )
+                    pull = q + max(0.0, delay_s * rate - q) + factor[c] * pulled + evict_s
+                    if pull < cost:
+                        p = held = matched_tokens
+                        e, cost = pulled, pull
             if best_key is None or cost <= best_key[0]:
                 key = (cost, q, c, worker_id)
                 if best_key is None or key < best_key:
