@@ -263,7 +263,7 @@ class WorkerCacheIndex:
 
     def num_free_blocks(self) -> int:
         """Free slots over all ranks (evictable blocks not counted)."""
-        return sum(len(free) for free in self._free)
+        return sum(map(len, self._free))
 
     def held_blocks(self) -> set[int]:
         """Every committed block: what the trie's holder bits must say of this worker."""

@@ -88,9 +88,16 @@ class CopyLanes:
         """Predicted seconds from ``now`` until a copy on ``devices``, queued now,
         could start (the copies under way, then the copies queued, on those devices)."""
         free = self._free_at(now)
+        if not free:  # (no copy queued or under way: the common case, and hot)
+            return 0.0
         if self.serial:
             return free.get(_POOL, now) - now
-        return max((free.get(d, now) for d in devices), default=now) - now
+        end, get = now, free.get
+        for d in devices:
+            at = get(d)
+            if at is not None and at > end:
+                end = at
+        return end - now
 
     def backlog_s(self, now: float) -> float:
         """Predicted seconds until every copy queued or under way is done."""
