@@ -158,3 +158,26 @@ def test_the_compiled_mean_e_equals_the_pure_one() -> None:
         expected = replay_loop.mean_best_e(n, forecast.e_pred, forecast.holders)
         assert compiled(n, forecast.e_pred, forecast.holders) == expected
         assert expected == forecast.mean_e
+
+
+def test_the_compiled_gather_equals_the_pure_one() -> None:
+    compiled = twin().gather
+    rng = random.Random(5)
+    model = ReplayModel(CURVES, [1, 2, 4, 8], CostWeights())
+    samples = [
+        ArrivalSample(i, rng.uniform(0, 30), rng.choice([300, 9_000, 40_000]),
+                      tuple((w, rng.randint(1, 200)) for w in rng.sample(range(6), 2)),
+                      rng.randint(0, 40))
+        for i in range(400)
+    ]  # fmt: skip
+    for keep in (2.0, 0.4, 0.05):
+        pure_cache: dict[int, object] = {0: model.times(samples[1])}  # (a stale entry is read)
+        twin_cache = dict(pure_cache)
+        expected = replay_loop.gather(samples, 3.0, keep, pure_cache, model.times)  # type: ignore[arg-type]
+        assert compiled(samples, 3.0, keep, twin_cache, model.times) == expected
+        assert twin_cache == pure_cache
+        kept = [s for s in samples if s.draw < keep]
+        assert expected[0] == tuple(s.arrival_s - 3.0 for s in kept)
+        assert expected[1] == tuple(s.prefix_key for s in kept)
+        assert expected[3][1:] == tuple(model.times(s)[1] for s in kept[1:])
+        assert set(pure_cache) == {s.request_id for s in kept} | {0}

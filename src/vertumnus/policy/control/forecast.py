@@ -244,7 +244,7 @@ class Forecast:
             return [s for s in samples[first - base :] if s.draw < keep]
         stratum = self._strata[j - 1]
         at = bisect.bisect_left(stratum, first)
-        return [x for x in (samples[q - base] for q in stratum[at:]) if x.draw < keep]
+        return [x for q in stratum[at:] if (x := samples[q - base]).draw < keep]
 
     def _index(self, t: float) -> int:
         return bisect.bisect_left(self._keys, t, lo=self._head)

@@ -26,8 +26,8 @@ from vertumnus.policy.control.candidates import Candidate
 from vertumnus.policy.control.config import ControllerConfig
 from vertumnus.policy.control.forecast import Forecast, ForecastConfig, make_sample
 from vertumnus.policy.control.periods import Period, Periods
-from vertumnus.policy.control.replay import ReplayModel, Times
-from vertumnus.policy.control.replay_types import PreparedForecast, ReplayWorker
+from vertumnus.policy.control.replay import ReplayModel
+from vertumnus.policy.control.replay_types import PreparedForecast, ReplayWorker, Times
 from vertumnus.policy.control.search import Evaluation, MoveAuditInput, WhatIfPlan
 from vertumnus.policy.lattice import Lattice
 from vertumnus.policy.placement.queues import PlacementRequest

@@ -50,15 +50,16 @@ from vertumnus.policy.control.replay_types import (
     ReplayResult,
     ReplayWorker,
     Retirement,
+    Times,
 )
 from vertumnus.policy.costs import CostWeights, ReuseCurve
 
 # The loops compiled by mypyc where they are built from this source (``native``).
 _loop = native.compiled(replay_loop)
 if TYPE_CHECKING:
-    from vertumnus.policy.control.replay_loop import Replay, mean_best_e
+    from vertumnus.policy.control.replay_loop import Replay, gather, mean_best_e
 else:
-    Replay, mean_best_e = _loop.Replay, _loop.mean_best_e
+    Replay, gather, mean_best_e = _loop.Replay, _loop.gather, _loop.mean_best_e
 
 __all__ = ["Calibrated", "Replay", "ReplayModel"]
 
@@ -68,11 +69,6 @@ BUCKET_EDGES: tuple[int, ...] = (2048, 8192, 32768)
 
 def bucket_of(input_tokens: int) -> int:
     return bisect.bisect_right(BUCKET_EDGES, input_tokens)
-
-
-# Per request, uncalibrated and undilated: (input bucket, E per degree at its floor
-# reuse, ((holder, E per degree at its reuse there), ...)). inf: cannot hold it.
-Times = tuple[int, tuple[float, ...], tuple[tuple[int, tuple[float, ...]], ...]]
 
 
 @dataclass(frozen=True)
@@ -118,34 +114,19 @@ class ReplayModel:
         kept from one decision to the next (they depend on the profile only).
         ``warm``: every prefix reusable wherever the trie matched it (a warm cache,
         as a cold pool will have; no holders needed)."""
-        if dilation > 1.0:
-            keep = 1.0 / dilation
-            # By length, prefix and arrival, not request id: the drivers number
-            # requests apart.
-            samples = [s for s in samples if s.draw < keep]
-        offsets: list[float] = []
-        keys: list[int] = []
-        buckets: list[int] = []
-        e_pred: list[tuple[float, ...]] = []
-        holders: list[tuple[tuple[int, tuple[float, ...]], ...]] = []
-        for s in samples:
-            times = cache.get(s.request_id) if cache is not None else None
-            if times is None:
-                times = self.times(s, warm)
-                if cache is not None:
-                    cache[s.request_id] = times
-            offsets.append(s.arrival_s - origin_s)
-            keys.append(s.prefix_key)
-            buckets.append(times[0])
-            e_pred.append(times[1])
-            holders.append(times[2])
+        # (thinned by length, prefix and arrival, not request id: the drivers number
+        # requests apart)
+        keep = 1.0 / dilation if dilation > 1.0 else 2.0
+        offsets, keys, buckets, e_pred, holders = gather(
+            samples, origin_s, keep, cache, lambda s: self.times(s, warm)
+        )
         span = span_s if span_s is not None else (max(offsets) if offsets else 0.0)
         return PreparedForecast(
-            tuple(offsets),
-            tuple(keys),
-            tuple(buckets),
-            tuple(e_pred),
-            tuple(holders),
+            offsets,
+            keys,
+            buckets,
+            e_pred,
+            holders,
             dilation,
             span,
             mean_best_e(len(self.degrees), e_pred, holders),

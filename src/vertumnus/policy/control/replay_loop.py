@@ -6,8 +6,9 @@ continued) and returns the result over the first ``cycles``: a horizon that doub
 while a backlog drains replays only the cycles it adds, and a result over fewer
 cycles than already replayed is the same one a fresh replay would give.
 
-Also here, being as hot: ``mean_best_e``, the unit of the cost rule's backlog depth,
-over every request of a prepared forecast.
+Also here, being as hot: ``gather``, a forecast's samples made the replay's columns,
+and ``mean_best_e``, the unit of the cost rule's backlog depth, over every request
+of a prepared forecast.
 
 Pure Python, compiled by mypyc where built (``vertumnus.native``): keep it typed.
 Not owned here: the service-time model and the replay's input (``replay``).
@@ -17,15 +18,16 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from vertumnus.policy.control.forecast import unit
+from vertumnus.policy.control.forecast import ArrivalSample, unit
 from vertumnus.policy.control.replay_types import (
     PreparedForecast,
     ReplayMoves,
     ReplayResult,
     ReplayWorker,
+    Times,
 )
 
 if TYPE_CHECKING:
@@ -168,10 +170,14 @@ class Replay:
         inf = math.inf
         part_total = busy = 0.0
         part_n = position = 0
-        for t0, key, b, pred, held in zip(
-            part.offsets, part.keys, part.buckets, part.e_pred, part.holders, strict=True
-        ):
-            t = t0 + shift
+        offsets, keys, buckets, e_pred, holders = (
+            part.offsets, part.keys, part.buckets, part.e_pred, part.holders
+        )  # fmt: skip
+        if not len(offsets) == len(keys) == len(buckets) == len(e_pred) == len(holders):
+            raise ValueError("a prepared forecast's columns differ in length")
+        for i in range(len(offsets)):
+            t = offsets[i] + shift
+            key, b, pred, held = keys[i], buckets[i], e_pred[i], holders[i]
             if pending and t >= pending[0][0]:
                 while pending and t >= pending[0][0]:
                     at, gone_id, made = pending.pop(0)
@@ -263,6 +269,43 @@ class Replay:
             backlog = sum(free[w] - edge for w in self.order if edge < free[w] < inf)
             self.backlogs.append(backlog / m)
             self.marks.append((self.total, self.served, tuple(batch_sum), tuple(batch_n)))
+
+
+def gather(
+    samples: Sequence[ArrivalSample],
+    origin_s: float,
+    keep: float,
+    cache: dict[int, Times] | None,
+    times: Callable[[ArrivalSample], Times],
+) -> tuple[
+    tuple[float, ...],
+    tuple[int, ...],
+    tuple[int, ...],
+    tuple[tuple[float, ...], ...],
+    tuple[tuple[tuple[int, tuple[float, ...]], ...], ...],
+]:
+    """``ReplayModel.prepare``'s columns: the samples whose draw is under ``keep``,
+    each with its offset from ``origin_s``, prefix key and ``times`` (read from
+    ``cache`` by request id, or computed and kept there)."""
+    offsets: list[float] = []
+    keys: list[int] = []
+    buckets: list[int] = []
+    e_pred: list[tuple[float, ...]] = []
+    holders: list[tuple[tuple[int, tuple[float, ...]], ...]] = []
+    for s in samples:
+        if not s.draw < keep:
+            continue
+        found = cache.get(s.request_id) if cache is not None else None
+        if found is None:
+            found = times(s)
+            if cache is not None:
+                cache[s.request_id] = found
+        offsets.append(s.arrival_s - origin_s)
+        keys.append(s.prefix_key)
+        buckets.append(found[0])
+        e_pred.append(found[1])
+        holders.append(found[2])
+    return tuple(offsets), tuple(keys), tuple(buckets), tuple(e_pred), tuple(holders)
 
 
 def mean_best_e(

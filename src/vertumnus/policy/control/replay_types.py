@@ -10,6 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+# Per request, uncalibrated and undilated: (input bucket, E per degree at its floor
+# reuse, ((holder, E per degree at its reuse there), ...)). inf: cannot hold it.
+Times = tuple[int, tuple[float, ...], tuple[tuple[int, tuple[float, ...]], ...]]
+
 
 @dataclass(frozen=True, slots=True)
 class ReplayWorker:
