@@ -10,7 +10,9 @@ number), so a run is deterministic for a seed; ``Simulation.run`` pops them and
 does what the policy's answers ask, recording what happens (``sim/results.py``).
 
 A request that finds no candidate (every worker draining) waits in the policy and
-is placed when a reshape's new workers serve.
+is placed when a reshape's new workers serve. A run pauses Python's cyclic
+collector (``collector_paused``: at 1,024 GPUs it found nothing and cost a quarter
+of the wall time).
 """
 
 from __future__ import annotations
