@@ -326,6 +326,29 @@ def test_the_replay_times_are_kept_while_the_forecast_keeps_the_request() -> Non
     assert min(kept) >= 5 * 95 and ctl.observations.times and set(ctl.observations.times) <= kept
 
 
+def test_the_times_of_the_arrivals_a_decision_will_replay_are_computed_as_they_come() -> None:
+    # The last decision thinned its forecast to 1 / dilation: each later arrival whose
+    # draw is under that has its replay times computed when placed, the values the
+    # next decision would compute (the others wait for it).
+    policy, driver = homed(None, (1, 1), replay_requests=50)
+    ctl = policy.controller
+    assert isinstance(ctl, WhatIfController)
+    seen = ctl.observations
+    assert seen.keep_ahead == 0.0  # (before the first decision: none)
+    for k in range(3):
+        driver.steady(float(k), 150.0, 16)
+        driver.decide(k + 1.0)
+    assert 0.0 < seen.keep_ahead <= 0.5
+    first = driver.next_id
+    driver.steady(3.0, 150.0, 300)
+    arrived = [ctl.forecast.by_id[r] for r in range(first, driver.next_id)]
+    ahead = [s for s in arrived if s.draw < seen.keep_ahead]
+    assert ahead and len(ahead) < len(arrived)
+    model = ReplayModel(ctl.curves, policy.lattice.config.degrees, ctl.weights)
+    for s in arrived:
+        assert seen.times.get(s.request_id) == (model.times(s) if s in ahead else None)
+
+
 def mix_changes(check: bool, start: dict[int, int] | None = None) -> PoolPolicy:
     """Two degree-2 workers: 20 s of 100-token requests, 20 a second, then 2 s of
     16-token ones (``start``: as in ``homed``). (``urgent_gain`` off: a split is

@@ -24,7 +24,12 @@ from vertumnus.policy.control.audit import MoveAudits, OpenAudit
 from vertumnus.policy.control.calibration import Calibration
 from vertumnus.policy.control.candidates import Candidate
 from vertumnus.policy.control.config import ControllerConfig
-from vertumnus.policy.control.forecast import Forecast, ForecastConfig, make_sample
+from vertumnus.policy.control.forecast import (
+    ArrivalSample,
+    Forecast,
+    ForecastConfig,
+    make_sample,
+)
 from vertumnus.policy.control.periods import Period, Periods
 from vertumnus.policy.control.replay import ReplayModel
 from vertumnus.policy.control.replay_types import PreparedForecast, ReplayWorker, Times
@@ -41,9 +46,19 @@ class Observations:
     serving (the controller's view)."""
 
     def __init__(
-        self, config: ControllerConfig, lattice: Lattice, settled: Callable[[], bool]
+        self,
+        config: ControllerConfig,
+        lattice: Lattice,
+        settled: Callable[[], bool],
+        times: Callable[[ArrivalSample], Times] | None = None,
     ) -> None:
+        """``times``: a request's replay times (``ReplayModel.times``): those of the
+        arrivals the next decision will likely replay (a draw under ``keep_ahead``,
+        the last decision's thinning) are computed as they arrive, not all at once in
+        the decision (the same values: a revision drops them)."""
         self.config, self.lattice, self.settled = config, lattice, settled
+        self.times_of = times
+        self.keep_ahead = 0.0
         self.forecast = Forecast(
             ForecastConfig(
                 config.horizon_s,
@@ -84,6 +99,8 @@ class Observations:
             matched,
         )
         self.forecast.record(sample)
+        if sample.draw < self.keep_ahead and self.times_of is not None:
+            self.times[sample.request_id] = self.times_of(sample)
         if not self.periods.started:  # the first period starts with the first arrival
             workers = tuple(
                 ReplayWorker(w.worker_id, w.cp_degree, 0.0) for w in self.lattice.active()

@@ -103,7 +103,10 @@ class WhatIfController(ControllerBase):
         self.curves = model.curves
         self.weights = model.weights
         # what it has seen of the pool, and how its replays fared (``observations``)
-        self.observations = Observations(config, lattice, self.settled)
+        # (each decision's model has these degrees, curves and KV limit: the same times)
+        times = ReplayModel(self.curves, lattice.config.degrees, self.weights, None,
+                            self.max_tokens_per_rank).times  # fmt: skip
+        self.observations = Observations(config, lattice, self.settled, times)
         self.forecast = self.observations.forecast
         self.calibration = self.observations.calibration
         self.move_audits = self.observations.move_audits
@@ -159,6 +162,7 @@ class WhatIfController(ControllerBase):
         seen.trim_times()
         n = window.count
         dilation = max(1.0, n / cfg.replay_requests)
+        seen.keep_ahead = 1.0 / dilation  # (the next arrivals' times, computed as they come)
         # In the cold-cache warm-up, the replay sees the cache as it will be: each
         # prefix reusable wherever the trie matched it (as the start choice does).
         first = self.forecast.first_arrival_s
