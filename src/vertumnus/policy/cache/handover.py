@@ -135,22 +135,10 @@ def reconciliation(
     ratio is the share of the retained prefix weight a reshape disturbs.
     """
     devices: dict[Node, set[int]] = {}
-    get = devices.get
-    for s in sources:  # (``_retained``, inline: a decision walks thousands of blocks)
-        info = trie.worker(s)
-        first, c = info.first_device, info.cp_degree
-        for node in trie.worker_nodes[s]:
-            device = first + node.depth % c
-            held = get(node)
-            if held is None:
-                devices[node] = {device}
-            else:
-                held.add(device)
-        for node in trie.worker_pending[s]:
-            assert node.pending is not None
-            pending = node.pending[info.slot]
-            if pending is not None:
-                devices.setdefault(node, set()).add(pending)
+    for s in sources:
+        for node, device in _retained(trie, trie.worker(s)):
+            if device is not None:
+                devices.setdefault(node, set()).add(device)
     # Per depth residue, the devices that want the block there (one per target: the
     # targets are distinct workers).
     wanted = [frozenset(first + d for first in target_firsts) for d in range(target_degree)]
@@ -168,8 +156,10 @@ def reconciliation(
 def _retained(trie: PrefixTrie, info: WorkerInfo) -> list[tuple[Node, int | None]]:
     """The worker's prefixes with the device that has each block: its held blocks,
     and the pending ones with their retained device."""
+    # (``info.device_of``, inline: a decision's reconciliation walks thousands of blocks)
+    first, c = info.first_device, info.cp_degree
     out: list[tuple[Node, int | None]] = [
-        (node, info.device_of(node.depth)) for node in trie.worker_nodes[info.worker_id]
+        (node, first + node.depth % c) for node in trie.worker_nodes[info.worker_id]
     ]
     for node in trie.worker_pending[info.worker_id]:
         assert node.pending is not None

@@ -116,7 +116,7 @@ class ReplayModel:
         as a cold pool will have; no holders needed)."""
         # (thinned by length, prefix and arrival, not request id: the drivers number
         # requests apart)
-        keep = 1.0 / dilation if dilation > 1.0 else 2.0
+        keep = 1.0 / dilation if dilation > 1.0 else math.inf
         offsets, keys, buckets, e_pred, holders = gather(
             samples, origin_s, keep, cache, lambda s: self.times(s, warm)
         )
