@@ -34,6 +34,32 @@ def test_seeds_parse(tool: ModuleType) -> None:
     )
 
 
+def test_a_pair_converges_where_every_later_arrival_is_served_near_the_best(
+    tool: ModuleType,
+) -> None:
+    """``converged_period``: the first period from which on the requests arriving are
+    served within 3 % of the best fixed run's mean TTFT for the same periods."""
+    best = [[10, 1.0], [10, 1.0], [10, 1.0], [10, 1.0]]  # 0.1 s each
+    slow = [[10, 5.0], [10, 2.0], [10, 1.02], [10, 1.0]]  # 0.5, 0.2, 0.102, 0.1 s
+    assert tool.converged_period(slow, best) == 2
+    assert tool.converged_period(best, best) == 0
+    # period 2 slow: the suffix from 2 on is 0.12 s, over 1.03; from 3 on, 0.1 s
+    assert tool.converged_period([[10, 5.0], [10, 2.0], [10, 1.4], [10, 1.0]], best) == 3
+    # the mean over the rest of the run counts: a last period 10 % over the best, the
+    # suffix from 0 on 2.5 % over it
+    assert tool.converged_period([[10, 1.0], [10, 1.0], [10, 1.0], [10, 1.1]], best) == 0
+    # 20 % over it: every suffix over 1.03 (0.105, 0.107, 0.110, 0.120 s): never
+    assert tool.converged_period([[10, 1.0], [10, 1.0], [10, 1.0], [10, 1.2]], best) is None
+    assert tool.converged_period([[10, 2.0]] * 4, best) is None
+    assert tool.converged_period([], best) is None
+    # the per-period rows of a run: by arrival, a request never answered left out
+    Record = tool.RequestRecord
+    records = [Record(0, 1.0, 10, 0, end_s=1.5), Record(1, 25.0, 10, 0, end_s=25.2),
+               Record(2, 26.0, 10, 0), Record(3, 9.99, 10, 0, end_s=10.99)]  # fmt: skip
+    assert tool.period_ttft(records, 10.0) == [[2, pytest.approx(1.5)], [0, 0.0],
+                                               [1, pytest.approx(0.2)]]  # fmt: skip
+
+
 def test_a_cached_row_names_its_preset(tool: ModuleType, tmp_path: Path) -> None:
     """A baseline kept before the row's field was named ``preset`` (``policy``) is read
     as a row of now, its fields in their order."""
@@ -88,14 +114,21 @@ def test_one_scenario_then_the_cache(tool: ModuleType, tmp_path: Path) -> None:
         assert p["reshapes"] == v["reshapes"] == sum(len(m["kinds"]) for m in p["moves"])
         for move in p["moves"]:
             assert {"time_s", "kinds", "rule", "gain", "busy_fraction"} <= move.keys()
+    for run in runs.values():  # every answered request in one period of its arrival
+        counts, sums = zip(*run["period_ttft"], strict=True)
+        assert sum(counts) == run["completed"]
+        assert sum(sums) == pytest.approx(run["mean_ttft_s"] * run["completed"])
     assert [t["target"] for t in report["targets"]] == [
         "v/hold mean <= 1.01",
         "v/hold P90 <= 1.03",
         "v/best fixed <= 1.03",
-        "v/best fixed <= 1.10",
+        "v/best fixed <= 1.10, start within 1.10",
         "v <= best peer",
+        "converged in <= 6 periods, steady, start over 1.10",
     ]
-    assert all(t["total"] == 3 for t in report["targets"])
+    near = sum(p["hold_best_fixed"] <= 1.10 for p in pairs)
+    assert entry["scenario"]["shape"] == "burst"  # (not steady: no convergence counted)
+    assert [t["total"] for t in report["targets"]] == [3, 3, 3, near, 3, 0]
     assert set(report["distribution"]) == {"v_hold", "v_hold_p90", "v_best_fixed", "v_best_peer"}
     text = (out / "robustness.md").read_text()
     for heading in ("## Targets", "## Ratios", "## Worst five by vertumnus / hold"):

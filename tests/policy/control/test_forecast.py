@@ -98,8 +98,9 @@ def test_a_rate_jump_drops_the_older_arrivals_now_and_later() -> None:
     feed(forecast, jump_times())
     # Expected in the last 10 s from the 60 s before: 100; seen: 400. |400 - 100| = 300
     # is over 4 sqrt(100) = 40 and over 30 % of 100.
+    assert forecast.changes == 0
     window = forecast.window(70.0)
-    assert window.rate_changed
+    assert window.rate_changed and forecast.changes == 1  # (the dwell's count)
     assert ids(window) == list(range(600, 1000))
     assert (window.start_s, window.rate) == (60.0, 40.0)
     assert len(forecast) == 400 and min(forecast.by_id) == 600
@@ -107,7 +108,7 @@ def test_a_rate_jump_drops_the_older_arrivals_now_and_later() -> None:
     # change), and the arrivals before it stay out, whatever min_requests asks.
     feed(forecast, [70 + k / 40 for k in range(400)], first_id=1000)
     later = forecast.window(80.0)
-    assert not later.rate_changed
+    assert not later.rate_changed and forecast.changes == 1
     assert ids(later) == list(range(600, 1400)) and later.start_s == 60.0
 
 

@@ -542,6 +542,24 @@ def test_batches_are_runs_of_consecutive_arrivals_over_every_cycle() -> None:
     assert result.batch_ttft_s == pytest.approx((first, second), rel=1e-12)
 
 
+def test_the_last_cycle_alone_its_requests_and_batches() -> None:
+    # The growing backlog of the first test: cycle c's two requests wait c and
+    # c + 1/2 s, so the last cycle's batches (one request each) are 2 + 1 and
+    # 2.5 + 1 s after three cycles; after one, 1 and 1.5 s. A head is in no cycle.
+    replay = model()
+    forecast = replay.prepare([req(0, 0.0, 1024), req(1, 0.5, 1024)], 0.0, span_s=1.0)
+    three = replay.run(forecast, workers((1, 0.0)), cycles=3, batches=2)
+    assert three.last_requests == 2
+    assert three.last_batch_ttft_s == pytest.approx((3.0, 3.5), rel=1e-12)
+    one = replay.run(forecast, workers((1, 0.0)), cycles=1, batches=2)
+    assert one.last_requests == 2 and one.last_batch_ttft_s == pytest.approx((1.0, 1.5))
+    head = replay.prepare([req(9, 0.0, 1024)], 0.0)
+    headed = replay.run(forecast, workers((1, 0.0)), head=head, cycles=1, batches=2)
+    assert headed.requests == 3 and headed.last_requests == 2
+    # the head's second first: the cycle's requests wait 1 and 1.5 s
+    assert headed.last_batch_ttft_s == pytest.approx((2.0, 2.5), rel=1e-12)
+
+
 def test_a_retired_worker_drains_then_its_replacements_serve() -> None:
     # Worker 0 (degree 2) takes no work arriving from t = 1; its queue ends at 2.0,
     # then two degree-1 workers made of it serve after a 0.5-s switch (free at 2.5).

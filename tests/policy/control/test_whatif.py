@@ -38,7 +38,8 @@ from vertumnus.policy.control.config import ControllerConfig
 from vertumnus.policy.control.decision import Decision
 from vertumnus.policy.control.forecast import ArrivalSample, Forecast, ForecastConfig
 from vertumnus.policy.control.replay import ReplayModel
-from vertumnus.policy.control.search import WhatIfPlan, burst_refuses, evaluate
+from vertumnus.policy.control.replay_types import ReplayResult
+from vertumnus.policy.control.search import WhatIfPlan, burst_refuses, dwelt, evaluate
 from vertumnus.policy.control.whatif import WhatIfController
 from vertumnus.policy.costs import CostWeights, reuse_curves
 from vertumnus.policy.geometry import LatticeConfig
@@ -58,7 +59,11 @@ def make_policy(
     max_tokens_per_rank: int | None = None,
     **controller: Any,
 ) -> PoolPolicy:
-    settings_: dict[str, Any] = dict(mode="whatif", decision_s=1.0, horizon_s=1.0, min_requests=10)
+    # (on this 1-s clock no dwell: the default 300 s would price a drained move over
+    # 300 spans; the dwell's own tests set it)
+    settings_: dict[str, Any] = dict(
+        mode="whatif", decision_s=1.0, horizon_s=1.0, min_requests=10, dwell_prior_s=0.0
+    )
     settings_.update(controller)
     pool = PoolSpec(LatticeConfig(sum(layout), (1, 2)), layout, BLOCK_SIZE, 64)
     config = PolicyConfig(
@@ -473,6 +478,45 @@ def test_the_horizon_extends_until_the_backlog_of_a_transition_drains() -> None:
     assert run_periods(policy, [150]) == ["split:urgent"]
     hold, split = policy.controller.history[0].inputs["candidates"]
     assert split["horizon_cycles"] == 16 and split["hold_s"] > hold["live_s"]
+
+
+def test_a_drained_move_is_priced_over_the_loads_expected_dwell() -> None:
+    # The split above, whose transition its four spans do not repay, with a dwell:
+    # one rate change per 100 s a priori, none seen in the 1 s served: (100 + 1) / 1
+    # = 101 s, 101 spans of 1 s. Past the four replayed, each span is the last (its
+    # steady state): over 101 the split repays its transition and acts (busy 0.95).
+    one = dict(saturated_moves=1)
+    policy = make_policy(
+        layout=(2, 2, 2, 2), payback_s=2.0, max_payback_s=16.0, dwell_prior_s=100.0, **one
+    )
+    assert run_periods(policy, [100]) == ["split:urgent"]
+    hold, split = policy.controller.history[0].inputs["candidates"]
+    assert hold["horizon_cycles"] == 2 and split["horizon_cycles"] == 101
+    assert split["hold_s"] == pytest.approx(E2_SHORT, rel=1e-9)  # holding's likewise
+    assert split["steady_s"] < split["live_s"] < split["hold_s"] < split["next_s"]
+    # dwell_max_s caps it; an overloaded candidate (150 a second) has no steady state
+    # to extend: its horizon stops at max_payback_s as without a dwell.
+    capped = make_policy(layout=(2, 2, 2, 2), payback_s=2.0, max_payback_s=16.0,
+                         dwell_prior_s=100.0, dwell_max_s=50.0, **one)  # fmt: skip
+    run_periods(capped, [100])
+    assert capped.controller.history[0].inputs["candidates"][1]["horizon_cycles"] == 50
+    policy = make_policy(
+        layout=(2, 2, 2, 2), payback_s=2.0, max_payback_s=16.0, dwell_prior_s=100.0, **one
+    )
+    assert run_periods(policy, [150]) == ["split:urgent"]
+    assert policy.controller.history[0].inputs["candidates"][1]["horizon_cycles"] == 16
+
+
+def test_dwelt_continues_a_replay_at_its_last_span() -> None:
+    # 2 spans replayed (5 requests: one of a head, two a span), means 1.0 and 0.5 s;
+    # batches over both spans 1.0 and 0.6 s, in the last 0.4 and 0.6 s. Over 4 spans:
+    result = ReplayResult(0.8, 5, 1.0, 1.0, (1.0, 0.5), (0.3, 0.0), (1.0, 0.6), 2, (0.4, 0.6))
+    four = dwelt(result, 4)
+    assert four.mean_ttft_s == pytest.approx((0.8 * 5 + 2 * 0.5 * 2) / 9, rel=1e-12)
+    assert four.requests == 9 and four.cycle_ttft_s == (1.0, 0.5, 0.5, 0.5)
+    assert four.backlog_s == (0.3, 0.0, 0.0, 0.0)
+    assert four.batch_ttft_s == pytest.approx(((2 * 1.0 + 2 * 0.4) / 4, (2 * 0.6 + 2 * 0.6) / 4))
+    assert dwelt(result, 2) is result and dwelt(result, 1) is result
 
 
 def test_every_move_is_audited_and_its_error_feeds_the_pessimism() -> None:

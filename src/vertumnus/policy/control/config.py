@@ -31,6 +31,12 @@ class ControllerConfig:
     # most max_payback_s).
     payback_s: float = 120.0
     max_payback_s: float = 300.0
+    # ... and, once that backlog has drained, over the load's expected dwell (each
+    # span past those replayed as the last one): (dwell_prior_s + the time served)
+    # / (1 + the rate changes the forecast saw), at most dwell_max_s (a load seen
+    # steady is expected to last; one that changed often, less). 0: no dwell.
+    dwell_prior_s: float = 300.0
+    dwell_max_s: float = 600.0
     # The gain's significance (a paired z over batches of the forecast): a move
     # wins two decisions in a row at z_confirm or more, or acts at once where the
     # load moved (overload, a rate change) at z_urgent; a weaker one must win
@@ -111,6 +117,8 @@ class ControllerConfig:
             raise LatticeError("steady_horizon_s must be > 0")
         if not 0 < self.payback_s <= self.max_payback_s:
             raise LatticeError("need 0 < payback_s <= max_payback_s")
+        if not (self.dwell_prior_s >= 0 and self.dwell_max_s >= 0):
+            raise LatticeError("need dwell_prior_s >= 0 and dwell_max_s >= 0")
         if not 0 <= self.urgent_gain < 1:
             raise LatticeError("need 0 <= urgent_gain < 1 (0: off)")
         if not (0 < self.z_confirm <= self.z_urgent and self.confirm_limit >= 2):

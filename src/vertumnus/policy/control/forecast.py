@@ -183,6 +183,7 @@ class Forecast:
         self._floor_s = -math.inf  # arrivals before this are out (a rate change)
         self._hidden = 0  # the sequence number of the first sample kept (in by_id)
         self.first_arrival_s: float | None = None
+        self.changes = 0  # the rate changes the test has seen
         # the samples kept, by request id (read it through the forecast: a trim that
         # drops most of them replaces it)
         self.by_id: dict[int, ArrivalSample] = {}
@@ -300,6 +301,7 @@ class Forecast:
         origin = self.first_arrival_s if self.first_arrival_s is not None else now
         changed = self._rate_changed(now, origin)
         if changed:
+            self.changes += 1
             self._floor_s = now - cfg.recent_s
             self._trim(now)
         start = max(now - cfg.horizon_s, self._floor_s, min(origin, now))

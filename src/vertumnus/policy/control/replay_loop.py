@@ -95,6 +95,7 @@ class Replay:
         self.marks: list[tuple[float, int, tuple[float, ...], tuple[int, ...]]] = []
         if not self.empty and head is not None and head.offsets:
             self._pass(head, 0.0, False, False)
+        self.head_n = self.served  # the head's requests served
 
     def _add(self, slot: int, k: int, free_at: float) -> None:
         """A worker of degree index ``k`` in ``slot``, free from ``free_at`` (dilated);
@@ -126,6 +127,17 @@ class Replay:
             self._pass(self.forecast, c * self.period, True, c == 0)
         total, served, batch_sum, batch_n = self.marks[cycles - 1]
         m = self.m
+        # the last cycle alone: the marks before it subtracted (before the first,
+        # the head's requests, in no batch)
+        nb = self.nb
+        before = (
+            self.marks[cycles - 2] if cycles > 1 else (0.0, self.head_n, (0.0,) * nb, (0,) * nb)
+        )
+        last_n = served - before[1]
+        last_batches = tuple(
+            (s - s0) / (n - n0) / m if n > n0 else 0.0
+            for s, n, s0, n0 in zip(batch_sum, batch_n, before[2], before[3], strict=True)
+        )
         # busy: the thinned requests' dilated service time, which is the whole
         # forecast's service time in real seconds.
         return ReplayResult(
@@ -136,6 +148,8 @@ class Replay:
             tuple(self.cycle_means[:cycles]),
             tuple(self.backlogs[:cycles]),
             tuple(s / n / m if n else 0.0 for s, n in zip(batch_sum, batch_n, strict=True)),
+            last_n,
+            last_batches,
         )
 
     def _pass(self, part: PreparedForecast, shift: float, is_cycle: bool, first: bool) -> None:

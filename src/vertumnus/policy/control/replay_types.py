@@ -35,6 +35,9 @@ class ReplayResult:
     # the forecast cut into ``batches`` runs of consecutive arrivals: each run's
     # mean TTFT over every cycle (the paired comparison's sample)
     batch_ttft_s: tuple[float, ...] = ()
+    # the last cycle's: its requests served, and each batch's mean TTFT in it
+    last_requests: int = 0
+    last_batch_ttft_s: tuple[float, ...] = ()
 
 
 # (from when, in undilated seconds; the worker; the workers made of it, each with

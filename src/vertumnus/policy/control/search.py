@@ -12,7 +12,9 @@ A candidate is priced from the live state to the end of its consequences:
             replayed ``cycles`` times over: the same load continued for the
             payback horizon. Where the candidate's last cycle is still slower than
             its steady state (the backlog its transition built has not drained),
-            the horizon doubles, up to ``max_cycles``.
+            the horizon doubles, up to ``max_cycles``. Once drained, it is priced
+            over the load's expected dwell (``dwell_cycles``): each span past
+            those replayed as the last one, holding's likewise.
     steady  the candidate's workers from empty queues, one cycle (its steady state,
             and the search's bound: a candidate whose steady TTFT is no better
             than holding's live one cannot beat it).
@@ -115,6 +117,9 @@ class WhatIfPlan:
     audit_cycles: int = 1
     # per candidate: it moves the pool towards the composition it started in
     homeward: tuple[bool, ...] = ()
+    # the load's expected dwell, in forecast spans: a candidate whose backlog has
+    # drained is priced, with holding, over this many (0: the replayed ones only)
+    dwell_cycles: int = 0
 
 
 @dataclass(frozen=True)
@@ -215,6 +220,21 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
             if cycles not in hold_by_cycles:
                 hold_by_cycles[cycles] = live(0, cycles)
             against = hold_by_cycles[cycles]
+            width = len(cand.steady_workers) * steady.span_s
+            steady_busy = steady.busy_s / width if width else math.inf
+            if (
+                plan.dwell_cycles > cycles
+                and steady_busy < plan.overload_utilisation
+                and result.cycle_ttft_s[-1] <= 1.05 * steady.mean_ttft_s
+            ):
+                # drained, to a steady state it keeps (not overloaded): over the
+                # load's expected dwell, each cycle past the replayed ones as the
+                # last (holding's too: a backlog it still builds is counted no
+                # further, in holding's favour)
+                result, against = (
+                    dwelt(result, plan.dwell_cycles),
+                    dwelt(against, plan.dwell_cycles),
+                )
             lives[k] = result
             scores[k] = result.mean_ttft_s * factor
             holds[k] = against.mean_ttft_s
@@ -264,6 +284,29 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
     return Evaluation(tuple(lives), tuple(steadies), tuple(scores), audits, tuple(holds),
                       tuple(zs), busy, move_audits, tuple(headroom), backs,
                       tuple(steady_long))  # fmt: skip
+
+
+def dwelt(result: ReplayResult, cycles: int) -> ReplayResult:
+    """``result`` over ``cycles`` forecast spans, each one past those replayed as
+    the last one replayed (its mean TTFT, its requests, each batch's mean)."""
+    replayed = len(result.cycle_ttft_s)
+    extra = cycles - replayed
+    if extra <= 0 or not result.last_requests:
+        return result
+    last, n = result.cycle_ttft_s[-1], result.last_requests
+    requests = result.requests + extra * n
+    batches = tuple(
+        (b * replayed + extra * lb) / cycles
+        for b, lb in zip(result.batch_ttft_s, result.last_batch_ttft_s, strict=True)
+    )
+    return replace(
+        result,
+        mean_ttft_s=(result.mean_ttft_s * result.requests + extra * last * n) / requests,
+        requests=requests,
+        cycle_ttft_s=result.cycle_ttft_s + (last,) * extra,
+        backlog_s=result.backlog_s + result.backlog_s[-1:] * extra,
+        batch_ttft_s=batches,
+    )
 
 
 def burst_refuses(plan: WhatIfPlan, stressed: tuple[float, float, float] | None) -> bool:

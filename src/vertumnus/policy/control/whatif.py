@@ -11,7 +11,9 @@ Every ``decision_s`` seconds (10 s by default, apart from the capacity window):
   3. replay each candidate from the live state to the end of its consequences
      (``search``): backlogs, drains, switches, the cache it disturbs, and
      the forecast continued for ``payback_s``, longer while the backlog its
-     transition built drains; holding over the same horizon. Near saturation
+     transition built drains, and once drained (to a steady state that is not
+     overloaded) over the load's expected dwell, ``(dwell_prior_s + the time
+     served) / (1 + the rate changes seen)``; holding over the same horizon. Near saturation
      moves are staged (``saturated_moves`` operations at a time) and no merge is
      priced (it lowers the throughput the pool lacks). A candidate
      that beats holding is also replayed in its steady state on every arrival
@@ -217,6 +219,12 @@ class WhatIfController(ControllerBase):
         span = max(window.span_s, cfg.decision_s)
         cycle_s = max(window.span_s, 1e-9)
         audit_cycles = max(1, math.ceil(seen.audit_span(cycle_s) / cycle_s - 1e-9))
+        dwell_cycles = 0
+        if cfg.dwell_prior_s > 0 and first is not None:
+            # the load's expected dwell: one rate change per dwell_prior_s a priori,
+            # and those seen over the time served
+            dwell_s = (cfg.dwell_prior_s + now - first) / (1 + self.forecast.changes)
+            dwell_cycles = math.ceil(min(dwell_s, cfg.dwell_max_s) / span)
         way_back = None
         if cfg.way_back_utilisation > 0:
             way_back = WayBack(cfg.way_back_utilisation, cfg.way_back_rate_max,
@@ -228,7 +236,8 @@ class WhatIfController(ControllerBase):
                           cfg.significance_batches, cfg.overload_utilisation,
                           cfg.saturated_moves, tuple(moves), cfg.headroom_rate,
                           cfg.headroom_overload, way_back, long_forecast, audit_cycles,
-                          tuple(self._homeward(c, cands[0]) for c in cands))  # fmt: skip
+                          tuple(self._homeward(c, cands[0]) for c in cands),
+                          dwell_cycles)  # fmt: skip
 
     @staticmethod
     def evaluate(plan: WhatIfPlan) -> Evaluation:
@@ -275,6 +284,7 @@ class WhatIfController(ControllerBase):
             "mode": "whatif",
             "forecast_requests": plan.forecast_requests,
             "dilation": plan.forecast.dilation,
+            "dwell_cycles": plan.dwell_cycles,  # the horizon a drained move is priced over
             "rate_changed": plan.rate_changed,
             "margin": margin,
             "gain": gain,
