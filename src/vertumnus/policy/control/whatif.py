@@ -13,9 +13,9 @@ Every ``decision_s`` seconds (10 s by default, apart from the capacity window):
      the forecast continued for ``payback_s``, longer while the backlog its
      transition built drains, and once drained (to a steady state that is not
      overloaded) over the load's expected dwell, ``(dwell_prior_s + the time
-     served) / (1 + the rate changes seen)``; holding over the same horizon. Near saturation
-     moves are staged (``saturated_moves`` operations at a time) and no merge is
-     priced (it lowers the throughput the pool lacks). A candidate
+     served) / (1 + the rate changes seen)``; holding over the same horizon.
+     Near saturation moves are staged (``saturated_moves`` operations at a time)
+     and no merge is priced (it lowers the throughput the pool lacks). A candidate
      that beats holding is also replayed in its steady state on every arrival
      since the last rate change (at most ``steady_horizon_s``, at the forecast's
      rate): where it does not beat holding there, it is refused (unless it
