@@ -265,17 +265,14 @@ def converged_period(
     within ``bound`` of ``best``'s mean TTFT for the same periods (``period_ttft``
     rows of two runs of one trace); None: never, or no rows."""
     n_mine = s_mine = n_best = s_best = 0.0
-    suffixes: list[bool] = []
-    for k in range(max(len(mine), len(best)) - 1, -1, -1):
+    first: int | None = None
+    for k in range(max(len(mine), len(best)) - 1, -1, -1):  # the suffixes, shortest first
         a = mine[k] if k < len(mine) else (0, 0.0)
         b = best[k] if k < len(best) else (0, 0.0)
         n_mine, s_mine, n_best, s_best = n_mine + a[0], s_mine + a[1], n_best + b[0], s_best + b[1]
-        within = n_mine > 0 and n_best > 0 and s_mine / n_mine <= bound * s_best / n_best
-        suffixes.append(within)
-    for k, within in enumerate(reversed(suffixes)):
-        if within:
-            return k
-    return None
+        if n_mine > 0 and n_best > 0 and s_mine / n_mine <= bound * s_best / n_best:
+            first = k
+    return first
 
 
 Job = tuple[int, Scenario, str, str, str, Overrides]
@@ -420,6 +417,20 @@ def distribution(pairs: Sequence[dict[str, Any]]) -> dict[str, dict[str, float |
     return out
 
 
+def far_steady(pairs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The pairs the convergence target counts: a steady scenario, a start over 1.10
+    of the best fixed composition."""
+    return [
+        p for p in pairs if p.get("shape") == "steady" and (p.get("hold_best_fixed") or 0.0) > 1.10
+    ]
+
+
+def _late(pair: dict[str, Any]) -> float:
+    """The pair's convergence period (inf: never)."""
+    k = pair.get("converged_period")
+    return math.inf if k is None else k
+
+
 def targets(pairs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """(what, the pairs meeting it, the pairs it applies to, the share it needs):
     issue 67's targets. The convergence applies to the steady scenarios whose start
@@ -432,13 +443,7 @@ def targets(pairs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     near = [
         p for p in pairs if p.get("hold_best_fixed") is not None and p["hold_best_fixed"] <= 1.10
     ]
-    far = [
-        p for p in pairs if p.get("shape") == "steady" and (p.get("hold_best_fixed") or 0.0) > 1.10
-    ]
-    late = [
-        p.get("converged_period") if p.get("converged_period") is not None else math.inf
-        for p in far
-    ]
+    late = [_late(p) for p in far_steady(pairs)]
     rows = []
     for what, (met, total), needed in (
         ("v/hold mean <= 1.01", share("v_hold", 1.01), 1.0),
@@ -549,10 +554,7 @@ def markdown(report: dict[str, Any]) -> str:
                 f"  - scenario: {_scenario_text(e['scenario'], e['realised'])}",
                 f"  - moves: {_moves_text(p['moves'])}",
             ]
-    slow = sorted(
-        (p for p in pairs if p.get("shape") == "steady" and (p.get("hold_best_fixed") or 0) > 1.10),
-        key=lambda p: -(math.inf if p["converged_period"] is None else p["converged_period"]),
-    )
+    slow = sorted(far_steady(pairs), key=lambda p: -_late(p))
     lines.append(
         f"\n## Convergence: steady scenarios whose start is over 1.10 of the best fixed\n\n"
         f"The first decision period ({PERIOD_S:g} s) from which on the requests arriving are"

@@ -186,8 +186,7 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
     lives[0], steadies[0] = hold_by_cycles[plan.cycles], steady_hold
     hold = hold_by_cycles[plan.cycles].mean_ttft_s
     scores[0] = holds[0] = hold
-    n_hold = len(holding.steady_workers)
-    busy = steady_hold.busy_s / (n_hold * steady_hold.span_s) if steady_hold.span_s else 0.0
+    busy = _busy(steady_hold, holding.steady_workers, 0.0)
     saturated = busy >= plan.overload_utilisation
     most_ops = plan.saturated_moves if saturated else None
     groups: dict[tuple[str, int], list[int]] = {}
@@ -220,11 +219,9 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
             if cycles not in hold_by_cycles:
                 hold_by_cycles[cycles] = live(0, cycles)
             against = hold_by_cycles[cycles]
-            width = len(cand.steady_workers) * steady.span_s
-            steady_busy = steady.busy_s / width if width else math.inf
             if (
                 plan.dwell_cycles > cycles
-                and steady_busy < plan.overload_utilisation
+                and _busy(steady, cand.steady_workers, math.inf) < plan.overload_utilisation
                 and result.cycle_ttft_s[-1] <= 1.05 * steady.mean_ttft_s
             ):
                 # drained, to a steady state it keeps (not overloaded): over the
@@ -257,9 +254,7 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
         for k in merges:
             cand = plan.candidates[k]
             stressed = model.run(quick, cand.steady_workers, cand.remap, cycles=2)
-            width = len(cand.steady_workers) * stressed.span_s
-            busy_k = stressed.busy_s / width if width else math.inf
-            headroom[k] = (stressed.mean_ttft_s, held, busy_k)
+            headroom[k] = (stressed.mean_ttft_s, held, _busy(stressed, cand.steady_workers))
     steady_long: list[tuple[float, float] | None] = [None] * n
     winners = [
         k
@@ -284,6 +279,13 @@ def evaluate(plan: WhatIfPlan) -> Evaluation:
     return Evaluation(tuple(lives), tuple(steadies), tuple(scores), audits, tuple(holds),
                       tuple(zs), busy, move_audits, tuple(headroom), backs,
                       tuple(steady_long))  # fmt: skip
+
+
+def _busy(result: ReplayResult, workers: Sequence[ReplayWorker], empty: float = math.inf) -> float:
+    """The busy fraction of ``workers`` in a replay's first cycle (``empty`` where
+    they or the cycle are none)."""
+    width = len(workers) * result.span_s
+    return result.busy_s / width if width else empty
 
 
 def dwelt(result: ReplayResult, cycles: int) -> ReplayResult:
